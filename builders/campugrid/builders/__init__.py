@@ -1,0 +1,1 @@
+"""Image builders for untrusted Dockerfiles: every RUN step executes inside gVisor, offline."""

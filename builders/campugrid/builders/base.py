@@ -1,0 +1,21 @@
+"""The builder interface. Implementations: buildah (default), kaniko."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Protocol
+
+from campugrid.sandbox.process import LogFn
+
+
+class Builder(Protocol):
+    name: str
+
+    def build(self, context_dir: Path, tag: str, *, log: LogFn, timeout_s: float,
+              cancel: threading.Event | None = None) -> str:
+        """Build context_dir/Dockerfile into the provider's image store as `tag`.
+
+        Returns the tag; raises BuildFailed with the log tail on any failure.
+        """
+        ...

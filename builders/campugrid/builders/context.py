@@ -1,0 +1,205 @@
+"""Build contexts: the tarball a researcher uploads (a Dockerfile plus the files it copies).
+
+`inspect_context` is the gate at the coordinator: it refuses, with a reason, anything the
+agent would refuse later. `extract_context` is the agent's own check-and-unpack, written
+member by member (this Python has no tarfile data filter), so a hostile tarball cannot
+write outside the folder, create devices, or fill the disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import posixpath
+import re
+import shutil
+import stat
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from campugrid.protocol.errors import InvalidInput
+
+MAX_MEMBERS = 20_000
+MAX_UNPACKED_BYTES = 2 * 1024**3
+MAX_DOCKERFILE_BYTES = 1024**2
+DOCKERFILE = "Dockerfile"
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextInfo:
+    members: int
+    unpacked_bytes: int
+    dockerfile: str
+
+
+def inspect_context(data: bytes) -> ContextInfo:
+    """Check an uploaded context without unpacking it; raise InvalidInput with the reason."""
+    total = 0
+    count = 0
+    dockerfile: bytes | None = None
+    with _open(data) as tar:
+        for member, name in _checked_members(tar):
+            count += 1
+            total += member.size if member.isfile() else 0
+            if total > MAX_UNPACKED_BYTES:
+                raise InvalidInput(
+                    f"context: unpacks to more than {MAX_UNPACKED_BYTES // 1024**2} MiB")
+            if name == DOCKERFILE and member.isfile():
+                if member.size > MAX_DOCKERFILE_BYTES:
+                    raise InvalidInput("context: Dockerfile is larger than 1 MiB")
+                f = tar.extractfile(member)
+                assert f is not None
+                dockerfile = f.read()
+    if dockerfile is None:
+        raise InvalidInput("context: no Dockerfile at the top of the tarball "
+                           "(tar it from inside the folder: tar -C DIR -czf ctx.tgz .)")
+    try:
+        text = dockerfile.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidInput("context: Dockerfile is not UTF-8 text") from e
+    check_dockerfile(text)
+    return ContextInfo(members=count, unpacked_bytes=total, dockerfile=text)
+
+
+def extract_context(data: bytes, dest: Path) -> ContextInfo:
+    """Unpack a context into the empty folder `dest`, checking every member again."""
+    info = inspect_context(data)
+    dest.mkdir(parents=True, exist_ok=True)
+    root = dest.resolve()
+    with _open(data) as tar:
+        for member, name in _checked_members(tar):
+            target = root / name
+            if member.isdir():
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if member.issym():
+                os.symlink(member.linkname, target)
+            elif member.islnk():
+                source = root / _normalise(member.linkname)
+                if not source.is_file() or source.is_symlink():
+                    raise InvalidInput(f"context: hard link {name} points at a missing file")
+                shutil.copyfile(source, target)
+            else:
+                f = tar.extractfile(member)
+                assert f is not None
+                with open(target, "xb") as out:
+                    shutil.copyfileobj(f, out)
+                os.chmod(target, 0o755 if member.mode & stat.S_IXUSR else 0o644)
+    return info
+
+
+def _open(data: bytes) -> tarfile.TarFile:
+    try:
+        return tarfile.open(fileobj=io.BytesIO(data), mode="r:*")
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise InvalidInput(f"context: not a tar or tar.gz archive ({e})") from e
+
+
+def _normalise(name: str) -> str:
+    if "\x00" in name:
+        raise InvalidInput("context: a member name contains NUL")
+    if name.startswith("/"):
+        raise InvalidInput(f"context: absolute path {name!r} is not allowed")
+    norm = posixpath.normpath(name)
+    if norm == ".." or norm.startswith("../"):
+        raise InvalidInput(f"context: path {name!r} leaves the context folder")
+    return norm
+
+
+def _checked_members(tar: tarfile.TarFile) -> Iterator[tuple[tarfile.TarInfo, str]]:
+    count = 0
+    try:
+        for member in tar:
+            count += 1
+            if count > MAX_MEMBERS:
+                raise InvalidInput(f"context: more than {MAX_MEMBERS} files")
+            name = _normalise(member.name)
+            if name == ".":
+                continue
+            if member.issym():
+                link = member.linkname
+                if link.startswith("/"):
+                    raise InvalidInput(f"context: symlink {name} -> {link} is absolute")
+                resolved = posixpath.normpath(posixpath.join(posixpath.dirname(name), link))
+                if resolved == ".." or resolved.startswith("../"):
+                    raise InvalidInput(f"context: symlink {name} -> {link} leaves the context")
+            elif member.islnk():
+                _normalise(member.linkname)
+            elif not (member.isfile() or member.isdir()):
+                raise InvalidInput(
+                    f"context: {name} is a device, fifo or other special file; only files, "
+                    "folders and links are allowed")
+            yield member, name
+    except tarfile.TarError as e:
+        raise InvalidInput(f"context: damaged archive ({e})") from e
+
+
+# --- Dockerfile -----------------------------------------------------------------------------
+
+_INSTRUCTIONS = {
+    "FROM", "RUN", "CMD", "LABEL", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT", "VOLUME",
+    "USER", "WORKDIR", "ARG", "ONBUILD", "STOPSIGNAL", "HEALTHCHECK", "SHELL", "MAINTAINER",
+}
+_URL_RE = re.compile(r"^(https?|git|ssh|ftp)://|^git@", re.IGNORECASE)
+
+
+def check_dockerfile(text: str) -> None:
+    """Refuse what cannot work on a provider (builds have no network) with a line number."""
+    saw_from = False
+    for lineno, line in _logical_lines(text):
+        word, _, rest = line.partition(" ")
+        inst = word.upper()
+        if inst not in _INSTRUCTIONS:
+            raise InvalidInput(f"Dockerfile line {lineno}: unknown instruction {word!r}")
+        args = rest.split()
+        if inst == "FROM":
+            saw_from = True
+        elif not saw_from and inst not in ("ARG",):
+            raise InvalidInput(f"Dockerfile line {lineno}: {inst} before the first FROM")
+        if inst == "RUN":
+            for flag in args:
+                if not flag.startswith("--"):
+                    break
+                if flag.startswith("--network") and flag not in ("--network=none", "--network=default"):
+                    raise InvalidInput(
+                        f"Dockerfile line {lineno}: {flag}: builds run with no network; "
+                        "put what the build needs into the context")
+                if flag.startswith("--mount") and re.search(r"type=(secret|ssh)", flag):
+                    raise InvalidInput(
+                        f"Dockerfile line {lineno}: secret and ssh mounts are not available "
+                        "on providers (they are untrusted machines)")
+                if flag.startswith("--security"):
+                    raise InvalidInput(f"Dockerfile line {lineno}: {flag} is not allowed")
+        if inst == "ADD":
+            for src in [a for a in args if not a.startswith("--")][:-1]:
+                if _URL_RE.match(src):
+                    raise InvalidInput(
+                        f"Dockerfile line {lineno}: ADD {src}: builds have no network; "
+                        "download it beforehand and put it into the context")
+    if not saw_from:
+        raise InvalidInput("Dockerfile: no FROM instruction")
+
+
+def _logical_lines(text: str) -> Iterator[tuple[int, str]]:
+    """Join continuation lines; skip comments and blanks (parser directives are comments)."""
+    buf: list[str] = []
+    start = 0
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not buf and (not line or line.startswith("#")):
+            continue
+        if buf and line.startswith("#"):
+            continue
+        if not buf:
+            start = n
+        if line.endswith("\\"):
+            buf.append(line[:-1])
+            continue
+        buf.append(line)
+        yield start, " ".join(b for b in buf if b).strip()
+        buf = []
+    if buf:
+        yield start, " ".join(buf).strip()

@@ -1,0 +1,1 @@
+"""The `campugrid` command line."""

@@ -1,0 +1,3 @@
+from campugrid.cli.main import app
+
+app()

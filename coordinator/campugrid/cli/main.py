@@ -1,0 +1,256 @@
+"""campugrid: submit and watch jobs, run the coordinator or an agent, or bring it all up."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+
+from campugrid.protocol.errors import CampugridError
+from campugrid.protocol.spec import JobSpec
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+coordinator_app = typer.Typer(no_args_is_help=True, help="Run the coordinator.")
+agent_app = typer.Typer(no_args_is_help=True, help="Run a provider agent.")
+app.add_typer(coordinator_app, name="coordinator")
+app.add_typer(agent_app, name="agent")
+
+Server = Annotated[str, typer.Option("--server", envvar="CAMPUGRID_SERVER",
+                                     help="The coordinator's REST address.")]
+DEFAULT_SERVER = "http://127.0.0.1:8750"
+
+
+def _fail(message: str) -> NoReturn:
+    typer.secho(f"error: {message}", fg="red", err=True)
+    raise typer.Exit(2)
+
+
+def _logging(verbose: bool = False) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Request lines would print presigned URLs (bearer credentials) and drown the job output.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def _api(server: str) -> Any:
+    from campugrid.cli.rest import Api
+
+    return Api(server)
+
+
+def _print_job(job: dict[str, Any]) -> None:
+    typer.echo(f"job      {job['id']}" + (f"  ({job['name']})" if job.get("name") else ""))
+    typer.echo(f"state    {job['state']}  (attempt {job['attempt']} of {job['max_attempts']})")
+    if job.get("reason"):
+        typer.echo(f"reason   {job['reason']}")
+    if job.get("exit_code") is not None:
+        typer.echo(f"exit     {job['exit_code']}")
+    if job.get("result"):
+        typer.echo(f"result   {job['result']}")
+    for limit, how in (job.get("limits") or {}).items():
+        if how != "enforced":
+            typer.echo(f"limit    {limit}: {how}")
+    for ev in job.get("events") or []:
+        typer.echo(f"  {ev['at'][:19]}  #{ev['attempt']}  {ev['kind']:<14} {ev['detail']}")
+
+
+def _follow(api: Any, job_id: str) -> dict[str, Any]:
+    for chunk in api.follow_logs(job_id):
+        prefix = "build| " if chunk["stream"] == "build" else ""
+        for line in chunk["text"].splitlines():
+            typer.echo(f"{prefix}{line}")
+    return dict(api.wait(job_id))
+
+
+@app.command()
+def submit(
+    folder: Annotated[Path, typer.Argument(help="Folder with a Dockerfile (the build context).")],
+    spec_file: Annotated[Path | None, typer.Option("--spec", help="Job spec JSON file.")] = None,
+    command: Annotated[str | None, typer.Option(help="Command to run instead of the image's CMD.")] = None,
+    client_id: Annotated[str | None, typer.Option(help="Your own id: resubmitting it is safe.")] = None,
+    wait: Annotated[bool, typer.Option("--wait", "--follow", help="Follow logs until done.")] = False,
+    server: Server = DEFAULT_SERVER,
+) -> None:
+    """Submit a job: build FOLDER's Dockerfile on a provider and run it in gVisor."""
+    from campugrid.cli.rest import tar_folder
+
+    try:
+        raw: dict[str, Any] = json.loads(spec_file.read_text()) if spec_file else {}
+        if command is not None:
+            raw["command"] = command
+        if client_id is not None:
+            raw["client_job_id"] = client_id
+        spec = JobSpec.from_dict(raw)
+        api = _api(server)
+        job = api.submit(tar_folder(folder), spec)
+        typer.echo(job["id"])
+        if wait:
+            job = _follow(api, job["id"])
+            _print_job(job)
+            raise typer.Exit(0 if job["state"] == "succeeded" else 1)
+    except (CampugridError, OSError, json.JSONDecodeError) as e:
+        _fail(str(e))
+
+
+@app.command()
+def status(job_id: str, server: Server = DEFAULT_SERVER) -> None:
+    """Show a job's state, reason, result and history."""
+    try:
+        _print_job(_api(server).job(job_id))
+    except CampugridError as e:
+        _fail(str(e))
+
+
+@app.command()
+def logs(job_id: str, follow: Annotated[bool, typer.Option("--follow", "-f")] = False,
+         server: Server = DEFAULT_SERVER) -> None:
+    """Print a job's build and run logs."""
+    try:
+        api = _api(server)
+        if follow:
+            _follow(api, job_id)
+            return
+        for chunk in api.logs(job_id)["chunks"]:
+            prefix = "build| " if chunk["stream"] == "build" else ""
+            for line in chunk["text"].splitlines():
+                typer.echo(f"{prefix}{line}")
+    except CampugridError as e:
+        _fail(str(e))
+
+
+@app.command()
+def cancel(job_id: str, server: Server = DEFAULT_SERVER) -> None:
+    """Cancel a job; a running sandbox is stopped within a lease renewal."""
+    try:
+        _print_job(_api(server).cancel(job_id))
+    except CampugridError as e:
+        _fail(str(e))
+
+
+@app.command()
+def jobs(state: Annotated[str | None, typer.Option(help="Only jobs in this state.")] = None,
+         limit: int = 50, server: Server = DEFAULT_SERVER) -> None:
+    """List recent jobs."""
+    try:
+        for j in _api(server).jobs(state, limit):
+            typer.echo(f"{j['id']}  {j['state']:<10} {j['created_at'][:19]}  {j.get('name') or ''}")
+    except CampugridError as e:
+        _fail(str(e))
+
+
+@app.command()
+def output(job_id: str, to: Annotated[Path, typer.Option("-o", help="Where to save the tar.gz.")],
+           server: Server = DEFAULT_SERVER) -> None:
+    """Download a job's /output folder as a tar.gz."""
+    try:
+        to.write_bytes(_api(server).output(job_id))
+        typer.echo(str(to))
+    except (CampugridError, OSError) as e:
+        _fail(str(e))
+
+
+@coordinator_app.command("serve")
+def coordinator_serve(
+    state_dir: Annotated[Path, typer.Option(help="Database and local state.")] = Path("./coordinator-state"),
+    host: str = "127.0.0.1", http_port: int = 8750, grpc_port: int = 8751,
+) -> None:
+    """Serve the REST API and the agents' gRPC service (S3 from CAMPUGRID_S3_* variables)."""
+    from campugrid.coordinator import server as srv
+    from campugrid.coordinator.config import Settings
+
+    _logging()
+    settings = Settings.from_env(state_dir, http_host=host, grpc_host=host,
+                                 http_port=http_port, grpc_port=grpc_port)
+    if not settings.s3_endpoint:
+        _fail("set CAMPUGRID_S3_ENDPOINT, CAMPUGRID_S3_ACCESS_KEY and CAMPUGRID_S3_SECRET_KEY "
+              "(or use `campugrid up`, which starts an embedded S3 server)")
+    try:
+        srv.serve(settings)
+    except CampugridError as e:
+        _fail(str(e))
+
+
+@agent_app.command("run")
+def agent_run(
+    coordinator: Annotated[str, typer.Option(help="The coordinator's gRPC address.")] = "127.0.0.1:8751",
+    state_dir: Annotated[Path, typer.Option(help="Credentials and work folders.")] = Path(
+        os.path.expanduser("~/.local/share/campugrid-agent")),
+    name: Annotated[str, typer.Option(help="This machine's name.")] = socket.gethostname(),
+    builder: Annotated[str, typer.Option(help="buildah or kaniko")] = "buildah",
+    once: Annotated[bool, typer.Option(help="Exit after one task.")] = False,
+) -> None:
+    """Run a provider agent as this (unprivileged) user."""
+    from campugrid.agent.worker import Agent, AgentSettings
+    from campugrid.builders.buildah import BuildahBuilder
+    from campugrid.sandbox.podman_runsc import PodmanRunsc
+
+    _logging()
+    if builder != "buildah":
+        _fail(f"builder {builder!r}: only buildah is available in this version")
+    try:
+        agent = Agent(AgentSettings(coordinator=coordinator, state_dir=state_dir, name=name),
+                      BuildahBuilder(), PodmanRunsc())
+    except CampugridError as e:
+        _fail(str(e))
+    signal.signal(signal.SIGTERM, lambda *_: agent.shutdown())
+    signal.signal(signal.SIGINT, lambda *_: agent.shutdown())
+    agent.run(once=once)
+
+
+@app.command()
+def up(
+    sample: Annotated[bool, typer.Option(help="Submit examples/hello and print its result.")] = False,
+    exit_after_sample: Annotated[bool, typer.Option(help="Shut down once the sample is done.")] = False,
+    state_dir: Annotated[Path | None, typer.Option(help="Where everything is kept.")] = None,
+    http_port: int = 8750,
+) -> None:
+    """Bring up S3, the coordinator and a local agent on embedded defaults."""
+    from campugrid.cli.platform import Platform, default_state_dir, find_example, have
+    from campugrid.cli.rest import Api, tar_folder
+
+    _logging()
+    missing = have("podman", "buildah", "runsc")
+    if missing:
+        _fail(f"missing {', '.join(missing)}; run infra/setup.sh first")
+    platform = Platform(state_dir or default_state_dir(), http_port=http_port)
+    code = 0
+    try:
+        platform.start()
+        platform.start_agent()
+        typer.echo(f"campugrid is up: REST {platform.url}/v1 (docs at {platform.url}/docs), "
+                   f"agents at {platform.grpc_address}, state in {platform.state_dir}")
+        if sample:
+            api = Api(platform.url)
+            folder = find_example("hello")
+            job = api.submit(tar_folder(folder), JobSpec(name="hello sample"))
+            typer.echo(f"submitted {folder} as job {job['id']}")
+            job = _follow(api, job["id"])
+            _print_job(job)
+            code = 0 if job["state"] == "succeeded" else 1
+        if not exit_after_sample:
+            typer.echo("press Ctrl-C to stop")
+            stop = threading.Event()
+            signal.signal(signal.SIGTERM, lambda *_: stop.set())
+            signal.signal(signal.SIGINT, lambda *_: stop.set())
+            while not stop.wait(1):
+                pass
+    except CampugridError as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        code = 2
+    except KeyboardInterrupt:
+        pass
+    finally:
+        platform.stop()
+    raise typer.Exit(code)
+
+
+def main() -> None:  # pragma: no cover - console entry
+    sys.exit(app())

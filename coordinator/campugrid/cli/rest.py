@@ -1,0 +1,109 @@
+"""A small client of the REST API, for the command line and the tests."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from campugrid.protocol.errors import CampugridError, InvalidInput, NotFound
+from campugrid.protocol.spec import JobSpec
+
+FINAL = {"succeeded", "failed", "cancelled"}
+
+
+class ApiError(CampugridError):
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(f"{detail} (HTTP {status})")
+        self.status = status
+        self.detail = detail
+
+
+def tar_folder(folder: Path) -> bytes:
+    if not (folder / "Dockerfile").is_file():
+        raise InvalidInput(f"{folder}: no Dockerfile in this folder")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for p in sorted(folder.rglob("*")):
+            tar.add(p, arcname=str(p.relative_to(folder)), recursive=False)
+    return buf.getvalue()
+
+
+class Api:
+    def __init__(self, server: str, timeout: float = 60) -> None:
+        self.http = httpx.Client(base_url=server.rstrip("/"), timeout=timeout)
+
+    def _check(self, resp: httpx.Response) -> Any:
+        if resp.status_code >= 400:
+            try:
+                detail = resp.json().get("detail", resp.text)
+            except ValueError:
+                detail = resp.text
+            if resp.status_code == 404:
+                raise NotFound(str(detail))
+            raise ApiError(resp.status_code, str(detail))
+        return resp.json()
+
+    def submit(self, context: bytes, spec: JobSpec, retries: int = 5) -> dict[str, Any]:
+        """Submit; retried on transport errors with the same client_job_id, so never twice."""
+        if spec.client_job_id is None:
+            import dataclasses
+            spec = dataclasses.replace(spec, client_job_id=f"cli-{uuid.uuid4()}")
+        last: Exception | None = None
+        for attempt in range(retries):
+            try:
+                resp = self.http.post("/v1/jobs", files={"context": ("context.tar.gz", context)},
+                                      data={"spec": spec.to_json()})
+            except httpx.TransportError as e:
+                last = e
+                time.sleep(min(8, 0.5 * 2**attempt))
+                continue
+            return dict(self._check(resp))
+        raise CampugridError(f"cannot reach the coordinator at {self.http.base_url}: {last}")
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        return dict(self._check(self.http.get(f"/v1/jobs/{job_id}")))
+
+    def jobs(self, state: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        params: dict[str, Any] = {"limit": limit}
+        if state:
+            params["state"] = state
+        return list(self._check(self.http.get("/v1/jobs", params=params)))
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        return dict(self._check(self.http.post(f"/v1/jobs/{job_id}/cancel")))
+
+    def logs(self, job_id: str, after: int = 0) -> dict[str, Any]:
+        return dict(self._check(self.http.get(f"/v1/jobs/{job_id}/logs", params={"after": after})))
+
+    def follow_logs(self, job_id: str, poll_s: float = 0.5) -> Iterator[dict[str, Any]]:
+        """Yield log chunks as they arrive until the job is final and nothing is left."""
+        after = 0
+        while True:
+            page = self.logs(job_id, after)
+            yield from page["chunks"]
+            after = page["next_after"]
+            if page["state"] in FINAL and not page["chunks"]:
+                return
+            if not page["chunks"]:
+                time.sleep(poll_s)
+
+    def wait(self, job_id: str, timeout_s: float = 3600, poll_s: float = 0.5) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            job = self.job(job_id)
+            if job["state"] in FINAL or time.monotonic() > deadline:
+                return job
+            time.sleep(poll_s)
+
+    def output(self, job_id: str) -> bytes:
+        resp = self.http.get(f"/v1/jobs/{job_id}/output")
+        if resp.status_code >= 400:
+            self._check(resp)
+        return resp.content

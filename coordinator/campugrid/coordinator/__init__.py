@@ -1,0 +1,1 @@
+"""The coordinator: stores jobs, answers researchers over REST and agents over gRPC."""

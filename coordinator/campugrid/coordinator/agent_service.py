@@ -1,0 +1,135 @@
+"""The agents' gRPC service. Agents dial out to it; it never calls them.
+
+A refusal that an agent is expected to act on (its attempt is stale, the job was cancelled)
+is an ordinary answer (keep_going=false, accepted=false), not an error; errors are for
+callers that are broken or unauthenticated.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from campugrid.coordinator.service import Coordinator
+from campugrid.protocol import agent_pb2 as pb
+from campugrid.protocol import agent_pb2_grpc as pb_grpc
+from campugrid.protocol.errors import (
+    CampugridError,
+    IllegalTransition,
+    InvalidInput,
+    NotFound,
+    StaleAttempt,
+    Unauthenticated,
+)
+from campugrid.protocol.states import JobState
+
+MACHINE_KEY = "x-campugrid-machine"
+SECRET_KEY = "x-campugrid-secret"
+log = logging.getLogger("campugrid.coordinator.agents")
+
+R = TypeVar("R")
+
+
+def _caps(c: pb.Capabilities) -> dict[str, Any]:
+    return {"runtime": c.runtime, "builder": c.builder, "cpus": c.cpus,
+            "memory_mb": c.memory_mb, "limits": dict(c.limits)}
+
+
+class AgentService(pb_grpc.AgentServiceServicer):
+    def __init__(self, coord: Coordinator) -> None:
+        self.coord = coord
+
+    def _machine(self, context: grpc.ServicerContext) -> str:
+        md = dict(context.invocation_metadata())
+        machine_id, secret = str(md.get(MACHINE_KEY, "")), str(md.get(SECRET_KEY, ""))
+        try:
+            self.coord.store.authenticate(machine_id, secret)
+        except Unauthenticated as e:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+        return machine_id
+
+    @staticmethod
+    def _guard(context: grpc.ServicerContext, fn: Callable[[], R]) -> R:
+        try:
+            return fn()
+        except (StaleAttempt, IllegalTransition):
+            raise  # answered, not aborted: see the module docstring
+        except NotFound as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except InvalidInput as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except CampugridError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        raise AssertionError("unreachable")
+
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
+        if not request.name or len(request.name) > 200:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name: 1 to 200 characters")
+        machine_id, secret = self.coord.store.register_machine(
+            request.name, _caps(request.capabilities))
+        log.info("machine registered: %s (%s)", machine_id, request.name)
+        return pb.RegisterReply(machine_id=machine_id, secret=secret)
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
+        machine = self._machine(context)
+        caps = _caps(request.capabilities) if request.HasField("capabilities") else None
+        self.coord.store.heartbeat(machine, caps)
+        return pb.HeartbeatReply()
+
+    def Lease(self, request: pb.LeaseRequest, context: grpc.ServicerContext) -> pb.LeaseReply:
+        machine = self._machine(context)
+        lease = self._guard(context, lambda: self.coord.lease(machine))
+        if lease is None:
+            return pb.LeaseReply(has_task=False)
+        job = lease.job
+        return pb.LeaseReply(
+            has_task=True, job_id=job.id, attempt=job.attempt, fencing_token=job.attempt,
+            lease_seconds=lease.lease_seconds, spec_json=job.spec.to_json(),
+            context_url=lease.context_url, output_url=lease.output_url,
+            datasets=[pb.Dataset(name=name, files=[pb.Dataset.File(path=f.path, url=f.url, size=f.size)
+                                                    for f in files])
+                      for name, files in lease.datasets.items()],
+        )
+
+    def Renew(self, request: pb.RenewRequest, context: grpc.ServicerContext) -> pb.RenewReply:
+        machine = self._machine(context)
+        phase = JobState.RUNNING if request.phase == "running" else JobState.BUILDING
+        lease_s = self.coord.settings.lease_seconds
+        try:
+            self._guard(context, lambda: self.coord.store.renew_lease(
+                request.job_id, request.fencing_token, machine, phase, lease_s))
+        except (StaleAttempt, IllegalTransition) as e:
+            return pb.RenewReply(keep_going=False, reason=str(e))
+        return pb.RenewReply(keep_going=True, lease_seconds=lease_s)
+
+    def ReportLogs(self, request: pb.LogsRequest, context: grpc.ServicerContext) -> pb.LogsReply:
+        machine = self._machine(context)
+        if request.stream not in ("build", "run"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "stream: build or run")
+        try:
+            self._guard(context, lambda: self.coord.store.append_logs(
+                request.job_id, request.fencing_token, machine, request.stream, request.seq,
+                request.text))
+        except (StaleAttempt, IllegalTransition):
+            return pb.LogsReply(accepted=False)
+        return pb.LogsReply(accepted=True)
+
+    def Complete(self, request: pb.CompleteRequest, context: grpc.ServicerContext) -> pb.CompleteReply:
+        machine = self._machine(context)
+        key = (self.coord.output_key(request.job_id, request.fencing_token)
+               if request.output_uploaded else None)
+        if key is not None and not self.coord.objects.exists(key):
+            key = None  # claimed but not there: never point researchers at nothing
+        try:
+            job = self._guard(context, lambda: self.coord.store.finish(
+                request.job_id, request.fencing_token, machine, succeeded=request.succeeded,
+                exit_code=request.exit_code, reason=request.reason or None,
+                result=request.result or None, output_key=key, limits=dict(request.limits)))
+        except (StaleAttempt, IllegalTransition) as e:
+            log.warning("completion refused: %s", e)
+            return pb.CompleteReply(accepted=False, reason=str(e))
+        log.info("job %s %s", job.id, job.state.value)
+        return pb.CompleteReply(accepted=True)

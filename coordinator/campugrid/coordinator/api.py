@@ -1,0 +1,151 @@
+"""The researchers' REST API, /v1. Pydantic models live here and stop here."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections.abc import Iterator
+from typing import Annotated, Any
+
+from fastapi import FastAPI, File, Form, HTTPException, Query, Request, UploadFile
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
+
+from campugrid.coordinator.service import Coordinator
+from campugrid.coordinator.store import JobView
+from campugrid.protocol.errors import (
+    CampugridError,
+    Conflict,
+    IllegalTransition,
+    InvalidInput,
+    NotFound,
+    StorageError,
+)
+from campugrid.protocol.spec import JobSpec
+from campugrid.protocol.states import JobState
+
+_STATUS: dict[type[CampugridError], int] = {
+    InvalidInput: 422, NotFound: 404, Conflict: 409, IllegalTransition: 409, StorageError: 503,
+}
+
+
+class EventOut(BaseModel):
+    at: dt.datetime
+    attempt: int
+    kind: str
+    detail: str
+
+
+class JobOut(BaseModel):
+    id: str
+    client_job_id: str | None
+    name: str | None
+    state: JobState
+    attempt: int
+    max_attempts: int
+    machine_id: str | None
+    exit_code: int | None
+    reason: str | None
+    result: str | None
+    has_output: bool
+    limits: dict[str, str]
+    spec: dict[str, Any]
+    created_at: dt.datetime
+    updated_at: dt.datetime
+    events: list[EventOut] | None = None
+
+    @classmethod
+    def of(cls, job: JobView, events: list[EventOut] | None = None) -> JobOut:
+        return cls(
+            id=job.id, client_job_id=job.client_job_id, name=job.name, state=job.state,
+            attempt=job.attempt, max_attempts=job.max_attempts, machine_id=job.machine_id,
+            exit_code=job.exit_code, reason=job.reason, result=job.result,
+            has_output=job.output_key is not None, limits=job.limits, spec=job.spec.to_dict(),
+            created_at=job.created_at, updated_at=job.updated_at, events=events,
+        )
+
+
+class LogChunkOut(BaseModel):
+    id: int
+    attempt: int
+    stream: str
+    text: str
+
+
+class LogsOut(BaseModel):
+    chunks: list[LogChunkOut]
+    next_after: int
+    state: JobState
+
+
+def create_app(coord: Coordinator) -> FastAPI:
+    app = FastAPI(title="campugrid", version="1", summary="Sandboxed GPU jobs on idle machines")
+
+    @app.exception_handler(CampugridError)
+    def _domain_error(_req: Request, exc: CampugridError) -> JSONResponse:
+        status = next((c for t, c in _STATUS.items() if isinstance(exc, t)), 400)
+        return JSONResponse({"detail": str(exc)}, status_code=status)
+
+    def job_id_ok(job_id: str) -> str:
+        try:
+            return str(uuid.UUID(job_id))
+        except ValueError as e:
+            raise NotFound(f"no job {job_id!r} (job ids are UUIDs)") from e
+
+    @app.get("/v1/health")
+    def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/v1/jobs", status_code=201, response_model=JobOut,
+              responses={200: {"model": JobOut, "description": "already submitted"}})
+    def submit(
+        context: Annotated[UploadFile, File(description="tar or tar.gz with a Dockerfile at its top")],
+        spec: Annotated[str, Form(description="the job spec as JSON")] = "{}",
+    ) -> Any:
+        parsed = JobSpec.from_json(spec)
+        limit = coord.settings.max_context_bytes
+        data = context.file.read(limit + 1)
+        if len(data) > limit:
+            raise InvalidInput(f"context: larger than {limit // 1024**2} MiB")
+        job, created = coord.submit(parsed, data)
+        return JSONResponse(JobOut.of(job).model_dump(mode="json"),
+                            status_code=201 if created else 200)
+
+    @app.get("/v1/jobs", response_model=list[JobOut])
+    def list_jobs(state: JobState | None = None,
+                  limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[JobOut]:
+        return [JobOut.of(j) for j in coord.store.list_jobs(state, limit)]
+
+    @app.get("/v1/jobs/{job_id}", response_model=JobOut)
+    def get_job(job_id: str) -> JobOut:
+        job = coord.store.get(job_id_ok(job_id))
+        events = [EventOut(at=e.at, attempt=e.attempt, kind=e.kind, detail=e.detail)
+                  for e in coord.store.events(job.id)]
+        return JobOut.of(job, events)
+
+    @app.post("/v1/jobs/{job_id}/cancel", response_model=JobOut)
+    def cancel(job_id: str) -> JobOut:
+        return JobOut.of(coord.store.cancel(job_id_ok(job_id)))
+
+    @app.get("/v1/jobs/{job_id}/logs", response_model=LogsOut)
+    def logs(job_id: str, after: Annotated[int, Query(ge=0)] = 0,
+             stream: Annotated[str | None, Query(pattern="^(build|run)$")] = None) -> LogsOut:
+        jid = job_id_ok(job_id)
+        chunks = coord.store.logs(jid, after_id=after, stream=stream)
+        job = coord.store.get(jid)
+        return LogsOut(
+            chunks=[LogChunkOut(id=c.id, attempt=c.attempt, stream=c.stream, text=c.text)
+                    for c in chunks],
+            next_after=chunks[-1].id if chunks else after, state=job.state)
+
+    @app.get("/v1/jobs/{job_id}/output", response_class=StreamingResponse,
+             responses={200: {"content": {"application/gzip": {}}}})
+    def output(job_id: str) -> StreamingResponse:
+        job = coord.store.get(job_id_ok(job_id))
+        if job.output_key is None:
+            raise HTTPException(404, f"job {job.id} has no output (state {job.state.value})")
+        stream: Iterator[bytes] = coord.objects.stream(job.output_key)
+        return StreamingResponse(stream, media_type="application/gzip", headers={
+            "content-disposition": f'attachment; filename="{job.id}-output.tar.gz"'})
+
+    return app

@@ -1,0 +1,41 @@
+"""Coordinator settings, from the command line and CAMPUGRID_* environment variables."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    state_dir: Path
+    database_url: str
+    s3_endpoint: str
+    s3_access_key: str
+    s3_secret_key: str
+    s3_bucket: str = "campugrid"
+    s3_secure: bool = False
+    http_host: str = "127.0.0.1"
+    http_port: int = 8750
+    grpc_host: str = "127.0.0.1"
+    grpc_port: int = 8751
+    lease_seconds: float = 12.0  # an agent renews every lease_seconds / 4
+    presign_seconds: int = 6 * 3600
+    max_context_bytes: int = 512 * 1024**2
+    max_dataset_files: int = 1000
+
+    @classmethod
+    def from_env(cls, state_dir: Path, **overrides: object) -> Settings:
+        env = os.environ
+        values: dict[str, object] = {
+            "state_dir": state_dir,
+            "database_url": env.get("CAMPUGRID_DATABASE_URL", f"sqlite:///{state_dir}/coordinator.db"),
+            "s3_endpoint": env.get("CAMPUGRID_S3_ENDPOINT", ""),
+            "s3_access_key": env.get("CAMPUGRID_S3_ACCESS_KEY", ""),
+            "s3_secret_key": env.get("CAMPUGRID_S3_SECRET_KEY", ""),
+            "s3_bucket": env.get("CAMPUGRID_S3_BUCKET", "campugrid"),
+            "s3_secure": env.get("CAMPUGRID_S3_SECURE", "") in ("1", "true", "yes"),
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)  # type: ignore[arg-type]

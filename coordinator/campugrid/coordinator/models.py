@@ -1,0 +1,107 @@
+"""The tables. Changes here need an Alembic revision (tests check head == models)."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from sqlalchemy import (
+    BigInteger,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+
+class UTCDateTime(TypeDecorator[dt.datetime]):
+    """Aware UTC datetimes on every database (SQLite would hand back naive ones)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: dt.datetime | None, dialect: Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        value = value.astimezone(dt.UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: dt.datetime | None, dialect: Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value.astimezone(dt.UTC)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dt.datetime: UTCDateTime}
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    client_job_id: Mapped[str | None] = mapped_column(String(128), unique=True)
+    name: Mapped[str | None] = mapped_column(String(200))
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    spec_json: Mapped[str] = mapped_column(Text)
+    context_key: Mapped[str] = mapped_column(String(200))
+    context_sha256: Mapped[str] = mapped_column(String(64))
+    # The current attempt number; also the fencing token of that attempt.
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    max_attempts: Mapped[int] = mapped_column(Integer)
+    machine_id: Mapped[str | None] = mapped_column(String(36))
+    lease_expires_at: Mapped[dt.datetime | None] = mapped_column()
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    reason: Mapped[str | None] = mapped_column(Text)
+    result: Mapped[str | None] = mapped_column(Text)
+    output_key: Mapped[str | None] = mapped_column(String(200))
+    limits_json: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[dt.datetime] = mapped_column()
+    updated_at: Mapped[dt.datetime] = mapped_column()
+
+    __table_args__ = (Index("ix_jobs_state_created", "state", "created_at"),)
+
+
+class JobEvent(Base):
+    """The job's history: every transition and every refused call, in order."""
+
+    __tablename__ = "job_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), index=True)
+    at: Mapped[dt.datetime] = mapped_column()
+    attempt: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(32))
+    detail: Mapped[str] = mapped_column(Text, default="")
+
+
+class LogChunk(Base):
+    __tablename__ = "log_chunks"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"))
+    attempt: Mapped[int] = mapped_column(Integer)
+    stream: Mapped[str] = mapped_column(String(8))
+    seq: Mapped[int] = mapped_column(BigInteger)
+    text: Mapped[str] = mapped_column(Text)
+
+    __table_args__ = (
+        UniqueConstraint("job_id", "attempt", "stream", "seq", name="uq_log_chunk"),
+        Index("ix_log_chunks_job", "job_id", "id"),
+    )
+
+
+class Machine(Base):
+    __tablename__ = "machines"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    secret_sha256: Mapped[str] = mapped_column(String(64))  # never the secret itself
+    capabilities_json: Mapped[str] = mapped_column(Text, default="{}")
+    registered_at: Mapped[dt.datetime] = mapped_column()
+    last_seen_at: Mapped[dt.datetime] = mapped_column()

@@ -1,0 +1,122 @@
+"""Object storage through the S3 API (minio SDK): build contexts, outputs, datasets.
+
+Agents never hold S3 credentials: the coordinator hands them short-lived presigned URLs for
+exactly the objects one task needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import io
+from collections.abc import Iterator
+
+from minio import Minio
+from minio.error import MinioException, S3Error
+from urllib3.exceptions import HTTPError
+
+from campugrid.protocol.errors import InvalidInput, StorageError
+
+_FAILURES = (MinioException, HTTPError, OSError, ValueError)
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+
+
+class S3Store:
+    def __init__(self, endpoint: str, access_key: str, secret_key: str, bucket: str,
+                 *, secure: bool = False, region: str = "us-east-1") -> None:
+        self.bucket = bucket
+        self.client = Minio(endpoint, access_key, secret_key, secure=secure, region=region)
+
+    def ensure_bucket(self) -> None:
+        try:
+            if not self.client.bucket_exists(self.bucket):
+                self.client.make_bucket(self.bucket)
+        except S3Error as e:
+            if e.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise StorageError(f"cannot create bucket {self.bucket}: {e}") from e
+        except _FAILURES as e:
+            raise StorageError(f"object storage unreachable: {e}") from e
+
+    def put_bytes(self, key: str, data: bytes, bucket: str | None = None) -> None:
+        try:
+            self.client.put_object(bucket or self.bucket, key, io.BytesIO(data), len(data))
+        except _FAILURES as e:
+            raise StorageError(f"cannot store {key}: {e}") from e
+
+    def get_bytes(self, key: str, bucket: str | None = None) -> bytes:
+        try:
+            resp = self.client.get_object(bucket or self.bucket, key)
+            try:
+                return resp.read()
+            finally:
+                resp.close()
+                resp.release_conn()
+        except S3Error as e:
+            if e.code == "NoSuchKey":
+                raise InvalidInput(f"no object {key}") from e
+            raise StorageError(f"cannot read {key}: {e}") from e
+        except _FAILURES as e:
+            raise StorageError(f"cannot read {key}: {e}") from e
+
+    def stream(self, key: str, chunk: int = 1024 * 1024) -> Iterator[bytes]:
+        try:
+            resp = self.client.get_object(self.bucket, key)
+        except _FAILURES as e:
+            raise StorageError(f"cannot read {key}: {e}") from e
+        try:
+            yield from resp.stream(chunk)
+        finally:
+            resp.close()
+            resp.release_conn()
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.client.stat_object(self.bucket, key)
+            return True
+        except S3Error as e:
+            if e.code in ("NoSuchKey", "NoSuchObject", "NotFound"):
+                return False
+            raise StorageError(f"cannot stat {key}: {e}") from e
+        except _FAILURES as e:
+            raise StorageError(f"cannot stat {key}: {e}") from e
+
+    def list_objects(self, bucket: str, prefix: str, limit: int) -> list[ObjectInfo]:
+        """Objects under prefix (recursive); raise InvalidInput when the bucket is unknown."""
+        out: list[ObjectInfo] = []
+        try:
+            for obj in self.client.list_objects(bucket, prefix=prefix, recursive=True):
+                if obj.is_dir or obj.object_name is None:
+                    continue
+                out.append(ObjectInfo(obj.object_name, int(obj.size or 0)))
+                if len(out) > limit:
+                    break
+        except S3Error as e:
+            if e.code == "NoSuchBucket":
+                raise InvalidInput(f"no bucket {bucket!r} in the platform's object store") from e
+            raise StorageError(f"cannot list s3://{bucket}/{prefix}: {e}") from e
+        except _FAILURES as e:
+            raise StorageError(f"cannot list s3://{bucket}/{prefix}: {e}") from e
+        return out
+
+    def presign_get(self, key: str, ttl: dt.timedelta, bucket: str | None = None) -> str:
+        try:
+            return str(self.client.presigned_get_object(bucket or self.bucket, key, expires=ttl))
+        except _FAILURES as e:
+            raise StorageError(f"cannot presign {key}: {e}") from e
+
+    def presign_put(self, key: str, ttl: dt.timedelta) -> str:
+        try:
+            return str(self.client.presigned_put_object(self.bucket, key, expires=ttl))
+        except _FAILURES as e:
+            raise StorageError(f"cannot presign {key}: {e}") from e
+
+    def delete(self, key: str) -> None:
+        try:
+            self.client.remove_object(self.bucket, key)
+        except _FAILURES as e:
+            raise StorageError(f"cannot delete {key}: {e}") from e

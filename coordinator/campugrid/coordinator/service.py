@@ -1,0 +1,96 @@
+"""What the coordinator does, independent of the transport: REST and gRPC both call this."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import hashlib
+import logging
+
+from campugrid.builders.context import inspect_context
+from campugrid.coordinator.config import Settings
+from campugrid.coordinator.objects import S3Store
+from campugrid.coordinator.store import JobView, Store
+from campugrid.protocol.errors import InvalidInput
+from campugrid.protocol.spec import DatasetRef, JobSpec
+
+log = logging.getLogger("campugrid.coordinator")
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetFile:
+    path: str
+    url: str
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Lease:
+    job: JobView
+    lease_seconds: float
+    context_url: str
+    output_url: str
+    datasets: dict[str, list[DatasetFile]]
+
+
+class Coordinator:
+    def __init__(self, settings: Settings, store: Store, objects: S3Store) -> None:
+        self.settings = settings
+        self.store = store
+        self.objects = objects
+
+    def submit(self, spec: JobSpec, context: bytes) -> tuple[JobView, bool]:
+        """Validate everything, store the context, then the job; answer only after both."""
+        if len(context) > self.settings.max_context_bytes:
+            raise InvalidInput(f"context: larger than {self.settings.max_context_bytes // 1024**2} MiB")
+        inspect_context(context)
+        for ds in spec.datasets:
+            self._dataset_files(ds)  # refuses unknown buckets and empty references now
+        digest = hashlib.sha256(context).hexdigest()
+        key = f"contexts/{digest}.tar"
+        if not self.objects.exists(key):
+            self.objects.put_bytes(key, context)
+        job, created = self.store.submit(spec, key, digest)
+        if created:
+            log.info("job submitted", extra={"job_id": job.id})
+        return job, created
+
+    def lease(self, machine_id: str) -> Lease | None:
+        job = self.store.claim_next(machine_id, self.settings.lease_seconds)
+        if job is None:
+            return None
+        ttl = dt.timedelta(seconds=self.settings.presign_seconds)
+        output_key = self.output_key(job.id, job.attempt)
+        return Lease(
+            job=job,
+            lease_seconds=self.settings.lease_seconds,
+            context_url=self.objects.presign_get(job.context_key, ttl),
+            output_url=self.objects.presign_put(output_key, ttl),
+            datasets={
+                ds.name: [DatasetFile(path, self.objects.presign_get(key, ttl, ds.bucket), size)
+                          for path, key, size in self._dataset_files(ds)]
+                for ds in job.spec.datasets
+            },
+        )
+
+    @staticmethod
+    def output_key(job_id: str, attempt: int) -> str:
+        return f"outputs/{job_id}/attempt-{attempt}.tar.gz"
+
+    def _dataset_files(self, ds: DatasetRef) -> list[tuple[str, str, int]]:
+        """(path under /data/<name>, key, size) for a dataset reference."""
+        limit = self.settings.max_dataset_files
+        found = self.objects.list_objects(ds.bucket, ds.key, limit)
+        if len(found) > limit:
+            raise InvalidInput(f"dataset {ds.name}: more than {limit} objects under {ds.uri}")
+        exact = [o for o in found if o.key == ds.key]
+        if exact:  # one object: /data/<name>/<its file name>
+            return [(ds.key.rsplit("/", 1)[-1], ds.key, exact[0].size)]
+        prefix = ds.key if ds.key.endswith("/") or not ds.key else ds.key + "/"
+        files = [(o.key[len(prefix):], o.key, o.size) for o in found if o.key.startswith(prefix)]
+        if not files:
+            raise InvalidInput(f"dataset {ds.name}: nothing found at {ds.uri}")
+        for path, _, _ in files:
+            if ".." in path.split("/") or path.startswith("/"):
+                raise InvalidInput(f"dataset {ds.name}: object name {path!r} is not a safe path")
+        return files

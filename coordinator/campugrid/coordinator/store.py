@@ -1,0 +1,362 @@
+"""The job store: one named operation per transition, each a guarded conditional update.
+
+An update that matches no row raises a domain error instead of silently doing nothing, so an
+illegal transition or a call from a stale attempt cannot slip through, even under races.
+Claiming is correct on SQLite (guarded update by id and state); SKIP LOCKED is only a speed-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import hashlib
+import hmac
+import json
+import secrets
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from campugrid.coordinator.models import Job, JobEvent, LogChunk, Machine
+from campugrid.protocol.errors import (
+    Conflict,
+    IllegalTransition,
+    NotFound,
+    StaleAttempt,
+    Unauthenticated,
+)
+from campugrid.protocol.spec import JobSpec
+from campugrid.protocol.states import ACTIVE, JobState, sources_of
+
+MAX_LOG_CHUNK = 64 * 1024
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobView:
+    id: str
+    client_job_id: str | None
+    name: str | None
+    state: JobState
+    spec: JobSpec
+    context_key: str
+    attempt: int
+    max_attempts: int
+    machine_id: str | None
+    lease_expires_at: dt.datetime | None
+    exit_code: int | None
+    reason: str | None
+    result: str | None
+    output_key: str | None
+    limits: dict[str, str]
+    created_at: dt.datetime
+    updated_at: dt.datetime
+
+    @classmethod
+    def from_row(cls, row: Job) -> JobView:
+        return cls(
+            id=row.id, client_job_id=row.client_job_id, name=row.name,
+            state=JobState(row.state), spec=JobSpec.from_json(row.spec_json),
+            context_key=row.context_key, attempt=row.attempt, max_attempts=row.max_attempts,
+            machine_id=row.machine_id, lease_expires_at=row.lease_expires_at,
+            exit_code=row.exit_code, reason=row.reason, result=row.result,
+            output_key=row.output_key, limits=json.loads(row.limits_json or "{}"),
+            created_at=row.created_at, updated_at=row.updated_at,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class EventView:
+    at: dt.datetime
+    attempt: int
+    kind: str
+    detail: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LogView:
+    id: int
+    attempt: int
+    stream: str
+    text: str
+
+
+def make_engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_setup(dbapi_conn: Any, _record: Any) -> None:
+            dbapi_conn.isolation_level = None  # we issue BEGIN ourselves, below
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=FULL")  # acknowledged means on disk
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _sqlite_begin(conn: Any) -> None:
+            # IMMEDIATE takes the write lock up front: no deadlocked lock upgrades.
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+
+
+class Store:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._session = sessionmaker(engine, expire_on_commit=False)
+
+    @contextmanager
+    def _tx(self) -> Iterator[Session]:
+        with self._session.begin() as s:
+            yield s
+
+    # --- researchers ------------------------------------------------------------------------
+
+    def submit(self, spec: JobSpec, context_key: str, context_sha256: str) -> tuple[JobView, bool]:
+        """Store a new job; with a known client_job_id return the stored one (created=False)."""
+        now = utcnow()
+        row = Job(
+            id=str(uuid.uuid4()), client_job_id=spec.client_job_id, name=spec.name,
+            state=JobState.QUEUED.value, spec_json=spec.to_json(), context_key=context_key,
+            context_sha256=context_sha256, attempt=0, max_attempts=spec.max_attempts,
+            created_at=now, updated_at=now,
+        )
+        try:
+            with self._tx() as s:
+                s.add(row)
+                s.flush()
+                s.add(JobEvent(job_id=row.id, at=now, attempt=0, kind="submitted", detail=""))
+            return JobView.from_row(row), True
+        except IntegrityError:
+            if spec.client_job_id is None:
+                raise
+        with self._tx() as s:
+            existing = s.scalars(select(Job).where(Job.client_job_id == spec.client_job_id)).one()
+            if existing.spec_json != spec.to_json() or existing.context_sha256 != context_sha256:
+                raise Conflict(
+                    f"client_job_id {spec.client_job_id!r} is already job {existing.id} with a "
+                    "different spec or context; use a new client_job_id for a new job")
+            return JobView.from_row(existing), False
+
+    def get(self, job_id: str) -> JobView:
+        with self._tx() as s:
+            return JobView.from_row(self._row(s, job_id))
+
+    def list_jobs(self, state: JobState | None = None, limit: int = 100) -> list[JobView]:
+        q = select(Job).order_by(Job.created_at.desc(), Job.id).limit(limit)
+        if state is not None:
+            q = q.where(Job.state == state.value)
+        with self._tx() as s:
+            return [JobView.from_row(r) for r in s.scalars(q)]
+
+    def events(self, job_id: str) -> list[EventView]:
+        with self._tx() as s:
+            self._row(s, job_id)
+            rows = s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id))
+            return [EventView(r.at, r.attempt, r.kind, r.detail) for r in rows]
+
+    def cancel(self, job_id: str) -> JobView:
+        with self._tx() as s:
+            row = self._row(s, job_id)
+            if JobState(row.state).final:
+                raise IllegalTransition(f"job {job_id} is already {row.state}")
+            self._move(s, row.id, row.attempt, JobState.CANCELLED, reason="cancelled by the user",
+                       machine_id=None, lease_expires_at=None)
+            s.add(JobEvent(job_id=job_id, at=utcnow(), attempt=row.attempt, kind="cancelled",
+                           detail=f"was {row.state}"))
+            s.refresh(row)
+            return JobView.from_row(row)
+
+    def logs(self, job_id: str, *, after_id: int = 0, stream: str | None = None,
+             limit: int = 10_000) -> list[LogView]:
+        q = (select(LogChunk).where(LogChunk.job_id == job_id, LogChunk.id > after_id)
+             .order_by(LogChunk.id).limit(limit))
+        if stream is not None:
+            q = q.where(LogChunk.stream == stream)
+        with self._tx() as s:
+            self._row(s, job_id)
+            return [LogView(r.id, r.attempt, r.stream, r.text) for r in s.scalars(q)]
+
+    # --- agents -----------------------------------------------------------------------------
+
+    def register_machine(self, name: str, capabilities: dict[str, Any]) -> tuple[str, str]:
+        machine_id, secret = str(uuid.uuid4()), secrets.token_urlsafe(32)
+        now = utcnow()
+        with self._tx() as s:
+            s.add(Machine(id=machine_id, name=name[:200], secret_sha256=_digest(secret),
+                          capabilities_json=json.dumps(capabilities), registered_at=now,
+                          last_seen_at=now))
+        return machine_id, secret
+
+    def authenticate(self, machine_id: str, secret: str) -> None:
+        with self._tx() as s:
+            m = s.get(Machine, machine_id)
+            # Compare digests in constant time; an unknown id costs the same as a wrong secret.
+            expected = m.secret_sha256 if m is not None else _digest("")
+            if not hmac.compare_digest(expected, _digest(secret)) or m is None:
+                raise Unauthenticated("unknown machine or wrong secret; register again")
+
+    def heartbeat(self, machine_id: str, capabilities: dict[str, Any] | None = None) -> None:
+        values: dict[str, Any] = {"last_seen_at": utcnow()}
+        if capabilities is not None:
+            values["capabilities_json"] = json.dumps(capabilities)
+        with self._tx() as s:
+            s.execute(update(Machine).where(Machine.id == machine_id).values(**values))
+
+    def claim_next(self, machine_id: str, lease_s: float) -> JobView | None:
+        """Lease the oldest queued job to this machine, as the next attempt."""
+        for _ in range(20):
+            with self._tx() as s:
+                q = (select(Job.id, Job.attempt).where(Job.state == JobState.QUEUED.value)
+                     .order_by(Job.created_at, Job.id).limit(1))
+                if s.bind is not None and s.bind.dialect.name == "postgresql":
+                    q = q.with_for_update(skip_locked=True)
+                found = s.execute(q).first()
+                if found is None:
+                    return None
+                job_id, attempt = found
+                now = utcnow()
+                res = s.execute(
+                    update(Job)
+                    .where(Job.id == job_id, Job.state == JobState.QUEUED.value,
+                           Job.attempt == attempt)
+                    .values(state=JobState.BUILDING.value, attempt=attempt + 1,
+                            machine_id=machine_id,
+                            lease_expires_at=now + dt.timedelta(seconds=lease_s),
+                            reason=None, updated_at=now))
+                if res.rowcount != 1:  # type: ignore[attr-defined]
+                    continue  # someone else took it between our read and write
+                s.add(JobEvent(job_id=job_id, at=now, attempt=attempt + 1, kind="leased",
+                               detail=f"machine {machine_id}"))
+                return JobView.from_row(self._row(s, job_id))
+        return None
+
+    def renew_lease(self, job_id: str, token: int, machine_id: str, phase: JobState,
+                    lease_s: float) -> JobView:
+        """Extend the lease of the current attempt; also moves BUILDING -> RUNNING."""
+        assert phase in ACTIVE
+        now = utcnow()
+        with self._tx() as s:
+            res = s.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.attempt == token, Job.machine_id == machine_id,
+                       Job.state.in_([JobState.BUILDING.value, phase.value]))
+                .values(state=phase.value, lease_expires_at=now + dt.timedelta(seconds=lease_s),
+                        updated_at=now))
+            row = self._row(s, job_id)
+            refused = self._refusal(s, row, token, "renew") if res.rowcount != 1 else None  # type: ignore[attr-defined]
+        if refused is not None:
+            raise refused
+        return JobView.from_row(row)
+
+    def append_logs(self, job_id: str, token: int, machine_id: str, stream: str, seq: int,
+                    text: str) -> None:
+        with self._tx() as s:
+            row = self._row(s, job_id)
+            if row.attempt != token or row.machine_id != machine_id or row.state not in (
+                    JobState.BUILDING.value, JobState.RUNNING.value):
+                refused = self._refusal(s, row, token, "logs")
+            else:
+                refused = None
+        if refused is not None:
+            raise refused
+        with self._tx() as s:
+            exists = s.scalar(select(LogChunk.id).where(
+                LogChunk.job_id == job_id, LogChunk.attempt == token, LogChunk.stream == stream,
+                LogChunk.seq == seq))
+            if exists is None:  # a retried chunk is stored once
+                s.add(LogChunk(job_id=job_id, attempt=token, stream=stream, seq=seq,
+                               text=text[:MAX_LOG_CHUNK]))
+
+    def finish(self, job_id: str, token: int, machine_id: str, *, succeeded: bool,
+               exit_code: int | None, reason: str | None, result: str | None,
+               output_key: str | None, limits: dict[str, str]) -> JobView:
+        target = JobState.SUCCEEDED if succeeded else JobState.FAILED
+        with self._tx() as s:
+            res = s.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.attempt == token, Job.machine_id == machine_id,
+                       Job.state.in_([x.value for x in sources_of(target) & ACTIVE]))
+                .values(state=target.value, exit_code=exit_code, reason=reason, result=result,
+                        output_key=output_key, limits_json=json.dumps(limits),
+                        lease_expires_at=None, updated_at=utcnow()))
+            row = self._row(s, job_id)
+            if res.rowcount != 1:  # type: ignore[attr-defined]
+                refused = self._refusal(s, row, token, "complete")
+            else:
+                refused = None
+                s.add(JobEvent(job_id=job_id, at=utcnow(), attempt=token, kind=target.value,
+                               detail=reason or ""))
+        if refused is not None:
+            raise refused
+        return JobView.from_row(row)
+
+    def requeue_expired(self, now: dt.datetime | None = None) -> list[str]:
+        """Jobs whose lease ran out go back to the queue, or fail when out of attempts."""
+        now = now or utcnow()
+        moved: list[str] = []
+        with self._tx() as s:
+            expired: Sequence[Any] = s.execute(
+                select(Job.id, Job.attempt, Job.max_attempts, Job.machine_id)
+                .where(Job.state.in_([x.value for x in ACTIVE]), Job.lease_expires_at < now)
+            ).all()
+            for job_id, attempt, max_attempts, machine_id in expired:
+                out_of_attempts = attempt >= max_attempts
+                target = JobState.FAILED if out_of_attempts else JobState.QUEUED
+                reason = (f"lease of attempt {attempt} on machine {machine_id} expired"
+                          + (f"; all {max_attempts} attempts used" if out_of_attempts else ""))
+                res = s.execute(
+                    update(Job)
+                    .where(Job.id == job_id, Job.attempt == attempt,
+                           Job.state.in_([x.value for x in ACTIVE]), Job.lease_expires_at < now)
+                    .values(state=target.value, machine_id=None, lease_expires_at=None,
+                            reason=reason, updated_at=now))
+                if res.rowcount == 1:  # type: ignore[attr-defined]
+                    s.add(JobEvent(job_id=job_id, at=now, attempt=attempt,
+                                   kind="lease_expired", detail=reason))
+                    moved.append(job_id)
+        return moved
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _row(s: Session, job_id: str) -> Job:
+        row = s.get(Job, job_id, populate_existing=True)
+        if row is None:
+            raise NotFound(f"no job {job_id}")
+        return row
+
+    @staticmethod
+    def _move(s: Session, job_id: str, attempt: int, target: JobState, **values: Any) -> None:
+        res = s.execute(
+            update(Job)
+            .where(Job.id == job_id, Job.attempt == attempt,
+                   Job.state.in_([x.value for x in sources_of(target)]))
+            .values(state=target.value, updated_at=utcnow(), **values))
+        if res.rowcount != 1:  # type: ignore[attr-defined]
+            raise IllegalTransition(f"job {job_id} cannot become {target.value} now")
+
+    @staticmethod
+    def _refusal(s: Session, row: Job, token: int, what: str) -> StaleAttempt | IllegalTransition:
+        """Record a refused call in the job's history; the caller raises after committing."""
+        if row.attempt != token:
+            detail = f"{what} from attempt {token} refused: the current attempt is {row.attempt}"
+        else:
+            detail = f"{what} from attempt {token} refused: the job is {row.state}"
+        s.add(JobEvent(job_id=row.id, at=utcnow(), attempt=token, kind="refused", detail=detail))
+        return StaleAttempt(detail) if row.attempt != token else IllegalTransition(detail)
+
+
+def _digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()

@@ -1,0 +1,172 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Capabilities(_message.Message):
+    __slots__ = ("runtime", "builder", "cpus", "memory_mb", "limits")
+    class LimitsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
+    BUILDER_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    runtime: str
+    builder: str
+    cpus: int
+    memory_mb: int
+    limits: _containers.ScalarMap[str, str]
+    def __init__(self, runtime: _Optional[str] = ..., builder: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_mb: _Optional[int] = ..., limits: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("name", "capabilities")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    capabilities: Capabilities
+    def __init__(self, name: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ...) -> None: ...
+
+class RegisterReply(_message.Message):
+    __slots__ = ("machine_id", "secret")
+    MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    machine_id: str
+    secret: str
+    def __init__(self, machine_id: _Optional[str] = ..., secret: _Optional[str] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("capabilities",)
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    capabilities: Capabilities
+    def __init__(self, capabilities: _Optional[_Union[Capabilities, _Mapping]] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LeaseRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Dataset(_message.Message):
+    __slots__ = ("name", "files")
+    class File(_message.Message):
+        __slots__ = ("path", "url", "size")
+        PATH_FIELD_NUMBER: _ClassVar[int]
+        URL_FIELD_NUMBER: _ClassVar[int]
+        SIZE_FIELD_NUMBER: _ClassVar[int]
+        path: str
+        url: str
+        size: int
+        def __init__(self, path: _Optional[str] = ..., url: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    files: _containers.RepeatedCompositeFieldContainer[Dataset.File]
+    def __init__(self, name: _Optional[str] = ..., files: _Optional[_Iterable[_Union[Dataset.File, _Mapping]]] = ...) -> None: ...
+
+class LeaseReply(_message.Message):
+    __slots__ = ("has_task", "job_id", "attempt", "fencing_token", "lease_seconds", "spec_json", "context_url", "output_url", "datasets")
+    HAS_TASK_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_JSON_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_URL_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_URL_FIELD_NUMBER: _ClassVar[int]
+    DATASETS_FIELD_NUMBER: _ClassVar[int]
+    has_task: bool
+    job_id: str
+    attempt: int
+    fencing_token: int
+    lease_seconds: float
+    spec_json: str
+    context_url: str
+    output_url: str
+    datasets: _containers.RepeatedCompositeFieldContainer[Dataset]
+    def __init__(self, has_task: _Optional[bool] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., fencing_token: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., spec_json: _Optional[str] = ..., context_url: _Optional[str] = ..., output_url: _Optional[str] = ..., datasets: _Optional[_Iterable[_Union[Dataset, _Mapping]]] = ...) -> None: ...
+
+class RenewRequest(_message.Message):
+    __slots__ = ("job_id", "fencing_token", "phase")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    fencing_token: int
+    phase: str
+    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., phase: _Optional[str] = ...) -> None: ...
+
+class RenewReply(_message.Message):
+    __slots__ = ("keep_going", "reason", "lease_seconds")
+    KEEP_GOING_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    keep_going: bool
+    reason: str
+    lease_seconds: float
+    def __init__(self, keep_going: _Optional[bool] = ..., reason: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+
+class LogsRequest(_message.Message):
+    __slots__ = ("job_id", "fencing_token", "stream", "seq", "text")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    fencing_token: int
+    stream: str
+    seq: int
+    text: str
+    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., stream: _Optional[str] = ..., seq: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
+
+class LogsReply(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
+
+class CompleteRequest(_message.Message):
+    __slots__ = ("job_id", "fencing_token", "succeeded", "exit_code", "reason", "result", "output_uploaded", "limits")
+    class LimitsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SUCCEEDED_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_UPLOADED_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    fencing_token: int
+    succeeded: bool
+    exit_code: int
+    reason: str
+    result: str
+    output_uploaded: bool
+    limits: _containers.ScalarMap[str, str]
+    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., succeeded: _Optional[bool] = ..., exit_code: _Optional[int] = ..., reason: _Optional[str] = ..., result: _Optional[str] = ..., output_uploaded: _Optional[bool] = ..., limits: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class CompleteReply(_message.Message):
+    __slots__ = ("accepted", "reason")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,205 @@
+"""The job spec a researcher submits, validated the same way by the CLI, the API and the agent.
+
+Every refusal names the field and says what would be accepted, so the researcher can fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from campugrid.protocol.errors import InvalidInput
+
+CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+DATASET_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+# S3 bucket naming rules (lower-case, 3-63 chars); keys: printable, no "..", no leading "/".
+S3_URI_RE = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])/(?P<key>[^\x00-\x1f]*)$")
+
+MAX_COMMAND_ARGS = 256
+MAX_ARG_LEN = 8192
+MAX_ENV = 128
+MAX_ENV_VALUE = 32768
+MAX_DATASETS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Resources:
+    cpus: float = 1.0
+    memory_mb: int = 1024
+    disk_mb: int = 256  # the size of the job's writable /tmp
+    gpus: int = 0
+    gpu_memory_mb: int = 0
+    wall_time_s: int = 3600
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetRef:
+    name: str  # mounted read-only at /data/<name>
+    uri: str  # s3://bucket/key (one object) or s3://bucket/prefix/ (every object under it)
+
+    @property
+    def bucket(self) -> str:
+        m = S3_URI_RE.match(self.uri)
+        assert m, "validated in from_dict"
+        return m["bucket"]
+
+    @property
+    def key(self) -> str:
+        m = S3_URI_RE.match(self.uri)
+        assert m, "validated in from_dict"
+        return m["key"]
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    command: tuple[str, ...] | None = None  # None: the image's own CMD
+    env: tuple[tuple[str, str], ...] = ()
+    resources: Resources = Resources()
+    datasets: tuple[DatasetRef, ...] = ()
+    max_attempts: int = 3
+    client_job_id: str | None = None
+    name: str | None = None
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> JobSpec:
+        try:
+            data = json.loads(text or "{}")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise InvalidInput(f"spec: not valid JSON ({e})") from e
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> JobSpec:
+        _require(isinstance(data, Mapping), "spec", "must be a JSON object")
+        _no_unknown(data, cls, "spec")
+        command = data.get("command")
+        if command is not None:
+            if isinstance(command, str):
+                command = ["sh", "-c", command]
+            _require(
+                isinstance(command, list) and 0 < len(command) <= MAX_COMMAND_ARGS,
+                "command",
+                f"must be a string or a list of 1 to {MAX_COMMAND_ARGS} strings",
+            )
+            for i, arg in enumerate(command):
+                _require(
+                    isinstance(arg, str) and len(arg) <= MAX_ARG_LEN and "\x00" not in arg,
+                    f"command[{i}]",
+                    f"must be a string of at most {MAX_ARG_LEN} characters without NUL",
+                )
+            command = tuple(command)
+
+        env = data.get("env") or {}
+        _require(isinstance(env, Mapping) and len(env) <= MAX_ENV, "env",
+                 f"must be an object of at most {MAX_ENV} NAME: value pairs")
+        for k, v in env.items():
+            _require(bool(ENV_NAME_RE.match(k)), f"env.{k}",
+                     "names are letters, digits and _, not starting with a digit")
+            _require(not k.upper().startswith("CAMPUGRID_"), f"env.{k}",
+                     "names starting with CAMPUGRID_ are reserved for the platform")
+            _require(isinstance(v, str) and len(v) <= MAX_ENV_VALUE and "\x00" not in v,
+                     f"env.{k}", f"must be a string of at most {MAX_ENV_VALUE} characters")
+
+        res = data.get("resources") or {}
+        _require(isinstance(res, Mapping), "resources", "must be an object")
+        _no_unknown(res, Resources, "resources")
+        resources = Resources(
+            cpus=_number(res, "cpus", 1.0, 0.1, 256, "resources"),
+            memory_mb=_integer(res, "memory_mb", 1024, 64, 4 * 1024 * 1024, "resources"),
+            disk_mb=_integer(res, "disk_mb", 256, 1, 1024 * 1024, "resources"),
+            gpus=_integer(res, "gpus", 0, 0, 16, "resources"),
+            gpu_memory_mb=_integer(res, "gpu_memory_mb", 0, 0, 1024 * 1024, "resources"),
+            wall_time_s=_integer(res, "wall_time_s", 3600, 1, 14 * 86400, "resources"),
+        )
+
+        raw_ds = data.get("datasets") or []
+        _require(isinstance(raw_ds, list) and len(raw_ds) <= MAX_DATASETS, "datasets",
+                 f"must be a list of at most {MAX_DATASETS} {{name, uri}} objects")
+        datasets = []
+        seen: set[str] = set()
+        for i, d in enumerate(raw_ds):
+            where = f"datasets[{i}]"
+            _require(isinstance(d, Mapping), where, "must be an object {name, uri}")
+            _no_unknown(d, DatasetRef, where)
+            name, uri = d.get("name"), d.get("uri")
+            _require(isinstance(name, str) and bool(DATASET_NAME_RE.match(name)), f"{where}.name",
+                     "must be 1-64 of a-z 0-9 _ . - (it becomes /data/<name>)")
+            _require(name not in seen, f"{where}.name", f"'{name}' is used twice")
+            seen.add(name)
+            m = S3_URI_RE.match(uri) if isinstance(uri, str) else None
+            _require(m is not None, f"{where}.uri",
+                     "must be s3://bucket/key or s3://bucket/prefix/ (bucket: 3-63 of a-z 0-9 . -)")
+            assert m is not None
+            key = m["key"]
+            _require(not key.startswith("/") and ".." not in key.split("/"), f"{where}.uri",
+                     "the key may not start with / or contain a .. segment")
+            datasets.append(DatasetRef(name=name, uri=uri))
+
+        client_job_id = data.get("client_job_id")
+        if client_job_id is not None:
+            _require(isinstance(client_job_id, str) and bool(CLIENT_ID_RE.match(client_job_id)),
+                     "client_job_id", "must be 1-128 of A-Z a-z 0-9 . _ : - (starting alphanumeric)")
+        name = data.get("name")
+        if name is not None:
+            _require(isinstance(name, str) and 0 < len(name) <= 200 and name.isprintable(),
+                     "name", "must be a printable string of at most 200 characters")
+
+        return cls(
+            command=command,
+            env=tuple(sorted(env.items())),
+            resources=resources,
+            datasets=tuple(datasets),
+            max_attempts=_integer(data, "max_attempts", 3, 1, 50, "spec"),
+            client_job_id=client_job_id,
+            name=name,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "command": list(self.command) if self.command is not None else None,
+            "env": dict(self.env),
+            "resources": dataclasses.asdict(self.resources),
+            "datasets": [dataclasses.asdict(d) for d in self.datasets],
+            "max_attempts": self.max_attempts,
+        }
+        if self.client_job_id is not None:
+            out["client_job_id"] = self.client_job_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+
+def _require(ok: bool, field: str, what: str) -> None:
+    if not ok:
+        raise InvalidInput(f"{field}: {what}")
+
+
+def _no_unknown(data: Mapping[str, Any], cls: type, where: str) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(sorted(known))})"
+            raise InvalidInput(f"{where}: unknown field '{key}'{hint}")
+
+
+def _integer(d: Mapping[str, Any], key: str, default: int, lo: int, hi: int, where: str) -> int:
+    v = d.get(key, default)
+    _require(isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi,
+             f"{where}.{key}" if where != "spec" else key, f"must be an integer from {lo} to {hi}")
+    return int(v)
+
+
+def _number(d: Mapping[str, Any], key: str, default: float, lo: float, hi: float, where: str) -> float:
+    v = d.get(key, default)
+    _require(isinstance(v, (int, float)) and not isinstance(v, bool) and lo <= v <= hi,
+             f"{where}.{key}", f"must be a number from {lo} to {hi}")
+    return float(v)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Makes the local base images that sample jobs build FROM, without any registry:
+# a Debian bookworm root with python3 from Debian's mirror, cached as a tarball,
+# imported into the provider user's rootless image store. Safe to run again.
+#
+#   infra/base-image.sh [PROVIDER_USER]
+set -euo pipefail
+
+user=${1:-${CAMPUGRID_AGENT_USER:-campugrid}}
+image=localhost/campugrid/python:bookworm
+cache=${CAMPUGRID_IMAGE_CACHE:-/var/cache/campugrid}
+tarball=$cache/bookworm-python3.tar
+
+as_user() {
+  if [ "$(id -un)" = "$user" ]; then "$@"; else
+    local uid; uid=$(id -u "$user")
+    runuser -u "$user" -- env HOME="$(getent passwd "$user" | cut -d: -f6)" XDG_RUNTIME_DIR="/run/user/$uid" "$@"
+  fi
+}
+
+if [ ! -s "$tarball" ]; then
+  [ "$(id -u)" = 0 ] || { echo "base-image: $tarball is missing and making it needs root (debootstrap)" >&2; exit 1; }
+  mkdir -p "$cache"
+  root=$(mktemp -d "$cache/rootfs.XXXXXX")
+  trap 'rm -rf "$root"' EXIT
+  echo "base-image: debootstrap bookworm + python3 (about a minute, once)"
+  debootstrap --variant=minbase --include=python3 bookworm "$root" >"$cache/debootstrap.log" 2>&1 \
+    || { tail -20 "$cache/debootstrap.log" >&2; exit 1; }
+  rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
+  tar --numeric-owner -C "$root" -cf "$tarball.tmp" .
+  chmod 0644 "$tarball.tmp"
+  mv "$tarball.tmp" "$tarball"
+fi
+
+if as_user podman image exists "$image"; then
+  echo "base-image: $image present for $user"
+else
+  echo "base-image: importing $image for $user"
+  as_user podman import --quiet --change 'CMD ["/usr/bin/python3"]' - "$image" <"$tarball" >/dev/null
+fi

@@ -1,0 +1,108 @@
+"""Which resource limits really hold on this host, and the per-job cgroup that makes them hold.
+
+Rootless Podman on cgroup v1 silently ignores --memory, --cpus and --pids-limit. What does hold
+there is a cgroup v1 subtree that root delegated once to the provider user (infra/setup.sh does
+it): the sandbox makes a child cgroup per job, writes the limits, and starts podman inside it;
+with runsc's ignore-cgroups, conmon, the gofer and the sandbox all stay in it. Where neither is
+available the limit is reported as not enforced, never assumed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+DELEGATED = "campugrid"  # the subtree infra/setup.sh hands to the provider user
+CONTROLLERS = ("memory", "cpu", "pids")
+ENFORCED = "enforced"
+
+
+@dataclasses.dataclass(frozen=True)
+class HostLimits:
+    """How this host enforces each limit: 'enforced' or 'not enforced: <why>'."""
+
+    memory: str
+    cpu: str
+    pids: str
+    disk: str = ENFORCED  # /tmp is a size-bounded tmpfs and the root is read-only
+    wall_time: str = ENFORCED
+    v1_delegated: Path | None = None  # e.g. /sys/fs/cgroup (with memory/campugrid etc. ours)
+
+    def as_dict(self) -> dict[str, str]:
+        return {"memory": self.memory, "cpu": self.cpu, "pids": self.pids,
+                "disk": self.disk, "wall_time": self.wall_time}
+
+
+def detect(root: Path = CGROUP_ROOT) -> HostLimits:
+    if (root / "cgroup.controllers").exists():
+        why = ("not enforced: cgroup v2 host; podman is asked for the limit but "
+               "campugrid has not verified delegation here")
+        return HostLimits(memory=why, cpu=why, pids=why)
+    if all(_writable(root / c / DELEGATED) for c in CONTROLLERS):
+        return HostLimits(memory=ENFORCED, cpu=ENFORCED, pids=ENFORCED, v1_delegated=root)
+    why = ("not enforced: rootless Podman on cgroup v1 ignores it and no cgroup subtree is "
+           f"delegated to this user (run infra/setup.sh as root to delegate {DELEGATED}/)")
+    return HostLimits(memory=why, cpu=why, pids=why)
+
+
+def _writable(path: Path) -> bool:
+    return path.is_dir() and os.access(path, os.W_OK | os.X_OK)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobCgroup:
+    paths: tuple[Path, ...]
+
+    def procs_files(self) -> list[Path]:
+        return [p / "cgroup.procs" for p in self.paths]
+
+    def oom_killed(self) -> bool:
+        for p in self.paths:
+            if p.parent.parent.name == "memory":
+                try:
+                    return int((p / "memory.failcnt").read_text()) > 0
+                except (OSError, ValueError):
+                    return False
+        return False
+
+
+@contextlib.contextmanager
+def job_cgroup(limits: HostLimits, name: str, *, memory_mb: int, cpus: float,
+               pids: int) -> Iterator[JobCgroup | None]:
+    """A child cgroup per controller with the job's limits; removed when the job is over."""
+    if limits.v1_delegated is None:
+        yield None
+        return
+    made: list[Path] = []
+    try:
+        for ctrl in CONTROLLERS:
+            path = limits.v1_delegated / ctrl / DELEGATED / name
+            path.mkdir(exist_ok=True)
+            made.append(path)
+            if ctrl == "memory":
+                (path / "memory.limit_in_bytes").write_text(str(memory_mb * 1024 * 1024))
+            elif ctrl == "cpu":
+                period = 100_000
+                (path / "cpu.cfs_period_us").write_text(str(period))
+                (path / "cpu.cfs_quota_us").write_text(str(max(1000, int(cpus * period))))
+            elif ctrl == "pids":
+                (path / "pids.max").write_text(str(pids))
+        yield JobCgroup(tuple(made))
+    finally:
+        for path in made:
+            with contextlib.suppress(OSError):
+                path.rmdir()
+
+
+def launcher(cg: JobCgroup | None, argv: list[str]) -> list[str]:
+    """argv wrapped so that it starts inside the job's cgroups (children inherit them)."""
+    if cg is None:
+        return argv
+    sh = shutil.which("sh") or "/bin/sh"
+    moves = "; ".join(f'echo $$ > "{f}"' for f in cg.procs_files())
+    return [sh, "-c", f'{moves} && exec "$@"', "campugrid-launch", *argv]

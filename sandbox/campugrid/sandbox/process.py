@@ -1,0 +1,90 @@
+"""A child process whose output is streamed line by line, with a deadline and a cancel switch.
+
+Shared by the builders and the sandbox: both run podman/buildah as the provider user and
+must kill the whole process group (not just the direct child) when time is up.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+LogFn = Callable[[str], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    returncode: int
+    timed_out: bool
+    cancelled: bool
+    tail: str  # the last lines of output, for error messages
+
+
+def run_streaming(
+    argv: Sequence[str],
+    *,
+    log: LogFn,
+    timeout_s: float,
+    cancel: threading.Event | None = None,
+    on_stop: Callable[[], None] | None = None,
+    env: dict[str, str] | None = None,
+    tail_lines: int = 40,
+) -> Finished:
+    """Run argv, send each output line to `log`, stop it at the deadline or on cancel.
+
+    `on_stop` runs first when stopping (e.g. `podman rm -f NAME`, which also tears down the
+    sandbox that podman's own process group does not contain); then the group gets SIGKILL.
+    """
+    tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+    proc = subprocess.Popen(
+        list(argv),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    stream = proc.stdout
+
+    def pump() -> None:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            tail.append(line)
+            log(line)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout_s
+    timed_out = cancelled = False
+    while proc.poll() is None:
+        if cancel is not None and cancel.is_set():
+            cancelled = True
+        elif time.monotonic() >= deadline:
+            timed_out = True
+        if timed_out or cancelled:
+            if on_stop is not None:
+                on_stop()
+            _kill_group(proc)
+            break
+        time.sleep(0.05)
+    proc.wait()
+    reader.join(timeout=5)
+    return Finished(proc.returncode, timed_out, cancelled, "\n".join(tail))
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
