@@ -153,9 +153,9 @@ class Platform:
         argv = user.command([sys.executable, "-m", "campugrid.cli", "agent", "run",
                              "--coordinator", self.grpc_address, "--state-dir", str(agent_dir),
                              "--name", name])
-        out = open(log_file or agent_dir.with_suffix(".log"), "ab")  # noqa: SIM115
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        with open(log_file or agent_dir.with_suffix(".log"), "ab") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
         self.agents.append(proc)
         return proc
 

@@ -68,9 +68,9 @@ class EmbeddedS3:
             "-s3.port.iceberg=0", "-s3.port.lance=0", "-webdav=false", "-iam=false",
             *(f"-{k}={v}" for k, v in ports.items()),
         ]
-        log = open(self.data_dir / "weed.log", "ab")  # noqa: SIM115 - lives as long as weed
-        self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+        with open(self.data_dir / "weed.log", "ab") as log:  # the child keeps its own copy
+            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
         self._wait_ready(timeout_s)
         return self
 
@@ -102,7 +102,7 @@ class EmbeddedS3:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, 15)
             try:
-                self.process.wait(timeout=15)
+                self.process.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, 9)
                 self.process.wait()

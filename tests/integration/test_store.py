@@ -1,0 +1,184 @@
+"""The store's named transitions, on SQLite and on a real PostgreSQL."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from campugrid.coordinator.store import Store, utcnow
+from campugrid.protocol.errors import Conflict, IllegalTransition, NotFound, StaleAttempt
+from campugrid.protocol.spec import JobSpec
+from campugrid.protocol.states import JobState
+
+pytestmark = pytest.mark.integration
+
+
+def submit(store: Store, client_id: str | None = None, **spec: object):
+    job, _ = store.submit(JobSpec.from_dict({"client_job_id": client_id, **spec}
+                                            if client_id else dict(spec)), "contexts/x.tar", "ab" * 32)
+    return job
+
+
+def test_a_job_goes_through_its_whole_life(store: Store):
+    job = submit(store)
+    assert job.state is JobState.QUEUED and job.attempt == 0
+    m, _ = store.register_machine("m1", {})
+    leased = store.claim_next(m, lease_s=30)
+    assert leased is not None and leased.id == job.id
+    assert leased.state is JobState.BUILDING and leased.attempt == 1 and leased.machine_id == m
+    assert store.claim_next(m, lease_s=30) is None  # nothing else queued
+    running = store.renew_lease(job.id, 1, m, JobState.RUNNING, lease_s=30)
+    assert running.state is JobState.RUNNING
+    done = store.finish(job.id, 1, m, succeeded=True, exit_code=0, reason=None, result="42",
+                        output_key="outputs/x", limits={"memory": "enforced"})
+    assert done.state is JobState.SUCCEEDED and done.result == "42"
+    kinds = [e.kind for e in store.events(job.id)]
+    assert kinds == ["submitted", "leased", "succeeded"]
+
+
+def test_same_client_id_returns_the_same_job_and_a_different_spec_conflicts(store: Store):
+    first = submit(store, "run-7", command=["a"])
+    again, created = store.submit(JobSpec.from_dict({"client_job_id": "run-7", "command": ["a"]}),
+                                  "contexts/x.tar", "ab" * 32)
+    assert again.id == first.id and not created
+    with pytest.raises(Conflict, match="run-7"):
+        submit(store, "run-7", command=["b"])
+    assert len(store.list_jobs()) == 1
+
+
+def test_concurrent_retries_of_one_submit_make_one_job(store: Store):
+    spec = JobSpec.from_dict({"client_job_id": "retry-me", "command": ["x"]})
+    barrier = threading.Barrier(20)
+
+    def go(_: int) -> str:
+        barrier.wait()
+        return store.submit(spec, "contexts/x.tar", "cd" * 32)[0].id
+
+    with ThreadPoolExecutor(20) as pool:
+        ids = set(pool.map(go, range(20)))
+    assert len(ids) == 1
+    assert [j.id for j in store.list_jobs()] == list(ids)
+
+
+def test_concurrent_claims_never_lease_one_job_twice(store: Store):
+    for _ in range(30):
+        submit(store)
+    machines = [store.register_machine(f"m{i}", {})[0] for i in range(8)]
+    barrier = threading.Barrier(len(machines))
+
+    def drain(machine: str) -> list[str]:
+        barrier.wait()
+        got = []
+        while (job := store.claim_next(machine, lease_s=60)) is not None:
+            got.append(job.id)
+        return got
+
+    with ThreadPoolExecutor(len(machines)) as pool:
+        claimed = [j for batch in pool.map(drain, machines) for j in batch]
+    assert len(claimed) == 30 and len(set(claimed)) == 30
+
+
+def test_a_stale_attempt_is_refused_and_recorded(store: Store):
+    job = submit(store, max_attempts=3)
+    m1, _ = store.register_machine("lost", {})
+    m2, _ = store.register_machine("fresh", {})
+    store.claim_next(m1, lease_s=30)
+    assert store.requeue_expired(utcnow() + dt.timedelta(seconds=31)) == [job.id]
+    second = store.claim_next(m2, lease_s=30)
+    assert second is not None and second.attempt == 2
+    with pytest.raises(StaleAttempt, match="current attempt is 2"):
+        store.finish(job.id, 1, m1, succeeded=True, exit_code=0, reason=None, result="late",
+                     output_key=None, limits={})
+    with pytest.raises(StaleAttempt):
+        store.renew_lease(job.id, 1, m1, JobState.RUNNING, 30)
+    with pytest.raises(StaleAttempt):
+        store.append_logs(job.id, 1, m1, "run", 1, "late log")
+    after = store.get(job.id)
+    assert after.state is JobState.BUILDING and after.attempt == 2 and after.result is None
+    refused = [e for e in store.events(job.id) if e.kind == "refused"]
+    assert len(refused) == 3 and all(e.attempt == 1 for e in refused)
+    assert "complete from attempt 1 refused" in refused[0].detail
+
+
+def test_expiry_uses_up_attempts_then_fails_with_the_history(store: Store):
+    job = submit(store, max_attempts=2)
+    m, _ = store.register_machine("flaky", {})
+    later = utcnow()
+    for _ in range(2):
+        assert store.claim_next(m, lease_s=1) is not None
+        later += dt.timedelta(seconds=5)
+        store.requeue_expired(later)
+    failed = store.get(job.id)
+    assert failed.state is JobState.FAILED
+    assert "all 2 attempts used" in (failed.reason or "")
+    assert [e.kind for e in store.events(job.id)].count("lease_expired") == 2
+
+
+def test_a_live_lease_is_not_expired(store: Store):
+    job = submit(store)
+    m, _ = store.register_machine("m", {})
+    store.claim_next(m, lease_s=30)
+    assert store.requeue_expired() == []
+    assert store.get(job.id).state is JobState.BUILDING
+
+
+def test_cancel_stops_renewal_and_refuses_completion(store: Store):
+    job = submit(store)
+    m, _ = store.register_machine("m", {})
+    store.claim_next(m, lease_s=30)
+    assert store.cancel(job.id).state is JobState.CANCELLED
+    with pytest.raises(IllegalTransition, match="cancelled"):
+        store.renew_lease(job.id, 1, m, JobState.RUNNING, 30)
+    with pytest.raises(IllegalTransition):
+        store.finish(job.id, 1, m, succeeded=True, exit_code=0, reason=None, result=None,
+                     output_key=None, limits={})
+    with pytest.raises(IllegalTransition, match="already cancelled"):
+        store.cancel(job.id)
+
+
+def test_another_machine_cannot_complete_an_attempt_it_does_not_hold(store: Store):
+    job = submit(store)
+    m, _ = store.register_machine("holder", {})
+    thief, _ = store.register_machine("thief", {})
+    store.claim_next(m, lease_s=30)
+    store.renew_lease(job.id, 1, m, JobState.RUNNING, 30)
+    with pytest.raises(IllegalTransition):
+        store.finish(job.id, 1, thief, succeeded=True, exit_code=0, reason=None, result="x",
+                     output_key=None, limits={})
+    assert store.get(job.id).state is JobState.RUNNING
+
+
+def test_logs_are_stored_once_per_sequence_number(store: Store):
+    job = submit(store)
+    m, _ = store.register_machine("m", {})
+    store.claim_next(m, lease_s=30)
+    store.append_logs(job.id, 1, m, "build", 1, "step 1\n")
+    store.append_logs(job.id, 1, m, "build", 1, "step 1\n")  # a retried upload
+    store.append_logs(job.id, 1, m, "run", 2, "hello\n")
+    logs = store.logs(job.id)
+    assert [(c.stream, c.text) for c in logs] == [("build", "step 1\n"), ("run", "hello\n")]
+    assert store.logs(job.id, after_id=logs[0].id)[0].text == "hello\n"
+
+
+def test_machine_secrets_are_checked_and_never_stored(store: Store, db_url: str):
+    from sqlalchemy import text
+
+    from campugrid.protocol.errors import Unauthenticated
+
+    machine, secret = store.register_machine("m", {"cpus": 2})
+    store.authenticate(machine, secret)
+    with pytest.raises(Unauthenticated):
+        store.authenticate(machine, secret + "x")
+    with pytest.raises(Unauthenticated):
+        store.authenticate("nope", secret)
+    with store.engine.connect() as conn:
+        dump = " ".join(str(v) for row in conn.execute(text("SELECT * FROM machines")) for v in row)
+    assert secret not in dump
+
+
+def test_unknown_job_is_not_found(store: Store):
+    with pytest.raises(NotFound):
+        store.get("00000000-0000-0000-0000-000000000000")

@@ -1,0 +1,85 @@
+import io
+import tarfile
+
+import pytest
+
+from campugrid.builders.context import check_dockerfile, extract_context, inspect_context
+from campugrid.protocol.errors import InvalidInput
+
+DOCKERFILE = b"FROM localhost/campugrid/python:bookworm\nCOPY app.py /app.py\nCMD [\"python3\"]\n"
+
+
+def make_tar(members, gz=True):
+    """members: list of (name, kind, payload) with kind file|dir|symlink|hardlink|fifo|chr."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz" if gz else "w") as tar:
+        for name, kind, payload in members:
+            info = tarfile.TarInfo(name)
+            if kind == "file":
+                info.size = len(payload)
+                info.mode = 0o755 if name.endswith(".sh") else 0o644
+                tar.addfile(info, io.BytesIO(payload))
+                continue
+            info.type = {"dir": tarfile.DIRTYPE, "symlink": tarfile.SYMTYPE,
+                         "hardlink": tarfile.LNKTYPE, "fifo": tarfile.FIFOTYPE,
+                         "chr": tarfile.CHRTYPE}[kind]
+            if kind in ("symlink", "hardlink"):
+                info.linkname = payload
+            tar.addfile(info)
+    return buf.getvalue()
+
+
+def test_a_good_context_unpacks_with_modes_and_links(tmp_path):
+    data = make_tar([("Dockerfile", "file", DOCKERFILE), ("src", "dir", None),
+                     ("src/run.sh", "file", b"#!/bin/sh\necho hi\n"),
+                     ("src/link", "symlink", "run.sh"), ("copy.sh", "hardlink", "src/run.sh")])
+    info = extract_context(data, tmp_path / "ctx")
+    assert info.members == 5 and "COPY app.py" in info.dockerfile
+    assert (tmp_path / "ctx/src/run.sh").stat().st_mode & 0o111
+    assert (tmp_path / "ctx/src/link").resolve() == (tmp_path / "ctx/src/run.sh").resolve()
+    assert (tmp_path / "ctx/copy.sh").read_bytes() == b"#!/bin/sh\necho hi\n"
+
+
+def test_plain_tar_is_accepted_too():
+    assert inspect_context(make_tar([("./Dockerfile", "file", DOCKERFILE)], gz=False)).members == 1
+
+
+@pytest.mark.parametrize(("members", "says"), [
+    ([("../evil", "file", b"x"), ("Dockerfile", "file", DOCKERFILE)], "leaves the context folder"),
+    ([("/etc/passwd", "file", b"x"), ("Dockerfile", "file", DOCKERFILE)], "absolute path"),
+    ([("Dockerfile", "file", DOCKERFILE), ("out", "symlink", "../../etc/shadow")], "leaves the context"),
+    ([("Dockerfile", "file", DOCKERFILE), ("out", "symlink", "/etc/shadow")], "is absolute"),
+    ([("Dockerfile", "file", DOCKERFILE), ("dev", "chr", None)], "device, fifo"),
+    ([("Dockerfile", "file", DOCKERFILE), ("p", "fifo", None)], "device, fifo"),
+    ([("app.py", "file", b"print(1)")], "no Dockerfile at the top"),
+])
+def test_hostile_or_broken_contexts_are_refused(members, says, tmp_path):
+    data = make_tar(members)
+    with pytest.raises(InvalidInput, match=says.replace("(", r"\(")):
+        inspect_context(data)
+    with pytest.raises(InvalidInput):
+        extract_context(data, tmp_path / "ctx")
+    assert not (tmp_path / "evil").exists()
+
+
+def test_garbage_is_not_an_archive():
+    with pytest.raises(InvalidInput, match="not a tar"):
+        inspect_context(b"this is not a tarball")
+
+
+@pytest.mark.parametrize(("dockerfile", "says"), [
+    ("RUN echo hi", "RUN before the first FROM"),
+    ("FROM x\nRUN --network=host curl example.org", "builds run with no network"),
+    ("FROM x\nRUN --mount=type=secret,id=aws cat /run/secrets/aws", "secret and ssh mounts"),
+    ("FROM x\nADD https://example.org/a.tgz /a.tgz", "ADD https://example.org/a.tgz"),
+    ("FROM x\nFROBNICATE now", "unknown instruction 'FROBNICATE'"),
+    ("# only a comment", "no FROM instruction"),
+])
+def test_dockerfile_checks_say_which_line(dockerfile, says):
+    with pytest.raises(InvalidInput, match=says):
+        check_dockerfile(dockerfile)
+
+
+def test_dockerfile_continuations_and_comments_are_understood():
+    check_dockerfile("# syntax=docker/dockerfile:1\nARG V=1\nFROM x\nRUN echo a \\\n  # note\n  && echo b\n"
+                     "ADD --chown=1:1 local.tgz /opt/\n")

@@ -1,0 +1,46 @@
+import pytest
+
+from campugrid.protocol.errors import InvalidInput
+from campugrid.protocol.spec import JobSpec
+
+
+def test_defaults_and_round_trip():
+    spec = JobSpec.from_dict({"command": ["python3", "train.py"], "env": {"SEED": "1"},
+                              "resources": {"memory_mb": 2048}, "client_job_id": "run-1",
+                              "datasets": [{"name": "mnist", "uri": "s3://data/mnist/"}]})
+    assert spec.resources.memory_mb == 2048 and spec.resources.cpus == 1.0
+    assert spec.max_attempts == 3
+    assert JobSpec.from_json(spec.to_json()) == spec
+
+
+def test_string_command_runs_through_a_shell():
+    assert JobSpec.from_dict({"command": "echo hi"}).command == ("sh", "-c", "echo hi")
+
+
+@pytest.mark.parametrize(("raw", "says"), [
+    ({"comand": ["x"]}, "unknown field 'comand' (did you mean 'command'?)"),
+    ({"command": []}, "command: must be a string or a list"),
+    ({"command": ["ok", 3]}, "command[1]"),
+    ({"env": {"1BAD": "x"}}, "env.1BAD"),
+    ({"env": {"CAMPUGRID_JOB_ID": "x"}}, "reserved for the platform"),
+    ({"resources": {"memory_mb": 10}}, "resources.memory_mb: must be an integer from 64"),
+    ({"resources": {"memory_mb": True}}, "resources.memory_mb"),
+    ({"resources": {"gpu": 1}}, "did you mean 'gpus'"),
+    ({"max_attempts": 0}, "max_attempts: must be an integer from 1 to 50"),
+    ({"datasets": [{"name": "d", "uri": "http://x/y"}]}, "datasets[0].uri: must be s3://"),
+    ({"datasets": [{"name": "d", "uri": "s3://bkt/a/../../etc"}]}, "may not start with / or contain a .."),
+    ({"datasets": [{"name": "d", "uri": "s3://bkt/a"}, {"name": "d", "uri": "s3://bkt/b"}]},
+     "'d' is used twice"),
+    ({"datasets": [{"name": "../x", "uri": "s3://bkt/a"}]}, "datasets[0].name"),
+    ({"client_job_id": "has space"}, "client_job_id"),
+    ([], "spec: must be a JSON object"),
+])
+def test_refusals_name_the_field(raw, says):
+    with pytest.raises(InvalidInput) as err:
+        JobSpec.from_dict(raw)
+    assert says in str(err.value)
+
+
+def test_invalid_json_is_refused_with_the_parser_message():
+    with pytest.raises(InvalidInput, match="spec: not valid JSON"):
+        JobSpec.from_json("{nope")
