@@ -60,3 +60,33 @@ def sandbox_run(user: ProviderUser, *, name: str, command: list[str], output_dir
     if proc.returncode != 0:
         raise AssertionError(f"sandbox script failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+BUILD_SCRIPT = """
+import json, sys
+from pathlib import Path
+from campugrid.builders.buildah import BuildahBuilder
+from campugrid.protocol.errors import BuildFailed
+args = json.loads(sys.argv[1])
+lines = []
+builder = BuildahBuilder()
+out = {"limits": builder.limits.as_dict()}
+try:
+    builder.build(Path(args["context"]), args["tag"], log=lines.append, timeout_s=args["timeout_s"],
+                  memory_mb=args["memory_mb"])
+    out.update(ok=True)
+except BuildFailed as e:
+    out.update(ok=False, reason=e.reason, tail=e.log_tail)
+out["lines"] = lines
+print(json.dumps(out))
+"""
+
+
+def buildah_build(user: ProviderUser, context: str, tag: str, *, timeout_s: float = 300,
+                  memory_mb: int = 1024) -> Any:
+    args = {"context": context, "tag": tag, "timeout_s": timeout_s, "memory_mb": memory_mb}
+    proc = subprocess.run(user.command([sys.executable, "-c", BUILD_SCRIPT, json.dumps(args)]),
+                          capture_output=True, text=True, timeout=timeout_s + 120, cwd="/")
+    if proc.returncode != 0:
+        raise AssertionError(f"build script failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

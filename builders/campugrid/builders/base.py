@@ -13,9 +13,11 @@ class Builder(Protocol):
     name: str
 
     def build(self, context_dir: Path, tag: str, *, log: LogFn, timeout_s: float,
-              cancel: threading.Event | None = None) -> str:
+              cancel: threading.Event | None = None, memory_mb: int = 4096,
+              cpus: float = 2.0) -> str:
         """Build context_dir/Dockerfile into the provider's image store as `tag`.
 
+        RUN steps get the job's memory and CPU where the host can enforce them.
         Returns the tag; raises BuildFailed with the log tail on any failure.
         """
         ...

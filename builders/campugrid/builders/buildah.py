@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 from campugrid.protocol.errors import BuildFailed
+from campugrid.sandbox import limits as host_limits
 from campugrid.sandbox.process import LogFn, run_streaming
 
 WRAPPER = Path(__file__).with_name("runsc-build-runtime")
@@ -23,6 +24,8 @@ class BuildahBuilder:
 
     def __init__(self, buildah: str = "buildah") -> None:
         self.buildah = shutil.which(buildah) or buildah
+        # RUN steps run in a job cgroup too, where this host can enforce one.
+        self.limits = host_limits.detect()
 
     def argv(self, context_dir: Path, tag: str) -> list[str]:
         return [
@@ -40,16 +43,23 @@ class BuildahBuilder:
         ]
 
     def build(self, context_dir: Path, tag: str, *, log: LogFn, timeout_s: float,
-              cancel: threading.Event | None = None) -> str:
-        done = run_streaming(self.argv(context_dir, tag), log=log, timeout_s=timeout_s,
-                             cancel=cancel, on_stop=self._remove_working_containers)
+              cancel: threading.Event | None = None, memory_mb: int = 4096,
+              cpus: float = 2.0) -> str:
+        name = "build-" + "".join(c if c.isalnum() else "-" for c in tag)[-60:]
+        with host_limits.job_cgroup(self.limits, name, memory_mb=memory_mb, cpus=cpus,
+                                    pids=4096) as cg:
+            done = run_streaming(host_limits.launcher(cg, self.argv(context_dir, tag)), log=log,
+                                 timeout_s=timeout_s, cancel=cancel,
+                                 on_stop=self._remove_working_containers)
+            oom = cg.oom_killed() if cg is not None else False
         if done.cancelled:
             raise BuildFailed("build cancelled", done.tail)
         if done.timed_out:
             self._remove_working_containers()
             raise BuildFailed(f"build took longer than {timeout_s:.0f} s", done.tail)
         if done.returncode != 0:
-            raise BuildFailed(f"build failed (buildah exit {done.returncode})", done.tail)
+            why = f"; a RUN step used more than {memory_mb} MB" if oom else ""
+            raise BuildFailed(f"build failed (buildah exit {done.returncode}{why})", done.tail)
         return tag
 
     def _remove_working_containers(self) -> None:

@@ -198,7 +198,8 @@ class Agent:
         try:
             self.builder.build(context_dir, image, log=build_log,
                                timeout_s=min(BUILD_TIMEOUT_S, spec.resources.wall_time_s),
-                               cancel=cancel)
+                               cancel=cancel, memory_mb=spec.resources.memory_mb,
+                               cpus=spec.resources.cpus)
         except BuildFailed as e:
             return pb.CompleteRequest(succeeded=False, exit_code=-1,
                                       reason=f"{e.reason}; last lines of the build log:\n{e.log_tail}")

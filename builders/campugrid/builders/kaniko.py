@@ -1,0 +1,126 @@
+"""Kaniko builds through the Docker-compatible API of the provider's rootless Podman.
+
+Kaniko runs RUN steps directly in its own root filesystem, so the executor container itself
+must be the sandbox: the Podman service it is started on runs runsc as its runtime with no
+network, and the builder refuses to start a build whose container did not get runsc.
+The executor image is configuration: upstream Kaniko is archived, maintained forks exist.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from campugrid.protocol.errors import BuildFailed
+from campugrid.sandbox.process import LogFn
+
+
+def default_socket() -> Path:
+    return Path(f"/run/user/{os.geteuid()}/podman/campugrid-kaniko.sock")
+
+
+def service_argv(socket: Path, podman: str = "podman", runsc: str = "runsc") -> list[str]:
+    """The Podman API service whose every container runs under runsc, offline."""
+    return [podman, "--runtime", runsc, "--runtime-flag", "network=none",
+            "--runtime-flag", "ignore-cgroups", "system", "service", "--time=0", f"unix://{socket}"]
+
+
+def executor_args(tag: str) -> list[str]:
+    return ["--dockerfile=/workspace/Dockerfile", "--context=dir:///workspace", "--no-push",
+            f"--destination={tag}", "--tar-path=/image/image.tar", "--snapshot-mode=redo"]
+
+
+def container_config(image: str, context_dir: Path, image_dir: Path, tag: str) -> dict[str, Any]:
+    """docker-py `containers.create` arguments for one build."""
+    return {
+        "image": image,
+        "command": executor_args(tag),
+        "runtime": "runsc",  # asked for; the service's runtime decides, and is checked after
+        "network_mode": "none",
+        "volumes": {str(context_dir): {"bind": "/workspace", "mode": "ro"},
+                    str(image_dir): {"bind": "/image", "mode": "rw"}},
+        "detach": True,
+        "labels": {"campugrid.build": tag},
+    }
+
+
+class KanikoBuilder:
+    name = "kaniko"
+
+    def __init__(self, executor_image: str, socket: Path | None = None,
+                 podman: str = "podman") -> None:
+        self.executor_image = executor_image
+        self.socket = socket or default_socket()
+        self.podman = shutil.which(podman) or podman
+        self._service: subprocess.Popen[bytes] | None = None
+
+    def _client(self) -> Any:
+        import docker
+
+        if not self.socket.exists():
+            self.socket.parent.mkdir(parents=True, exist_ok=True)
+            self._service = subprocess.Popen(service_argv(self.socket, self.podman),
+                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                             start_new_session=True)
+            deadline = time.monotonic() + 30
+            while not self.socket.exists():
+                if time.monotonic() > deadline:
+                    raise BuildFailed(f"the Podman API service did not start at {self.socket}")
+                time.sleep(0.1)
+        return docker.DockerClient(base_url=f"unix://{self.socket}", version="1.41")
+
+    def has_executor(self) -> bool:
+        return subprocess.run([self.podman, "image", "exists", self.executor_image],
+                              capture_output=True, check=False).returncode == 0
+
+    def build(self, context_dir: Path, tag: str, *, log: LogFn, timeout_s: float,
+              cancel: threading.Event | None = None, memory_mb: int = 4096,
+              cpus: float = 2.0) -> str:
+        """memory_mb and cpus are not applied: the API service's containers are outside the
+        job cgroups (and rootless cgroup v1 ignores the API's limits)."""
+        import docker.errors
+
+        if not self.has_executor():
+            raise BuildFailed(f"Kaniko executor image {self.executor_image} is not on this "
+                              "provider; configure another or use the buildah builder")
+        client = self._client()
+        with tempfile.TemporaryDirectory(prefix="kaniko-") as tmp:
+            image_dir = Path(tmp)
+            try:
+                container = client.containers.create(
+                    **container_config(self.executor_image, context_dir, image_dir, tag))
+            except docker.errors.DockerException as e:
+                raise BuildFailed(f"cannot create the Kaniko container: {e}") from e
+            try:
+                runtime = container.attrs.get("OCIRuntime") or container.attrs.get(
+                    "HostConfig", {}).get("Runtime")
+                if runtime != "runsc":
+                    raise BuildFailed(f"refusing to build: the executor would run under "
+                                      f"{runtime!r}, not runsc")
+                container.start()
+                deadline = time.monotonic() + timeout_s
+                while container.reload() or container.status in ("created", "running"):
+                    if cancel is not None and cancel.is_set():
+                        raise BuildFailed("build cancelled")
+                    if time.monotonic() > deadline:
+                        raise BuildFailed(f"build took longer than {timeout_s:.0f} s")
+                    time.sleep(0.2)
+                lines = container.logs().decode("utf-8", "replace").splitlines()
+                for line in lines:
+                    log(line)
+                code = container.wait(timeout=10).get("StatusCode", -1)
+                if code != 0:
+                    raise BuildFailed(f"build failed (kaniko exit {code})", "\n".join(lines[-40:]))
+            finally:
+                container.remove(force=True)
+            loaded = subprocess.run([self.podman, "load", "-i", str(image_dir / "image.tar")],
+                                    capture_output=True, text=True, check=False)
+            if loaded.returncode != 0:
+                raise BuildFailed("cannot load the built image", loaded.stderr[-2000:])
+        return tag

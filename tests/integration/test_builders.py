@@ -1,0 +1,127 @@
+"""Builders, for real: rootless Buildah with RUN steps under runsc; Kaniko where it can run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from campugrid.builders.kaniko import KanikoBuilder
+from tests.support.provider import buildah_build, run_as_provider, sandbox_run
+
+pytestmark = pytest.mark.integration
+BASE = "FROM localhost/campugrid/python:bookworm\n"
+
+
+def context(root: Path, provider, dockerfile: str, **files: str) -> str:
+    ctx = root / "ctx"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text(BASE + dockerfile)
+    for name, text in files.items():
+        (ctx / name).write_text(text)
+    if os.geteuid() == 0:
+        for p in (ctx, *ctx.iterdir()):
+            os.chown(p, provider.uid, provider.gid)
+    return str(ctx)
+
+
+def remove_image(provider, tag: str) -> None:
+    subprocess.run(provider.command(["podman", "rmi", "-f", tag]), capture_output=True)
+
+
+def test_run_steps_execute_in_gvisor_without_network(provider, shared_tmp):
+    probe = ("import json, platform, socket\n"
+             "ifs = sorted(l.split(':')[0].strip() for l in open('/proc/net/dev').readlines()[2:])\n"
+             "try:\n    socket.create_connection(('127.0.0.1', 22), timeout=2); net = 'reached'\n"
+             "except OSError as e:\n    net = 'refused'\n"
+             "print('PROBE', json.dumps({'kernel': platform.release(), 'ifs': ifs, 'net': net}))\n")
+    ctx = context(shared_tmp, provider, "COPY probe.py /probe.py\nRUN python3 /probe.py && "
+                  "python3 -c 'print(6*7)' > /answer\nCMD [\"cat\", \"/answer\"]\n",
+                  **{"probe.py": probe})
+    tag = "localhost/campugrid-test/buildprobe:1"
+    res = buildah_build(provider, ctx, tag)
+    try:
+        assert res["ok"], res
+        probe_line = next(line for line in res["lines"] if line.startswith("PROBE "))
+        assert '"kernel": "4.4.0"' in probe_line
+        assert '"ifs": ["lo"]' in probe_line and '"net": "refused"' in probe_line
+        out = shared_tmp / "out"
+        out.mkdir()
+        os.chown(out, provider.uid, provider.gid) if os.geteuid() == 0 else None
+        run = sandbox_run(provider, name="t-built", image=tag, command=None,
+                          output_dir=str(out))
+        assert run["exit_code"] == 0 and run["lines"] == ["42"]
+    finally:
+        remove_image(provider, tag)
+
+
+def test_a_failing_run_step_fails_the_build_with_the_log_tail(provider, shared_tmp):
+    ctx = context(shared_tmp, provider, "RUN echo about-to-fail-7f3a && exit 3\n")
+    res = buildah_build(provider, ctx, "localhost/campugrid-test/fails:1")
+    assert not res["ok"]
+    assert "build failed" in res["reason"]
+    assert "about-to-fail-7f3a" in res["tail"]
+
+
+def test_a_missing_base_image_is_named_in_the_failure(provider, shared_tmp):
+    ctx = shared_tmp / "ctx"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text("FROM localhost/not-on-this-provider:1\nRUN true\n")
+    if os.geteuid() == 0:
+        os.chown(ctx, provider.uid, provider.gid)
+        os.chown(ctx / "Dockerfile", provider.uid, provider.gid)
+    res = buildah_build(provider, str(ctx), "localhost/campugrid-test/nobase:1")
+    assert not res["ok"] and "not-on-this-provider" in res["tail"]
+
+
+def test_a_memory_hog_run_step_is_stopped_where_limits_hold(provider, shared_tmp):
+    hog = "b = bytearray(600 * 1024 * 1024); b[::4096] = b'x' * len(b[::4096]); print('built')"
+    ctx = context(shared_tmp, provider, f'RUN python3 -c "{hog}"\n')
+    res = buildah_build(provider, ctx, "localhost/campugrid-test/hog:1", memory_mb=256)
+    remove_image(provider, "localhost/campugrid-test/hog:1")
+    if res["limits"]["memory"] != "enforced":
+        pytest.skip(f"memory limit on this host: {res['limits']['memory']}")
+    assert not res["ok"], "a 600 MB RUN step finished inside a 256 MB build"
+
+
+def test_kaniko_command_runs_offline_with_a_read_only_context():
+    from campugrid.builders.kaniko import container_config, service_argv
+
+    cfg = container_config("kaniko:test", Path("/w/ctx"), Path("/w/img"), "localhost/job:1")
+    assert cfg["network_mode"] == "none" and cfg["runtime"] == "runsc"
+    assert cfg["volumes"]["/w/ctx"] == {"bind": "/workspace", "mode": "ro"}
+    assert "--no-push" in cfg["command"] and "--destination=localhost/job:1" in cfg["command"]
+    assert "--tar-path=/image/image.tar" in cfg["command"]
+    svc = service_argv(Path("/run/user/1/podman/k.sock"))
+    assert svc[:7] == ["podman", "--runtime", "runsc", "--runtime-flag", "network=none",
+                       "--runtime-flag", "ignore-cgroups"]
+    assert svc[-1] == "unix:///run/user/1/podman/k.sock"
+
+
+def test_kaniko_builds_under_runsc_when_an_executor_image_is_present(provider, shared_tmp):
+    image = os.environ.get("CAMPUGRID_KANIKO_IMAGE", "localhost/kaniko-executor:latest")
+    present = subprocess.run(provider.command(["podman", "image", "exists", image]),
+                             capture_output=True).returncode == 0
+    if not present:
+        pytest.skip(f"no Kaniko executor image ({image}) on this machine: no registry to pull "
+                    "one from; set CAMPUGRID_KANIKO_IMAGE to a local one")
+    ctx = context(shared_tmp, provider, "RUN uname -r > /kernel\nCMD [\"cat\", \"/kernel\"]\n")
+    tag = "localhost/campugrid-test/kaniko:1"
+    res = run_as_provider(provider, f"""
+        import json
+        from pathlib import Path
+        from campugrid.builders.kaniko import KanikoBuilder
+        lines = []
+        KanikoBuilder({image!r}).build(Path({ctx!r}), {tag!r}, log=lines.append, timeout_s=600)
+        print(json.dumps(lines))
+    """, timeout=900)
+    try:
+        out = shared_tmp / "out"
+        out.mkdir()
+        os.chown(out, provider.uid, provider.gid) if os.geteuid() == 0 else None
+        run = sandbox_run(provider, name="t-kaniko", image=tag, command=None, output_dir=str(out))
+        assert run["lines"] == ["4.4.0"], (res, run)  # the RUN step saw gVisor's kernel
+    finally:
+        remove_image(provider, tag)
