@@ -185,19 +185,30 @@ def agent_run(
         os.path.expanduser("~/.local/share/campugrid-agent")),
     name: Annotated[str, typer.Option(help="This machine's name.")] = socket.gethostname(),
     builder: Annotated[str, typer.Option(help="buildah or kaniko")] = "buildah",
+    kaniko_image: Annotated[str, typer.Option(envvar="CAMPUGRID_KANIKO_IMAGE",
+                                              help="Kaniko executor image (a local one).")] = "",
     once: Annotated[bool, typer.Option(help="Exit after one task.")] = False,
 ) -> None:
     """Run a provider agent as this (unprivileged) user."""
     from campugrid.agent.worker import Agent, AgentSettings
+    from campugrid.builders.base import Builder
     from campugrid.builders.buildah import BuildahBuilder
+    from campugrid.builders.kaniko import KanikoBuilder
     from campugrid.sandbox.podman_runsc import PodmanRunsc
 
     _logging()
-    if builder != "buildah":
-        _fail(f"builder {builder!r}: only buildah is available in this version")
+    chosen: Builder
+    if builder == "buildah":
+        chosen = BuildahBuilder()
+    elif builder == "kaniko":
+        if not kaniko_image:
+            _fail("--builder kaniko needs --kaniko-image (no registry: it must be a local image)")
+        chosen = KanikoBuilder(kaniko_image)
+    else:
+        _fail(f"--builder {builder!r}: choose buildah or kaniko")
     try:
         agent = Agent(AgentSettings(coordinator=coordinator, state_dir=state_dir, name=name),
-                      BuildahBuilder(), PodmanRunsc())
+                      chosen, PodmanRunsc())
     except CampugridError as e:
         _fail(str(e))
     signal.signal(signal.SIGTERM, lambda *_: agent.shutdown())

@@ -39,6 +39,15 @@ class Api:
     def __init__(self, server: str, timeout: float = 60) -> None:
         self.http = httpx.Client(base_url=server.rstrip("/"), timeout=timeout)
 
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> Api:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
     def _check(self, resp: httpx.Response) -> Any:
         if resp.status_code >= 400:
             try:

@@ -32,6 +32,9 @@ class S3Store:
         self.bucket = bucket
         self.client = Minio(endpoint, access_key, secret_key, secure=secure, region=region)
 
+    def close(self) -> None:
+        self.client._http.clear()  # the SDK has no close(); its urllib3 pool does
+
     def ensure_bucket(self) -> None:
         try:
             if not self.client.bucket_exists(self.bucket):

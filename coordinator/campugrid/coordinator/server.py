@@ -35,6 +35,8 @@ class Running:
         self.stop_event.set()
         self.http.should_exit = True
         self.grpc_server.stop(grace=2).wait()
+        self.coord.objects.close()
+        self.coord.store.engine.dispose()
 
 
 def build(settings: Settings) -> Coordinator:

@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from campugrid.cli.platform import Platform
+from campugrid.cli.rest import Api
+from campugrid.coordinator.seaweed import free_port
+
+
+@pytest.fixture(scope="module")
+def platform() -> Iterator[Platform]:
+    """The whole platform as `campugrid up` starts it, with one agent as the provider user."""
+    root = Path(tempfile.mkdtemp(prefix="campugrid-acc-"))
+    os.chmod(root, 0o711)
+    p = Platform(root / "state", http_port=free_port(), lease_seconds=4.0).start()
+    try:
+        p.start_agent("acceptance-agent")
+        yield p
+    finally:
+        p.stop()
+        log = root / "state" / "agents" / "acceptance-agent.log"
+        if log.exists():
+            print("--- agent log (tail) ---\n" + "\n".join(log.read_text().splitlines()[-40:]))
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def api(platform: Platform) -> Iterator[Api]:
+    with Api(platform.url) as client:
+        yield client

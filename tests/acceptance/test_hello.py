@@ -1,0 +1,158 @@
+"""End to end, for real: REST submit -> agent (unprivileged) -> buildah RUN under runsc ->
+podman+runsc run -> result, logs and output back through the coordinator."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from campugrid.cli.platform import ProviderUser
+from campugrid.cli.rest import tar_folder
+from campugrid.protocol.spec import JobSpec
+
+pytestmark = pytest.mark.acceptance
+REPO = Path(__file__).resolve().parents[2]
+HELLO = REPO / "examples" / "hello"
+
+
+def sandbox_uids(stop: threading.Event, seen: list[int]) -> None:
+    """Host uids of every runsc sandbox process seen until `stop`."""
+    while not stop.is_set():
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:
+                continue
+            if b"runsc" in cmd and b"boot" in cmd:
+                seen.append(int(next(l for l in status.splitlines() if l.startswith("Uid:")).split()[1]))
+        time.sleep(0.05)
+
+
+def test_the_sample_job_builds_and_runs_in_gvisor_offline_as_non_root(api, platform):
+    stop, uids = threading.Event(), []
+    watcher = threading.Thread(target=sandbox_uids, args=(stop, uids))
+    watcher.start()
+    try:
+        # The sample's own CMD, then a pause so the host side of the sandbox can be observed.
+        spec = JobSpec.from_dict({"command": ["sh", "-c", "sleep 3; python3 /app/hello.py"],
+                                  "env": {"PROBE_PORT": str(platform.http_port)}})
+        job = api.submit(tar_folder(HELLO), spec)
+        final = api.wait(job["id"], timeout_s=240)
+    finally:
+        stop.set()
+        watcher.join()
+    assert final["state"] == "succeeded", final
+    result = json.loads(final["result"])
+    assert result["build"]["kernel"] == "4.4.0"
+    assert "Starting gVisor" in result["build"]["dmesg_first"]
+    assert result["run"]["kernel"] == "4.4.0" and "Starting gVisor" in result["run"]["dmesg_first"]
+    assert result["build"]["squares"] == 338350 and result["primes_below_1000"] == 168
+    assert result["network"]["interfaces"] == ["lo"]
+    assert result["network"][f"reached_127.0.0.1:{platform.http_port}"] is False
+    provider = ProviderUser.resolve()
+    assert result["uid_inside"] == provider.uid != 0
+    assert uids, "no runsc sandbox process was seen on the host during the job"
+    assert 0 not in uids and set(uids) <= {provider.uid} | set(range(100000, 165536))
+    # logs: the build's steps and the job's lines, each in its stream
+    chunks = api.logs(job["id"])["chunks"]
+    build = "".join(c["text"] for c in chunks if c["stream"] == "build")
+    run = "".join(c["text"] for c in chunks if c["stream"] == "run")
+    assert "RUN python3 /app/hello.py --build" in build
+    assert "job ran on kernel 4.4.0" in run
+    # the /output folder, as a tarball
+    with tarfile.open(fileobj=io.BytesIO(api.output(job["id"]))) as tar:
+        assert json.load(tar.extractfile("result.json"))["message"] == "hello from campugrid"
+    assert all(v == "enforced" or v.startswith("not enforced: ") for v in final["limits"].values())
+
+
+def test_the_cli_shows_the_job(api, platform):
+    job = api.submit(tar_folder(HELLO), JobSpec(name="cli check"))
+    api.wait(job["id"], timeout_s=240)
+    cli = [sys.executable, "-m", "campugrid.cli"]
+    out = subprocess.run([*cli, "status", job["id"], "--server", platform.url],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "succeeded" in out.stdout and "cli check" in out.stdout
+    logs = subprocess.run([*cli, "logs", job["id"], "--server", platform.url],
+                          capture_output=True, text=True, timeout=60)
+    assert "build| STEP" in logs.stdout and "hello from campugrid" in logs.stdout
+    listed = subprocess.run([*cli, "jobs", "--server", platform.url], capture_output=True,
+                            text=True, timeout=60)
+    assert job["id"] in listed.stdout
+    missing = subprocess.run([*cli, "status", "not-a-job", "--server", platform.url],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "no job 'not-a-job'" in missing.stderr
+
+
+def test_a_failed_build_fails_the_job_with_the_build_log_tail(api, tmp_path):
+    (tmp_path / "Dockerfile").write_text(
+        "FROM localhost/campugrid/python:bookworm\nRUN echo preparing-step-91c && exit 4\n")
+    job = api.submit(tar_folder(tmp_path), JobSpec())
+    final = api.wait(job["id"], timeout_s=240)
+    assert final["state"] == "failed"
+    assert final["reason"].startswith("build failed")
+    assert "preparing-step-91c" in final["reason"]
+
+
+def test_a_failing_command_gives_its_exit_status(api):
+    job = api.submit(tar_folder(HELLO), JobSpec.from_dict({"command": "echo partial; exit 7"}))
+    final = api.wait(job["id"], timeout_s=240)
+    assert final["state"] == "failed" and final["exit_code"] == 7
+    assert final["reason"] == "the job's command exited with status 7"
+    assert final["result"] == "partial"
+
+
+def test_cancelling_a_running_job_removes_its_sandbox(api, platform):
+    job = api.submit(tar_folder(HELLO), JobSpec.from_dict({"command": ["sleep", "600"]}))
+    deadline = time.monotonic() + 120
+    while api.job(job["id"])["state"] != "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    provider = ProviderUser.resolve()
+
+    def containers() -> str:
+        return subprocess.run(provider.command(["podman", "ps", "-a", "--format", "{{.Names}}"]),
+                              capture_output=True, text=True, timeout=60).stdout
+
+    deadline = time.monotonic() + 30
+    while job["id"] not in containers():
+        assert time.monotonic() < deadline, "the job's container never appeared"
+        time.sleep(0.2)
+    assert api.cancel(job["id"])["state"] == "cancelled"
+    deadline = time.monotonic() + 3 * platform.lease_seconds + 15
+    while job["id"] in containers():
+        assert time.monotonic() < deadline, "the sandbox outlived its cancelled job"
+        time.sleep(0.3)
+    assert api.job(job["id"])["state"] == "cancelled"
+
+
+def test_a_dataset_is_mounted_read_only(api, platform):
+    assert platform.s3 is not None
+    from campugrid.coordinator.objects import S3Store
+
+    store = S3Store(platform.s3.endpoint, platform.s3.access_key, platform.s3.secret_key, "datasets")
+    store.ensure_bucket()
+    store.put_bytes("iris/part-0.csv", b"5.1,3.5\n4.9,3.0\n")
+    store.put_bytes("iris/meta/info.txt", b"two rows")
+    store.close()
+    reader = ("import os; rows = open('/data/iris/part-0.csv').read().split();"
+              "info = open('/data/iris/meta/info.txt').read();"
+              "w = os.access('/data/iris/part-0.csv', os.W_OK);"
+              "print(len(rows), info, 'writable' if w else 'read-only')")
+    spec = JobSpec.from_dict({"command": ["python3", "-c", reader],
+                              "datasets": [{"name": "iris", "uri": "s3://datasets/iris/"}]})
+    final = api.wait(api.submit(tar_folder(HELLO), spec)["id"], timeout_s=240)
+    assert final["state"] == "succeeded", final
+    assert final["result"] == "2 two rows read-only"

@@ -1,0 +1,84 @@
+"""The REST boundary refuses bad input with a reason and stores nothing; retries never
+make a second job."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from campugrid.cli.rest import ApiError, tar_folder
+from campugrid.protocol.spec import JobSpec
+
+pytestmark = pytest.mark.acceptance
+HELLO = Path(__file__).resolve().parents[2] / "examples" / "hello"
+
+
+def post(platform, context: bytes, spec: str) -> httpx.Response:
+    return httpx.post(f"{platform.url}/v1/jobs", files={"context": ("c.tgz", context)},
+                      data={"spec": spec}, timeout=60)
+
+
+def test_twenty_concurrent_retries_make_one_job(api, platform):
+    context = tar_folder(HELLO)
+    spec = JobSpec.from_dict({"client_job_id": "retry-storm-1", "command": ["true"]})
+    barrier = threading.Barrier(20)
+
+    def go(_: int) -> tuple[int, str]:
+        barrier.wait()
+        resp = post(platform, context, spec.to_json())
+        return resp.status_code, resp.json()["id"]
+
+    with ThreadPoolExecutor(20) as pool:
+        answers = list(pool.map(go, range(20)))
+    assert len({job_id for _, job_id in answers}) == 1
+    assert sorted(code for code, _ in answers) == [200] * 19 + [201]
+    assert sum(j["client_job_id"] == "retry-storm-1" for j in api.jobs(limit=1000)) == 1
+
+
+@pytest.mark.parametrize(("context", "spec", "status", "says"), [
+    (b"not a tarball", "{}", 422, "context: not a tar"),
+    (None, '{"comand": "x"}', 422, "did you mean 'command'"),
+    (None, "{broken", 422, "spec: not valid JSON"),
+    (None, '{"resources": {"memory_mb": 1}}', 422, "resources.memory_mb"),
+    (None, '{"datasets": [{"name": "d", "uri": "s3://no-such-bucket/x"}]}', 422, "no bucket"),
+    (None, '{"datasets": [{"name": "d", "uri": "s3://campugrid/nothing-here/"}]}', 422,
+     "nothing found at s3://campugrid/nothing-here/"),
+])
+def test_bad_submissions_are_refused_with_a_reason_and_store_nothing(
+        api, platform, context, spec, status, says):
+    before = len(api.jobs(limit=1000))
+    resp = post(platform, context if context is not None else tar_folder(HELLO), spec)
+    assert resp.status_code == status
+    assert says in resp.json()["detail"]
+    assert len(api.jobs(limit=1000)) == before
+
+
+def test_a_dockerfile_that_needs_network_is_refused_at_submit(api, tmp_path):
+    (tmp_path / "Dockerfile").write_text("FROM localhost/campugrid/python:bookworm\n"
+                                         "ADD https://example.org/model.bin /model.bin\n")
+    with pytest.raises(ApiError) as err:
+        api.submit(tar_folder(tmp_path), JobSpec())
+    assert err.value.status == 422 and "builds have no network" in err.value.detail
+
+
+def test_unknown_and_malformed_job_ids_are_404(api, platform):
+    for job_id in ("00000000-0000-0000-0000-000000000000", "x' OR 1=1"):
+        resp = httpx.get(f"{platform.url}/v1/jobs/{job_id}", timeout=30)
+        assert resp.status_code == 404 and "no job" in resp.json()["detail"]
+
+
+def test_the_api_documents_itself(platform):
+    schema = httpx.get(f"{platform.url}/openapi.json", timeout=30).json()
+    assert {"/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/cancel",
+            "/v1/jobs/{job_id}/logs", "/v1/jobs/{job_id}/output"} <= set(schema["paths"])
+
+
+def test_output_of_a_job_without_output_says_why(api, platform):
+    job = api.submit(tar_folder(HELLO), JobSpec.from_dict({"command": ["true"]}))
+    api.wait(job["id"], timeout_s=240)
+    resp = httpx.get(f"{platform.url}/v1/jobs/{job['id']}/output", timeout=30)
+    assert resp.status_code == 404 and "has no output" in resp.json()["detail"]

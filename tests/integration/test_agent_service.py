@@ -1,0 +1,109 @@
+"""The agents' gRPC service on a real coordinator (SQLite, SeaweedFS), driven by the agent's
+own client: authentication, leasing, fencing of stale attempts."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from campugrid.agent.client import CoordinatorClient
+from campugrid.cli.rest import Api, tar_folder
+from campugrid.coordinator import server
+from campugrid.coordinator.config import Settings
+from campugrid.coordinator.seaweed import EmbeddedS3, free_port
+from campugrid.protocol import agent_pb2 as pb
+from campugrid.protocol.spec import JobSpec
+
+pytestmark = pytest.mark.integration
+HELLO = Path(__file__).resolve().parents[2] / "examples" / "hello"
+
+
+@pytest.fixture
+def coordinator(s3_server: EmbeddedS3, tmp_path: Path) -> Iterator[tuple[server.Running, Api]]:
+    settings = Settings.from_env(
+        tmp_path / "coord", s3_endpoint=s3_server.endpoint, s3_access_key=s3_server.access_key,
+        s3_secret_key=s3_server.secret_key, s3_bucket=f"c{tmp_path.name[-8:].lower().replace('_', '')}x",
+        http_port=free_port(), grpc_port=free_port(), lease_seconds=1.0)
+    running = server.start(settings)
+    import threading
+
+    t = threading.Thread(target=running.http.run, daemon=True)
+    t.start()
+    while not running.http.started:
+        time.sleep(0.05)
+    api = Api(f"http://127.0.0.1:{settings.http_port}")
+    yield running, api
+    api.close()
+    for c in _clients:
+        c.close()
+    _clients.clear()
+    running.stop()
+    t.join(5)
+
+
+_clients: list[CoordinatorClient] = []
+
+
+def client(running: server.Running, tmp_path: Path, name: str) -> CoordinatorClient:
+    c = CoordinatorClient(f"127.0.0.1:{running.grpc_port}", tmp_path / f"{name}.json")
+    _clients.append(c)
+    c.ensure_registered(name, pb.Capabilities(runtime="runsc", builder="buildah"))
+    return c
+
+
+def test_calls_without_valid_credentials_are_refused(coordinator, tmp_path):
+    running, _ = coordinator
+    c = CoordinatorClient(f"127.0.0.1:{running.grpc_port}", tmp_path / "none.json")
+    _clients.append(c)
+    c.machine_id, c._secret = "someone", "guess"
+    with pytest.raises(grpc.RpcError) as err:
+        c.lease()
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_credentials_are_kept_private_and_reused(coordinator, tmp_path):
+    running, _ = coordinator
+    first = client(running, tmp_path, "m")
+    assert (tmp_path / "m.json").stat().st_mode & 0o777 == 0o600
+    again = client(running, tmp_path, "m")
+    assert again.machine_id == first.machine_id
+
+
+def test_a_late_completion_from_a_lost_attempt_is_refused_and_recorded(coordinator, tmp_path):
+    running, api = coordinator
+    job = api.submit(tar_folder(HELLO), JobSpec(client_job_id="fencing-1"))
+    lost, fresh = client(running, tmp_path, "lost"), client(running, tmp_path, "fresh")
+    first = lost.lease()
+    assert first.has_task and first.job_id == job["id"] and first.fencing_token == 1
+    assert first.context_url.startswith("http://127.0.0.1:")
+    deadline = time.monotonic() + 30  # lease_seconds=1: the reaper requeues it
+    while (second := fresh.lease()).has_task is False:
+        assert time.monotonic() < deadline, "the expired lease was not requeued"
+        time.sleep(0.2)
+    assert second.job_id == job["id"] and second.fencing_token == 2
+    late = lost.complete(pb.CompleteRequest(job_id=job["id"], fencing_token=1, succeeded=True,
+                                            result="from the lost machine"))
+    assert not late.accepted and "current attempt is 2" in late.reason
+    assert not lost.renew(job["id"], 1, "running", timeout_s=5).keep_going
+    assert fresh.renew(job["id"], 2, "running", timeout_s=5).keep_going
+    done = fresh.complete(pb.CompleteRequest(job_id=job["id"], fencing_token=2, succeeded=True,
+                                             result="from the fresh machine"))
+    assert done.accepted
+    final = api.job(job["id"])
+    assert final["state"] == "succeeded" and final["result"] == "from the fresh machine"
+    kinds = [(e["kind"], e["attempt"]) for e in final["events"]]
+    assert ("lease_expired", 1) in kinds and ("refused", 1) in kinds and ("succeeded", 2) in kinds
+
+
+def test_cancel_tells_the_agent_to_stop(coordinator, tmp_path):
+    running, api = coordinator
+    job = api.submit(tar_folder(HELLO), JobSpec())
+    c = client(running, tmp_path, "m")
+    lease = c.lease()
+    api.cancel(job["id"])
+    reply = c.renew(job["id"], lease.fencing_token, "running", timeout_s=5)
+    assert not reply.keep_going and "cancelled" in reply.reason
