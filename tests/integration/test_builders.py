@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from campugrid.builders.kaniko import KanikoBuilder
 from tests.support.provider import buildah_build, run_as_provider, sandbox_run
 
 pytestmark = pytest.mark.integration
@@ -84,20 +83,6 @@ def test_a_memory_hog_run_step_is_stopped_where_limits_hold(provider, shared_tmp
     if res["limits"]["memory"] != "enforced":
         pytest.skip(f"memory limit on this host: {res['limits']['memory']}")
     assert not res["ok"], "a 600 MB RUN step finished inside a 256 MB build"
-
-
-def test_kaniko_command_runs_offline_with_a_read_only_context():
-    from campugrid.builders.kaniko import container_config, service_argv
-
-    cfg = container_config("kaniko:test", Path("/w/ctx"), Path("/w/img"), "localhost/job:1")
-    assert cfg["network_mode"] == "none" and cfg["runtime"] == "runsc"
-    assert cfg["volumes"]["/w/ctx"] == {"bind": "/workspace", "mode": "ro"}
-    assert "--no-push" in cfg["command"] and "--destination=localhost/job:1" in cfg["command"]
-    assert "--tar-path=/image/image.tar" in cfg["command"]
-    svc = service_argv(Path("/run/user/1/podman/k.sock"))
-    assert svc[:7] == ["podman", "--runtime", "runsc", "--runtime-flag", "network=none",
-                       "--runtime-flag", "ignore-cgroups"]
-    assert svc[-1] == "unix:///run/user/1/podman/k.sock"
 
 
 def test_kaniko_builds_under_runsc_when_an_executor_image_is_present(provider, shared_tmp):

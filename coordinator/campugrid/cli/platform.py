@@ -121,7 +121,7 @@ class Platform:
 
     def start(self) -> Platform:
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.state_dir, 0o711)
+        os.chmod(self.state_dir, 0o711)  # noqa: S103 - the agent user must traverse it
         # The S3 secret lives only in memory and SeaweedFS's 0600 config, new at every start.
         access, secret = "campugrid", secrets.token_urlsafe(32)
         self.s3 = EmbeddedS3(self.state_dir / "s3", access, secret).start()
@@ -145,7 +145,7 @@ class Platform:
         user = user or ProviderUser.resolve()
         agent_dir = self.state_dir / "agents" / name
         (self.state_dir / "agents").mkdir(parents=True, exist_ok=True)
-        os.chmod(self.state_dir / "agents", 0o711)
+        os.chmod(self.state_dir / "agents", 0o711)  # noqa: S103 - likewise
         user.prepare(agent_dir)
         if not user.has_image(BASE_IMAGE):
             raise CampugridError(f"{BASE_IMAGE} is missing for user {user.name}; "

@@ -25,9 +25,8 @@ from campugrid.protocol.errors import (
     Unauthenticated,
 )
 from campugrid.protocol.states import JobState
+from campugrid.protocol.wire import MACHINE_HEADER, SECRET_HEADER
 
-MACHINE_KEY = "x-campugrid-machine"
-SECRET_KEY = "x-campugrid-secret"
 log = logging.getLogger("campugrid.coordinator.agents")
 
 R = TypeVar("R")
@@ -44,7 +43,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
 
     def _machine(self, context: grpc.ServicerContext) -> str:
         md = dict(context.invocation_metadata())
-        machine_id, secret = str(md.get(MACHINE_KEY, "")), str(md.get(SECRET_KEY, ""))
+        machine_id, secret = str(md.get(MACHINE_HEADER, "")), str(md.get(SECRET_HEADER, ""))
         try:
             self.coord.store.authenticate(machine_id, secret)
         except Unauthenticated as e:

@@ -64,7 +64,7 @@ class EmbeddedS3:
         argv = [
             weed_binary(), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-dir={self.data_dir}", "-s3", f"-s3.port={self.port}", f"-s3.config={config}",
-            "-master.volumeSizeLimitMB=1024", "-volume.max=20", "-metricsPort=0",
+            "-master.volumeSizeLimitMB=256", "-volume.max=0", "-metricsPort=0",
             "-s3.port.iceberg=0", "-s3.port.lance=0", "-webdav=false", "-iam=false",
             *(f"-{k}={v}" for k, v in ports.items()),
         ]
@@ -91,7 +91,7 @@ class EmbeddedS3:
                 if not client.bucket_exists(probe):
                     client.make_bucket(probe)
                 return
-            except Exception as e:  # noqa: BLE001 - still starting; retried until deadline
+            except Exception as e:
                 last = e
                 time.sleep(0.3)
         self.stop()

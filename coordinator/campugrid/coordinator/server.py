@@ -56,7 +56,7 @@ def _reap(coord: Coordinator, stop: threading.Event, every_s: float) -> None:
                 log.warning("lease expired: job %s", job_id)
         except CampugridError:
             log.exception("lease reaper")
-        except Exception:  # noqa: BLE001 - e.g. the database restarting; try again next tick
+        except Exception:
             log.exception("lease reaper")
 
 

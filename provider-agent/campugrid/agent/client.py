@@ -10,9 +10,8 @@ import grpc
 
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
+from campugrid.protocol.wire import MACHINE_HEADER, SECRET_HEADER
 
-MACHINE_KEY = "x-campugrid-machine"
-SECRET_KEY = "x-campugrid-secret"
 RPC_TIMEOUT_S = 10.0
 
 
@@ -54,7 +53,7 @@ class CoordinatorClient:
 
     @property
     def _md(self) -> tuple[tuple[str, str], ...]:
-        return ((MACHINE_KEY, self.machine_id), (SECRET_KEY, self._secret))
+        return ((MACHINE_HEADER, self.machine_id), (SECRET_HEADER, self._secret))
 
     def heartbeat(self, caps: pb.Capabilities | None = None) -> None:
         req = pb.HeartbeatRequest(capabilities=caps) if caps is not None else pb.HeartbeatRequest()

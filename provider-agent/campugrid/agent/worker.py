@@ -158,7 +158,7 @@ class Agent:
             outcome = self._execute(lease, work, image, cancel, renewer, shipper)
         except CampugridError as e:
             outcome = pb.CompleteRequest(succeeded=False, exit_code=-1, reason=str(e))
-        except Exception as e:  # noqa: BLE001 - an agent bug must fail the task, not the agent
+        except Exception as e:
             log.exception("task %s crashed the agent's task runner", job_id)
             outcome = pb.CompleteRequest(succeeded=False, exit_code=-1,
                                          reason=f"agent error: {type(e).__name__}: {e}")

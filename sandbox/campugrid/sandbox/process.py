@@ -7,6 +7,7 @@ must kill the whole process group (not just the direct child) when time is up.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
 import signal
@@ -80,10 +81,8 @@ def run_streaming(
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:

@@ -1,0 +1,18 @@
+"""Kaniko's command construction (its real build runs in tests/integration when an executor
+image is present)."""
+
+from pathlib import Path
+
+from campugrid.builders.kaniko import container_config, service_argv
+
+
+def test_kaniko_command_runs_offline_with_a_read_only_context():
+    cfg = container_config("kaniko:test", Path("/w/ctx"), Path("/w/img"), "localhost/job:1")
+    assert cfg["network_mode"] == "none" and cfg["runtime"] == "runsc"
+    assert cfg["volumes"]["/w/ctx"] == {"bind": "/workspace", "mode": "ro"}
+    assert "--no-push" in cfg["command"] and "--destination=localhost/job:1" in cfg["command"]
+    assert "--tar-path=/image/image.tar" in cfg["command"]
+    svc = service_argv(Path("/run/user/1/podman/k.sock"))
+    assert svc[:7] == ["podman", "--runtime", "runsc", "--runtime-flag", "network=none",
+                       "--runtime-flag", "ignore-cgroups"]
+    assert svc[-1] == "unix:///run/user/1/podman/k.sock"
