@@ -163,3 +163,38 @@ def test_the_provider_sees_host_limits_honestly(provider):
     assert set(report) == {"memory", "cpu", "pids", "disk", "wall_time"}
     for how in report.values():
         assert how == "enforced" or how.startswith("not enforced: ")
+
+
+def test_a_killed_agent_does_not_leave_its_sandbox_running(provider, shared_tmp):
+    """kill -9 of the process that runs the sandbox: the guard removes the container."""
+    import json as _json
+    import signal
+    import subprocess
+    import sys
+
+    from tests.support.provider import SANDBOX_SCRIPT
+
+    out, _ = prepared(shared_tmp, provider)
+    args = {"name": "t-orphan", "image": "localhost/campugrid/python:bookworm",
+            "command": ["sleep", "600"], "env": [], "output_dir": str(out), "data_dir": None,
+            "memory_mb": 256, "cpus": 1.0, "tmp_mb": 16, "wall_time_s": 600}
+    runner = subprocess.Popen(provider.command([sys.executable, "-c", SANDBOX_SCRIPT, _json.dumps(args)]),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def exists() -> bool:
+        return subprocess.run(provider.command(["podman", "container", "exists", "t-orphan"]),
+                              capture_output=True).returncode == 0
+
+    deadline = time.monotonic() + 60
+    while not exists():
+        assert time.monotonic() < deadline, "the sandbox never started"
+        time.sleep(0.2)
+    # the Python process under runuser/env, i.e. what would be the agent
+    children = subprocess.run(["pgrep", "-P", str(runner.pid)], capture_output=True, text=True).stdout.split()
+    victim = int(children[0]) if os.geteuid() == 0 else runner.pid
+    os.kill(victim, signal.SIGKILL)
+    runner.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while exists():
+        assert time.monotonic() < deadline, "the sandbox kept running after its agent died"
+        time.sleep(0.3)

@@ -50,7 +50,8 @@ class BuildahBuilder:
                                     pids=4096) as cg:
             done = run_streaming(host_limits.launcher(cg, self.argv(context_dir, tag)), log=log,
                                  timeout_s=timeout_s, cancel=cancel,
-                                 on_stop=self._remove_working_containers)
+                                 on_stop=self._remove_working_containers,
+                                 on_orphan=[self.buildah, "rm", "--all"])
             oom = cg.oom_killed() if cg is not None else False
         if done.cancelled:
             raise BuildFailed("build cancelled", done.tail)

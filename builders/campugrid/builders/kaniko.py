@@ -105,7 +105,10 @@ class KanikoBuilder:
                                       f"{runtime!r}, not runsc")
                 container.start()
                 deadline = time.monotonic() + timeout_s
-                while container.reload() or container.status in ("created", "running"):
+                while True:
+                    container.reload()
+                    if container.status not in ("created", "running"):
+                        break
                     if cancel is not None and cancel.is_set():
                         raise BuildFailed("build cancelled")
                     if time.monotonic() > deadline:

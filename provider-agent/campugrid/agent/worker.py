@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
 import logging
 import os
 import shutil
@@ -54,20 +53,31 @@ class Renewer:
         self.phase = "building"
         self.reason = ""
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name=f"renew-{lease.job_id}")
 
     def start(self) -> Renewer:
         self._thread.start()
         return self
 
+    def set_phase(self, phase: str) -> None:
+        """Tell the coordinator now (the renewal carries the phase), not at the next tick."""
+        self.phase = phase
+        self._wake.set()
+
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=15)
 
     def _loop(self) -> None:
         lease_s = self.lease.lease_seconds or 12.0
         last_ok = time.monotonic()
-        while not self._stop.wait(lease_s / 4):
+        while True:
+            self._wake.wait(lease_s / 4)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 reply = self.client.renew(self.lease.job_id, self.lease.fencing_token, self.phase,
                                           timeout_s=lease_s / 4)
@@ -125,6 +135,8 @@ class Agent:
                             self.settings.coordinator, e.code())
                 self.stopping.wait(2)
         log.info("agent %s registered as %s", self.settings.name, self.client.machine_id)
+        for name in self.sandbox.sweep(self.client.machine_id):
+            log.warning("removed sandbox %s left from an earlier run of this agent", name)
         last_beat = 0.0
         while not self.stopping.is_set():
             try:
@@ -203,7 +215,7 @@ class Agent:
         except BuildFailed as e:
             return pb.CompleteRequest(succeeded=False, exit_code=-1,
                                       reason=f"{e.reason}; last lines of the build log:\n{e.log_tail}")
-        renewer.phase = "running"
+        renewer.set_phase("running")
         run_log = shipper.for_stream("run")
         last_line: list[str] = []
 
@@ -219,10 +231,11 @@ class Agent:
             command=spec.command, env=env, output_dir=output_dir,
             data_dir=data_dir if lease.datasets else None, memory_mb=spec.resources.memory_mb,
             cpus=spec.resources.cpus, tmp_mb=spec.resources.disk_mb,
-            wall_time_s=spec.resources.wall_time_s), log=on_line, cancel=cancel)
+            wall_time_s=spec.resources.wall_time_s, agent=self.client.machine_id),
+            log=on_line, cancel=cancel)
         uploaded = False
         if not cancel.is_set():
-            uploaded = self._upload_output(lease.output_url, output_dir)
+            uploaded = self._upload_output(lease.output_url, output_dir, work / "output.tar.gz")
         if result.timed_out:
             reason = f"wall time of {spec.resources.wall_time_s} s exceeded; the job was stopped"
         elif result.oom_killed:
@@ -251,17 +264,17 @@ class Agent:
                         out.write(chunk)
 
     @staticmethod
-    def _upload_output(url: str, output_dir: Path) -> bool:
-        """Tar the output folder (files and folders only; links are skipped) and PUT it."""
+    def _upload_output(url: str, output_dir: Path, tarball: Path) -> bool:
+        """Tar the output folder (regular files only: links the job made are skipped) and PUT it."""
         files = [p for p in output_dir.rglob("*") if p.is_file() and not p.is_symlink()]
         if not files:
             return False
         if sum(p.stat().st_size for p in files) > MAX_OUTPUT_BYTES:
             raise InvalidInput(f"output: larger than {MAX_OUTPUT_BYTES // 1024**2} MiB; not uploaded")
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        with tarfile.open(tarball, mode="w:gz") as tar:
             for p in sorted(files):
                 tar.add(p, arcname=str(p.relative_to(output_dir)), recursive=False)
-        with httpx.Client(timeout=300) as http:
-            http.put(url, content=buf.getvalue()).raise_for_status()
+        size = tarball.stat().st_size
+        with httpx.Client(timeout=300) as http, open(tarball, "rb") as f:
+            http.put(url, content=f, headers={"content-length": str(size)}).raise_for_status()
         return True

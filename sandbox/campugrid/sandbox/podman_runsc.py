@@ -21,6 +21,7 @@ from campugrid.sandbox.process import LogFn, run_streaming
 RUNSC_FLAGS = ("--runtime-flag", "network=none", "--runtime-flag", "ignore-cgroups")
 OUTPUT_MOUNT = "/output"
 DATA_MOUNT = "/data"
+AGENT_LABEL = "campugrid.agent"
 HOST_PIDS_CEILING = 4096  # gVisor's own threads count on the host: keep it generous
 GUEST_NPROC = 512  # enforced cleanly inside gVisor: fork() gets EAGAIN
 
@@ -37,6 +38,7 @@ class RunRequest:
     cpus: float
     tmp_mb: int
     wall_time_s: int
+    agent: str = ""  # the agent's machine id, as a label: what to sweep after a crash
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +84,7 @@ class PodmanRunsc:
             "--timeout", str(req.wall_time_s + 5),  # podman's own backstop to ours
             "--log-opt", "max-size=20mb",
             "-v", f"{req.output_dir}:{OUTPUT_MOUNT}:rw",
+            "--label", f"{AGENT_LABEL}={req.agent}",
         ]
         if self.limits.v1_delegated is None:
             # Asked for where it may hold (cgroup v2); reported as not enforced otherwise.
@@ -107,15 +110,28 @@ class PodmanRunsc:
                 timeout_s=req.wall_time_s,
                 cancel=cancel,
                 on_stop=lambda: self.stop(req.name),
+                # If the agent dies (kill -9, OOM), the sandbox must not compute on unwatched.
+                on_orphan=self.stop_argv(req.name),
             )
             oom = cg.oom_killed() if cg is not None else False
         self.stop(req.name)  # also when podman itself died: nothing of the job may stay
         return RunResult(done.returncode, done.timed_out, done.cancelled, oom, done.tail,
                          self.limits.as_dict())
 
+    def stop_argv(self, name: str) -> list[str]:
+        return [self.podman, "rm", "--force", "--ignore", "--time", "0", name]
+
     def stop(self, name: str) -> None:
-        subprocess.run([self.podman, "rm", "--force", "--ignore", "--time", "0", name],
-                       capture_output=True, timeout=60, check=False)
+        subprocess.run(self.stop_argv(name), capture_output=True, timeout=60, check=False)
+
+    def sweep(self, label_value: str) -> list[str]:
+        """Remove containers this agent left behind in an earlier life (found by label)."""
+        out = subprocess.run([self.podman, "ps", "-a", "--filter", f"label={AGENT_LABEL}={label_value}",
+                              "--format", "{{.Names}}"], capture_output=True, text=True, timeout=60,
+                             check=False).stdout.split()
+        for name in out:
+            self.stop(name)
+        return out
 
     def exists(self, name: str) -> bool:
         return subprocess.run([self.podman, "container", "exists", name],

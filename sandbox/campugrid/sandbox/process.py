@@ -34,6 +34,7 @@ def run_streaming(
     timeout_s: float,
     cancel: threading.Event | None = None,
     on_stop: Callable[[], None] | None = None,
+    on_orphan: Sequence[str] | None = None,
     env: dict[str, str] | None = None,
     tail_lines: int = 40,
 ) -> Finished:
@@ -41,6 +42,8 @@ def run_streaming(
 
     `on_stop` runs first when stopping (e.g. `podman rm -f NAME`, which also tears down the
     sandbox that podman's own process group does not contain); then the group gets SIGKILL.
+    `on_orphan` is a command that a guard process runs if *this* process dies first (even by
+    SIGKILL): the child's group is killed, then the command cleans up what lives outside it.
     """
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
     proc = subprocess.Popen(
@@ -51,6 +54,7 @@ def run_streaming(
         env=env,
         start_new_session=True,
     )
+    guard = _guard(proc.pid, on_orphan) if on_orphan else None
     assert proc.stdout is not None
     stream = proc.stdout
 
@@ -77,7 +81,34 @@ def run_streaming(
         time.sleep(0.05)
     proc.wait()
     reader.join(timeout=5)
+    if guard is not None:
+        _release(guard)
     return Finished(proc.returncode, timed_out, cancelled, "\n".join(tail))
+
+
+_GUARD = """
+read line
+[ "$line" = done ] && exit 0
+kill -KILL -- "-$0" 2>/dev/null
+exec "$@"
+"""
+
+
+def _guard(pgid: int, cleanup: Sequence[str]) -> subprocess.Popen[bytes]:
+    """A process in its own session that waits on a pipe only we hold. EOF (we died) means:
+    kill the child's group and run `cleanup`; a "done" line means we finished normally."""
+    return subprocess.Popen(["/bin/sh", "-c", _GUARD, str(pgid), *cleanup],
+                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def _release(guard: subprocess.Popen[bytes]) -> None:
+    assert guard.stdin is not None
+    with contextlib.suppress(BrokenPipeError):
+        guard.stdin.write(b"done\n")
+        guard.stdin.close()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        guard.wait(timeout=5)
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
