@@ -8,8 +8,10 @@ set -euo pipefail
 
 user=${1:-${CAMPUGRID_AGENT_USER:-campugrid}}
 image=localhost/campugrid/python:bookworm
+version=2  # bump when the package list changes: the image is then made again
+packages=python3,python3-numpy
 cache=${CAMPUGRID_IMAGE_CACHE:-/var/cache/campugrid}
-tarball=$cache/bookworm-python3.tar
+tarball=$cache/bookworm-python3-v$version.tar
 
 as_user() {
   if [ "$(id -un)" = "$user" ]; then "$@"; else
@@ -23,18 +25,21 @@ if [ ! -s "$tarball" ]; then
   mkdir -p "$cache"
   root=$(mktemp -d "$cache/rootfs.XXXXXX")
   trap 'rm -rf "$root"' EXIT
-  echo "base-image: debootstrap bookworm + python3 (about a minute, once)"
-  debootstrap --variant=minbase --include=python3 bookworm "$root" >"$cache/debootstrap.log" 2>&1 \
+  echo "base-image: debootstrap bookworm + $packages (about a minute, once)"
+  debootstrap --variant=minbase --include="$packages" bookworm "$root" >"$cache/debootstrap.log" 2>&1 \
     || { tail -20 "$cache/debootstrap.log" >&2; exit 1; }
   rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
   tar --numeric-owner -C "$root" -cf "$tarball.tmp" .
   chmod 0644 "$tarball.tmp"
   mv "$tarball.tmp" "$tarball"
+  find "$cache" -maxdepth 1 -name 'bookworm-python3*.tar' ! -name "${tarball##*/}" -delete
 fi
 
-if as_user podman image exists "$image"; then
-  echo "base-image: $image present for $user"
+have=$(as_user podman image inspect --format '{{index .Labels "campugrid.base"}}' "$image" 2>/dev/null || true)
+if [ "$have" = "$version" ]; then
+  echo "base-image: $image (v$version) present for $user"
 else
-  echo "base-image: importing $image for $user"
-  as_user podman import --quiet --change 'CMD ["/usr/bin/python3"]' - "$image" <"$tarball" >/dev/null
+  echo "base-image: importing $image (v$version) for $user"
+  as_user podman import --quiet --change 'CMD ["/usr/bin/python3"]' \
+    --change "LABEL campugrid.base=$version" - "$image" <"$tarball" >/dev/null
 fi

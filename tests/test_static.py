@@ -15,6 +15,7 @@ def test_ruff_is_clean():
 
 def test_mypy_strict_is_clean():
     out = subprocess.run([BIN / "mypy", "coordinator/campugrid", "provider-agent/campugrid",
-                          "sandbox/campugrid", "builders/campugrid"], cwd=REPO,
+                          "sandbox/campugrid", "builders/campugrid", "checkpoint-hooks/campugrid"],
+                         cwd=REPO,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-4000:]

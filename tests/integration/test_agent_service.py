@@ -107,3 +107,49 @@ def test_cancel_tells_the_agent_to_stop(coordinator, tmp_path):
     api.cancel(job["id"])
     reply = c.renew(job["id"], lease.fencing_token, "running", timeout_s=5)
     assert not reply.keep_going and "cancelled" in reply.reason
+
+
+def upload(begin: pb.BeginCheckpointReply, data: bytes) -> list[str]:
+    import httpx
+
+    etags = []
+    for i, url in enumerate(begin.part_urls):
+        resp = httpx.put(url, content=data[i * begin.part_size:(i + 1) * begin.part_size])
+        resp.raise_for_status()
+        etags.append(resp.headers["etag"])
+    return etags
+
+
+def test_checkpoints_are_verified_before_they_are_recorded(coordinator, tmp_path):
+    import hashlib
+
+    running, api = coordinator
+    job = api.submit(tar_folder(HELLO), JobSpec())
+    c = client(running, tmp_path, "m")
+    lease = c.lease()
+    data = b"checkpoint bytes" * 1000
+    digest = hashlib.sha256(data).hexdigest()
+    begin = c.begin_checkpoint(job["id"], lease.fencing_token, 0, len(data))
+    assert begin.accepted and len(begin.part_urls) == 1
+    etags = upload(begin, data[:-1] + b"X")  # damaged on the way
+    with pytest.raises(grpc.RpcError) as err:
+        c.record_checkpoint(pb.RecordCheckpointRequest(
+            job_id=job["id"], fencing_token=lease.fencing_token, epoch=0, key=begin.key,
+            upload_id=begin.upload_id, etags=etags, size=len(data), sha256=digest))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "arrived damaged" in err.value.details()
+    assert running.coord.store.checkpoints(job["id"]) == []
+    begin = c.begin_checkpoint(job["id"], lease.fencing_token, 0, len(data))
+    reply = c.record_checkpoint(pb.RecordCheckpointRequest(
+        job_id=job["id"], fencing_token=lease.fencing_token, epoch=0, key=begin.key,
+        upload_id=begin.upload_id, etags=upload(begin, data), size=len(data), sha256=digest))
+    assert reply.accepted
+    assert [c.sha256 for c in running.coord.store.checkpoints(job["id"])] == [digest]
+    # the next attempt is told where to resume from
+    time.sleep(2.5)  # lease_seconds=1: the reaper requeues it
+    other = client(running, tmp_path, "other")
+    second = other.lease()
+    assert second.fencing_token == 2 and second.resume.epoch == 0
+    assert second.resume.sha256 == digest and second.resume.size == len(data)
+    # and a checkpoint from the lost attempt is refused
+    assert not c.begin_checkpoint(job["id"], 1, 1, 10).accepted

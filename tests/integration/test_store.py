@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -182,3 +183,59 @@ def test_machine_secrets_are_checked_and_never_stored(store: Store, db_url: str)
 def test_unknown_job_is_not_found(store: Store):
     with pytest.raises(NotFound):
         store.get("00000000-0000-0000-0000-000000000000")
+
+
+def test_checkpoints_are_recorded_for_the_current_attempt_only_and_pruned(store: Store):
+    job = submit(store)
+    m, _ = store.register_machine("m", {})
+    store.claim_next(m, lease_s=30)
+    dropped = []
+    for epoch in range(5):
+        dropped += store.record_checkpoint(job.id, 1, m, epoch=epoch, key=f"k{epoch}", size=10,
+                                           sha256="00" * 32, keep=2)
+    assert dropped == ["k0", "k1", "k2"]
+    assert [c.epoch for c in store.checkpoints(job.id)] == [3, 4]
+    assert store.latest_checkpoint(job.id).key == "k4"
+    store.requeue_expired(utcnow() + dt.timedelta(seconds=60))
+    with pytest.raises(IllegalTransition):  # queued again: nobody may add checkpoints
+        store.record_checkpoint(job.id, 1, m, epoch=9, key="late", size=1, sha256="00" * 32, keep=2)
+    store.claim_next(m, lease_s=30)
+    with pytest.raises(StaleAttempt):
+        store.record_checkpoint(job.id, 1, m, epoch=9, key="late", size=1, sha256="00" * 32, keep=2)
+    assert store.latest_checkpoint(job.id).epoch == 4
+
+
+def test_a_drained_attempt_does_not_count_against_max_attempts(store: Store):
+    job = submit(store, max_attempts=1)
+    m, _ = store.register_machine("m", {})
+    store.claim_next(m, lease_s=30)
+    released = store.release(job.id, 1, m, "owner needs the GPU")
+    assert released.state is JobState.QUEUED and released.attempt == 1
+    assert store.claim_next(m, lease_s=1).attempt == 2
+    # attempt 2 is lost: with one drained attempt, one attempt of one has now failed
+    store.requeue_expired(utcnow() + dt.timedelta(seconds=5))
+    assert store.get(job.id).state is JobState.FAILED
+    kinds = [e.kind for e in store.events(job.id)]
+    assert kinds.count("drained") == 1 and kinds[-1] == "lease_expired"
+    with pytest.raises(IllegalTransition):
+        store.release(job.id, 2, m, "too late")
+
+
+def test_a_drain_does_not_use_up_the_only_attempt(store: Store):
+    job = submit(store, max_attempts=2)
+    m, _ = store.register_machine("m", {})
+    store.claim_next(m, lease_s=30)
+    store.release(job.id, 1, m, "drain")
+    store.claim_next(m, lease_s=1)
+    store.requeue_expired(utcnow() + dt.timedelta(seconds=5))
+    assert store.get(job.id).state is JobState.QUEUED  # 1 failed attempt of 2
+
+
+def test_a_restarted_coordinator_gives_running_jobs_one_more_lease(store: Store):
+    job = submit(store)
+    m, _ = store.register_machine("m", {})
+    store.claim_next(m, lease_s=0.01)
+    time.sleep(0.05)
+    assert store.extend_active_leases(30) == 1
+    assert store.requeue_expired() == []
+    assert store.get(job.id).state is JobState.BUILDING

@@ -73,9 +73,9 @@ def test_bad_epochs_are_refused(tmp_path):
 
 def test_the_hooks_use_the_standard_library_only():
     root = Path(hooks.__file__).parent
-    code = ("import sys; sys.path.insert(0, %r); import campugrid.hooks, campugrid.hooks.torch; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))"
-            % str(root.parent.parent))
+    code = (f"import sys; sys.path.insert(0, {str(root.parent.parent)!r}); "
+            "import campugrid.hooks, campugrid.hooks.torch; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')))")
     out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
@@ -101,7 +101,8 @@ print("stopping" if hooks.stop_requested() else "ignored")
 
 
 def test_pytorch_adapter_round_trip(tmp_path):
-    torch = pytest.importorskip("torch", reason="PyTorch is not installed in this environment")
+    import torch
+
     from campugrid.hooks import torch as th
 
     torch.manual_seed(0)

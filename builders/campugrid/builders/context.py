@@ -91,6 +91,33 @@ def extract_context(data: bytes, dest: Path) -> ContextInfo:
     return info
 
 
+def extract_files(archive: Path, dest: Path) -> int:
+    """Unpack a tar of plain files and folders (a checkpoint) into `dest`; links, devices and
+    escaping paths are refused. Returns the number of files."""
+    dest.mkdir(parents=True, exist_ok=True)
+    root = dest.resolve()
+    count = 0
+    try:
+        tar = tarfile.open(archive, mode="r:*")  # noqa: SIM115 - closed by `with tar` below
+    except (tarfile.TarError, OSError) as e:
+        raise InvalidInput(f"{archive.name}: not a tar archive ({e})") from e
+    with tar:
+        for member, name in _checked_members(tar):
+            target = root / name
+            if member.isdir():
+                target.mkdir(parents=True, exist_ok=True)
+            elif member.isfile():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                f = tar.extractfile(member)
+                assert f is not None
+                with open(target, "wb") as out:
+                    shutil.copyfileobj(f, out)
+                count += 1
+            else:
+                raise InvalidInput(f"{archive.name}: {name} is a link; checkpoints hold plain files")
+    return count
+
+
 def _open(data: bytes) -> tarfile.TarFile:
     try:
         return tarfile.open(fileobj=io.BytesIO(data), mode="r:*")

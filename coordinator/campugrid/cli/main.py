@@ -161,6 +161,7 @@ def output(job_id: str, to: Annotated[Path, typer.Option("-o", help="Where to sa
 def coordinator_serve(
     state_dir: Annotated[Path, typer.Option(help="Database and local state.")] = Path("./coordinator-state"),
     host: str = "127.0.0.1", http_port: int = 8750, grpc_port: int = 8751,
+    lease_seconds: Annotated[float, typer.Option(help="How long a silent agent keeps a task.")] = 12.0,
 ) -> None:
     """Serve the REST API and the agents' gRPC service (S3 from CAMPUGRID_S3_* variables)."""
     from campugrid.coordinator import server as srv
@@ -168,7 +169,8 @@ def coordinator_serve(
 
     _logging()
     settings = Settings.from_env(state_dir, http_host=host, grpc_host=host,
-                                 http_port=http_port, grpc_port=grpc_port)
+                                 http_port=http_port, grpc_port=grpc_port,
+                                 lease_seconds=lease_seconds)
     if not settings.s3_endpoint:
         _fail("set CAMPUGRID_S3_ENDPOINT, CAMPUGRID_S3_ACCESS_KEY and CAMPUGRID_S3_SECRET_KEY "
               "(or use `campugrid up`, which starts an embedded S3 server)")

@@ -8,6 +8,7 @@ platform up for the acceptance tests, so they exercise what the README runs.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pwd
 import secrets
@@ -100,6 +101,29 @@ class ProviderUser:
 
 
 @dataclasses.dataclass
+class AgentHandle:
+    """A running agent process: the tests kill, drain and identify agents through this."""
+
+    name: str
+    state_dir: Path
+    proc: subprocess.Popen[bytes]
+
+    def machine_id(self) -> str | None:
+        try:
+            return str(json.loads((self.state_dir / "credentials.json").read_text())["machine_id"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def pid(self) -> int:
+        """The agent's own Python process (under runuser when started by root)."""
+        if os.geteuid() != 0:
+            return self.proc.pid
+        children = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True,
+                                  text=True, check=False).stdout.split()
+        return int(children[0]) if children else self.proc.pid
+
+
+@dataclasses.dataclass
 class Platform:
     state_dir: Path
     http_port: int = 8750
@@ -107,7 +131,7 @@ class Platform:
     lease_seconds: float = 12.0
     s3: EmbeddedS3 | None = None
     running: server.Running | None = None
-    agents: list[subprocess.Popen[bytes]] = dataclasses.field(default_factory=list)
+    agents: list[AgentHandle] = dataclasses.field(default_factory=list)
     _http_thread: threading.Thread | None = None
 
     @property
@@ -141,7 +165,7 @@ class Platform:
         return self
 
     def start_agent(self, name: str = "local-agent", log_file: Path | None = None,
-                    user: ProviderUser | None = None) -> subprocess.Popen[bytes]:
+                    user: ProviderUser | None = None, coordinator: str | None = None) -> AgentHandle:
         user = user or ProviderUser.resolve()
         agent_dir = self.state_dir / "agents" / name
         (self.state_dir / "agents").mkdir(parents=True, exist_ok=True)
@@ -151,24 +175,26 @@ class Platform:
             raise CampugridError(f"{BASE_IMAGE} is missing for user {user.name}; "
                                  "run infra/base-image.sh (infra/setup.sh does it)")
         argv = user.command([sys.executable, "-m", "campugrid.cli", "agent", "run",
-                             "--coordinator", self.grpc_address, "--state-dir", str(agent_dir),
+                             "--coordinator", coordinator or self.grpc_address,
+                             "--state-dir", str(agent_dir),
                              "--name", name])
         with open(log_file or agent_dir.with_suffix(".log"), "ab") as out:
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        self.agents.append(proc)
-        return proc
+        handle = AgentHandle(name, agent_dir, proc)
+        self.agents.append(handle)
+        return handle
 
     def stop(self) -> None:
-        for proc in self.agents:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.agents:
+        for agent in self.agents:
+            if agent.proc.poll() is None:
+                os.killpg(agent.proc.pid, signal.SIGTERM)
+        for agent in self.agents:
             try:
-                proc.wait(timeout=20)
+                agent.proc.wait(timeout=40)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                os.killpg(agent.proc.pid, signal.SIGKILL)
+                agent.proc.wait()
         if self.running is not None:
             self.running.stop()
             if self._http_thread is not None:

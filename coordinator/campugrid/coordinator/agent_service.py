@@ -91,6 +91,9 @@ class AgentService(pb_grpc.AgentServiceServicer):
             datasets=[pb.Dataset(name=name, files=[pb.Dataset.File(path=f.path, url=f.url, size=f.size)
                                                     for f in files])
                       for name, files in lease.datasets.items()],
+            resume=(pb.Resume(epoch=lease.resume.epoch, url=lease.resume_url,
+                              size=lease.resume.size, sha256=lease.resume.sha256)
+                    if lease.resume is not None else None),
         )
 
     def Renew(self, request: pb.RenewRequest, context: grpc.ServicerContext) -> pb.RenewReply:
@@ -132,3 +135,36 @@ class AgentService(pb_grpc.AgentServiceServicer):
             return pb.CompleteReply(accepted=False, reason=str(e))
         log.info("job %s %s", job.id, job.state.value)
         return pb.CompleteReply(accepted=True)
+
+    def BeginCheckpoint(self, request: pb.BeginCheckpointRequest,
+                        context: grpc.ServicerContext) -> pb.BeginCheckpointReply:
+        machine = self._machine(context)
+        try:
+            up = self._guard(context, lambda: self.coord.begin_checkpoint(
+                request.job_id, request.fencing_token, machine, request.epoch, request.size))
+        except (StaleAttempt, IllegalTransition) as e:
+            return pb.BeginCheckpointReply(accepted=False, reason=str(e))
+        return pb.BeginCheckpointReply(accepted=True, key=up.key, upload_id=up.upload_id,
+                                       part_size=up.part_size, part_urls=up.part_urls)
+
+    def RecordCheckpoint(self, request: pb.RecordCheckpointRequest,
+                         context: grpc.ServicerContext) -> pb.RecordCheckpointReply:
+        machine = self._machine(context)
+        try:
+            self._guard(context, lambda: self.coord.record_checkpoint(
+                request.job_id, request.fencing_token, machine, epoch=request.epoch,
+                key=request.key, upload_id=request.upload_id, etags=list(request.etags),
+                size=request.size, sha256=request.sha256))
+        except (StaleAttempt, IllegalTransition) as e:
+            return pb.RecordCheckpointReply(accepted=False, reason=str(e))
+        return pb.RecordCheckpointReply(accepted=True)
+
+    def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseReply:
+        machine = self._machine(context)
+        try:
+            self._guard(context, lambda: self.coord.store.release(
+                request.job_id, request.fencing_token, machine, request.reason[:500] or "drained"))
+        except (StaleAttempt, IllegalTransition) as e:
+            return pb.ReleaseReply(accepted=False, reason=str(e))
+        log.info("job %s released after a drain", request.job_id)
+        return pb.ReleaseReply(accepted=True)

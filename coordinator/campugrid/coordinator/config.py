@@ -24,6 +24,9 @@ class Settings:
     presign_seconds: int = 6 * 3600
     max_context_bytes: int = 512 * 1024**2
     max_dataset_files: int = 1000
+    keep_checkpoints: int = 3  # per job; older ones are deleted from storage
+    checkpoint_part_bytes: int = 16 * 1024**2
+    max_checkpoint_bytes: int = 64 * 1024**3
 
     @classmethod
     def from_env(cls, state_dir: Path, **overrides: object) -> Settings:

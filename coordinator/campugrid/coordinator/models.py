@@ -54,6 +54,8 @@ class Job(Base):
     # The current attempt number; also the fencing token of that attempt.
     attempt: Mapped[int] = mapped_column(Integer, default=0)
     max_attempts: Mapped[int] = mapped_column(Integer)
+    # Attempts handed back by a graceful drain: they do not count against max_attempts.
+    drained: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     machine_id: Mapped[str | None] = mapped_column(String(36))
     lease_expires_at: Mapped[dt.datetime | None] = mapped_column()
     exit_code: Mapped[int | None] = mapped_column(Integer)
@@ -105,3 +107,18 @@ class Machine(Base):
     capabilities_json: Mapped[str] = mapped_column(Text, default="{}")
     registered_at: Mapped[dt.datetime] = mapped_column()
     last_seen_at: Mapped[dt.datetime] = mapped_column()
+
+
+class Checkpoint(Base):
+    """An epoch checkpoint in object storage, recorded once its size and digest checked out."""
+
+    __tablename__ = "checkpoints"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), index=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    key: Mapped[str] = mapped_column(String(300))
+    size: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[dt.datetime] = mapped_column()

@@ -6,12 +6,15 @@ exactly the objects one task needs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
+import hashlib
 import io
 from collections.abc import Iterator
 
 from minio import Minio
+from minio.datatypes import Part
 from minio.error import MinioException, S3Error
 from urllib3.exceptions import HTTPError
 
@@ -123,3 +126,39 @@ class S3Store:
             self.client.remove_object(self.bucket, key)
         except _FAILURES as e:
             raise StorageError(f"cannot delete {key}: {e}") from e
+
+    # --- multipart through presigned URLs (the SDK's own multipart calls are private API) --
+
+    def begin_multipart(self, key: str) -> str:
+        try:
+            return str(self.client._create_multipart_upload(self.bucket, key, {}))
+        except _FAILURES as e:
+            raise StorageError(f"cannot start an upload of {key}: {e}") from e
+
+    def presign_part(self, key: str, upload_id: str, number: int, ttl: dt.timedelta) -> str:
+        try:
+            return str(self.client.get_presigned_url(
+                "PUT", self.bucket, key, expires=ttl,
+                extra_query_params={"partNumber": str(number), "uploadId": upload_id}))
+        except _FAILURES as e:
+            raise StorageError(f"cannot presign part {number} of {key}: {e}") from e
+
+    def complete_multipart(self, key: str, upload_id: str, etags: list[str]) -> None:
+        parts = [Part(n, etag.strip('"')) for n, etag in enumerate(etags, 1)]
+        try:
+            self.client._complete_multipart_upload(self.bucket, key, upload_id, parts)
+        except _FAILURES as e:
+            raise InvalidInput(f"the upload of {key} could not be completed: {e}") from e
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        # Best effort: an abandoned upload only costs space until storage cleans it up.
+        with contextlib.suppress(*_FAILURES):
+            self.client._abort_multipart_upload(self.bucket, key, upload_id)
+
+    def digest(self, key: str) -> tuple[int, str]:
+        """(size, sha256) of a stored object, by reading it back."""
+        h, size = hashlib.sha256(), 0
+        for chunk in self.stream(key):
+            h.update(chunk)
+            size += len(chunk)
+        return size, h.hexdigest()

@@ -63,6 +63,9 @@ def _reap(coord: Coordinator, stop: threading.Event, every_s: float) -> None:
 def start(settings: Settings) -> Running:
     """Start gRPC and the reaper in the background; the caller runs `http.run()` or a thread."""
     coord = build(settings)
+    extended = coord.store.extend_active_leases(settings.lease_seconds)
+    if extended:
+        log.warning("restarted with %d running jobs: their agents get one lease to reconnect", extended)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
     pb_grpc.add_AgentServiceServicer_to_server(AgentService(coord), server)
     port = server.add_insecure_port(f"{settings.grpc_host}:{settings.grpc_port}")

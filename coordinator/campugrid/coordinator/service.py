@@ -10,7 +10,7 @@ import logging
 from campugrid.builders.context import inspect_context
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.objects import S3Store
-from campugrid.coordinator.store import JobView, Store
+from campugrid.coordinator.store import CheckpointView, JobView, Store
 from campugrid.protocol.errors import InvalidInput
 from campugrid.protocol.spec import DatasetRef, JobSpec
 
@@ -31,6 +31,16 @@ class Lease:
     context_url: str
     output_url: str
     datasets: dict[str, list[DatasetFile]]
+    resume: CheckpointView | None
+    resume_url: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointUpload:
+    key: str
+    upload_id: str
+    part_size: int
+    part_urls: list[str]
 
 
 class Coordinator:
@@ -61,6 +71,7 @@ class Coordinator:
             return None
         ttl = dt.timedelta(seconds=self.settings.presign_seconds)
         output_key = self.output_key(job.id, job.attempt)
+        resume = self.store.latest_checkpoint(job.id)
         return Lease(
             job=job,
             lease_seconds=self.settings.lease_seconds,
@@ -71,7 +82,44 @@ class Coordinator:
                           for path, key, size in self._dataset_files(ds)]
                 for ds in job.spec.datasets
             },
+            resume=resume,
+            resume_url=self.objects.presign_get(resume.key, ttl) if resume else "",
         )
+
+    def begin_checkpoint(self, job_id: str, token: int, machine_id: str, epoch: int,
+                         size: int) -> CheckpointUpload:
+        self.store.check_attempt(job_id, token, machine_id, f"checkpoint of epoch {epoch}")
+        if not 0 < size <= self.settings.max_checkpoint_bytes or epoch < 0:
+            raise InvalidInput(f"checkpoint of epoch {epoch}: size {size} is out of bounds "
+                               f"(at most {self.settings.max_checkpoint_bytes} bytes)")
+        key = f"checkpoints/{job_id}/epoch-{epoch:08d}-attempt-{token}.tar"
+        part = self.settings.checkpoint_part_bytes
+        upload_id = self.objects.begin_multipart(key)
+        ttl = dt.timedelta(seconds=self.settings.presign_seconds)
+        urls = [self.objects.presign_part(key, upload_id, n, ttl)
+                for n in range(1, (size + part - 1) // part + 1)]
+        return CheckpointUpload(key, upload_id, part, urls)
+
+    def record_checkpoint(self, job_id: str, token: int, machine_id: str, *, epoch: int, key: str,
+                          upload_id: str, etags: list[str], size: int, sha256: str) -> None:
+        """Complete the upload, check what arrived, and only then record it."""
+        if key != f"checkpoints/{job_id}/epoch-{epoch:08d}-attempt-{token}.tar":
+            raise InvalidInput(f"checkpoint key {key!r} does not belong to this attempt")
+        self.store.check_attempt(job_id, token, machine_id, f"checkpoint of epoch {epoch}")
+        try:
+            self.objects.complete_multipart(key, upload_id, etags)
+        except InvalidInput:
+            self.objects.abort_multipart(key, upload_id)
+            raise
+        got_size, got_sha = self.objects.digest(key)
+        if (got_size, got_sha) != (size, sha256):
+            self.objects.delete(key)
+            raise InvalidInput(f"checkpoint of epoch {epoch} arrived damaged: {got_size} bytes, "
+                               f"sha256 {got_sha[:12]}…, expected {size} bytes, {sha256[:12]}…")
+        for old in self.store.record_checkpoint(job_id, token, machine_id, epoch=epoch, key=key,
+                                                size=size, sha256=sha256,
+                                                keep=self.settings.keep_checkpoints):
+            self.objects.delete(old)
 
     @staticmethod
     def output_key(job_id: str, attempt: int) -> str:

@@ -22,7 +22,7 @@ from sqlalchemy import Engine, create_engine, event, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from campugrid.coordinator.models import Job, JobEvent, LogChunk, Machine
+from campugrid.coordinator.models import Checkpoint, Job, JobEvent, LogChunk, Machine
 from campugrid.protocol.errors import (
     Conflict,
     IllegalTransition,
@@ -79,6 +79,21 @@ class EventView:
     attempt: int
     kind: str
     detail: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointView:
+    job_id: str
+    attempt: int
+    epoch: int
+    key: str
+    size: int
+    sha256: str
+    created_at: dt.datetime
+
+    @classmethod
+    def from_row(cls, r: Checkpoint) -> CheckpointView:
+        return cls(r.job_id, r.attempt, r.epoch, r.key, r.size, r.sha256, r.created_at)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,11 +323,11 @@ class Store:
         moved: list[str] = []
         with self._tx() as s:
             expired: Sequence[Any] = s.execute(
-                select(Job.id, Job.attempt, Job.max_attempts, Job.machine_id)
+                select(Job.id, Job.attempt, Job.max_attempts, Job.machine_id, Job.drained)
                 .where(Job.state.in_([x.value for x in ACTIVE]), Job.lease_expires_at < now)
             ).all()
-            for job_id, attempt, max_attempts, machine_id in expired:
-                out_of_attempts = attempt >= max_attempts
+            for job_id, attempt, max_attempts, machine_id, drained in expired:
+                out_of_attempts = attempt - drained >= max_attempts
                 target = JobState.FAILED if out_of_attempts else JobState.QUEUED
                 reason = (f"lease of attempt {attempt} on machine {machine_id} expired"
                           + (f"; all {max_attempts} attempts used" if out_of_attempts else ""))
@@ -327,6 +342,82 @@ class Store:
                                    kind="lease_expired", detail=reason))
                     moved.append(job_id)
         return moved
+
+    def check_attempt(self, job_id: str, token: int, machine_id: str, what: str) -> JobView:
+        """The job, if `token` is its current attempt, held by this machine; else refused."""
+        with self._tx() as s:
+            row = self._row(s, job_id)
+            ok = (row.attempt == token and row.machine_id == machine_id
+                  and JobState(row.state) in ACTIVE)
+            refused = None if ok else self._refusal(s, row, token, what)
+        if refused is not None:
+            raise refused
+        return JobView.from_row(row)
+
+    def record_checkpoint(self, job_id: str, token: int, machine_id: str, *, epoch: int, key: str,
+                          size: int, sha256: str, keep: int) -> list[str]:
+        """Record a verified checkpoint of the current attempt; return the keys that retention
+        (the newest `keep` per job) dropped, for the caller to delete from storage."""
+        with self._tx() as s:
+            row = self._row(s, job_id)
+            if not (row.attempt == token and row.machine_id == machine_id
+                    and JobState(row.state) in ACTIVE):
+                refused = self._refusal(s, row, token, f"checkpoint of epoch {epoch}")
+            else:
+                refused = None
+                now = utcnow()
+                s.add(Checkpoint(job_id=job_id, attempt=token, epoch=epoch, key=key, size=size,
+                                 sha256=sha256, created_at=now))
+                s.add(JobEvent(job_id=job_id, at=now, attempt=token, kind="checkpoint",
+                               detail=f"epoch {epoch}, {size} bytes"))
+                s.flush()
+                rows = list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
+                                      .order_by(Checkpoint.epoch.desc(), Checkpoint.id.desc())))
+                dropped = rows[keep:]
+                for old in dropped:
+                    s.delete(old)
+        if refused is not None:
+            raise refused
+        return [old.key for old in dropped if old.key not in {r.key for r in rows[:keep]}]
+
+    def latest_checkpoint(self, job_id: str) -> CheckpointView | None:
+        with self._tx() as s:
+            row = s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
+                            .order_by(Checkpoint.epoch.desc(), Checkpoint.id.desc()).limit(1)).first()
+            return CheckpointView.from_row(row) if row is not None else None
+
+    def checkpoints(self, job_id: str) -> list[CheckpointView]:
+        with self._tx() as s:
+            rows = s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
+                             .order_by(Checkpoint.epoch, Checkpoint.id))
+            return [CheckpointView.from_row(r) for r in rows]
+
+    def release(self, job_id: str, token: int, machine_id: str, reason: str) -> JobView:
+        """A drained attempt goes back to the queue without counting as a failure."""
+        now = utcnow()
+        with self._tx() as s:
+            res = s.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.attempt == token, Job.machine_id == machine_id,
+                       Job.state.in_([x.value for x in ACTIVE]))
+                .values(state=JobState.QUEUED.value, drained=Job.drained + 1, machine_id=None,
+                        lease_expires_at=None, reason=f"drained: {reason}", updated_at=now))
+            row = self._row(s, job_id)
+            if res.rowcount != 1:  # type: ignore[attr-defined]
+                refused = self._refusal(s, row, token, "release")
+            else:
+                refused = None
+                s.add(JobEvent(job_id=job_id, at=now, attempt=token, kind="drained", detail=reason))
+        if refused is not None:
+            raise refused
+        return JobView.from_row(row)
+
+    def extend_active_leases(self, lease_s: float) -> int:
+        """After a coordinator restart, give agents one lease period to reach us again."""
+        with self._tx() as s:
+            res = s.execute(update(Job).where(Job.state.in_([x.value for x in ACTIVE]))
+                            .values(lease_expires_at=utcnow() + dt.timedelta(seconds=lease_s)))
+            return int(res.rowcount)  # type: ignore[attr-defined]
 
     # --- helpers ----------------------------------------------------------------------------
 

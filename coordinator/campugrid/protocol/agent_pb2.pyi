@@ -75,7 +75,7 @@ class Dataset(_message.Message):
     def __init__(self, name: _Optional[str] = ..., files: _Optional[_Iterable[_Union[Dataset.File, _Mapping]]] = ...) -> None: ...
 
 class LeaseReply(_message.Message):
-    __slots__ = ("has_task", "job_id", "attempt", "fencing_token", "lease_seconds", "spec_json", "context_url", "output_url", "datasets")
+    __slots__ = ("has_task", "job_id", "attempt", "fencing_token", "lease_seconds", "spec_json", "context_url", "output_url", "datasets", "resume")
     HAS_TASK_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class LeaseReply(_message.Message):
     CONTEXT_URL_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_URL_FIELD_NUMBER: _ClassVar[int]
     DATASETS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     has_task: bool
     job_id: str
     attempt: int
@@ -94,7 +95,20 @@ class LeaseReply(_message.Message):
     context_url: str
     output_url: str
     datasets: _containers.RepeatedCompositeFieldContainer[Dataset]
-    def __init__(self, has_task: _Optional[bool] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., fencing_token: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., spec_json: _Optional[str] = ..., context_url: _Optional[str] = ..., output_url: _Optional[str] = ..., datasets: _Optional[_Iterable[_Union[Dataset, _Mapping]]] = ...) -> None: ...
+    resume: Resume
+    def __init__(self, has_task: _Optional[bool] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., fencing_token: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., spec_json: _Optional[str] = ..., context_url: _Optional[str] = ..., output_url: _Optional[str] = ..., datasets: _Optional[_Iterable[_Union[Dataset, _Mapping]]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ...) -> None: ...
+
+class Resume(_message.Message):
+    __slots__ = ("epoch", "url", "size", "sha256")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    url: str
+    size: int
+    sha256: str
+    def __init__(self, epoch: _Optional[int] = ..., url: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class RenewRequest(_message.Message):
     __slots__ = ("job_id", "fencing_token", "phase")
@@ -164,6 +178,82 @@ class CompleteRequest(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., succeeded: _Optional[bool] = ..., exit_code: _Optional[int] = ..., reason: _Optional[str] = ..., result: _Optional[str] = ..., output_uploaded: _Optional[bool] = ..., limits: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class CompleteReply(_message.Message):
+    __slots__ = ("accepted", "reason")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class BeginCheckpointRequest(_message.Message):
+    __slots__ = ("job_id", "fencing_token", "epoch", "size", "sha256")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    fencing_token: int
+    epoch: int
+    size: int
+    sha256: str
+    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., epoch: _Optional[int] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class BeginCheckpointReply(_message.Message):
+    __slots__ = ("accepted", "reason", "key", "upload_id", "part_size", "part_urls")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    PART_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PART_URLS_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    key: str
+    upload_id: str
+    part_size: int
+    part_urls: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., key: _Optional[str] = ..., upload_id: _Optional[str] = ..., part_size: _Optional[int] = ..., part_urls: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RecordCheckpointRequest(_message.Message):
+    __slots__ = ("job_id", "fencing_token", "epoch", "key", "upload_id", "etags", "size", "sha256")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
+    ETAGS_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    fencing_token: int
+    epoch: int
+    key: str
+    upload_id: str
+    etags: _containers.RepeatedScalarFieldContainer[str]
+    size: int
+    sha256: str
+    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., epoch: _Optional[int] = ..., key: _Optional[str] = ..., upload_id: _Optional[str] = ..., etags: _Optional[_Iterable[str]] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class RecordCheckpointReply(_message.Message):
+    __slots__ = ("accepted", "reason")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("job_id", "fencing_token", "reason")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    fencing_token: int
+    reason: str
+    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
     __slots__ = ("accepted", "reason")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]

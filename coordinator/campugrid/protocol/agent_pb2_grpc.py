@@ -64,6 +64,21 @@ class AgentServiceStub:
                 request_serializer=campugrid_dot_protocol_dot_agent__pb2.CompleteRequest.SerializeToString,
                 response_deserializer=campugrid_dot_protocol_dot_agent__pb2.CompleteReply.FromString,
                 _registered_method=True)
+        self.BeginCheckpoint = channel.unary_unary(
+                '/campugrid.v1.AgentService/BeginCheckpoint',
+                request_serializer=campugrid_dot_protocol_dot_agent__pb2.BeginCheckpointRequest.SerializeToString,
+                response_deserializer=campugrid_dot_protocol_dot_agent__pb2.BeginCheckpointReply.FromString,
+                _registered_method=True)
+        self.RecordCheckpoint = channel.unary_unary(
+                '/campugrid.v1.AgentService/RecordCheckpoint',
+                request_serializer=campugrid_dot_protocol_dot_agent__pb2.RecordCheckpointRequest.SerializeToString,
+                response_deserializer=campugrid_dot_protocol_dot_agent__pb2.RecordCheckpointReply.FromString,
+                _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/campugrid.v1.AgentService/Release',
+                request_serializer=campugrid_dot_protocol_dot_agent__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=campugrid_dot_protocol_dot_agent__pb2.ReleaseReply.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -106,6 +121,27 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BeginCheckpoint(self, request, context):
+        """Checkpoints: the agent uploads each complete epoch through presigned multipart URLs,
+        then the coordinator checks size and sha256 and records it for the current attempt.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RecordCheckpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """Hand a task back after a graceful drain: requeued, not counted as a failed attempt.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -138,6 +174,21 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.Complete,
                     request_deserializer=campugrid_dot_protocol_dot_agent__pb2.CompleteRequest.FromString,
                     response_serializer=campugrid_dot_protocol_dot_agent__pb2.CompleteReply.SerializeToString,
+            ),
+            'BeginCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginCheckpoint,
+                    request_deserializer=campugrid_dot_protocol_dot_agent__pb2.BeginCheckpointRequest.FromString,
+                    response_serializer=campugrid_dot_protocol_dot_agent__pb2.BeginCheckpointReply.SerializeToString,
+            ),
+            'RecordCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordCheckpoint,
+                    request_deserializer=campugrid_dot_protocol_dot_agent__pb2.RecordCheckpointRequest.FromString,
+                    response_serializer=campugrid_dot_protocol_dot_agent__pb2.RecordCheckpointReply.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=campugrid_dot_protocol_dot_agent__pb2.ReleaseRequest.FromString,
+                    response_serializer=campugrid_dot_protocol_dot_agent__pb2.ReleaseReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -302,6 +353,87 @@ class AgentService:
             '/campugrid.v1.AgentService/Complete',
             campugrid_dot_protocol_dot_agent__pb2.CompleteRequest.SerializeToString,
             campugrid_dot_protocol_dot_agent__pb2.CompleteReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/campugrid.v1.AgentService/BeginCheckpoint',
+            campugrid_dot_protocol_dot_agent__pb2.BeginCheckpointRequest.SerializeToString,
+            campugrid_dot_protocol_dot_agent__pb2.BeginCheckpointReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/campugrid.v1.AgentService/RecordCheckpoint',
+            campugrid_dot_protocol_dot_agent__pb2.RecordCheckpointRequest.SerializeToString,
+            campugrid_dot_protocol_dot_agent__pb2.RecordCheckpointReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/campugrid.v1.AgentService/Release',
+            campugrid_dot_protocol_dot_agent__pb2.ReleaseRequest.SerializeToString,
+            campugrid_dot_protocol_dot_agent__pb2.ReleaseReply.FromString,
             options,
             channel_credentials,
             insecure,

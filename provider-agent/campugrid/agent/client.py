@@ -80,5 +80,24 @@ class CoordinatorClient:
         reply: pb.CompleteReply = self.stub.Complete(req, metadata=self._md, timeout=RPC_TIMEOUT_S)
         return reply
 
+    def begin_checkpoint(self, job_id: str, token: int, epoch: int,
+                         size: int) -> pb.BeginCheckpointReply:
+        reply: pb.BeginCheckpointReply = self.stub.BeginCheckpoint(
+            pb.BeginCheckpointRequest(job_id=job_id, fencing_token=token, epoch=epoch, size=size),
+            metadata=self._md, timeout=RPC_TIMEOUT_S)
+        return reply
+
+    def record_checkpoint(self, req: pb.RecordCheckpointRequest) -> pb.RecordCheckpointReply:
+        # Generous: the coordinator reads the object back to check its digest.
+        reply: pb.RecordCheckpointReply = self.stub.RecordCheckpoint(req, metadata=self._md,
+                                                                     timeout=300)
+        return reply
+
+    def release(self, job_id: str, token: int, reason: str) -> pb.ReleaseReply:
+        reply: pb.ReleaseReply = self.stub.Release(
+            pb.ReleaseRequest(job_id=job_id, fencing_token=token, reason=reason),
+            metadata=self._md, timeout=RPC_TIMEOUT_S)
+        return reply
+
     def close(self) -> None:
         self.channel.close()

@@ -39,6 +39,7 @@ class RunRequest:
     tmp_mb: int
     wall_time_s: int
     agent: str = ""  # the agent's machine id, as a label: what to sweep after a crash
+    mounts: tuple[tuple[Path, str, str], ...] = ()  # (host path, container path, "ro"|"rw")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +92,8 @@ class PodmanRunsc:
             args += ["--memory", f"{req.memory_mb}m"] if _cgroup_v2() else []
         if req.data_dir is not None:
             args += ["-v", f"{req.data_dir}:{DATA_MOUNT}:ro"]
+        for host, target, mode in req.mounts:
+            args += ["-v", f"{host}:{target}:{'ro' if mode == 'ro' else 'rw'}"]
         for k, v in req.env:
             args += ["--env", f"{k}={v}"]
         args.append(req.image)
@@ -117,6 +120,11 @@ class PodmanRunsc:
         self.stop(req.name)  # also when podman itself died: nothing of the job may stay
         return RunResult(done.returncode, done.timed_out, done.cancelled, oom, done.tail,
                          self.limits.as_dict())
+
+    def signal(self, name: str, sig: str = "TERM") -> None:
+        """Deliver a signal to the job's processes (inside gVisor), e.g. to ask for a drain."""
+        subprocess.run([self.podman, "kill", "--signal", sig, name], capture_output=True,
+                       timeout=60, check=False)
 
     def stop_argv(self, name: str) -> list[str]:
         return [self.podman, "rm", "--force", "--ignore", "--time", "0", name]

@@ -1,0 +1,130 @@
+"""Moves a task's epoch checkpoints between its mounted folder and object storage.
+
+The job (through campugrid.hooks) writes `epoch-N/` folders with a manifest; this uploads
+each complete one as a tar through presigned multipart URLs and has the coordinator record it.
+A partial or damaged folder is never uploaded. On a resumed attempt, the latest recorded
+checkpoint is downloaded, its digest checked, and unpacked before the job starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import tarfile
+import threading
+from pathlib import Path
+
+import grpc
+import httpx
+
+from campugrid import hooks
+from campugrid.agent.client import CoordinatorClient
+from campugrid.builders.context import extract_files
+from campugrid.protocol import agent_pb2 as pb
+from campugrid.protocol.errors import CampugridError, InvalidInput
+
+log = logging.getLogger("campugrid.agent.checkpoints")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1024 * 1024), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def restore(resume: pb.Resume, folder: Path, scratch: Path) -> None:
+    """Download the checkpoint to resume from, check it, and unpack it into `folder`."""
+    tarball = scratch / "resume.tar"
+    with httpx.Client(timeout=300) as http, http.stream("GET", resume.url) as resp:
+        resp.raise_for_status()
+        with open(tarball, "wb") as out:
+            for chunk in resp.iter_bytes(1024 * 1024):
+                out.write(chunk)
+    size, digest = tarball.stat().st_size, _sha256(tarball)
+    if (size, digest) != (resume.size, resume.sha256):
+        raise InvalidInput(f"checkpoint of epoch {resume.epoch} arrived damaged "
+                           f"({size} bytes, sha256 {digest[:12]}…); not resuming from it")
+    target = folder / hooks.folder_name(resume.epoch)
+    extract_files(tarball, target)
+    hooks.verify(target)
+    tarball.unlink()
+
+
+class CheckpointUploader:
+    """Polls the folder while the job runs; `flush()` does a last pass after it stopped."""
+
+    def __init__(self, client: CoordinatorClient, job_id: str, token: int, folder: Path,
+                 scratch: Path, every_s: float = 1.0) -> None:
+        self.client, self.job_id, self.token = client, job_id, token
+        self.folder, self.scratch, self.every_s = folder, scratch, every_s
+        self.done: set[str] = set()  # uploaded, or damaged and given up on
+        self.uploaded: list[int] = []
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"ckpt-{job_id}")
+
+    def start(self) -> CheckpointUploader:
+        self._thread.start()
+        return self
+
+    def flush(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=600)
+        self.scan()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.scan()
+            except (grpc.RpcError, httpx.HTTPError, OSError, CampugridError) as e:
+                log.warning("%s: checkpoint upload failed, will retry: %s", self.job_id, e)
+
+    def scan(self) -> None:
+        with self.lock:
+            for path in hooks.complete(self.folder):
+                if path.name in self.done:
+                    continue
+                try:
+                    manifest = hooks.verify(path)
+                except hooks.CheckpointError as e:
+                    log.warning("%s: not uploading %s: %s", self.job_id, path.name, e)
+                    self.done.add(path.name)
+                    continue
+                self._upload(int(manifest["epoch"]), path)
+                self.done.add(path.name)
+                self._prune_local(keep=path.name)
+
+    def _upload(self, epoch: int, path: Path) -> None:
+        tarball = self.scratch / f"checkpoint-{epoch}.tar"
+        with tarfile.open(tarball, "w") as tar:
+            for p in sorted(path.rglob("*")):
+                if p.is_file() and not p.is_symlink():
+                    tar.add(p, arcname=str(p.relative_to(path)), recursive=False)
+        size, digest = tarball.stat().st_size, _sha256(tarball)
+        begin = self.client.begin_checkpoint(self.job_id, self.token, epoch, size)
+        if not begin.accepted:
+            raise CampugridError(f"checkpoint of epoch {epoch} refused: {begin.reason}")
+        etags = []
+        with httpx.Client(timeout=300) as http, open(tarball, "rb") as f:
+            for url in begin.part_urls:
+                part = f.read(begin.part_size)
+                resp = http.put(url, content=part)
+                resp.raise_for_status()
+                etags.append(resp.headers["etag"])
+        reply = self.client.record_checkpoint(pb.RecordCheckpointRequest(
+            job_id=self.job_id, fencing_token=self.token, epoch=epoch, key=begin.key,
+            upload_id=begin.upload_id, etags=etags, size=size, sha256=digest))
+        tarball.unlink()
+        if not reply.accepted:
+            raise CampugridError(f"checkpoint of epoch {epoch} refused: {reply.reason}")
+        self.uploaded.append(epoch)
+        log.info("%s: checkpoint of epoch %d uploaded (%d bytes)", self.job_id, epoch, size)
+
+    def _prune_local(self, keep: str) -> None:
+        """Uploaded epochs older than the newest are only taking the provider's disk."""
+        for path in hooks.complete(self.folder):
+            if path.name != keep and path.name in self.done and path.name < keep:
+                shutil.rmtree(path, ignore_errors=True)

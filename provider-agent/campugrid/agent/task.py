@@ -1,0 +1,223 @@
+"""One leased task on this machine, from download to report:
+
+    download context (+ datasets, + checkpoint to resume) -> build (RUN steps in gVisor)
+      -> run in the sandbox (checkpoints uploaded as they appear) -> last checkpoint pass
+      -> upload /output -> Complete   (or Release after a drain; nothing after losing the lease)
+
+Nothing from the job ever runs outside gVisor: this only moves files and drives the builder
+and the sandbox.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tarfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+import httpx
+
+from campugrid import hooks
+from campugrid.agent import checkpoints
+from campugrid.agent.client import CoordinatorClient
+from campugrid.agent.logship import LogShipper
+from campugrid.agent.renewer import Renewer
+from campugrid.builders.base import Builder
+from campugrid.builders.context import extract_context
+from campugrid.protocol import agent_pb2 as pb
+from campugrid.protocol.errors import BuildFailed, InvalidInput
+from campugrid.protocol.spec import JobSpec
+from campugrid.sandbox.podman_runsc import PodmanRunsc, RunRequest
+
+log = logging.getLogger("campugrid.agent")
+MAX_OUTPUT_BYTES = 1024**3
+BUILD_TIMEOUT_S = 1800
+HOOKS_MOUNT = "/opt/campugrid/hooks"
+CHECKPOINT_MOUNT = "/checkpoints"
+R = TypeVar("R")
+
+
+class Task:
+    def __init__(self, client: CoordinatorClient, lease: pb.LeaseReply, work: Path,
+                 builder: Builder, sandbox: PodmanRunsc) -> None:
+        self.client, self.lease, self.work = client, lease, work
+        self.builder, self.sandbox = builder, sandbox
+        self.spec = JobSpec.from_json(lease.spec_json)
+        self.name = f"campugrid-{lease.job_id}-{lease.fencing_token}"
+        self.image = f"localhost/campugrid-job-{lease.job_id}:{lease.fencing_token}"
+        self.stop = threading.Event()  # stop building/running now
+        self.lost = threading.Event()  # the lease is gone: report nothing
+        self.draining = False
+        self.phase = "building"
+        self.renewer = Renewer(client, lease, on_lost=self._on_lost)
+        self.shipper = LogShipper(client, lease.job_id, lease.fencing_token)
+        self.uploader = checkpoints.CheckpointUploader(client, lease.job_id, lease.fencing_token,
+                                                       work / "checkpoints", work)
+
+    def _on_lost(self, reason: str) -> None:
+        self.lost.set()
+        self.stop.set()
+
+    def drain(self, grace_s: float) -> None:
+        """Ask the job to stop (SIGTERM inside the sandbox); kill it after the grace period."""
+        self.draining = True
+        if self.phase != "running":
+            self.stop.set()
+            return
+        self.sandbox.signal(self.name, "TERM")
+        timer = threading.Timer(grace_s, self.stop.set)
+        timer.daemon = True
+        timer.start()
+
+    def run(self) -> None:
+        job_id, token = self.lease.job_id, self.lease.fencing_token
+        self.renewer.start()
+        outcome: pb.CompleteRequest
+        try:
+            outcome = self._execute()
+        except (BuildFailed, InvalidInput, OSError, httpx.HTTPError, hooks.CheckpointError) as e:
+            outcome = pb.CompleteRequest(succeeded=False, exit_code=-1, reason=str(e))
+        except Exception as e:
+            log.exception("task %s crashed the agent's task runner", job_id)
+            outcome = pb.CompleteRequest(succeeded=False, exit_code=-1,
+                                         reason=f"agent error: {type(e).__name__}: {e}")
+        finally:
+            self.shipper.close()
+        try:
+            if self.lost.is_set():
+                log.info("task %s attempt %d stopped: %s", job_id, token, self.renewer.reason)
+            elif self.draining:
+                released = _retry(lambda: self.client.release(
+                    job_id, token, "the provider is shutting down"))
+                log.info("task %s attempt %d handed back: %s", job_id, token,
+                         "accepted" if released.accepted else released.reason)
+            else:
+                outcome.job_id, outcome.fencing_token = job_id, token
+                outcome.limits.update(self.sandbox.limits.as_dict())
+                done = _retry(lambda: self.client.complete(outcome))
+                if not done.accepted:
+                    log.warning("completion of %s refused: %s", job_id, done.reason)
+        finally:
+            self.renewer.stop()
+            self.sandbox.remove_image(self.image)
+            shutil.rmtree(self.work, ignore_errors=True)
+
+    def _execute(self) -> pb.CompleteRequest:
+        lease, spec, work = self.lease, self.spec, self.work
+        context_dir, output_dir, data_dir = work / "context", work / "output", work / "data"
+        ckpt_dir = work / "checkpoints"
+        output_dir.mkdir()
+        ckpt_dir.mkdir()
+        with httpx.Client(timeout=60) as http:
+            resp = http.get(lease.context_url)
+            resp.raise_for_status()
+            extract_context(resp.content, context_dir)
+            if lease.datasets:
+                _fetch_datasets(http, lease, data_dir)
+        if lease.HasField("resume"):
+            checkpoints.restore(lease.resume, ckpt_dir, work)
+            self.uploader.done.add(hooks.folder_name(lease.resume.epoch))  # already stored
+            self.shipper.line("run", f"[campugrid] resuming from the checkpoint of epoch "
+                                     f"{lease.resume.epoch}")
+        build_log = self.shipper.for_stream("build")
+        build_log(f"[campugrid] building with {self.builder.name}, RUN steps under gVisor, offline")
+        try:
+            self.builder.build(context_dir, self.image, log=build_log,
+                               timeout_s=min(BUILD_TIMEOUT_S, spec.resources.wall_time_s),
+                               cancel=self.stop, memory_mb=spec.resources.memory_mb,
+                               cpus=spec.resources.cpus)
+        except BuildFailed as e:
+            return pb.CompleteRequest(succeeded=False, exit_code=-1,
+                                      reason=f"{e.reason}; last lines of the build log:\n{e.log_tail}")
+        if self.stop.is_set():
+            return pb.CompleteRequest(succeeded=False, exit_code=-1, reason="stopped before running")
+        self.phase = "running"
+        self.renewer.set_phase("running")
+        last_line: list[str] = []
+        run_log = self.shipper.for_stream("run")
+
+        def on_line(text: str) -> None:
+            if text.strip():
+                last_line[:] = [text]
+            run_log(text)
+
+        hooks_src = Path(hooks.__file__).parent
+        user_pythonpath = dict(spec.env).get("PYTHONPATH")
+        env = dict(spec.env) | {
+            "CAMPUGRID_JOB_ID": lease.job_id, "CAMPUGRID_ATTEMPT": str(lease.attempt),
+            "CAMPUGRID_OUTPUT": "/output", "CAMPUGRID_CHECKPOINT_DIR": CHECKPOINT_MOUNT,
+            "PYTHONPATH": f"{user_pythonpath}:{HOOKS_MOUNT}" if user_pythonpath else HOOKS_MOUNT,
+        }
+        self.uploader.start()
+        result = self.sandbox.run(RunRequest(
+            name=self.name, image=self.image, command=spec.command, env=tuple(env.items()),
+            output_dir=output_dir, data_dir=data_dir if lease.datasets else None,
+            memory_mb=spec.resources.memory_mb, cpus=spec.resources.cpus,
+            tmp_mb=spec.resources.disk_mb, wall_time_s=spec.resources.wall_time_s,
+            agent=self.client.machine_id,
+            mounts=((ckpt_dir, CHECKPOINT_MOUNT, "rw"),
+                    (hooks_src, f"{HOOKS_MOUNT}/campugrid/hooks", "ro"))),
+            log=on_line, cancel=self.stop)
+        if not self.lost.is_set():
+            self.uploader.flush()  # the final checkpoint of a drained job, too
+        uploaded = False
+        if not self.stop.is_set() and not self.draining:
+            uploaded = _upload_output(lease.output_url, output_dir, work / "output.tar.gz")
+        if result.timed_out:
+            reason = f"wall time of {spec.resources.wall_time_s} s exceeded; the job was stopped"
+        elif result.oom_killed:
+            reason = f"out of memory: the job used more than {spec.resources.memory_mb} MB"
+        elif result.exit_code != 0:
+            reason = f"the job's command exited with status {result.exit_code}"
+        else:
+            reason = ""
+        return pb.CompleteRequest(
+            succeeded=result.exit_code == 0 and not result.timed_out, exit_code=result.exit_code,
+            reason=reason, result=last_line[0][-4000:] if last_line else "",
+            output_uploaded=uploaded)
+
+
+def _retry(call: Callable[[], R]) -> R:
+    """A report survives a coordinator restart of a few seconds (the lease covers longer)."""
+    for delay in (1, 2, 4, 8):
+        try:
+            return call()
+        except grpc.RpcError as e:
+            log.warning("report failed (%s); retrying in %d s", e.code(), delay)
+            time.sleep(delay)
+    return call()
+
+
+def _fetch_datasets(http: httpx.Client, lease: pb.LeaseReply, data_dir: Path) -> None:
+    for ds in lease.datasets:
+        root = (data_dir / ds.name).resolve()
+        for f in ds.files:
+            target = (root / f.path).resolve()
+            if not target.is_relative_to(root):
+                raise InvalidInput(f"dataset {ds.name}: unsafe path {f.path!r}")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with http.stream("GET", f.url) as resp, open(target, "wb") as out:
+                resp.raise_for_status()
+                for chunk in resp.iter_bytes(1024 * 1024):
+                    out.write(chunk)
+
+
+def _upload_output(url: str, output_dir: Path, tarball: Path) -> bool:
+    """Tar the output folder (regular files only: links the job made are skipped) and PUT it."""
+    files = [p for p in output_dir.rglob("*") if p.is_file() and not p.is_symlink()]
+    if not files:
+        return False
+    if sum(p.stat().st_size for p in files) > MAX_OUTPUT_BYTES:
+        raise InvalidInput(f"output: larger than {MAX_OUTPUT_BYTES // 1024**2} MiB; not uploaded")
+    with tarfile.open(tarball, mode="w:gz") as tar:
+        for p in sorted(files):
+            tar.add(p, arcname=str(p.relative_to(output_dir)), recursive=False)
+    size = tarball.stat().st_size
+    with httpx.Client(timeout=300) as http, open(tarball, "rb") as f:
+        http.put(url, content=f, headers={"content-length": str(size)}).raise_for_status()
+    return True
