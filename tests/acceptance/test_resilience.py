@@ -202,3 +202,21 @@ def _up(api: Api) -> bool:
         return True
     except Exception:
         return False
+
+
+def test_an_agent_that_cannot_renew_stops_its_sandbox_itself(two_agents):
+    """Self-fencing: with the coordinator unreachable, the sandbox is gone within about one
+    lease, before any replacement could be running, not minutes later."""
+    p, api = two_agents
+    job = api.submit(tar_folder(TRAIN), JobSpec.from_dict(SPEC))["id"]
+    wait_for("the job running", lambda: api.job(job)["state"] == "running")
+    wait_for("its container", lambda: containers(job), timeout=30)
+    assert p.running is not None
+    p.running.grpc_server.stop(grace=0).wait()  # agents can no longer reach the coordinator
+    cut = time.monotonic()
+    wait_for("the sandbox to stop itself", lambda: not containers(job),
+             timeout=p.lease_seconds * 2 + 15)
+    stopped_after = time.monotonic() - cut
+    assert stopped_after < p.lease_seconds * 2 + 10
+    print(f"coordinator unreachable -> sandbox gone: {stopped_after:.1f} s "
+          f"(lease {p.lease_seconds:.0f} s)")
