@@ -156,3 +156,31 @@ def test_a_dataset_is_mounted_read_only(api, platform):
     final = api.wait(api.submit(tar_folder(HELLO), spec)["id"], timeout_s=240)
     assert final["state"] == "succeeded", final
     assert final["result"] == "2 two rows read-only"
+
+
+def test_links_a_job_plants_never_make_the_agent_read_host_files(api, platform):
+    """/output and /checkpoints are host folders the job writes: links it puts there must not
+    make the agent upload host files (its credentials, /etc/shadow...)."""
+    job_code = (
+        "import os\n"
+        "from campugrid import hooks\n"
+        "open('/output/real.txt', 'w').write('mine')\n"
+        "os.symlink('/etc', '/output/etc-dir')\n"
+        "os.symlink('/etc/shadow', '/output/shadow')\n"
+        "with hooks.save(2) as f:\n"
+        "    (f / 'w').write_text('weights')\n"
+        "os.symlink('/etc/shadow', '/checkpoints/epoch-00000002/leak')\n"
+        "os.symlink('/etc', '/checkpoints/epoch-00000003')\n"
+        "import time; time.sleep(3)\n"
+        "print('planted')\n")
+    job = api.submit(tar_folder(HELLO), JobSpec.from_dict({"command": ["python3", "-c", job_code]}))
+    final = api.wait(job["id"], timeout_s=240)
+    assert final["state"] == "succeeded" and final["result"] == "planted", final
+    with tarfile.open(fileobj=io.BytesIO(api.output(job["id"]))) as tar:
+        assert tar.getnames() == ["real.txt"]
+    store = platform.running.coord.store
+    recorded = store.checkpoints(job["id"])
+    assert [c.epoch for c in recorded] == [2]
+    blob = platform.running.coord.objects.get_bytes(recorded[0].key)
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        assert sorted(tar.getnames()) == ["MANIFEST.json", "w"]

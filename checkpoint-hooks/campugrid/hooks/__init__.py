@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -36,8 +37,8 @@ ENV_DIR = "CAMPUGRID_CHECKPOINT_DIR"
 MANIFEST = "MANIFEST.json"
 PREFIX = "epoch-"
 
-__all__ = ["Checkpoint", "checkpoint_dir", "latest", "restore", "save", "save_folder",
-           "stop_requested", "verify"]
+__all__ = ["Checkpoint", "checkpoint_dir", "install_sigterm_handler", "latest", "regular_files",
+           "restore", "save", "save_folder", "sha256_file", "stop_requested", "verify"]
 
 
 class CheckpointError(Exception):
@@ -64,7 +65,20 @@ def folder_name(epoch: int) -> str:
     return f"{PREFIX}{epoch:08d}"
 
 
-def _sha256(path: Path) -> str:
+def regular_files(root: Path) -> list[Path]:
+    """Every regular file under root, never following a symbolic link (a job could point one
+    anywhere on the host that reads the folder)."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
+        for name in filenames:
+            p = Path(dirpath, name)
+            if stat.S_ISREG(os.lstat(p).st_mode):
+                found.append(p)
+    return sorted(found)
+
+
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1024 * 1024), b""):
@@ -94,10 +108,10 @@ def save(epoch: int, meta: dict[str, Any] | None = None,
         for p in sorted(tmp.rglob("*")):
             if p.is_symlink():
                 raise CheckpointError(f"{p.relative_to(tmp)}: links are not kept in checkpoints")
-            if p.is_file():
-                with open(p, "rb+") as f:
-                    os.fsync(f.fileno())
-                files[str(p.relative_to(tmp))] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+        for p in regular_files(tmp):
+            with open(p, "rb+") as f:
+                os.fsync(f.fileno())
+            files[str(p.relative_to(tmp))] = {"size": p.stat().st_size, "sha256": sha256_file(p)}
         manifest = {"epoch": epoch, "files": files, "meta": meta or {}}
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
@@ -123,18 +137,20 @@ def save_folder(epoch: int, source: str | os.PathLike[str], meta: dict[str, Any]
 
 def verify(path: Path) -> dict[str, Any]:
     """The manifest of a complete checkpoint folder; CheckpointError if anything is off."""
+    if path.is_symlink() or (path / MANIFEST).is_symlink():
+        raise CheckpointError(f"{path.name}: links are not allowed in checkpoints")
     try:
         manifest: dict[str, Any] = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path.name}: no readable manifest ({e})") from e
-    present = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file()} - {MANIFEST}
+    present = {str(p.relative_to(path)) for p in regular_files(path)} - {MANIFEST}
     listed = set(manifest.get("files", {}))
     if present != listed:
         raise CheckpointError(f"{path.name}: files differ from the manifest "
                               f"(extra {sorted(present - listed)}, missing {sorted(listed - present)})")
     for name, want in manifest["files"].items():
         p = path / name
-        if p.stat().st_size != want["size"] or _sha256(p) != want["sha256"]:
+        if p.stat().st_size != want["size"] or sha256_file(p) != want["sha256"]:
             raise CheckpointError(f"{path.name}/{name}: size or sha256 does not match the manifest")
     return manifest
 
@@ -142,8 +158,9 @@ def verify(path: Path) -> dict[str, Any]:
 def complete(root: str | os.PathLike[str] | None = None) -> list[Path]:
     """Folders that look complete (a manifest is present), oldest epoch first."""
     base = checkpoint_dir(root)
-    found = [p for p in base.iterdir() if p.is_dir() and p.name.startswith(PREFIX)
-             and p.name[len(PREFIX):].isdigit() and (p / MANIFEST).is_file()]
+    found = [p for p in base.iterdir() if p.is_dir() and not p.is_symlink()
+             and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()
+             and (p / MANIFEST).is_file() and not (p / MANIFEST).is_symlink()]
     return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
 
 

@@ -8,9 +8,10 @@ checkpoint is downloaded, its digest checked, and unpacked before the job starts
 
 from __future__ import annotations
 
-import hashlib
 import logging
+import os
 import shutil
+import stat
 import tarfile
 import threading
 from pathlib import Path
@@ -27,14 +28,6 @@ from campugrid.protocol.errors import CampugridError, InvalidInput
 log = logging.getLogger("campugrid.agent.checkpoints")
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1024 * 1024), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def restore(resume: pb.Resume, folder: Path, scratch: Path) -> None:
     """Download the checkpoint to resume from, check it, and unpack it into `folder`."""
     tarball = scratch / "resume.tar"
@@ -43,7 +36,7 @@ def restore(resume: pb.Resume, folder: Path, scratch: Path) -> None:
         with open(tarball, "wb") as out:
             for chunk in resp.iter_bytes(1024 * 1024):
                 out.write(chunk)
-    size, digest = tarball.stat().st_size, _sha256(tarball)
+    size, digest = tarball.stat().st_size, hooks.sha256_file(tarball)
     if (size, digest) != (resume.size, resume.sha256):
         raise InvalidInput(f"checkpoint of epoch {resume.epoch} arrived damaged "
                            f"({size} bytes, sha256 {digest[:12]}…); not resuming from it")
@@ -51,6 +44,25 @@ def restore(resume: pb.Resume, folder: Path, scratch: Path) -> None:
     extract_files(tarball, target)
     hooks.verify(target)
     tarball.unlink()
+
+
+def snapshot(src: Path, dst: Path) -> None:
+    """Copy the regular files of a folder the job can still change, through directory file
+    descriptors and O_NOFOLLOW, so that swapping a file or folder for a link mid-copy cannot
+    make the agent read a host path. Everything after works on the private copy."""
+    for dirpath, _dirs, files, dirfd in os.fwalk(src, follow_symlinks=False):
+        rel = Path(dirpath).relative_to(src)
+        (dst / rel).mkdir(parents=True, exist_ok=True)
+        for name in files:
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dirfd)
+            except OSError:
+                continue  # a link, or gone: not part of the checkpoint
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    continue
+                with open(dst / rel / name, "wb") as out:
+                    shutil.copyfileobj(f, out)
 
 
 class CheckpointUploader:
@@ -85,25 +97,32 @@ class CheckpointUploader:
     def scan(self) -> None:
         with self.lock:
             for path in hooks.complete(self.folder):
-                if path.name in self.done:
-                    continue
-                try:
-                    manifest = hooks.verify(path)
-                except hooks.CheckpointError as e:
-                    log.warning("%s: not uploading %s: %s", self.job_id, path.name, e)
-                    self.done.add(path.name)
-                    continue
-                self._upload(int(manifest["epoch"]), path)
-                self.done.add(path.name)
-                self._prune_local(keep=path.name)
+                if path.name not in self.done:
+                    self._take(path)
+
+    def _take(self, path: Path) -> None:
+        """Snapshot, verify, upload, record one epoch folder; damaged ones are skipped for good."""
+        copy = self.scratch / f"snapshot-{path.name}"
+        shutil.rmtree(copy, ignore_errors=True)
+        try:
+            snapshot(path, copy)
+            manifest = hooks.verify(copy)
+            if manifest.get("epoch") != int(path.name[len(hooks.PREFIX):]):
+                raise hooks.CheckpointError(f"{path.name}: its manifest names another epoch")
+            self._upload(int(manifest["epoch"]), copy)
+        except hooks.CheckpointError as e:
+            log.warning("%s: not uploading %s: %s", self.job_id, path.name, e)
+        finally:
+            shutil.rmtree(copy, ignore_errors=True)
+        self.done.add(path.name)
+        self._prune_local(keep=path.name)
 
     def _upload(self, epoch: int, path: Path) -> None:
         tarball = self.scratch / f"checkpoint-{epoch}.tar"
         with tarfile.open(tarball, "w") as tar:
-            for p in sorted(path.rglob("*")):
-                if p.is_file() and not p.is_symlink():
-                    tar.add(p, arcname=str(p.relative_to(path)), recursive=False)
-        size, digest = tarball.stat().st_size, _sha256(tarball)
+            for p in hooks.regular_files(path):
+                tar.add(p, arcname=str(p.relative_to(path)), recursive=False)
+        size, digest = tarball.stat().st_size, hooks.sha256_file(tarball)
         begin = self.client.begin_checkpoint(self.job_id, self.token, epoch, size)
         if not begin.accepted:
             raise CampugridError(f"checkpoint of epoch {epoch} refused: {begin.reason}")

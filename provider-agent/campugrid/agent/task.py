@@ -209,13 +209,13 @@ def _fetch_datasets(http: httpx.Client, lease: pb.LeaseReply, data_dir: Path) ->
 
 def _upload_output(url: str, output_dir: Path, tarball: Path) -> bool:
     """Tar the output folder (regular files only: links the job made are skipped) and PUT it."""
-    files = [p for p in output_dir.rglob("*") if p.is_file() and not p.is_symlink()]
+    files = hooks.regular_files(output_dir)
     if not files:
         return False
     if sum(p.stat().st_size for p in files) > MAX_OUTPUT_BYTES:
         raise InvalidInput(f"output: larger than {MAX_OUTPUT_BYTES // 1024**2} MiB; not uploaded")
     with tarfile.open(tarball, mode="w:gz") as tar:
-        for p in sorted(files):
+        for p in files:
             tar.add(p, arcname=str(p.relative_to(output_dir)), recursive=False)
     size = tarball.stat().st_size
     with httpx.Client(timeout=300) as http, open(tarball, "rb") as f:
