@@ -40,5 +40,12 @@ class Settings:
             "s3_bucket": env.get("CAMPUGRID_S3_BUCKET", "campugrid"),
             "s3_secure": env.get("CAMPUGRID_S3_SECURE", "") in ("1", "true", "yes"),
         }
+        for key, name, kind in (("lease_seconds", "CAMPUGRID_LEASE_SECONDS", float),
+                                ("keep_checkpoints", "CAMPUGRID_KEEP_CHECKPOINTS", int)):
+            if env.get(name):
+                try:
+                    values[key] = kind(env[name])
+                except ValueError as e:
+                    raise ValueError(f"{name}={env[name]!r} is not a number") from e
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)  # type: ignore[arg-type]
