@@ -56,6 +56,7 @@ class Job(Base):
     max_attempts: Mapped[int] = mapped_column(Integer)
     # Attempts handed back by a graceful drain: they do not count against max_attempts.
     drained: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    gpus_needed: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     machine_id: Mapped[str | None] = mapped_column(String(36))
     lease_expires_at: Mapped[dt.datetime | None] = mapped_column()
     exit_code: Mapped[int | None] = mapped_column(Integer)
@@ -66,7 +67,11 @@ class Job(Base):
     created_at: Mapped[dt.datetime] = mapped_column()
     updated_at: Mapped[dt.datetime] = mapped_column()
 
-    __table_args__ = (Index("ix_jobs_state_created", "state", "created_at"),)
+    __table_args__ = (
+        Index("ix_jobs_state_created", "state", "created_at"),
+        # A CPU-only machine's lease looks only at jobs that need no GPU: one index seek.
+        Index("ix_jobs_state_gpus_created", "state", "gpus_needed", "created_at"),
+    )
 
 
 class JobEvent(Base):
@@ -105,6 +110,7 @@ class Machine(Base):
     name: Mapped[str] = mapped_column(String(200))
     secret_sha256: Mapped[str] = mapped_column(String(64))  # never the secret itself
     capabilities_json: Mapped[str] = mapped_column(Text, default="{}")
+    gpus_json: Mapped[str] = mapped_column(Text, default="[]", server_default="[]")
     registered_at: Mapped[dt.datetime] = mapped_column()
     last_seen_at: Mapped[dt.datetime] = mapped_column()
 
@@ -122,3 +128,19 @@ class Checkpoint(Base):
     size: Mapped[int] = mapped_column(BigInteger)
     sha256: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[dt.datetime] = mapped_column()
+
+
+class GpuReservation(Base):
+    """GPU memory promised to one attempt: taken in the same transaction as the lease, and
+    released when that attempt ends in any way."""
+
+    __tablename__ = "gpu_reservations"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), index=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    machine_id: Mapped[str] = mapped_column(String(36))
+    gpu_uuid: Mapped[str] = mapped_column(String(100))
+    memory_mb: Mapped[int] = mapped_column(BigInteger)
+
+    __table_args__ = (Index("ix_gpu_reservations_machine", "machine_id", "gpu_uuid"),)

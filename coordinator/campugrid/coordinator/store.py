@@ -18,11 +18,19 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, select, update
+from sqlalchemy import Engine, create_engine, delete, event, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from campugrid.coordinator.models import Checkpoint, Job, JobEvent, LogChunk, Machine
+from campugrid.coordinator.models import (
+    Checkpoint,
+    GpuReservation,
+    Job,
+    JobEvent,
+    LogChunk,
+    Machine,
+)
+from campugrid.coordinator.scheduler import GpuView, MachineView, place
 from campugrid.protocol.errors import (
     Conflict,
     IllegalTransition,
@@ -145,7 +153,7 @@ class Store:
             id=str(uuid.uuid4()), client_job_id=spec.client_job_id, name=spec.name,
             state=JobState.QUEUED.value, spec_json=spec.to_json(), context_key=context_key,
             context_sha256=context_sha256, attempt=0, max_attempts=spec.max_attempts,
-            created_at=now, updated_at=now,
+            gpus_needed=spec.resources.gpus, created_at=now, updated_at=now,
         )
         try:
             with self._tx() as s:
@@ -190,6 +198,7 @@ class Store:
                        machine_id=None, lease_expires_at=None)
             s.add(JobEvent(job_id=job_id, at=utcnow(), attempt=row.attempt, kind="cancelled",
                            detail=f"was {row.state}"))
+            self._free_gpus(s, job_id)
             s.refresh(row)
             return JobView.from_row(row)
 
@@ -229,18 +238,31 @@ class Store:
         with self._tx() as s:
             s.execute(update(Machine).where(Machine.id == machine_id).values(**values))
 
-    def claim_next(self, machine_id: str, lease_s: float) -> JobView | None:
-        """Lease the oldest queued job to this machine, as the next attempt."""
+    def claim_next(self, machine_id: str, lease_s: float,
+                   machine: MachineView | None = None) -> JobView | None:
+        """Lease the oldest queued job this machine can hold, as the next attempt, reserving
+        GPU memory on specific GPUs in the same transaction (so it cannot be promised twice)."""
+        offer = machine or MachineView(machine_id, "")
         for _ in range(20):
             with self._tx() as s:
-                q = (select(Job.id, Job.attempt).where(Job.state == JobState.QUEUED.value)
-                     .order_by(Job.created_at, Job.id).limit(1))
-                if s.bind is not None and s.bind.dialect.name == "postgresql":
-                    q = q.with_for_update(skip_locked=True)
-                found = s.execute(q).first()
-                if found is None:
+                postgres = s.bind is not None and s.bind.dialect.name == "postgresql"
+                wants_gpu_jobs = bool(offer.gpus) and offer.gpu_isolation
+                if wants_gpu_jobs and postgres:  # serialise reservations per machine
+                    s.execute(select(Machine.id).where(Machine.id == machine_id).with_for_update())
+                cpu_q = (select(Job.id, Job.attempt, Job.created_at)
+                         .where(Job.state == JobState.QUEUED.value, Job.gpus_needed == 0)
+                         .order_by(Job.created_at, Job.id).limit(1))
+                if postgres:
+                    cpu_q = cpu_q.with_for_update(skip_locked=True)
+                candidates: list[tuple[Any, str, int, tuple[str, ...], int]] = [
+                    (created, job_id, attempt, (), 0) for job_id, attempt, created in s.execute(cpu_q)]
+                if wants_gpu_jobs:
+                    found = self._gpu_candidate(s, machine_id, offer)
+                    if found is not None:
+                        candidates.append(found)
+                if not candidates:
                     return None
-                job_id, attempt = found
+                _, job_id, attempt, gpus, gpu_mb = min(candidates)
                 now = utcnow()
                 res = s.execute(
                     update(Job)
@@ -252,10 +274,68 @@ class Store:
                             reason=None, updated_at=now))
                 if res.rowcount != 1:  # type: ignore[attr-defined]
                     continue  # someone else took it between our read and write
+                for uuid in gpus:
+                    s.add(GpuReservation(job_id=job_id, attempt=attempt + 1, machine_id=machine_id,
+                                         gpu_uuid=uuid, memory_mb=gpu_mb))
+                detail = f"machine {machine_id}" + (f", GPUs {', '.join(gpus)}" if gpus else "")
                 s.add(JobEvent(job_id=job_id, at=now, attempt=attempt + 1, kind="leased",
-                               detail=f"machine {machine_id}"))
+                               detail=detail))
                 return JobView.from_row(self._row(s, job_id))
         return None
+
+    def _gpu_candidate(self, s: Session, machine_id: str, offer: MachineView,
+                       window: int = 64) -> tuple[Any, str, int, tuple[str, ...], int] | None:
+        """The oldest of the first `window` GPU jobs that fits this machine's GPUs now."""
+        reserved = {uuid: int(mb) for uuid, mb in s.execute(
+            select(GpuReservation.gpu_uuid, func.sum(GpuReservation.memory_mb))
+            .where(GpuReservation.machine_id == machine_id)
+            .group_by(GpuReservation.gpu_uuid))}
+        view = MachineView(offer.id, offer.name, tuple(
+            dataclasses.replace(g, reserved_mb=reserved.get(g.uuid, 0)) for g in offer.gpus),
+            offer.gpu_isolation)
+        # Not locked: locking the whole window would hide it from every other machine until we
+        # commit. The guarded update in claim_next settles races; the machine row lock (taken
+        # by the caller on PostgreSQL) keeps two leases from reserving one GPU's memory twice.
+        q = (select(Job.id, Job.attempt, Job.created_at, Job.spec_json)
+             .where(Job.state == JobState.QUEUED.value, Job.gpus_needed > 0)
+             .order_by(Job.created_at, Job.id).limit(window))
+        for job_id, attempt, created, spec_json in s.execute(q):
+            need = JobSpec.from_json(spec_json).resources
+            chosen = place(need, view)
+            if chosen:
+                return (created, job_id, attempt, chosen, need.gpu_memory_mb)
+        return None
+
+    def reserved_gpus(self, job_id: str, attempt: int) -> list[str]:
+        with self._tx() as s:
+            return list(s.scalars(select(GpuReservation.gpu_uuid).where(
+                GpuReservation.job_id == job_id, GpuReservation.attempt == attempt)
+                .order_by(GpuReservation.id)))
+
+    def update_machine(self, machine_id: str, gpus: Sequence[GpuView], gpu_isolation: bool) -> None:
+        snapshot = {"isolation": gpu_isolation, "gpus": [dataclasses.asdict(g) for g in gpus]}
+        with self._tx() as s:
+            s.execute(update(Machine).where(Machine.id == machine_id).values(
+                gpus_json=json.dumps(snapshot),
+                last_seen_at=utcnow()))
+
+    def online_machines(self, within_s: float = 30) -> list[MachineView]:
+        """Machines seen recently, with their GPUs minus what is reserved on them."""
+        since = utcnow() - dt.timedelta(seconds=within_s)
+        with self._tx() as s:
+            reserved = {(m, g): int(mb) for m, g, mb in s.execute(
+                select(GpuReservation.machine_id, GpuReservation.gpu_uuid,
+                       func.sum(GpuReservation.memory_mb))
+                .group_by(GpuReservation.machine_id, GpuReservation.gpu_uuid))}
+            out = []
+            for m in s.scalars(select(Machine).where(Machine.last_seen_at >= since)):
+                snap = json.loads(m.gpus_json or "{}")
+                snap = snap if isinstance(snap, dict) else {}  # "[]": never reported GPUs
+                gpus = tuple(GpuView(g["uuid"], g["kind"], g["name"], g["free_mb"],
+                                     reserved.get((m.id, g["uuid"]), 0), (g["cc"][0], g["cc"][1]))
+                             for g in snap.get("gpus", []))
+                out.append(MachineView(m.id, m.name, gpus, bool(snap.get("isolation"))))
+            return out
 
     def renew_lease(self, job_id: str, token: int, machine_id: str, phase: JobState,
                     lease_s: float) -> JobView:
@@ -313,6 +393,7 @@ class Store:
                 refused = None
                 s.add(JobEvent(job_id=job_id, at=utcnow(), attempt=token, kind=target.value,
                                detail=reason or ""))
+                self._free_gpus(s, job_id)
         if refused is not None:
             raise refused
         return JobView.from_row(row)
@@ -340,6 +421,7 @@ class Store:
                 if res.rowcount == 1:  # type: ignore[attr-defined]
                     s.add(JobEvent(job_id=job_id, at=now, attempt=attempt,
                                    kind="lease_expired", detail=reason))
+                    self._free_gpus(s, job_id)
                     moved.append(job_id)
         return moved
 
@@ -408,6 +490,7 @@ class Store:
             else:
                 refused = None
                 s.add(JobEvent(job_id=job_id, at=now, attempt=token, kind="drained", detail=reason))
+                self._free_gpus(s, job_id)
         if refused is not None:
             raise refused
         return JobView.from_row(row)
@@ -427,6 +510,11 @@ class Store:
         if row is None:
             raise NotFound(f"no job {job_id}")
         return row
+
+    @staticmethod
+    def _free_gpus(s: Session, job_id: str) -> None:
+        """A job holds reservations only while an attempt is active: drop them all."""
+        s.execute(delete(GpuReservation).where(GpuReservation.job_id == job_id))
 
     @staticmethod
     def _move(s: Session, job_id: str, attempt: int, target: JobState, **values: Any) -> None:

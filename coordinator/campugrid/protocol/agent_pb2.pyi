@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Capabilities(_message.Message):
-    __slots__ = ("runtime", "builder", "cpus", "memory_mb", "limits")
+    __slots__ = ("runtime", "builder", "cpus", "memory_mb", "limits", "gpus", "gpu_isolation", "gpu_note")
     class LimitsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -20,12 +20,42 @@ class Capabilities(_message.Message):
     CPUS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    GPU_ISOLATION_FIELD_NUMBER: _ClassVar[int]
+    GPU_NOTE_FIELD_NUMBER: _ClassVar[int]
     runtime: str
     builder: str
     cpus: int
     memory_mb: int
     limits: _containers.ScalarMap[str, str]
-    def __init__(self, runtime: _Optional[str] = ..., builder: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_mb: _Optional[int] = ..., limits: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
+    gpu_isolation: bool
+    gpu_note: str
+    def __init__(self, runtime: _Optional[str] = ..., builder: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_mb: _Optional[int] = ..., limits: _Optional[_Mapping[str, str]] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_isolation: _Optional[bool] = ..., gpu_note: _Optional[str] = ...) -> None: ...
+
+class Gpu(_message.Message):
+    __slots__ = ("uuid", "name", "kind", "memory_total_mb", "memory_free_mb", "compute_capability", "temperature_c", "driver_version", "shared_memory", "minor")
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_MB_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FREE_MB_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_C_FIELD_NUMBER: _ClassVar[int]
+    DRIVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    MINOR_FIELD_NUMBER: _ClassVar[int]
+    uuid: str
+    name: str
+    kind: str
+    memory_total_mb: int
+    memory_free_mb: int
+    compute_capability: str
+    temperature_c: int
+    driver_version: str
+    shared_memory: bool
+    minor: int
+    def __init__(self, uuid: _Optional[str] = ..., name: _Optional[str] = ..., kind: _Optional[str] = ..., memory_total_mb: _Optional[int] = ..., memory_free_mb: _Optional[int] = ..., compute_capability: _Optional[str] = ..., temperature_c: _Optional[int] = ..., driver_version: _Optional[str] = ..., shared_memory: _Optional[bool] = ..., minor: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("name", "capabilities")
@@ -54,8 +84,10 @@ class HeartbeatReply(_message.Message):
     def __init__(self) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("gpus",)
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
+    def __init__(self, gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ...) -> None: ...
 
 class Dataset(_message.Message):
     __slots__ = ("name", "files")
@@ -75,7 +107,7 @@ class Dataset(_message.Message):
     def __init__(self, name: _Optional[str] = ..., files: _Optional[_Iterable[_Union[Dataset.File, _Mapping]]] = ...) -> None: ...
 
 class LeaseReply(_message.Message):
-    __slots__ = ("has_task", "job_id", "attempt", "fencing_token", "lease_seconds", "spec_json", "context_url", "output_url", "datasets", "resume")
+    __slots__ = ("has_task", "job_id", "attempt", "fencing_token", "lease_seconds", "spec_json", "context_url", "output_url", "datasets", "resume", "gpu_uuids", "gpu_memory_mb")
     HAS_TASK_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +118,8 @@ class LeaseReply(_message.Message):
     OUTPUT_URL_FIELD_NUMBER: _ClassVar[int]
     DATASETS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
+    GPU_MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
     has_task: bool
     job_id: str
     attempt: int
@@ -96,7 +130,9 @@ class LeaseReply(_message.Message):
     output_url: str
     datasets: _containers.RepeatedCompositeFieldContainer[Dataset]
     resume: Resume
-    def __init__(self, has_task: _Optional[bool] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., fencing_token: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., spec_json: _Optional[str] = ..., context_url: _Optional[str] = ..., output_url: _Optional[str] = ..., datasets: _Optional[_Iterable[_Union[Dataset, _Mapping]]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ...) -> None: ...
+    gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
+    gpu_memory_mb: int
+    def __init__(self, has_task: _Optional[bool] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., fencing_token: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., spec_json: _Optional[str] = ..., context_url: _Optional[str] = ..., output_url: _Optional[str] = ..., datasets: _Optional[_Iterable[_Union[Dataset, _Mapping]]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., gpu_memory_mb: _Optional[int] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("epoch", "url", "size", "sha256")

@@ -33,8 +33,17 @@ class Resources:
     memory_mb: int = 1024
     disk_mb: int = 256  # the size of the job's writable /tmp
     gpus: int = 0
-    gpu_memory_mb: int = 0
+    gpu_memory_mb: int = 0  # per GPU
     wall_time_s: int = 3600
+    min_compute_capability: str | None = None  # e.g. "8.0"
+    gpu_kinds: tuple[str, ...] = ("nvidia",)  # GPU kinds the job was checked on
+
+    @property
+    def min_cc(self) -> tuple[int, int]:
+        if not self.min_compute_capability:
+            return (0, 0)
+        major, minor = self.min_compute_capability.split(".")
+        return (int(major), int(minor))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +124,14 @@ class JobSpec:
             gpus=_integer(res, "gpus", 0, 0, 16, "resources"),
             gpu_memory_mb=_integer(res, "gpu_memory_mb", 0, 0, 1024 * 1024, "resources"),
             wall_time_s=_integer(res, "wall_time_s", 3600, 1, 14 * 86400, "resources"),
+            min_compute_capability=_cc(res.get("min_compute_capability")),
+            gpu_kinds=_kinds(res.get("gpu_kinds", ["nvidia"])),
         )
+        if resources.gpus and not resources.gpu_memory_mb:
+            raise InvalidInput("resources.gpu_memory_mb: say how much GPU memory each GPU needs "
+                               "(it is reserved for the job)")
+        if resources.gpu_memory_mb and not resources.gpus:
+            raise InvalidInput("resources.gpus: gpu_memory_mb is set but gpus is 0")
 
         raw_ds = data.get("datasets") or []
         _require(isinstance(raw_ds, list) and len(raw_ds) <= MAX_DATASETS, "datasets",
@@ -163,7 +179,8 @@ class JobSpec:
         out: dict[str, Any] = {
             "command": list(self.command) if self.command is not None else None,
             "env": dict(self.env),
-            "resources": dataclasses.asdict(self.resources),
+            "resources": {**dataclasses.asdict(self.resources),
+                          "gpu_kinds": list(self.resources.gpu_kinds)},
             "datasets": [dataclasses.asdict(d) for d in self.datasets],
             "max_attempts": self.max_attempts,
         }
@@ -175,6 +192,24 @@ class JobSpec:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+
+GPU_KINDS = ("nvidia", "apple")
+
+
+def _cc(value: Any) -> str | None:
+    if value is None:
+        return None
+    _require(isinstance(value, str) and bool(re.match(r"^\d{1,2}\.\d{1,2}$", value)),
+             "resources.min_compute_capability", 'must be a string like "8.0"')
+    return str(value)
+
+
+def _kinds(value: Any) -> tuple[str, ...]:
+    _require(isinstance(value, list) and 0 < len(value) <= len(GPU_KINDS)
+             and all(v in GPU_KINDS for v in value) and len(set(value)) == len(value),
+             "resources.gpu_kinds", f"must be a non-empty list drawn from {', '.join(GPU_KINDS)}")
+    return tuple(value)
 
 
 def _require(ok: bool, field: str, what: str) -> None:

@@ -1,0 +1,90 @@
+"""Placement as pure functions: a snapshot of machines and GPUs in, a decision out.
+
+`place` picks the GPUs of one machine for one job (the store commits it with a guarded
+update, so a decision made on a stale snapshot simply fails and is retried); `why_waiting`
+turns the same rules into the sentence a researcher sees while the job is queued.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from campugrid.protocol.spec import Resources
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuView:
+    uuid: str
+    kind: str  # "nvidia" | "apple"
+    name: str
+    free_mb: int  # as the agent measured it, minus the owner's reserve
+    reserved_mb: int  # already promised to other attempts by the coordinator
+    cc: tuple[int, int]
+
+    @property
+    def available_mb(self) -> int:
+        return self.free_mb - self.reserved_mb
+
+
+@dataclasses.dataclass(frozen=True)
+class MachineView:
+    id: str
+    name: str
+    gpus: tuple[GpuView, ...] = ()
+    gpu_isolation: bool = False  # runsc can pass GPUs through (nvproxy)
+
+
+def place(need: Resources, machine: MachineView) -> tuple[str, ...] | None:
+    """The GPUs to reserve on `machine` (most available memory first), or None if it can't."""
+    if need.gpus == 0:
+        return ()
+    if not machine.gpu_isolation:
+        return None
+    fits = sorted((g for g in machine.gpus if _suits(need, g)),
+                  key=lambda g: (-g.available_mb, g.uuid))
+    if len(fits) < need.gpus:
+        return None
+    return tuple(g.uuid for g in fits[:need.gpus])
+
+
+def _suits(need: Resources, gpu: GpuView) -> bool:
+    return (gpu.kind in need.gpu_kinds and gpu.cc >= need.min_cc
+            and gpu.available_mb >= need.gpu_memory_mb)
+
+
+def why_waiting(need: Resources, machines: Sequence[MachineView]) -> str:
+    """Why no online machine can take this job now, in words a researcher can act on."""
+    if not machines:
+        return "no approved machine online"
+    if need.gpus == 0:
+        return "waiting for a free machine (every online machine is busy)"
+    gpus = [(m, g) for m in machines for g in m.gpus]
+    if not gpus:
+        return f"no online machine has a GPU ({len(machines)} CPU-only online)"
+    kinds = [(m, g) for m, g in gpus if g.kind in need.gpu_kinds]
+    if not kinds:
+        other = sorted({g.kind for _, g in gpus})
+        if "apple" in other:
+            return "not yet checked on Apple GPUs (add \"apple\" to resources.gpu_kinds)"
+        return f"needs a GPU of kind {'/'.join(need.gpu_kinds)}; online: {', '.join(other)}"
+    isolated = [(m, g) for m, g in kinds if m.gpu_isolation]
+    if not isolated:
+        return "no machine with a GPU can isolate it under gVisor (runsc nvproxy) right now"
+    capable = [(m, g) for m, g in isolated if g.cc >= need.min_cc]
+    if not capable:
+        best = max(g.cc for _, g in isolated)
+        return (f"needs compute capability ≥ {need.min_compute_capability} "
+                f"(best online: {best[0]}.{best[1]})")
+    roomy = [(m, g) for m, g in capable if g.available_mb >= need.gpu_memory_mb]
+    if len({m.id for m, _ in roomy}) == 0 or not any(
+            len([g for mm, g in roomy if mm.id == m.id]) >= need.gpus for m, _ in roomy):
+        m, g = max(capable, key=lambda mg: mg[1].available_mb)
+        count = f"{need.gpus} GPUs with " if need.gpus > 1 else ""
+        return (f"no machine has {count}{_gb(need.gpu_memory_mb)} free "
+                f"(most free: {m.name}, {_gb(max(0, g.available_mb))})")
+    return "waiting for a machine with a suitable GPU to ask for work"
+
+
+def _gb(mb: int) -> str:
+    return f"{mb / 1024:.0f} GB" if mb >= 1024 else f"{mb} MB"

@@ -1,0 +1,140 @@
+"""GPU reservations in the store, on SQLite and PostgreSQL: taken with the lease in one step,
+never promised twice (also from two coordinator processes at once), released on every end."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from sqlalchemy import text
+
+from campugrid.coordinator.scheduler import GpuView, MachineView
+from campugrid.coordinator.store import Store, utcnow
+from campugrid.protocol.spec import JobSpec
+from campugrid.protocol.states import JobState
+
+pytestmark = pytest.mark.integration
+GB = 1024
+
+
+def gpu_job(store: Store, gb: int, gpus: int = 1, **res) -> str:
+    spec = JobSpec.from_dict({"resources": {"gpus": gpus, "gpu_memory_mb": gb * GB, **res}})
+    return store.submit(spec, "contexts/x.tar", "ab" * 32)[0].id
+
+
+def rig(machine_id: str, *free_gb: int, isolation: bool = True) -> MachineView:
+    return MachineView(machine_id, "rig", tuple(
+        GpuView(f"{machine_id}-gpu{i}", "nvidia", "RTX", gb * GB, 0, (8, 6))
+        for i, gb in enumerate(free_gb)), isolation)
+
+
+def test_a_gpu_job_reserves_memory_on_a_specific_gpu(store: Store):
+    job = gpu_job(store, 10)
+    m, _ = store.register_machine("rig", {})
+    assert store.claim_next(m, 30, rig(m, 24)).id == job
+    assert store.reserved_gpus(job, 1) == [f"{m}-gpu0"]
+    assert "GPUs" in store.events(job)[-1].detail
+
+
+def test_cpu_only_machines_never_get_gpu_jobs(store: Store):
+    gpu_job(store, 1)
+    cpu, _ = store.register_machine("laptop", {})
+    assert store.claim_next(cpu, 30) is None
+    assert store.claim_next(cpu, 30, rig(cpu, 24, isolation=False)) is None
+
+
+def test_memory_is_never_promised_twice_under_concurrent_leases(store: Store):
+    jobs = [gpu_job(store, 10) for _ in range(6)]
+    m, _ = store.register_machine("rig", {})
+    offer = rig(m, 24)  # room for two 10 GB jobs
+    barrier = threading.Barrier(6)
+
+    def go(_: int):
+        barrier.wait()
+        return store.claim_next(m, 30, offer)
+
+    with ThreadPoolExecutor(6) as pool:
+        got = [j.id for j in pool.map(go, range(6)) if j is not None]
+    assert len(got) == 2 and len(set(got)) == 2 and set(got) <= set(jobs)
+    # finishing one frees its memory for the next
+    store.renew_lease(got[0], 1, m, JobState.RUNNING, 30)
+    store.finish(got[0], 1, m, succeeded=True, exit_code=0, reason=None, result=None,
+                 output_key=None, limits={})
+    third = store.claim_next(m, 30, offer)
+    assert third is not None and third.id not in got
+
+
+@pytest.mark.parametrize("ending", ["cancel", "expire", "release"])
+def test_every_ending_releases_the_reservation(store: Store, ending: str):
+    job = gpu_job(store, 20)
+    m, _ = store.register_machine("rig", {})
+    store.claim_next(m, 30, rig(m, 24))
+    other = gpu_job(store, 20)
+    assert store.claim_next(m, 30, rig(m, 24)) is None  # full
+    if ending == "cancel":
+        store.cancel(job)
+    elif ending == "expire":
+        store.requeue_expired(utcnow() + dt.timedelta(seconds=60))
+    else:
+        store.release(job, 1, m, "drain")
+    again = store.claim_next(m, 30, rig(m, 24))
+    assert again is not None and again.id in (job, other)
+    assert store.reserved_gpus(again.id, again.attempt) == [f"{m}-gpu0"]
+
+
+def test_a_machine_that_reports_less_free_memory_gets_less(store: Store):
+    gpu_job(store, 12)
+    m, _ = store.register_machine("desktop", {})
+    assert store.claim_next(m, 30, rig(m, 11)) is None  # a model server holds the rest
+
+
+def test_why_a_job_waits_comes_from_online_machines(store: Store):
+    m, _ = store.register_machine("desktop", {})
+    store.update_machine(m, rig(m, 2).gpus, gpu_isolation=True)
+    [view] = store.online_machines()
+    assert view.name == "desktop" and view.gpus[0].available_mb == 2 * GB
+
+
+SCRIPT = """
+import json, sys, threading
+from campugrid.coordinator.scheduler import GpuView, MachineView
+from campugrid.coordinator.store import Store, make_engine
+url, machines = sys.argv[1], json.loads(sys.argv[2])
+store = Store(make_engine(url))
+got = []
+def agent(m):
+    offer = MachineView(m, m, (GpuView(m + "-gpu0", "nvidia", "RTX", 24 * 1024, 0, (8, 6)),), True)
+    while True:
+        job = store.claim_next(m, 60, offer)
+        if job is None:
+            return
+        got.append((job.id, m))
+threads = [threading.Thread(target=agent, args=(m,)) for m in machines]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(json.dumps(got))
+"""
+
+
+def test_two_coordinator_processes_never_double_lease_or_overcommit(store: Store, db_url: str):
+    jobs = [gpu_job(store, 10) for _ in range(40)]
+    machines = [store.register_machine(f"m{i}", {})[0] for i in range(8)]
+    procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, db_url, json.dumps(machines)],
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    results = []
+    for p in procs:
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0
+        results += json.loads(out.strip().splitlines()[-1])
+    leased = [job for job, _ in results]
+    assert len(leased) == len(set(leased)) == 16  # 8 GPUs x 2 jobs of 10 GB in 24 GB
+    assert set(leased) <= set(jobs)
+    with store.engine.connect() as conn:
+        per_gpu = conn.execute(text("SELECT gpu_uuid, SUM(memory_mb) FROM gpu_reservations "
+                                    "GROUP BY gpu_uuid")).all()
+    assert len(per_gpu) == 8 and all(total <= 24 * GB for _, total in per_gpu)
