@@ -184,3 +184,16 @@ def test_links_a_job_plants_never_make_the_agent_read_host_files(api, platform):
     blob = platform.running.coord.objects.get_bytes(recorded[0].key)
     with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
         assert sorted(tar.getnames()) == ["MANIFEST.json", "w"]
+
+
+def test_a_gpu_job_on_a_cpu_only_platform_waits_and_says_why(api, platform):
+    spec = JobSpec.from_dict({"resources": {"gpus": 1, "gpu_memory_mb": 8192}})
+    job = api.submit(tar_folder(HELLO), spec)
+    time.sleep(3)  # the agent polls every second: it must keep passing this job over
+    seen = api.job(job["id"])
+    assert seen["state"] == "queued"
+    assert seen["waiting_reason"] == "no online machine has a GPU (1 CPU-only online)"
+    out = subprocess.run([sys.executable, "-m", "campugrid.cli", "status", job["id"], "--server",
+                          platform.url], capture_output=True, text=True, timeout=60)
+    assert "waiting  no online machine has a GPU" in out.stdout
+    api.cancel(job["id"])

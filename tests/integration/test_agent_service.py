@@ -153,3 +153,22 @@ def test_checkpoints_are_verified_before_they_are_recorded(coordinator, tmp_path
     assert second.resume.sha256 == digest and second.resume.size == len(data)
     # and a checkpoint from the lost attempt is refused
     assert not c.begin_checkpoint(job["id"], 1, 1, 10).accepted
+
+
+def test_a_gpu_lease_names_the_reserved_gpus_and_waiting_jobs_say_why(coordinator, tmp_path):
+    running, api = coordinator
+    spec = JobSpec.from_dict({"resources": {"gpus": 1, "gpu_memory_mb": 12 * 1024}})
+    job = api.submit(tar_folder(HELLO), spec)
+    assert api.job(job["id"])["waiting_reason"] == "no approved machine online"
+    c = client(running, tmp_path, "desktop")
+    small = [pb.Gpu(uuid="GPU-small", name="RTX 3060", kind="nvidia", memory_free_mb=2048,
+                    compute_capability="8.6", minor=0)]
+    assert not c.lease(small, gpu_isolation=True).has_task
+    assert api.job(job["id"])["waiting_reason"] == "no machine has 12 GB free (most free: desktop, 2 GB)"
+    big = [*small, pb.Gpu(uuid="GPU-big", name="RTX 4090", kind="nvidia", memory_free_mb=24000,
+                          compute_capability="8.9", minor=1)]
+    assert not c.lease(big, gpu_isolation=False).has_task  # no nvproxy: never placed
+    lease = c.lease(big, gpu_isolation=True)
+    assert lease.has_task and list(lease.gpu_uuids) == ["GPU-big"]
+    assert lease.gpu_memory_mb == 12 * 1024
+    assert api.job(job["id"])["waiting_reason"] is None

@@ -49,6 +49,8 @@ def _api(server: str) -> Any:
 def _print_job(job: dict[str, Any]) -> None:
     typer.echo(f"job      {job['id']}" + (f"  ({job['name']})" if job.get("name") else ""))
     typer.echo(f"state    {job['state']}  (attempt {job['attempt']} of {job['max_attempts']})")
+    if job.get("waiting_reason"):
+        typer.echo(f"waiting  {job['waiting_reason']}")
     if job.get("reason"):
         typer.echo(f"reason   {job['reason']}")
     if job.get("exit_code") is not None:
@@ -141,7 +143,8 @@ def jobs(state: Annotated[str | None, typer.Option(help="Only jobs in this state
     """List recent jobs."""
     try:
         for j in _api(server).jobs(state, limit):
-            typer.echo(f"{j['id']}  {j['state']:<10} {j['created_at'][:19]}  {j.get('name') or ''}")
+            why = f"  ({j['waiting_reason']})" if j.get("waiting_reason") else ""
+            typer.echo(f"{j['id']}  {j['state']:<10} {j['created_at'][:19]}  {j.get('name') or ''}{why}")
     except CampugridError as e:
         _fail(str(e))
 
@@ -190,8 +193,14 @@ def agent_run(
     kaniko_image: Annotated[str, typer.Option(envvar="CAMPUGRID_KANIKO_IMAGE",
                                               help="Kaniko executor image (a local one).")] = "",
     once: Annotated[bool, typer.Option(help="Exit after one task.")] = False,
+    gpus: Annotated[str | None, typer.Option(help="GPUs to offer: indexes or UUIDs, comma-separated "
+                                                  "(default: all).")] = None,
+    gpu_reserve_mb: Annotated[int, typer.Option(help="GPU memory to always leave free, per GPU.")] = 0,
+    protect: Annotated[list[str] | None, typer.Option(help="A process name whose GPU is never used "
+                                                           "while it runs (repeatable).")] = None,
 ) -> None:
     """Run a provider agent as this (unprivileged) user."""
+    from campugrid.agent.gpus import GpuPolicy
     from campugrid.agent.worker import Agent, AgentSettings
     from campugrid.builders.base import Builder
     from campugrid.builders.buildah import BuildahBuilder
@@ -209,8 +218,10 @@ def agent_run(
     else:
         _fail(f"--builder {builder!r}: choose buildah or kaniko")
     try:
-        agent = Agent(AgentSettings(coordinator=coordinator, state_dir=state_dir, name=name),
-                      chosen, PodmanRunsc())
+        policy = GpuPolicy(allow=tuple(x.strip() for x in gpus.split(",")) if gpus else None,
+                           reserve_mb=gpu_reserve_mb, protected=tuple(protect or ()))
+        agent = Agent(AgentSettings(coordinator=coordinator, state_dir=state_dir, name=name,
+                                    gpu_policy=policy), chosen, PodmanRunsc())
     except CampugridError as e:
         _fail(str(e))
     signal.signal(signal.SIGTERM, lambda *_: agent.shutdown())

@@ -8,11 +8,12 @@ callers that are broken or unauthenticated.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
 
+from campugrid.coordinator.scheduler import GpuView, MachineView
 from campugrid.coordinator.service import Coordinator
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
@@ -34,7 +35,21 @@ R = TypeVar("R")
 
 def _caps(c: pb.Capabilities) -> dict[str, Any]:
     return {"runtime": c.runtime, "builder": c.builder, "cpus": c.cpus,
-            "memory_mb": c.memory_mb, "limits": dict(c.limits)}
+            "memory_mb": c.memory_mb, "limits": dict(c.limits),
+            "gpu_isolation": c.gpu_isolation, "gpu_note": c.gpu_note}
+
+
+def _gpus(gpus: Sequence[pb.Gpu]) -> tuple[GpuView, ...]:
+    out = []
+    for g in gpus:
+        cc = (0, 0)
+        if g.compute_capability.count(".") == 1:
+            major, minor = g.compute_capability.split(".")
+            if major.isdigit() and minor.isdigit():
+                cc = (int(major), int(minor))
+        out.append(GpuView(g.uuid[:100], g.kind or "nvidia", g.name[:200],
+                           max(0, int(g.memory_free_mb)), 0, cc))
+    return tuple(out)
 
 
 class AgentService(pb_grpc.AgentServiceServicer):
@@ -76,11 +91,15 @@ class AgentService(pb_grpc.AgentServiceServicer):
         machine = self._machine(context)
         caps = _caps(request.capabilities) if request.HasField("capabilities") else None
         self.coord.store.heartbeat(machine, caps)
+        if request.HasField("capabilities"):
+            self.coord.store.update_machine(machine, _gpus(request.capabilities.gpus),
+                                            request.capabilities.gpu_isolation)
         return pb.HeartbeatReply()
 
     def Lease(self, request: pb.LeaseRequest, context: grpc.ServicerContext) -> pb.LeaseReply:
         machine = self._machine(context)
-        lease = self._guard(context, lambda: self.coord.lease(machine))
+        offer = MachineView(machine, "", _gpus(request.gpus), request.gpu_isolation)
+        lease = self._guard(context, lambda: self.coord.lease(machine, offer))
         if lease is None:
             return pb.LeaseReply(has_task=False)
         job = lease.job
@@ -94,6 +113,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
             resume=(pb.Resume(epoch=lease.resume.epoch, url=lease.resume_url,
                               size=lease.resume.size, sha256=lease.resume.sha256)
                     if lease.resume is not None else None),
+            gpu_uuids=lease.gpu_uuids, gpu_memory_mb=job.spec.resources.gpu_memory_mb,
         )
 
     def Renew(self, request: pb.RenewRequest, context: grpc.ServicerContext) -> pb.RenewReply:

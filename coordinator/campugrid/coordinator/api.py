@@ -11,6 +11,7 @@ from fastapi import FastAPI, File, Form, HTTPException, Query, Request, UploadFi
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
+from campugrid.coordinator.scheduler import why_waiting
 from campugrid.coordinator.service import Coordinator
 from campugrid.coordinator.store import JobView
 from campugrid.protocol.errors import (
@@ -52,16 +53,19 @@ class JobOut(BaseModel):
     spec: dict[str, Any]
     created_at: dt.datetime
     updated_at: dt.datetime
+    waiting_reason: str | None = None  # queued jobs: why no machine has taken it yet
     events: list[EventOut] | None = None
 
     @classmethod
-    def of(cls, job: JobView, events: list[EventOut] | None = None) -> JobOut:
+    def of(cls, job: JobView, events: list[EventOut] | None = None,
+           waiting_reason: str | None = None) -> JobOut:
         return cls(
             id=job.id, client_job_id=job.client_job_id, name=job.name, state=job.state,
             attempt=job.attempt, max_attempts=job.max_attempts, machine_id=job.machine_id,
             exit_code=job.exit_code, reason=job.reason, result=job.result,
             has_output=job.output_key is not None, limits=job.limits, spec=job.spec.to_dict(),
             created_at=job.created_at, updated_at=job.updated_at, events=events,
+            waiting_reason=waiting_reason,
         )
 
 
@@ -114,14 +118,18 @@ def create_app(coord: Coordinator) -> FastAPI:
     @app.get("/v1/jobs", response_model=list[JobOut])
     def list_jobs(state: JobState | None = None,
                   limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[JobOut]:
-        return [JobOut.of(j) for j in coord.store.list_jobs(state, limit)]
+        jobs = coord.store.list_jobs(state, limit)
+        machines = coord.store.online_machines() if any(
+            j.state is JobState.QUEUED for j in jobs) else []
+        return [JobOut.of(j, waiting_reason=why_waiting(j.spec.resources, machines)
+                          if j.state is JobState.QUEUED else None) for j in jobs]
 
     @app.get("/v1/jobs/{job_id}", response_model=JobOut)
     def get_job(job_id: str) -> JobOut:
         job = coord.store.get(job_id_ok(job_id))
         events = [EventOut(at=e.at, attempt=e.attempt, kind=e.kind, detail=e.detail)
                   for e in coord.store.events(job.id)]
-        return JobOut.of(job, events)
+        return JobOut.of(job, events, coord.waiting_reason(job))
 
     @app.post("/v1/jobs/{job_id}/cancel", response_model=JobOut)
     def cancel(job_id: str) -> JobOut:

@@ -10,9 +10,11 @@ import logging
 from campugrid.builders.context import inspect_context
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.objects import S3Store
+from campugrid.coordinator.scheduler import MachineView, why_waiting
 from campugrid.coordinator.store import CheckpointView, JobView, Store
 from campugrid.protocol.errors import InvalidInput
 from campugrid.protocol.spec import DatasetRef, JobSpec
+from campugrid.protocol.states import JobState
 
 log = logging.getLogger("campugrid.coordinator")
 
@@ -33,6 +35,7 @@ class Lease:
     datasets: dict[str, list[DatasetFile]]
     resume: CheckpointView | None
     resume_url: str
+    gpu_uuids: list[str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +68,10 @@ class Coordinator:
             log.info("job submitted", extra={"job_id": job.id})
         return job, created
 
-    def lease(self, machine_id: str) -> Lease | None:
-        job = self.store.claim_next(machine_id, self.settings.lease_seconds)
+    def lease(self, machine_id: str, offer: MachineView | None = None) -> Lease | None:
+        if offer is not None:
+            self.store.update_machine(machine_id, offer.gpus, offer.gpu_isolation)
+        job = self.store.claim_next(machine_id, self.settings.lease_seconds, offer)
         if job is None:
             return None
         ttl = dt.timedelta(seconds=self.settings.presign_seconds)
@@ -84,7 +89,14 @@ class Coordinator:
             },
             resume=resume,
             resume_url=self.objects.presign_get(resume.key, ttl) if resume else "",
+            gpu_uuids=self.store.reserved_gpus(job.id, job.attempt),
         )
+
+    def waiting_reason(self, job: JobView) -> str | None:
+        """Why a queued job is not running, from the machines online now."""
+        if job.state is not JobState.QUEUED:
+            return None
+        return why_waiting(job.spec.resources, self.store.online_machines())
 
     def begin_checkpoint(self, job_id: str, token: int, machine_id: str, epoch: int,
                          size: int) -> CheckpointUpload:

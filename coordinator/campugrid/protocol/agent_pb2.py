@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x63\x61mpugrid/protocol/agent.proto\x12\x0c\x63\x61mpugrid.v1\"\x82\x02\n\x0c\x43\x61pabilities\x12\x0f\n\x07runtime\x18\x01 \x01(\t\x12\x0f\n\x07\x62uilder\x18\x02 \x01(\t\x12\x0c\n\x04\x63pus\x18\x03 \x01(\x05\x12\x11\n\tmemory_mb\x18\x04 \x01(\x03\x12\x36\n\x06limits\x18\x05 \x03(\x0b\x32&.campugrid.v1.Capabilities.LimitsEntry\x12\x1f\n\x04gpus\x18\x06 \x03(\x0b\x32\x11.campugrid.v1.Gpu\x12\x15\n\rgpu_isolation\x18\x07 \x01(\x08\x12\x10\n\x08gpu_note\x18\x08 \x01(\t\x1a-\n\x0bLimitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd1\x01\n\x03Gpu\x12\x0c\n\x04uuid\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x17\n\x0fmemory_total_mb\x18\x04 \x01(\x03\x12\x16\n\x0ememory_free_mb\x18\x05 \x01(\x03\x12\x1a\n\x12\x63ompute_capability\x18\x06 \x01(\t\x12\x15\n\rtemperature_c\x18\x07 \x01(\x05\x12\x16\n\x0e\x64river_version\x18\x08 \x01(\t\x12\x15\n\rshared_memory\x18\t \x01(\x08\x12\r\n\x05minor\x18\n \x01(\x05\"Q\n\x0fRegisterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x30\n\x0c\x63\x61pabilities\x18\x02 \x01(\x0b\x32\x1a.campugrid.v1.Capabilities\"3\n\rRegisterReply\x12\x12\n\nmachine_id\x18\x01 \x01(\t\x12\x0e\n\x06secret\x18\x02 \x01(\t\"D\n\x10HeartbeatRequest\x12\x30\n\x0c\x63\x61pabilities\x18\x01 \x01(\x0b\x32\x1a.campugrid.v1.Capabilities\"\x10\n\x0eHeartbeatReply\"/\n\x0cLeaseRequest\x12\x1f\n\x04gpus\x18\x01 \x03(\x0b\x32\x11.campugrid.v1.Gpu\"s\n\x07\x44\x61taset\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x05\x66iles\x18\x02 \x03(\x0b\x32\x1a.campugrid.v1.Dataset.File\x1a/\n\x04\x46ile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x03\"\xa2\x02\n\nLeaseReply\x12\x10\n\x08has_task\x18\x01 \x01(\x08\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x05\x12\x15\n\rfencing_token\x18\x04 \x01(\x03\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\x12\x11\n\tspec_json\x18\x06 \x01(\t\x12\x13\n\x0b\x63ontext_url\x18\x07 \x01(\t\x12\x12\n\noutput_url\x18\x08 \x01(\t\x12\'\n\x08\x64\x61tasets\x18\t \x03(\x0b\x32\x15.campugrid.v1.Dataset\x12$\n\x06resume\x18\n \x01(\x0b\x32\x14.campugrid.v1.Resume\x12\x11\n\tgpu_uuids\x18\x0b \x03(\t\x12\x15\n\rgpu_memory_mb\x18\x0c \x01(\x03\"B\n\x06Resume\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x03\x12\x0e\n\x06sha256\x18\x04 \x01(\t\"D\n\x0cRenewRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x03\x12\r\n\x05phase\x18\x03 \x01(\t\"G\n\nRenewReply\x12\x12\n\nkeep_going\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\"_\n\x0bLogsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x03\x12\x0e\n\x06stream\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x03\x12\x0c\n\x04text\x18\x05 \x01(\t\"\x1d\n\tLogsReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"\x81\x02\n\x0f\x43ompleteRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x03\x12\x11\n\tsucceeded\x18\x03 \x01(\x08\x12\x11\n\texit_code\x18\x04 \x01(\x05\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x0e\n\x06result\x18\x06 \x01(\t\x12\x17\n\x0foutput_uploaded\x18\x07 \x01(\x08\x12\x39\n\x06limits\x18\x08 \x03(\x0b\x32).campugrid.v1.CompleteRequest.LimitsEntry\x1a-\n\x0bLimitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"1\n\rCompleteReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"l\n\x16\x42\x65ginCheckpointRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x03\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x0c\n\x04size\x18\x04 \x01(\x03\x12\x0e\n\x06sha256\x18\x05 \x01(\t\"~\n\x14\x42\x65ginCheckpointReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\t\x12\x11\n\tupload_id\x18\x04 \x01(\t\x12\x11\n\tpart_size\x18\x05 \x01(\x03\x12\x11\n\tpart_urls\x18\x06 \x03(\t\"\x9c\x01\n\x17RecordCheckpointRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x03\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x0b\n\x03key\x18\x04 \x01(\t\x12\x11\n\tupload_id\x18\x05 \x01(\t\x12\r\n\x05\x65tags\x18\x06 \x03(\t\x12\x0c\n\x04size\x18\x07 \x01(\x03\x12\x0e\n\x06sha256\x18\x08 \x01(\t\"9\n\x15RecordCheckpointReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"G\n\x0eReleaseRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\"0\n\x0cReleaseReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t2\xab\x05\n\x0c\x41gentService\x12\x46\n\x08Register\x12\x1d.campugrid.v1.RegisterRequest\x1a\x1b.campugrid.v1.RegisterReply\x12I\n\tHeartbeat\x12\x1e.campugrid.v1.HeartbeatRequest\x1a\x1c.campugrid.v1.HeartbeatReply\x12=\n\x05Lease\x12\x1a.campugrid.v1.LeaseRequest\x1a\x18.campugrid.v1.LeaseReply\x12=\n\x05Renew\x12\x1a.campugrid.v1.RenewRequest\x1a\x18.campugrid.v1.RenewReply\x12@\n\nReportLogs\x12\x19.campugrid.v1.LogsRequest\x1a\x17.campugrid.v1.LogsReply\x12\x46\n\x08\x43omplete\x12\x1d.campugrid.v1.CompleteRequest\x1a\x1b.campugrid.v1.CompleteReply\x12[\n\x0f\x42\x65ginCheckpoint\x12$.campugrid.v1.BeginCheckpointRequest\x1a\".campugrid.v1.BeginCheckpointReply\x12^\n\x10RecordCheckpoint\x12%.campugrid.v1.RecordCheckpointRequest\x1a#.campugrid.v1.RecordCheckpointReply\x12\x43\n\x07Release\x12\x1c.campugrid.v1.ReleaseRequest\x1a\x1a.campugrid.v1.ReleaseReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x63\x61mpugrid/protocol/agent.proto\x12\x0c\x63\x61mpugrid.v1\"\x82\x02\n\x0c\x43\x61pabilities\x12\x0f\n\x07runtime\x18\x01 \x01(\t\x12\x0f\n\x07\x62uilder\x18\x02 \x01(\t\x12\x0c\n\x04\x63pus\x18\x03 \x01(\x05\x12\x11\n\tmemory_mb\x18\x04 \x01(\x03\x12\x36\n\x06limits\x18\x05 \x03(\x0b\x32&.campugrid.v1.Capabilities.LimitsEntry\x12\x1f\n\x04gpus\x18\x06 \x03(\x0b\x32\x11.campugrid.v1.Gpu\x12\x15\n\rgpu_isolation\x18\x07 \x01(\x08\x12\x10\n\x08gpu_note\x18\x08 \x01(\t\x1a-\n\x0bLimitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd1\x01\n\x03Gpu\x12\x0c\n\x04uuid\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04kind\x18\x03 \x01(\t\x12\x17\n\x0fmemory_total_mb\x18\x04 \x01(\x03\x12\x16\n\x0ememory_free_mb\x18\x05 \x01(\x03\x12\x1a\n\x12\x63ompute_capability\x18\x06 \x01(\t\x12\x15\n\rtemperature_c\x18\x07 \x01(\x05\x12\x16\n\x0e\x64river_version\x18\x08 \x01(\t\x12\x15\n\rshared_memory\x18\t \x01(\x08\x12\r\n\x05minor\x18\n \x01(\x05\"Q\n\x0fRegisterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x30\n\x0c\x63\x61pabilities\x18\x02 \x01(\x0b\x32\x1a.campugrid.v1.Capabilities\"3\n\rRegisterReply\x12\x12\n\nmachine_id\x18\x01 \x01(\t\x12\x0e\n\x06secret\x18\x02 \x01(\t\"D\n\x10HeartbeatRequest\x12\x30\n\x0c\x63\x61pabilities\x18\x01 \x01(\x0b\x32\x1a.campugrid.v1.Capabilities\"\x10\n\x0eHeartbeatReply\"F\n\x0cLeaseRequest\x12\x1f\n\x04gpus\x18\x01 \x03(\x0b\x32\x11.campugrid.v1.Gpu\x12\x15\n\rgpu_isolation\x18\x02 \x01(\x08\"s\n\x07\x44\x61taset\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x05\x66iles\x18\x02 \x03(\x0b\x32\x1a.campugrid.v1.Dataset.File\x1a/\n\x04\x46ile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x03\"\xa2\x02\n\nLeaseReply\x12\x10\n\x08has_task\x18\x01 \x01(\x08\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x03 \x01(\x05\x12\x15\n\rfencing_token\x18\x04 \x01(\x03\x12\x15\n\rlease_seconds\x18\x05 \x01(\x01\x12\x11\n\tspec_json\x18\x06 \x01(\t\x12\x13\n\x0b\x63ontext_url\x18\x07 \x01(\t\x12\x12\n\noutput_url\x18\x08 \x01(\t\x12\'\n\x08\x64\x61tasets\x18\t \x03(\x0b\x32\x15.campugrid.v1.Dataset\x12$\n\x06resume\x18\n \x01(\x0b\x32\x14.campugrid.v1.Resume\x12\x11\n\tgpu_uuids\x18\x0b \x03(\t\x12\x15\n\rgpu_memory_mb\x18\x0c \x01(\x03\"B\n\x06Resume\x12\r\n\x05\x65poch\x18\x01 \x01(\x03\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x03\x12\x0e\n\x06sha256\x18\x04 \x01(\t\"D\n\x0cRenewRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x03\x12\r\n\x05phase\x18\x03 \x01(\t\"G\n\nRenewReply\x12\x12\n\nkeep_going\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\"_\n\x0bLogsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x03\x12\x0e\n\x06stream\x18\x03 \x01(\t\x12\x0b\n\x03seq\x18\x04 \x01(\x03\x12\x0c\n\x04text\x18\x05 \x01(\t\"\x1d\n\tLogsReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\"\x81\x02\n\x0f\x43ompleteRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x03\x12\x11\n\tsucceeded\x18\x03 \x01(\x08\x12\x11\n\texit_code\x18\x04 \x01(\x05\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x0e\n\x06result\x18\x06 \x01(\t\x12\x17\n\x0foutput_uploaded\x18\x07 \x01(\x08\x12\x39\n\x06limits\x18\x08 \x03(\x0b\x32).campugrid.v1.CompleteRequest.LimitsEntry\x1a-\n\x0bLimitsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"1\n\rCompleteReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"l\n\x16\x42\x65ginCheckpointRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x03\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x0c\n\x04size\x18\x04 \x01(\x03\x12\x0e\n\x06sha256\x18\x05 \x01(\t\"~\n\x14\x42\x65ginCheckpointReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\t\x12\x11\n\tupload_id\x18\x04 \x01(\t\x12\x11\n\tpart_size\x18\x05 \x01(\x03\x12\x11\n\tpart_urls\x18\x06 \x03(\t\"\x9c\x01\n\x17RecordCheckpointRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x03\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\x12\x0b\n\x03key\x18\x04 \x01(\t\x12\x11\n\tupload_id\x18\x05 \x01(\t\x12\r\n\x05\x65tags\x18\x06 \x03(\t\x12\x0c\n\x04size\x18\x07 \x01(\x03\x12\x0e\n\x06sha256\x18\x08 \x01(\t\"9\n\x15RecordCheckpointReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"G\n\x0eReleaseRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\rfencing_token\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\"0\n\x0cReleaseReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t2\xab\x05\n\x0c\x41gentService\x12\x46\n\x08Register\x12\x1d.campugrid.v1.RegisterRequest\x1a\x1b.campugrid.v1.RegisterReply\x12I\n\tHeartbeat\x12\x1e.campugrid.v1.HeartbeatRequest\x1a\x1c.campugrid.v1.HeartbeatReply\x12=\n\x05Lease\x12\x1a.campugrid.v1.LeaseRequest\x1a\x18.campugrid.v1.LeaseReply\x12=\n\x05Renew\x12\x1a.campugrid.v1.RenewRequest\x1a\x18.campugrid.v1.RenewReply\x12@\n\nReportLogs\x12\x19.campugrid.v1.LogsRequest\x1a\x17.campugrid.v1.LogsReply\x12\x46\n\x08\x43omplete\x12\x1d.campugrid.v1.CompleteRequest\x1a\x1b.campugrid.v1.CompleteReply\x12[\n\x0f\x42\x65ginCheckpoint\x12$.campugrid.v1.BeginCheckpointRequest\x1a\".campugrid.v1.BeginCheckpointReply\x12^\n\x10RecordCheckpoint\x12%.campugrid.v1.RecordCheckpointRequest\x1a#.campugrid.v1.RecordCheckpointReply\x12\x43\n\x07Release\x12\x1c.campugrid.v1.ReleaseRequest\x1a\x1a.campugrid.v1.ReleaseReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,41 +50,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEATREPLY']._serialized_start=727
   _globals['_HEARTBEATREPLY']._serialized_end=743
   _globals['_LEASEREQUEST']._serialized_start=745
-  _globals['_LEASEREQUEST']._serialized_end=792
-  _globals['_DATASET']._serialized_start=794
-  _globals['_DATASET']._serialized_end=909
-  _globals['_DATASET_FILE']._serialized_start=862
-  _globals['_DATASET_FILE']._serialized_end=909
-  _globals['_LEASEREPLY']._serialized_start=912
-  _globals['_LEASEREPLY']._serialized_end=1202
-  _globals['_RESUME']._serialized_start=1204
-  _globals['_RESUME']._serialized_end=1270
-  _globals['_RENEWREQUEST']._serialized_start=1272
-  _globals['_RENEWREQUEST']._serialized_end=1340
-  _globals['_RENEWREPLY']._serialized_start=1342
-  _globals['_RENEWREPLY']._serialized_end=1413
-  _globals['_LOGSREQUEST']._serialized_start=1415
-  _globals['_LOGSREQUEST']._serialized_end=1510
-  _globals['_LOGSREPLY']._serialized_start=1512
-  _globals['_LOGSREPLY']._serialized_end=1541
-  _globals['_COMPLETEREQUEST']._serialized_start=1544
-  _globals['_COMPLETEREQUEST']._serialized_end=1801
+  _globals['_LEASEREQUEST']._serialized_end=815
+  _globals['_DATASET']._serialized_start=817
+  _globals['_DATASET']._serialized_end=932
+  _globals['_DATASET_FILE']._serialized_start=885
+  _globals['_DATASET_FILE']._serialized_end=932
+  _globals['_LEASEREPLY']._serialized_start=935
+  _globals['_LEASEREPLY']._serialized_end=1225
+  _globals['_RESUME']._serialized_start=1227
+  _globals['_RESUME']._serialized_end=1293
+  _globals['_RENEWREQUEST']._serialized_start=1295
+  _globals['_RENEWREQUEST']._serialized_end=1363
+  _globals['_RENEWREPLY']._serialized_start=1365
+  _globals['_RENEWREPLY']._serialized_end=1436
+  _globals['_LOGSREQUEST']._serialized_start=1438
+  _globals['_LOGSREQUEST']._serialized_end=1533
+  _globals['_LOGSREPLY']._serialized_start=1535
+  _globals['_LOGSREPLY']._serialized_end=1564
+  _globals['_COMPLETEREQUEST']._serialized_start=1567
+  _globals['_COMPLETEREQUEST']._serialized_end=1824
   _globals['_COMPLETEREQUEST_LIMITSENTRY']._serialized_start=262
   _globals['_COMPLETEREQUEST_LIMITSENTRY']._serialized_end=307
-  _globals['_COMPLETEREPLY']._serialized_start=1803
-  _globals['_COMPLETEREPLY']._serialized_end=1852
-  _globals['_BEGINCHECKPOINTREQUEST']._serialized_start=1854
-  _globals['_BEGINCHECKPOINTREQUEST']._serialized_end=1962
-  _globals['_BEGINCHECKPOINTREPLY']._serialized_start=1964
-  _globals['_BEGINCHECKPOINTREPLY']._serialized_end=2090
-  _globals['_RECORDCHECKPOINTREQUEST']._serialized_start=2093
-  _globals['_RECORDCHECKPOINTREQUEST']._serialized_end=2249
-  _globals['_RECORDCHECKPOINTREPLY']._serialized_start=2251
-  _globals['_RECORDCHECKPOINTREPLY']._serialized_end=2308
-  _globals['_RELEASEREQUEST']._serialized_start=2310
-  _globals['_RELEASEREQUEST']._serialized_end=2381
-  _globals['_RELEASEREPLY']._serialized_start=2383
-  _globals['_RELEASEREPLY']._serialized_end=2431
-  _globals['_AGENTSERVICE']._serialized_start=2434
-  _globals['_AGENTSERVICE']._serialized_end=3117
+  _globals['_COMPLETEREPLY']._serialized_start=1826
+  _globals['_COMPLETEREPLY']._serialized_end=1875
+  _globals['_BEGINCHECKPOINTREQUEST']._serialized_start=1877
+  _globals['_BEGINCHECKPOINTREQUEST']._serialized_end=1985
+  _globals['_BEGINCHECKPOINTREPLY']._serialized_start=1987
+  _globals['_BEGINCHECKPOINTREPLY']._serialized_end=2113
+  _globals['_RECORDCHECKPOINTREQUEST']._serialized_start=2116
+  _globals['_RECORDCHECKPOINTREQUEST']._serialized_end=2272
+  _globals['_RECORDCHECKPOINTREPLY']._serialized_start=2274
+  _globals['_RECORDCHECKPOINTREPLY']._serialized_end=2331
+  _globals['_RELEASEREQUEST']._serialized_start=2333
+  _globals['_RELEASEREQUEST']._serialized_end=2404
+  _globals['_RELEASEREPLY']._serialized_start=2406
+  _globals['_RELEASEREPLY']._serialized_end=2454
+  _globals['_AGENTSERVICE']._serialized_start=2457
+  _globals['_AGENTSERVICE']._serialized_end=3140
 # @@protoc_insertion_point(module_scope)

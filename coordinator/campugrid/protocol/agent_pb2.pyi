@@ -84,10 +84,12 @@ class HeartbeatReply(_message.Message):
     def __init__(self) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("gpus",)
+    __slots__ = ("gpus", "gpu_isolation")
     GPUS_FIELD_NUMBER: _ClassVar[int]
+    GPU_ISOLATION_FIELD_NUMBER: _ClassVar[int]
     gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
-    def __init__(self, gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ...) -> None: ...
+    gpu_isolation: bool
+    def __init__(self, gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_isolation: _Optional[bool] = ...) -> None: ...
 
 class Dataset(_message.Message):
     __slots__ = ("name", "files")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -59,9 +60,10 @@ class CoordinatorClient:
         req = pb.HeartbeatRequest(capabilities=caps) if caps is not None else pb.HeartbeatRequest()
         self.stub.Heartbeat(req, metadata=self._md, timeout=RPC_TIMEOUT_S)
 
-    def lease(self) -> pb.LeaseReply:
-        reply: pb.LeaseReply = self.stub.Lease(pb.LeaseRequest(), metadata=self._md,
-                                               timeout=RPC_TIMEOUT_S)
+    def lease(self, gpus: Sequence[pb.Gpu] = (), gpu_isolation: bool = False) -> pb.LeaseReply:
+        reply: pb.LeaseReply = self.stub.Lease(
+            pb.LeaseRequest(gpus=gpus, gpu_isolation=gpu_isolation), metadata=self._md,
+            timeout=RPC_TIMEOUT_S)
         return reply
 
     def renew(self, job_id: str, token: int, phase: str, timeout_s: float) -> pb.RenewReply:

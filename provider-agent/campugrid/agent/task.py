@@ -15,7 +15,7 @@ import shutil
 import tarfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -23,8 +23,9 @@ import grpc
 import httpx
 
 from campugrid import hooks
-from campugrid.agent import checkpoints
+from campugrid.agent import checkpoints, gpus
 from campugrid.agent.client import CoordinatorClient
+from campugrid.agent.gpus import GpuPolicy
 from campugrid.agent.logship import LogShipper
 from campugrid.agent.renewer import Renewer
 from campugrid.builders.base import Builder
@@ -44,7 +45,7 @@ R = TypeVar("R")
 
 class Task:
     def __init__(self, client: CoordinatorClient, lease: pb.LeaseReply, work: Path,
-                 builder: Builder, sandbox: PodmanRunsc) -> None:
+                 builder: Builder, sandbox: PodmanRunsc, gpu_policy: GpuPolicy = GpuPolicy()) -> None:
         self.client, self.lease, self.work = client, lease, work
         self.builder, self.sandbox = builder, sandbox
         self.spec = JobSpec.from_json(lease.spec_json)
@@ -53,6 +54,8 @@ class Task:
         self.stop = threading.Event()  # stop building/running now
         self.lost = threading.Event()  # the lease is gone: report nothing
         self.draining = False
+        self.handback = ""  # why the task is handed back unrun (e.g. its GPU filled up)
+        self.gpu_policy = gpu_policy
         self.phase = "building"
         self.renewer = Renewer(client, lease, on_lost=self._on_lost)
         self.shipper = LogShipper(client, lease.job_id, lease.fencing_token)
@@ -74,6 +77,16 @@ class Task:
         timer.daemon = True
         timer.start()
 
+    def _check_gpus(self) -> tuple[tuple[str, int], ...]:
+        """Re-check free memory on the reserved GPUs just before the job starts: something
+        outside campugrid may have taken it since the lease. If so, hand the task back."""
+        if not self.lease.gpu_uuids:
+            return ()
+        mapped, why = _check_gpus_free(self.lease, gpus.discover(self.gpu_policy).gpus)
+        if why:
+            self.handback = why
+        return mapped
+
     def run(self) -> None:
         job_id, token = self.lease.job_id, self.lease.fencing_token
         self.renewer.start()
@@ -91,9 +104,9 @@ class Task:
         try:
             if self.lost.is_set():
                 log.info("task %s attempt %d stopped: %s", job_id, token, self.renewer.reason)
-            elif self.draining:
-                released = _retry(lambda: self.client.release(
-                    job_id, token, "the provider is shutting down"))
+            elif self.draining or self.handback:
+                why = self.handback or "the provider is shutting down"
+                released = _retry(lambda: self.client.release(job_id, token, why))
                 log.info("task %s attempt %d handed back: %s", job_id, token,
                          "accepted" if released.accepted else released.reason)
             else:
@@ -136,6 +149,9 @@ class Task:
                                       reason=f"{e.reason}; last lines of the build log:\n{e.log_tail}")
         if self.stop.is_set():
             return pb.CompleteRequest(succeeded=False, exit_code=-1, reason="stopped before running")
+        mapped = self._check_gpus()
+        if self.handback:
+            return pb.CompleteRequest(succeeded=False, exit_code=-1, reason=self.handback)
         self.phase = "running"
         self.renewer.set_phase("running")
         last_line: list[str] = []
@@ -159,7 +175,7 @@ class Task:
             output_dir=output_dir, data_dir=data_dir if lease.datasets else None,
             memory_mb=spec.resources.memory_mb, cpus=spec.resources.cpus,
             tmp_mb=spec.resources.disk_mb, wall_time_s=spec.resources.wall_time_s,
-            agent=self.client.machine_id,
+            agent=self.client.machine_id, gpus=mapped,
             mounts=((ckpt_dir, CHECKPOINT_MOUNT, "rw"),
                     (hooks_src, f"{HOOKS_MOUNT}/campugrid/hooks", "ro"))),
             log=on_line, cancel=self.stop)
@@ -180,6 +196,24 @@ class Task:
             succeeded=result.exit_code == 0 and not result.timed_out, exit_code=result.exit_code,
             reason=reason, result=last_line[0][-4000:] if last_line else "",
             output_uploaded=uploaded)
+
+
+Mapped = tuple[tuple[str, int], ...]  # (uuid, device minor) per reserved GPU
+
+
+def _check_gpus_free(lease: pb.LeaseReply, found: Sequence[pb.Gpu]) -> tuple[Mapped, str]:
+    """The reserved GPUs as (uuid, minor), or why the reservation no longer fits."""
+    by_uuid = {g.uuid: g for g in found}
+    mapped = []
+    for uuid in lease.gpu_uuids:
+        g = by_uuid.get(uuid)
+        if g is None:
+            return (), f"reserved GPU {uuid} is no longer offered on this machine"
+        if g.memory_free_mb < lease.gpu_memory_mb:
+            return (), (f"reserved GPU {uuid} has only {g.memory_free_mb} MB free now, "
+                        f"{lease.gpu_memory_mb} MB needed")
+        mapped.append((uuid, g.minor))
+    return tuple(mapped), ""
 
 
 def _retry(call: Callable[[], R]) -> R:

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import grpc
 
+from campugrid.agent import gpus
 from campugrid.agent.client import CoordinatorClient
+from campugrid.agent.gpus import GpuPolicy, nvproxy_support
 from campugrid.agent.task import Task
 from campugrid.builders.base import Builder
 from campugrid.protocol import agent_pb2 as pb
@@ -35,6 +37,7 @@ class AgentSettings:
     name: str
     poll_seconds: float = 1.0
     drain_grace_seconds: float = 30.0
+    gpu_policy: GpuPolicy = dataclasses.field(default_factory=GpuPolicy)
 
 
 class Agent:
@@ -49,6 +52,8 @@ class Agent:
         self.work_root = settings.state_dir / "work"
         self.stopping = threading.Event()
         self.task: Task | None = None
+        self.gpu_note = nvproxy_support(sandbox.runsc)
+        self.gpu_isolation = not self.gpu_note
 
     def shutdown(self) -> None:
         """First call: drain the running task. Second call: stop it now."""
@@ -65,9 +70,13 @@ class Agent:
         mem_kb = 0
         with contextlib.suppress(OSError, ValueError, IndexError):
             mem_kb = int(Path("/proc/meminfo").read_text().split("\n")[0].split()[1])
+        found = gpus.discover(self.settings.gpu_policy)
+        note = "; ".join(n for n in (found.note, self.gpu_note if found.gpus else "") if n)
         return pb.Capabilities(runtime=self.sandbox.describe(), builder=self.builder.name,
                                cpus=os.cpu_count() or 1, memory_mb=mem_kb // 1024,
-                               limits=self.sandbox.limits.as_dict())
+                               limits=self.sandbox.limits.as_dict(), gpus=found.gpus,
+                               gpu_isolation=self.gpu_isolation and bool(found.gpus),
+                               gpu_note=note)
 
     def run(self, *, once: bool = False) -> None:
         caps = self.capabilities()
@@ -86,9 +95,10 @@ class Agent:
         while not self.stopping.is_set():
             try:
                 if time.monotonic() - last_beat > 10:
-                    self.client.heartbeat()
+                    self.client.heartbeat(self.capabilities())
                     last_beat = time.monotonic()
-                lease = self.client.lease()
+                offer = gpus.discover(self.settings.gpu_policy).gpus
+                lease = self.client.lease(offer, self.gpu_isolation and bool(offer))
             except grpc.RpcError as e:
                 log.warning("coordinator unreachable (%s)", e.code())
                 self.stopping.wait(2)
@@ -105,7 +115,8 @@ class Agent:
         work = self.work_root / f"{lease.job_id}-{lease.fencing_token}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
-        self.task = Task(self.client, lease, work, self.builder, self.sandbox)
+        self.task = Task(self.client, lease, work, self.builder, self.sandbox,
+                         self.settings.gpu_policy)
         try:
             if self.stopping.is_set():  # a drain arrived between lease and start
                 self.task.drain(0)

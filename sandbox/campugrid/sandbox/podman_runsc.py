@@ -9,9 +9,11 @@ the job's cgroup, which only a process we launch ourselves can do.
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from campugrid.protocol.errors import SandboxError
@@ -40,6 +42,7 @@ class RunRequest:
     wall_time_s: int
     agent: str = ""  # the agent's machine id, as a label: what to sweep after a crash
     mounts: tuple[tuple[Path, str, str], ...] = ()  # (host path, container path, "ro"|"rw")
+    gpus: tuple[tuple[str, int], ...] = ()  # reserved GPUs: (uuid, /dev/nvidia<minor>)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +75,9 @@ class PodmanRunsc:
         return first.replace("runsc version", "runsc").strip()
 
     def argv(self, req: RunRequest) -> list[str]:
+        gpu_flags = ["--runtime-flag", "nvproxy=true"] if req.gpus else []
         args = [
-            self.podman, "--runtime", self.runsc, *RUNSC_FLAGS, "run",
+            self.podman, "--runtime", self.runsc, *RUNSC_FLAGS, *gpu_flags, "run",
             "--rm", "--name", req.name, "--pull", "never",
             "--network", "none",
             "--read-only", "--read-only-tmpfs=false",
@@ -94,6 +98,7 @@ class PodmanRunsc:
             args += ["-v", f"{req.data_dir}:{DATA_MOUNT}:ro"]
         for host, target, mode in req.mounts:
             args += ["-v", f"{host}:{target}:{'ro' if mode == 'ro' else 'rw'}"]
+        args += gpu_devices(req.gpus)
         for k, v in req.env:
             args += ["--env", f"{k}={v}"]
         args.append(req.image)
@@ -148,6 +153,27 @@ class PodmanRunsc:
     def remove_image(self, image: str) -> None:
         subprocess.run([self.podman, "rmi", "--force", image], capture_output=True,
                        timeout=120, check=False)
+
+
+CDI_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
+CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+
+
+def gpu_devices(gpus: tuple[tuple[str, int], ...], cdi_dirs: tuple[Path, ...] = CDI_DIRS,
+                exists: Callable[[str], bool] = os.path.exists) -> list[str]:
+    """Only the reserved GPUs: by CDI name where the host has NVIDIA's CDI spec (which also
+    brings the driver's libraries), else their device nodes plus the control and uvm nodes."""
+    if not gpus:
+        return []
+    uuids = ",".join(uuid for uuid, _ in gpus)
+    env = ["--env", f"NVIDIA_VISIBLE_DEVICES={uuids}", "--env", f"CUDA_VISIBLE_DEVICES={uuids}"]
+    has_cdi = any(p.name.startswith("nvidia") and p.suffix in (".yaml", ".json")
+                  for d in cdi_dirs if d.is_dir() for p in d.iterdir())
+    if has_cdi:
+        return [arg for uuid, _ in gpus for arg in ("--device", f"nvidia.com/gpu={uuid}")] + env
+    nodes = [f"/dev/nvidia{minor}" for _, minor in gpus]
+    nodes += [n for n in CONTROL_NODES if exists(n)]
+    return [arg for n in nodes for arg in ("--device", n)] + env
 
 
 def _cgroup_v2() -> bool:
