@@ -7,7 +7,7 @@ set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
 user=${CAMPUGRID_AGENT_USER:-campugrid}
-packages=(podman buildah runsc crun runc uidmap slirp4netns fuse-overlayfs debootstrap
+packages=(podman buildah runsc crun runc uidmap slirp4netns fuse-overlayfs debootstrap skopeo
           python3 python3-venv python3-dev gcc postgresql busybox-static iproute2 procps)
 
 say() { printf 'setup: %s\n' "$*"; }

@@ -197,3 +197,11 @@ def test_a_gpu_job_on_a_cpu_only_platform_waits_and_says_why(api, platform):
                           platform.url], capture_output=True, text=True, timeout=60)
     assert "waiting  no online machine has a GPU" in out.stdout
     api.cancel(job["id"])
+
+
+def test_writing_past_the_output_limit_stops_the_job(api):
+    spec = JobSpec.from_dict({"command": ["sh", "-c", "dd if=/dev/zero of=/output/big bs=1M count=64; sleep 30"],
+                              "resources": {"output_mb": 8}})
+    final = api.wait(api.submit(tar_folder(HELLO), spec)["id"], timeout_s=240)
+    assert final["state"] == "failed"
+    assert "wrote more than 8 MB to /output and /checkpoints" in final["reason"]

@@ -45,8 +45,12 @@ def test_twenty_concurrent_retries_make_one_job(api, platform):
     (None, "{broken", 422, "spec: not valid JSON"),
     (None, '{"resources": {"memory_mb": 1}}', 422, "resources.memory_mb"),
     (None, '{"datasets": [{"name": "d", "uri": "s3://no-such-bucket/x"}]}', 422, "no bucket"),
-    (None, '{"datasets": [{"name": "d", "uri": "s3://campugrid/nothing-here/"}]}', 422,
-     "nothing found at s3://campugrid/nothing-here/"),
+    (None, '{"datasets": [{"name": "d", "uri": "s3://campugrid/contexts/"}]}', 422,
+     "holds the platform's own data"),
+    (None, '{"datasets": [{"name": "d", "uri": "s3://campugrid-ready-probe/x"}]}', 422,
+     "holds the platform's own data"),
+    (None, '{"resources": {"gpus": 1}}', 422, "say how much GPU memory"),
+    (None, '{"resources": {"min_compute_capability": "eight"}}', 422, "min_compute_capability"),
 ])
 def test_bad_submissions_are_refused_with_a_reason_and_store_nothing(
         api, platform, context, spec, status, says):
@@ -82,3 +86,17 @@ def test_output_of_a_job_without_output_says_why(api, platform):
     api.wait(job["id"], timeout_s=240)
     resp = httpx.get(f"{platform.url}/v1/jobs/{job['id']}/output", timeout=30)
     assert resp.status_code == 404 and "has no output" in resp.json()["detail"]
+
+
+def test_env_values_are_not_served_back(api):
+    job = api.submit(tar_folder(HELLO), JobSpec.from_dict(
+        {"command": ["true"], "env": {"HF_TOKEN": "hf_secret_value"}}))
+    shown = api.job(job["id"])
+    assert shown["spec"]["env"] == {"HF_TOKEN": "(hidden)"}
+    assert "hf_secret_value" not in str(api.jobs(limit=1000))
+
+
+def test_a_huge_log_cursor_is_refused_not_crashed(platform, api):
+    job = api.submit(tar_folder(HELLO), JobSpec.from_dict({"command": ["true"]}))
+    resp = httpx.get(f"{platform.url}/v1/jobs/{job['id']}/logs", params={"after": 2**70}, timeout=30)
+    assert resp.status_code == 422

@@ -172,3 +172,21 @@ def test_a_gpu_lease_names_the_reserved_gpus_and_waiting_jobs_say_why(coordinato
     assert lease.has_task and list(lease.gpu_uuids) == ["GPU-big"]
     assert lease.gpu_memory_mb == 12 * 1024
     assert api.job(job["id"])["waiting_reason"] is None
+
+
+def test_a_job_whose_dataset_vanished_fails_at_lease_instead_of_sticking(coordinator, tmp_path):
+    running, api = coordinator
+    from campugrid.coordinator.objects import S3Store
+
+    data = S3Store(running.coord.settings.s3_endpoint, running.coord.settings.s3_access_key,
+                   running.coord.settings.s3_secret_key, "vanishing-data")
+    data.ensure_bucket()
+    data.put_bytes("d/x.csv", b"1,2")
+    job = api.submit(tar_folder(HELLO), JobSpec.from_dict(
+        {"datasets": [{"name": "d", "uri": "s3://vanishing-data/d/"}]}))
+    data.delete("d/x.csv")
+    data.close()
+    c = client(running, tmp_path, "m")
+    assert not c.lease().has_task
+    final = api.job(job["id"])
+    assert final["state"] == "failed" and final["reason"].startswith("cannot start: dataset d")

@@ -239,3 +239,23 @@ def test_a_restarted_coordinator_gives_running_jobs_one_more_lease(store: Store)
     assert store.extend_active_leases(30) == 1
     assert store.requeue_expired() == []
     assert store.get(job.id).state is JobState.BUILDING
+
+
+def test_nul_bytes_from_agents_are_stored_not_crashed_on(store: Store):
+    job = submit(store)
+    m, _ = store.register_machine("m", {})
+    store.claim_next(m, lease_s=30)
+    store.append_logs(job.id, 1, m, "run", 1, "binary\x00junk\n")
+    done = store.finish(job.id, 1, m, succeeded=False, exit_code=1, reason="bad\x00reason",
+                        result="\x00", output_key=None, limits={})
+    assert "\x00" not in store.logs(job.id)[0].text and "\x00" not in (done.reason or "")
+
+
+def test_a_provider_side_failure_counts_as_an_attempt(store: Store):
+    job = submit(store, max_attempts=2)
+    m, _ = store.register_machine("m", {})
+    for attempt in (1, 2):
+        store.claim_next(m, lease_s=30)
+        after = store.release(job.id, attempt, m, "disk full", failed=True)
+    assert after.state is JobState.FAILED and "all 2 attempts used" in (after.reason or "")
+    assert [e.kind for e in store.events(job.id)].count("handed_back") == 2

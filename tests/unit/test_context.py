@@ -83,3 +83,42 @@ def test_dockerfile_checks_say_which_line(dockerfile, says):
 def test_dockerfile_continuations_and_comments_are_understood():
     check_dockerfile("# syntax=docker/dockerfile:1\nARG V=1\nFROM x\nRUN echo a \\\n  # note\n  && echo b\n"
                      "ADD --chown=1:1 local.tgz /opt/\n")
+
+
+@pytest.mark.parametrize("members", [
+    # a link through a link: textually inside, really outside (then written through)
+    [("Dockerfile", "file", DOCKERFILE), ("s", "dir", None), ("s/l", "symlink", ".."),
+     ("s/l/m", "symlink", ".."), ("s/l/m/x", "file", b"pwn")],
+    [("Dockerfile", "file", DOCKERFILE), ("sub", "dir", None), ("sub/b", "symlink", ".."),
+     ("a", "symlink", "sub/b/..")],
+    # a hard link that would copy a host file in through a link
+    [("Dockerfile", "file", DOCKERFILE), ("sub", "dir", None), ("sub/b", "symlink", ".."),
+     ("sub/b/n", "symlink", ".."), ("stolen", "hardlink", "sub/b/n/secret.txt")],
+    # the same name twice: the second would write through the first
+    [("Dockerfile", "file", DOCKERFILE), ("x", "symlink", "Dockerfile"), ("x", "file", b"y")],
+])
+def test_link_chains_cannot_reach_outside_the_context(members, tmp_path):
+    (tmp_path / "secret.txt").write_text("provider secret")
+    with pytest.raises(InvalidInput):
+        extract_context(make_tar(members), tmp_path / "ctx")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "ctx").exists()
+    assert (tmp_path / "secret.txt").read_text() == "provider secret"
+
+
+@pytest.mark.parametrize("dockerfile", [
+    'FROM x\nADD ["http://192.168.1.1/x", "/x"]',
+    "FROM x\nARG U=http://127.0.0.1:8750/v1/jobs\nADD $U /x",
+    "FROM x\nRUN --mount=type=SECRET,id=a cat /run/secrets/a",
+    "FROM x\nRUN --mount=type=bind,from=y,target=/host ls /host",
+    "FROM x\nRUN --mount=type=cache,target=/root/.cache pip install x",
+    "FROM x\nCOPY --from=docker.io/library/alpine:3 /etc/passwd /p",
+])
+def test_build_steps_that_reach_outside_are_refused(dockerfile):
+    with pytest.raises(InvalidInput):
+        check_dockerfile(dockerfile)
+
+
+def test_truncated_archives_are_refused_not_crashed():
+    data = make_tar([("Dockerfile", "file", DOCKERFILE), ("big", "file", b"x" * 100000)])
+    with pytest.raises(InvalidInput, match=r"not a tar|damaged"):
+        inspect_context(data[: len(data) // 2])

@@ -112,3 +112,20 @@ def test_pytorch_adapter_round_trip(tmp_path):
     clone = torch.nn.Linear(4, 2)
     assert th.restore(clone, torch.optim.SGD(clone.parameters(), lr=0.1), root=tmp_path) == 3
     assert torch.equal(clone.weight, model.weight)
+
+
+@pytest.mark.parametrize("manifest", ["[]", '{"epoch": 1, "files": []}', '{"files": {}}',
+                                      '{"epoch": 1, "files": {"w": {"size": "1"}}}'])
+def test_manifests_not_written_by_the_hooks_are_refused(tmp_path, manifest):
+    folder = tmp_path / "epoch-00000001"
+    folder.mkdir()
+    (folder / hooks.MANIFEST).write_text(manifest)
+    with pytest.raises(hooks.CheckpointError):
+        hooks.verify(folder)
+    assert hooks.restore(tmp_path) is None
+
+
+def test_odd_folder_names_are_not_checkpoints(tmp_path):
+    (tmp_path / "epoch-²").mkdir()
+    (tmp_path / "epoch-²" / hooks.MANIFEST).write_text("{}")
+    assert hooks.complete(tmp_path) == []

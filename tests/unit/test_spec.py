@@ -44,3 +44,8 @@ def test_refusals_name_the_field(raw, says):
 def test_invalid_json_is_refused_with_the_parser_message():
     with pytest.raises(InvalidInput, match="spec: not valid JSON"):
         JobSpec.from_json("{nope")
+
+
+def test_absurdly_nested_json_is_refused_not_crashed():
+    with pytest.raises(InvalidInput, match="nested too deeply"):
+        JobSpec.from_json("[" * 100000 + "]" * 100000)

@@ -18,10 +18,10 @@ def test_every_state_is_listed_and_reachable_from_queued():
     assert seen == set(JobState)
 
 
-def test_only_a_running_attempt_can_succeed():
-    assert sources_of(JobState.SUCCEEDED) == {JobState.RUNNING}
+def test_only_a_leased_attempt_can_succeed():
+    assert sources_of(JobState.SUCCEEDED) == {JobState.BUILDING, JobState.RUNNING}
     assert not can_move(JobState.QUEUED, JobState.SUCCEEDED)
-    assert not can_move(JobState.BUILDING, JobState.SUCCEEDED)
+    assert not can_move(JobState.CANCELLED, JobState.SUCCEEDED)
 
 
 def test_expired_leases_requeue_from_both_active_states():

@@ -52,7 +52,7 @@ class BuildahBuilder:
                                  timeout_s=timeout_s, cancel=cancel,
                                  on_stop=self._remove_working_containers,
                                  on_orphan=[self.buildah, "rm", "--all"])
-            oom = cg.oom_killed() if cg is not None else False
+            oom = done.returncode != 0 and cg is not None and cg.oom_killed()
         if done.cancelled:
             raise BuildFailed("build cancelled", done.tail)
         if done.timed_out:

@@ -8,14 +8,17 @@ write outside the folder, create devices, or fill the disk.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
+import json
 import os
 import posixpath
 import re
 import shutil
 import stat
 import tarfile
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,8 +37,25 @@ class ContextInfo:
     dockerfile: str
 
 
+_ARCHIVE_ERRORS = (tarfile.TarError, EOFError, zlib.error)
+
+
+@contextlib.contextmanager
+def _archive_errors(what: str) -> Iterator[None]:
+    """A truncated or corrupt archive is bad input, whichever read notices it first."""
+    try:
+        yield
+    except _ARCHIVE_ERRORS as e:
+        raise InvalidInput(f"{what}: damaged archive ({type(e).__name__}: {e})") from e
+
+
 def inspect_context(data: bytes) -> ContextInfo:
     """Check an uploaded context without unpacking it; raise InvalidInput with the reason."""
+    with _archive_errors("context"):
+        return _inspect(data)
+
+
+def _inspect(data: bytes) -> ContextInfo:
     total = 0
     count = 0
     dockerfile: bytes | None = None
@@ -64,31 +84,62 @@ def inspect_context(data: bytes) -> ContextInfo:
 
 
 def extract_context(data: bytes, dest: Path) -> ContextInfo:
-    """Unpack a context into the empty folder `dest`, checking every member again."""
+    """Unpack a context into the empty folder `dest`, checking every member again.
+
+    Folders and files are written first, hard links are copied from files already written,
+    and symbolic links are made last, so nothing is ever written through a link; then every
+    link is resolved for real and the whole context is refused if one leads outside.
+    """
     info = inspect_context(data)
     dest.mkdir(parents=True, exist_ok=True)
     root = dest.resolve()
+    try:
+        with _archive_errors("context"):
+            _unpack(data, root)
+    except FileExistsError as e:
+        shutil.rmtree(root, ignore_errors=True)
+        where = e.filename2 if isinstance(e.filename2, str) else e.filename
+        raise InvalidInput(f"context: {os.path.relpath(str(where), root)} appears twice "
+                           "(as a file, folder or link)") from e
+    except InvalidInput:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    return info
+
+
+def _unpack(data: bytes, root: Path) -> None:
+    links: list[tuple[str, str]] = []
+    hardlinks: list[tuple[str, str]] = []
     with _open(data) as tar:
         for member, name in _checked_members(tar):
             target = root / name
             if member.isdir():
                 target.mkdir(parents=True, exist_ok=True)
-                continue
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if member.issym():
-                os.symlink(member.linkname, target)
+            elif member.issym():
+                links.append((name, member.linkname))
             elif member.islnk():
-                source = root / _normalise(member.linkname)
-                if not source.is_file() or source.is_symlink():
-                    raise InvalidInput(f"context: hard link {name} points at a missing file")
-                shutil.copyfile(source, target)
+                hardlinks.append((name, _normalise(member.linkname)))
             else:
+                target.parent.mkdir(parents=True, exist_ok=True)
                 f = tar.extractfile(member)
                 assert f is not None
-                with open(target, "xb") as out:
+                fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                             0o755 if member.mode & stat.S_IXUSR else 0o644)
+                with os.fdopen(fd, "wb") as out:
                     shutil.copyfileobj(f, out)
-                os.chmod(target, 0o755 if member.mode & stat.S_IXUSR else 0o644)
-    return info
+    for name, source in hardlinks:
+        src = root / source
+        if src.is_symlink() or not src.is_file():
+            raise InvalidInput(f"context: hard link {name} points at {source}, not a file")
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, root / name, follow_symlinks=False)
+    for name, link in links:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(link, root / name)
+    for name, link in links:
+        real = Path(os.path.realpath(root / name))
+        if real != root and root not in real.parents:
+            raise InvalidInput(f"context: symlink {name} -> {link} resolves outside the context")
 
 
 def extract_files(archive: Path, dest: Path) -> int:
@@ -101,7 +152,7 @@ def extract_files(archive: Path, dest: Path) -> int:
         tar = tarfile.open(archive, mode="r:*")  # noqa: SIM115 - closed by `with tar` below
     except (tarfile.TarError, OSError) as e:
         raise InvalidInput(f"{archive.name}: not a tar archive ({e})") from e
-    with tar:
+    with tar, _archive_errors(archive.name):
         for member, name in _checked_members(tar):
             target = root / name
             if member.isdir():
@@ -121,7 +172,7 @@ def extract_files(archive: Path, dest: Path) -> int:
 def _open(data: bytes) -> tarfile.TarFile:
     try:
         return tarfile.open(fileobj=io.BytesIO(data), mode="r:*")
-    except (tarfile.TarError, OSError, EOFError) as e:
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
         raise InvalidInput(f"context: not a tar or tar.gz archive ({e})") from e
 
 
@@ -160,8 +211,8 @@ def _checked_members(tar: tarfile.TarFile) -> Iterator[tuple[tarfile.TarInfo, st
                     f"context: {name} is a device, fifo or other special file; only files, "
                     "folders and links are allowed")
             yield member, name
-    except tarfile.TarError as e:
-        raise InvalidInput(f"context: damaged archive ({e})") from e
+    except _ARCHIVE_ERRORS as e:
+        raise InvalidInput(f"damaged archive ({type(e).__name__}: {e})") from e
 
 
 # --- Dockerfile -----------------------------------------------------------------------------
@@ -179,6 +230,9 @@ def check_dockerfile(text: str) -> None:
     for lineno, line in _logical_lines(text):
         word, _, rest = line.partition(" ")
         inst = word.upper()
+        if inst in ("COPY", "ADD") and re.search(r"(?i)--from=\S*[:/.]", rest):
+            raise InvalidInput(f"Dockerfile line {lineno}: {inst} --from may name a build "
+                               "stage, not an image: providers pull from no registry")
         if inst not in _INSTRUCTIONS:
             raise InvalidInput(f"Dockerfile line {lineno}: unknown instruction {word!r}")
         args = rest.split()
@@ -190,24 +244,49 @@ def check_dockerfile(text: str) -> None:
             for flag in args:
                 if not flag.startswith("--"):
                     break
-                if flag.startswith("--network") and flag not in ("--network=none", "--network=default"):
+                low = flag.lower()
+                if low.startswith("--network") and low not in ("--network=none", "--network=default"):
                     raise InvalidInput(
                         f"Dockerfile line {lineno}: {flag}: builds run with no network; "
                         "put what the build needs into the context")
-                if flag.startswith("--mount") and re.search(r"type=(secret|ssh)", flag):
+                if low.startswith("--mount"):
                     raise InvalidInput(
-                        f"Dockerfile line {lineno}: secret and ssh mounts are not available "
-                        "on providers (they are untrusted machines)")
-                if flag.startswith("--security"):
+                        f"Dockerfile line {lineno}: RUN --mount is not available on providers "
+                        "(bind, cache, secret and ssh mounts all reach outside the build)")
+                if low.startswith("--security"):
                     raise InvalidInput(f"Dockerfile line {lineno}: {flag} is not allowed")
         if inst == "ADD":
-            for src in [a for a in args if not a.startswith("--")][:-1]:
-                if _URL_RE.match(src):
+            # Buildah fetches ADD's URLs itself, on the provider's network: only local sources.
+            for src in _sources(rest):
+                if _URL_RE.match(src) or "://" in src or "$" in src:
                     raise InvalidInput(
-                        f"Dockerfile line {lineno}: ADD {src}: builds have no network; "
-                        "download it beforehand and put it into the context")
+                        f"Dockerfile line {lineno}: ADD {src}: only files from the context "
+                        "(no URLs, no variables): builds have no network; download it "
+                        "beforehand and put it into the context")
     if not saw_from:
         raise InvalidInput("Dockerfile: no FROM instruction")
+
+
+def _sources(rest: str) -> list[str]:
+    """ADD's source arguments, in either form: JSON array or words; flags dropped."""
+    rest = rest.strip()
+    words: list[str]
+    flags = []
+    while rest.startswith("--"):
+        flag, _, rest = rest.partition(" ")
+        flags.append(flag)
+        rest = rest.strip()
+    if rest.startswith("["):
+        try:
+            parsed = json.loads(rest)
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, list) or not all(isinstance(w, str) for w in parsed):
+            raise InvalidInput(f"Dockerfile: ADD {rest[:60]}: not a valid JSON array")
+        words = parsed
+    else:
+        words = rest.split()
+    return words[:-1]
 
 
 def _logical_lines(text: str) -> Iterator[tuple[int, str]]:

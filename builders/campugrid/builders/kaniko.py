@@ -58,6 +58,7 @@ class KanikoBuilder:
         self.executor_image = executor_image
         self.socket = socket or default_socket()
         self.podman = shutil.which(podman) or podman
+        self.skopeo = shutil.which("skopeo") or "skopeo"
         self._service: subprocess.Popen[bytes] | None = None
 
     def _client(self) -> Any:
@@ -122,8 +123,11 @@ class KanikoBuilder:
                     raise BuildFailed(f"build failed (kaniko exit {code})", "\n".join(lines[-40:]))
             finally:
                 container.remove(force=True)
-            loaded = subprocess.run([self.podman, "load", "-i", str(image_dir / "image.tar")],
-                                    capture_output=True, text=True, check=False)
+            # Not `podman load`: it applies whatever tags the (untrusted) archive names, which
+            # could retag the base image for every later job. skopeo stores it as `tag` only.
+            loaded = subprocess.run(
+                [self.skopeo, "copy", "--quiet", f"docker-archive:{image_dir / 'image.tar'}",
+                 f"containers-storage:{tag}"], capture_output=True, text=True, check=False)
             if loaded.returncode != 0:
                 raise BuildFailed("cannot load the built image", loaded.stderr[-2000:])
         return tag

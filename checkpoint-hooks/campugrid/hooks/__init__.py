@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -36,6 +37,7 @@ from typing import Any
 ENV_DIR = "CAMPUGRID_CHECKPOINT_DIR"
 MANIFEST = "MANIFEST.json"
 PREFIX = "epoch-"
+_NAME = re.compile(r"epoch-[0-9]{1,18}")
 
 __all__ = ["Checkpoint", "checkpoint_dir", "install_sigterm_handler", "latest", "regular_files",
            "restore", "save", "save_folder", "sha256_file", "stop_requested", "verify"]
@@ -141,8 +143,13 @@ def verify(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path.name}: links are not allowed in checkpoints")
     try:
         manifest: dict[str, Any] = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"{path.name}: no readable manifest ({e})") from e
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if (not isinstance(files, dict) or not isinstance(manifest.get("epoch"), int)
+            or not all(isinstance(v, dict) and isinstance(v.get("size"), int)
+                       and isinstance(v.get("sha256"), str) for v in files.values())):
+        raise CheckpointError(f"{path.name}: the manifest is not one that campugrid.hooks wrote")
     present = {str(p.relative_to(path)) for p in regular_files(path)} - {MANIFEST}
     listed = set(manifest.get("files", {}))
     if present != listed:
@@ -158,9 +165,9 @@ def verify(path: Path) -> dict[str, Any]:
 def complete(root: str | os.PathLike[str] | None = None) -> list[Path]:
     """Folders that look complete (a manifest is present), oldest epoch first."""
     base = checkpoint_dir(root)
-    found = [p for p in base.iterdir() if p.is_dir() and not p.is_symlink()
-             and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()
-             and (p / MANIFEST).is_file() and not (p / MANIFEST).is_symlink()]
+    found = [p for p in base.iterdir() if _NAME.fullmatch(p.name) and p.is_dir()
+             and not p.is_symlink() and (p / MANIFEST).is_file()
+             and not (p / MANIFEST).is_symlink()]
     return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
 
 

@@ -28,7 +28,8 @@ def restore(model: Any, optimizer: Any = None,
     found = hooks.latest(root)
     if found is None:
         return None
-    state = torch.load(found.file("state.pt"), weights_only=False)
+    # weights_only: a checkpoint comes from an untrusted machine; never unpickle code from it.
+    state = torch.load(found.file("state.pt"), weights_only=True)
     model.load_state_dict(state["model"])
     if optimizer is not None and state["optimizer"] is not None:
         optimizer.load_state_dict(state["optimizer"])

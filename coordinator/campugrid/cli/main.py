@@ -85,7 +85,9 @@ def submit(
     from campugrid.cli.rest import tar_folder
 
     try:
-        raw: dict[str, Any] = json.loads(spec_file.read_text()) if spec_file else {}
+        raw: Any = json.loads(spec_file.read_text()) if spec_file else {}
+        if not isinstance(raw, dict):
+            _fail(f"{spec_file}: the spec must be a JSON object")
         if command is not None:
             raw["command"] = command
         if client_id is not None:
@@ -98,7 +100,7 @@ def submit(
             job = _follow(api, job["id"])
             _print_job(job)
             raise typer.Exit(0 if job["state"] == "succeeded" else 1)
-    except (CampugridError, OSError, json.JSONDecodeError) as e:
+    except (CampugridError, OSError, ValueError) as e:  # ValueError: JSON, UTF-8
         _fail(str(e))
 
 

@@ -38,6 +38,14 @@ def tar_folder(folder: Path) -> bytes:
 class Api:
     def __init__(self, server: str, timeout: float = 60) -> None:
         self.http = httpx.Client(base_url=server.rstrip("/"), timeout=timeout)
+        self.server = server
+
+    def _send(self, method: str, url: str, **kw: Any) -> httpx.Response:
+        try:
+            return self.http.request(method, url, **kw)
+        except httpx.TransportError as e:
+            raise CampugridError(f"cannot reach the coordinator at {self.server} "
+                                 f"({type(e).__name__}); is it running?") from e
 
     def close(self) -> None:
         self.http.close()
@@ -51,7 +59,8 @@ class Api:
     def _check(self, resp: httpx.Response) -> Any:
         if resp.status_code >= 400:
             try:
-                detail = resp.json().get("detail", resp.text)
+                body = resp.json()
+                detail = body.get("detail", resp.text) if isinstance(body, dict) else resp.text
             except ValueError:
                 detail = resp.text
             if resp.status_code == 404:
@@ -74,22 +83,23 @@ class Api:
                 time.sleep(min(8, 0.5 * 2**attempt))
                 continue
             return dict(self._check(resp))
-        raise CampugridError(f"cannot reach the coordinator at {self.http.base_url}: {last}")
+        raise CampugridError(f"cannot reach the coordinator at {self.server} "
+                             f"({type(last).__name__}); is it running?")
 
     def job(self, job_id: str) -> dict[str, Any]:
-        return dict(self._check(self.http.get(f"/v1/jobs/{job_id}")))
+        return dict(self._check(self._send("GET", f"/v1/jobs/{job_id}")))
 
     def jobs(self, state: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
         params: dict[str, Any] = {"limit": limit}
         if state:
             params["state"] = state
-        return list(self._check(self.http.get("/v1/jobs", params=params)))
+        return list(self._check(self._send("GET", "/v1/jobs", params=params)))
 
     def cancel(self, job_id: str) -> dict[str, Any]:
-        return dict(self._check(self.http.post(f"/v1/jobs/{job_id}/cancel")))
+        return dict(self._check(self._send("POST", f"/v1/jobs/{job_id}/cancel")))
 
     def logs(self, job_id: str, after: int = 0) -> dict[str, Any]:
-        return dict(self._check(self.http.get(f"/v1/jobs/{job_id}/logs", params={"after": after})))
+        return dict(self._check(self._send("GET", f"/v1/jobs/{job_id}/logs", params={"after": after})))
 
     def follow_logs(self, job_id: str, poll_s: float = 0.5) -> Iterator[dict[str, Any]]:
         """Yield log chunks as they arrive until the job is final and nothing is left."""
@@ -112,7 +122,7 @@ class Api:
             time.sleep(poll_s)
 
     def output(self, job_id: str) -> bytes:
-        resp = self.http.get(f"/v1/jobs/{job_id}/output")
+        resp = self._send("GET", f"/v1/jobs/{job_id}/output")
         if resp.status_code >= 400:
             self._check(resp)
         return resp.content

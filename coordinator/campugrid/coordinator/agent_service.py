@@ -141,10 +141,12 @@ class AgentService(pb_grpc.AgentServiceServicer):
 
     def Complete(self, request: pb.CompleteRequest, context: grpc.ServicerContext) -> pb.CompleteReply:
         machine = self._machine(context)
-        key = (self.coord.output_key(request.job_id, request.fencing_token)
-               if request.output_uploaded else None)
-        if key is not None and not self.coord.objects.exists(key):
-            key = None  # claimed but not there: never point researchers at nothing
+        key: str | None = None
+        if request.output_uploaded:
+            claimed = self.coord.output_key(request.job_id, request.fencing_token)
+            # Claimed but not there: never point researchers at nothing.
+            if self._guard(context, lambda: self.coord.objects.exists(claimed)):
+                key = claimed
         try:
             job = self._guard(context, lambda: self.coord.store.finish(
                 request.job_id, request.fencing_token, machine, succeeded=request.succeeded,
@@ -183,7 +185,8 @@ class AgentService(pb_grpc.AgentServiceServicer):
         machine = self._machine(context)
         try:
             self._guard(context, lambda: self.coord.store.release(
-                request.job_id, request.fencing_token, machine, request.reason[:500] or "drained"))
+                request.job_id, request.fencing_token, machine, request.reason[:2000] or "drained",
+                failed=request.failed))
         except (StaleAttempt, IllegalTransition) as e:
             return pb.ReleaseReply(accepted=False, reason=str(e))
         log.info("job %s released after a drain", request.job_id)

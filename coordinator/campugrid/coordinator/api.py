@@ -63,10 +63,17 @@ class JobOut(BaseModel):
             id=job.id, client_job_id=job.client_job_id, name=job.name, state=job.state,
             attempt=job.attempt, max_attempts=job.max_attempts, machine_id=job.machine_id,
             exit_code=job.exit_code, reason=job.reason, result=job.result,
-            has_output=job.output_key is not None, limits=job.limits, spec=job.spec.to_dict(),
+            has_output=job.output_key is not None, limits=job.limits, spec=_redacted(job),
             created_at=job.created_at, updated_at=job.updated_at, events=events,
             waiting_reason=waiting_reason,
         )
+
+
+def _redacted(job: JobView) -> dict[str, Any]:
+    """The spec as shown: env values may be tokens, so only their names are served."""
+    spec = job.spec.to_dict()
+    spec["env"] = {k: "(hidden)" for k in spec["env"]}
+    return spec
 
 
 class LogChunkOut(BaseModel):
@@ -136,7 +143,7 @@ def create_app(coord: Coordinator) -> FastAPI:
         return JobOut.of(coord.store.cancel(job_id_ok(job_id)))
 
     @app.get("/v1/jobs/{job_id}/logs", response_model=LogsOut)
-    def logs(job_id: str, after: Annotated[int, Query(ge=0)] = 0,
+    def logs(job_id: str, after: Annotated[int, Query(ge=0, le=2**62)] = 0,
              stream: Annotated[str | None, Query(pattern="^(build|run)$")] = None) -> LogsOut:
         jid = job_id_ok(job_id)
         chunks = coord.store.logs(jid, after_id=after, stream=stream)
@@ -150,7 +157,7 @@ def create_app(coord: Coordinator) -> FastAPI:
              responses={200: {"content": {"application/gzip": {}}}})
     def output(job_id: str) -> StreamingResponse:
         job = coord.store.get(job_id_ok(job_id))
-        if job.output_key is None:
+        if job.output_key is None or not coord.objects.exists(job.output_key):
             raise HTTPException(404, f"job {job.id} has no output (state {job.state.value})")
         stream: Iterator[bytes] = coord.objects.stream(job.output_key)
         return StreamingResponse(stream, media_type="application/gzip", headers={

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 from concurrent import futures
 
@@ -40,7 +41,9 @@ class Running:
 
 
 def build(settings: Settings) -> Coordinator:
+    # The database holds job specs (researchers' environment values): coordinator only.
     settings.state_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(settings.state_dir, 0o700)
     engine = make_engine(settings.database_url)
     migrate(engine)
     objects = S3Store(settings.s3_endpoint, settings.s3_access_key, settings.s3_secret_key,

@@ -12,7 +12,7 @@ from campugrid.coordinator.config import Settings
 from campugrid.coordinator.objects import S3Store
 from campugrid.coordinator.scheduler import MachineView, why_waiting
 from campugrid.coordinator.store import CheckpointView, JobView, Store
-from campugrid.protocol.errors import InvalidInput
+from campugrid.protocol.errors import InvalidInput, StorageError
 from campugrid.protocol.spec import DatasetRef, JobSpec
 from campugrid.protocol.states import JobState
 
@@ -58,6 +58,9 @@ class Coordinator:
             raise InvalidInput(f"context: larger than {self.settings.max_context_bytes // 1024**2} MiB")
         inspect_context(context)
         for ds in spec.datasets:
+            if ds.bucket in (self.settings.s3_bucket, "campugrid-ready-probe"):
+                raise InvalidInput(f"dataset {ds.name}: bucket {ds.bucket!r} holds the platform's "
+                                   "own data (other jobs' contexts, outputs and checkpoints)")
             self._dataset_files(ds)  # refuses unknown buckets and empty references now
         digest = hashlib.sha256(context).hexdigest()
         key = f"contexts/{digest}.tar"
@@ -74,6 +77,17 @@ class Coordinator:
         job = self.store.claim_next(machine_id, self.settings.lease_seconds, offer)
         if job is None:
             return None
+        try:
+            return self._lease_for(job)
+        except InvalidInput as e:  # e.g. a dataset was deleted since submit: it cannot run
+            self.store.finish(job.id, job.attempt, machine_id, succeeded=False, exit_code=None,
+                              reason=f"cannot start: {e}", result=None, output_key=None, limits={})
+            return None
+        except StorageError:  # storage is down: not the job's fault, hand it straight back
+            self.store.release(job.id, job.attempt, machine_id, "object storage unavailable")
+            raise
+
+    def _lease_for(self, job: JobView) -> Lease:
         ttl = dt.timedelta(seconds=self.settings.presign_seconds)
         output_key = self.output_key(job.id, job.attempt)
         resume = self.store.latest_checkpoint(job.id)

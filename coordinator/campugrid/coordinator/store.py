@@ -357,22 +357,24 @@ class Store:
 
     def append_logs(self, job_id: str, token: int, machine_id: str, stream: str, seq: int,
                     text: str) -> None:
-        with self._tx() as s:
-            row = self._row(s, job_id)
-            if row.attempt != token or row.machine_id != machine_id or row.state not in (
-                    JobState.BUILDING.value, JobState.RUNNING.value):
-                refused = self._refusal(s, row, token, "logs")
-            else:
-                refused = None
+        try:
+            with self._tx() as s:
+                row = self._row(s, job_id)
+                if row.attempt != token or row.machine_id != machine_id or row.state not in (
+                        JobState.BUILDING.value, JobState.RUNNING.value):
+                    refused = self._refusal(s, row, token, "logs")
+                else:
+                    refused = None
+                    exists = s.scalar(select(LogChunk.id).where(
+                        LogChunk.job_id == job_id, LogChunk.attempt == token,
+                        LogChunk.stream == stream, LogChunk.seq == seq))
+                    if exists is None:  # a retried chunk is stored once
+                        s.add(LogChunk(job_id=job_id, attempt=token, stream=stream, seq=seq,
+                                       text=(clean(text) or "")[:MAX_LOG_CHUNK]))
+        except IntegrityError:
+            return  # the same chunk, retried concurrently: already stored
         if refused is not None:
             raise refused
-        with self._tx() as s:
-            exists = s.scalar(select(LogChunk.id).where(
-                LogChunk.job_id == job_id, LogChunk.attempt == token, LogChunk.stream == stream,
-                LogChunk.seq == seq))
-            if exists is None:  # a retried chunk is stored once
-                s.add(LogChunk(job_id=job_id, attempt=token, stream=stream, seq=seq,
-                               text=text[:MAX_LOG_CHUNK]))
 
     def finish(self, job_id: str, token: int, machine_id: str, *, succeeded: bool,
                exit_code: int | None, reason: str | None, result: str | None,
@@ -383,7 +385,8 @@ class Store:
                 update(Job)
                 .where(Job.id == job_id, Job.attempt == token, Job.machine_id == machine_id,
                        Job.state.in_([x.value for x in sources_of(target) & ACTIVE]))
-                .values(state=target.value, exit_code=exit_code, reason=reason, result=result,
+                .values(state=target.value, exit_code=exit_code, reason=clean(reason),
+                        result=clean(result),
                         output_key=output_key, limits_json=json.dumps(limits),
                         lease_expires_at=None, updated_at=utcnow()))
             row = self._row(s, job_id)
@@ -392,7 +395,7 @@ class Store:
             else:
                 refused = None
                 s.add(JobEvent(job_id=job_id, at=utcnow(), attempt=token, kind=target.value,
-                               detail=reason or ""))
+                               detail=clean(reason) or ""))
                 self._free_gpus(s, job_id)
         if refused is not None:
             raise refused
@@ -474,22 +477,34 @@ class Store:
                              .order_by(Checkpoint.epoch, Checkpoint.id))
             return [CheckpointView.from_row(r) for r in rows]
 
-    def release(self, job_id: str, token: int, machine_id: str, reason: str) -> JobView:
-        """A drained attempt goes back to the queue without counting as a failure."""
+    def release(self, job_id: str, token: int, machine_id: str, reason: str,
+                failed: bool = False) -> JobView:
+        """The attempt goes back to the queue: a drain does not count against max_attempts;
+        a provider-side failure (`failed`) does, and fails the job when none are left."""
         now = utcnow()
         with self._tx() as s:
+            row = self._row(s, job_id)
+            used = row.attempt - row.drained
+            exhausted = failed and used >= row.max_attempts
+            target = JobState.FAILED if exhausted else JobState.QUEUED
+            why = (f"attempt {token} failed on its machine: {reason}" if failed
+                   else f"drained: {reason}")
+            if exhausted:
+                why += f"; all {row.max_attempts} attempts used"
             res = s.execute(
                 update(Job)
                 .where(Job.id == job_id, Job.attempt == token, Job.machine_id == machine_id,
                        Job.state.in_([x.value for x in ACTIVE]))
-                .values(state=JobState.QUEUED.value, drained=Job.drained + 1, machine_id=None,
-                        lease_expires_at=None, reason=f"drained: {reason}", updated_at=now))
+                .values(state=target.value, drained=Job.drained + (0 if failed else 1),
+                        machine_id=None, lease_expires_at=None, reason=clean(why),
+                        updated_at=now))
             row = self._row(s, job_id)
             if res.rowcount != 1:  # type: ignore[attr-defined]
                 refused = self._refusal(s, row, token, "release")
             else:
                 refused = None
-                s.add(JobEvent(job_id=job_id, at=now, attempt=token, kind="drained", detail=reason))
+                s.add(JobEvent(job_id=job_id, at=now, attempt=token,
+                               kind="handed_back" if failed else "drained", detail=clean(reason)))
                 self._free_gpus(s, job_id)
         if refused is not None:
             raise refused
@@ -535,6 +550,11 @@ class Store:
             detail = f"{what} from attempt {token} refused: the job is {row.state}"
         s.add(JobEvent(job_id=row.id, at=utcnow(), attempt=token, kind="refused", detail=detail))
         return StaleAttempt(detail) if row.attempt != token else IllegalTransition(detail)
+
+
+def clean(text: str | None) -> str | None:
+    """Text from agents as stored: no NUL (PostgreSQL refuses it in text columns)."""
+    return text.replace("\x00", "\\0") if text else text
 
 
 def _digest(secret: str) -> str:

@@ -32,6 +32,7 @@ class Resources:
     cpus: float = 1.0
     memory_mb: int = 1024
     disk_mb: int = 256  # the size of the job's writable /tmp
+    output_mb: int = 4096  # /output and /checkpoints together
     gpus: int = 0
     gpu_memory_mb: int = 0  # per GPU
     wall_time_s: int = 3600
@@ -76,10 +77,14 @@ class JobSpec:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> JobSpec:
+        if len(text) > 1024 * 1024:
+            raise InvalidInput("spec: larger than 1 MiB")
         try:
             data = json.loads(text or "{}")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise InvalidInput(f"spec: not valid JSON ({e})") from e
+        except RecursionError as e:
+            raise InvalidInput("spec: nested too deeply") from e
         return cls.from_dict(data)
 
     @classmethod
@@ -121,6 +126,7 @@ class JobSpec:
             cpus=_number(res, "cpus", 1.0, 0.1, 256, "resources"),
             memory_mb=_integer(res, "memory_mb", 1024, 64, 4 * 1024 * 1024, "resources"),
             disk_mb=_integer(res, "disk_mb", 256, 1, 1024 * 1024, "resources"),
+            output_mb=_integer(res, "output_mb", 4096, 1, 1024 * 1024, "resources"),
             gpus=_integer(res, "gpus", 0, 0, 16, "resources"),
             gpu_memory_mb=_integer(res, "gpu_memory_mb", 0, 0, 1024 * 1024, "resources"),
             wall_time_s=_integer(res, "wall_time_s", 3600, 1, 14 * 86400, "resources"),

@@ -6,8 +6,10 @@
    QUEUED --------------> BUILDING --------------> RUNNING
      ^  |                   |   |                    |  |
      |  |  lease expired,   |   | complete(ok=false)  |  | complete(ok=true)
-     |  |  attempts left    |   v                    |  v
-     |  +<------------------+-- FAILED <-------------+ SUCCEEDED
+     |  |  drained, or      |   v                    |  v
+     |  |  handed back      |   FAILED <-------------+ SUCCEEDED  (also from BUILDING:
+     |  +<------------------+                                      a job can finish before
+     |                                                             its phase update lands)
      |  |                      ^
      |  |   lease expired, no attempts left
      |  +----------------------+
@@ -46,8 +48,11 @@ ACTIVE = frozenset({JobState.BUILDING, JobState.RUNNING})
 
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.QUEUED: frozenset({JobState.BUILDING, JobState.CANCELLED}),
+    # BUILDING -> SUCCEEDED: the phase is reported by lease renewal, which a short job
+    # can outrun; the fencing token, not the phase, says who may finish.
     JobState.BUILDING: frozenset(
-        {JobState.RUNNING, JobState.FAILED, JobState.QUEUED, JobState.CANCELLED}
+        {JobState.RUNNING, JobState.SUCCEEDED, JobState.FAILED, JobState.QUEUED,
+         JobState.CANCELLED}
     ),
     JobState.RUNNING: frozenset(
         {JobState.SUCCEEDED, JobState.FAILED, JobState.QUEUED, JobState.CANCELLED}

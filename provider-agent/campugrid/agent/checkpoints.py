@@ -91,8 +91,14 @@ class CheckpointUploader:
         while not self._stop.wait(self.every_s):
             try:
                 self.scan()
+            except httpx.HTTPStatusError as e:  # str(e) would include the presigned URL
+                log.warning("%s: checkpoint upload got HTTP %d, will retry", self.job_id,
+                            e.response.status_code)
             except (grpc.RpcError, httpx.HTTPError, OSError, CampugridError) as e:
-                log.warning("%s: checkpoint upload failed, will retry: %s", self.job_id, e)
+                log.warning("%s: checkpoint upload failed, will retry: %s", self.job_id,
+                            type(e).__name__ if isinstance(e, httpx.HTTPError) else e)
+            except Exception:  # a bug here must not silently end checkpointing
+                log.exception("%s: checkpoint scan failed, will retry", self.job_id)
 
     def scan(self) -> None:
         with self.lock:
@@ -132,6 +138,8 @@ class CheckpointUploader:
                 part = f.read(begin.part_size)
                 resp = http.put(url, content=part)
                 resp.raise_for_status()
+                if "etag" not in resp.headers:
+                    raise CampugridError("object storage answered a part upload without an ETag")
                 etags.append(resp.headers["etag"])
         reply = self.client.record_checkpoint(pb.RecordCheckpointRequest(
             job_id=self.job_id, fencing_token=self.token, epoch=epoch, key=begin.key,

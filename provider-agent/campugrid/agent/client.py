@@ -30,16 +30,20 @@ class CoordinatorClient:
 
     def ensure_registered(self, name: str, caps: pb.Capabilities) -> str:
         """Reuse stored credentials when the coordinator still knows them, else register."""
-        if self.credentials_file.exists():
+        try:
             stored = json.loads(self.credentials_file.read_text())
-            if stored.get("coordinator") == self.address:
-                self.machine_id, self._secret = stored["machine_id"], stored["secret"]
-                try:
-                    self.heartbeat(caps)
-                    return self.machine_id
-                except grpc.RpcError as e:
-                    if e.code() != grpc.StatusCode.UNAUTHENTICATED:
-                        raise
+        except (OSError, ValueError):
+            stored = None  # none yet, or damaged: register afresh
+        usable = (isinstance(stored, dict) and {"machine_id", "secret"} <= stored.keys()
+                  and stored.get("coordinator") == self.address)
+        if usable:
+            self.machine_id, self._secret = str(stored["machine_id"]), str(stored["secret"])
+            try:
+                self.heartbeat(caps)
+                return self.machine_id
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.UNAUTHENTICATED:
+                    raise
         reply = self.stub.Register(pb.RegisterRequest(name=name, capabilities=caps),
                                    timeout=RPC_TIMEOUT_S)
         self.machine_id, self._secret = reply.machine_id, reply.secret
@@ -95,9 +99,9 @@ class CoordinatorClient:
                                                                      timeout=300)
         return reply
 
-    def release(self, job_id: str, token: int, reason: str) -> pb.ReleaseReply:
+    def release(self, job_id: str, token: int, reason: str, failed: bool = False) -> pb.ReleaseReply:
         reply: pb.ReleaseReply = self.stub.Release(
-            pb.ReleaseRequest(job_id=job_id, fencing_token=token, reason=reason),
+            pb.ReleaseRequest(job_id=job_id, fencing_token=token, reason=reason, failed=failed),
             metadata=self._md, timeout=RPC_TIMEOUT_S)
         return reply
 

@@ -11,6 +11,7 @@ from campugrid.agent.client import CoordinatorClient
 
 log = logging.getLogger("campugrid.agent")
 MAX_CHUNK = 32 * 1024
+MAX_TASK_LOG_BYTES = 32 * 1024 * 1024  # beyond this, lines are counted, not kept
 
 
 class LogShipper:
@@ -23,12 +24,18 @@ class LogShipper:
         self._lock = threading.Lock()
         self._pending: list[tuple[str, str]] = []
         self._seq = 0
+        self._bytes = 0
+        self._dropped = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name=f"logs-{job_id}")
         self._thread.start()
 
     def line(self, stream: str, text: str) -> None:
         with self._lock:
+            if self._bytes + len(text) > MAX_TASK_LOG_BYTES:
+                self._dropped += 1
+                return
+            self._bytes += len(text) + 1
             self._pending.append((stream, text))
 
     def for_stream(self, stream: str) -> LineSink:
@@ -37,6 +44,10 @@ class LogShipper:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=30)
+        if self._dropped:
+            with self._lock:
+                self._pending.append(("run", f"[campugrid] {self._dropped} more lines not kept: "
+                                             f"the log limit is {MAX_TASK_LOG_BYTES // 1024**2} MiB"))
         self._flush()
 
     def _loop(self) -> None:

@@ -6,6 +6,7 @@ hold the job, so the task is stopped here rather than computing beside its repla
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -17,6 +18,7 @@ from campugrid.agent.client import CoordinatorClient
 from campugrid.protocol import agent_pb2 as pb
 
 log = logging.getLogger("campugrid.agent")
+FENCE_AT = 0.75  # of a lease: with renewals every quarter, two may fail before fencing
 
 
 class Renewer:
@@ -25,6 +27,9 @@ class Renewer:
         self.client, self.lease, self.on_lost = client, lease, on_lost
         self.phase = "building"
         self.reason = ""
+        self.lease_s = lease.lease_seconds or 12.0
+        self.valid_from = time.monotonic()  # the lease was granted no earlier than now
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True,
@@ -45,28 +50,44 @@ class Renewer:
         self._thread.join(timeout=15)
 
     def _lost(self, reason: str) -> None:
+        if self.reason:
+            return
         self.reason = reason
         log.warning("%s: stopping: %s", self.lease.job_id, reason)
         self.on_lost(reason)
 
+    def renew_now(self) -> None:
+        """One renewal from the caller's thread (e.g. to report a phase change at once)."""
+        with contextlib.suppress(grpc.RpcError):
+            self._renew_once()
+
+    def _renew_once(self) -> bool:
+        """True if the lease was extended; calls on_lost when the coordinator says stop."""
+        sent = time.monotonic()
+        reply = self.client.renew(self.lease.job_id, self.lease.fencing_token, self.phase,
+                                  timeout_s=self.lease_s / 4)
+        if not reply.keep_going:
+            self._lost(reply.reason)
+            return False
+        with self._lock:
+            self.valid_from = max(self.valid_from, sent)
+        self.lease_s = reply.lease_seconds or self.lease_s
+        return True
+
     def _loop(self) -> None:
-        lease_s = self.lease.lease_seconds or 12.0
-        last_ok = time.monotonic()
+        # The coordinator's lease runs from when it handled our renewal, which is no earlier
+        # than when we sent it: fencing at sent + FENCE_AT * lease stops the sandbox before
+        # the job can be leased elsewhere, with margin for clock rates and the reaper.
         while True:
-            self._wake.wait(lease_s / 4)
+            self._wake.wait(self.lease_s / 4)
             self._wake.clear()
-            if self._stop.is_set():
+            if self._stop.is_set() or self.reason:
                 return
             try:
-                reply = self.client.renew(self.lease.job_id, self.lease.fencing_token, self.phase,
-                                          timeout_s=lease_s / 4)
-            except grpc.RpcError as e:
-                if time.monotonic() - last_ok >= lease_s:
-                    self._lost(f"self-fenced: no lease renewal for {lease_s:.0f} s ({e.code()})")
+                if not self._renew_once():
                     return
-                continue
-            if not reply.keep_going:
-                self._lost(reply.reason)
-                return
-            last_ok = time.monotonic()
-            lease_s = reply.lease_seconds or lease_s
+            except grpc.RpcError as e:
+                if time.monotonic() - self.valid_from >= FENCE_AT * self.lease_s:
+                    self._lost(f"self-fenced: no lease renewal for "
+                               f"{time.monotonic() - self.valid_from:.0f} s ({e.code()})")
+                    return

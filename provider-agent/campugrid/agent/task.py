@@ -11,6 +11,7 @@ and the sandbox.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tarfile
 import threading
@@ -31,7 +32,7 @@ from campugrid.agent.renewer import Renewer
 from campugrid.builders.base import Builder
 from campugrid.builders.context import extract_context
 from campugrid.protocol import agent_pb2 as pb
-from campugrid.protocol.errors import BuildFailed, InvalidInput
+from campugrid.protocol.errors import BuildFailed, CampugridError, InvalidInput, SandboxError
 from campugrid.protocol.spec import JobSpec
 from campugrid.sandbox.podman_runsc import PodmanRunsc, RunRequest
 
@@ -55,6 +56,8 @@ class Task:
         self.lost = threading.Event()  # the lease is gone: report nothing
         self.draining = False
         self.handback = ""  # why the task is handed back unrun (e.g. its GPU filled up)
+        self.disk_exceeded = False
+        self.ran = threading.Event()  # the sandbox has exited
         self.gpu_policy = gpu_policy
         self.phase = "building"
         self.renewer = Renewer(client, lease, on_lost=self._on_lost)
@@ -77,6 +80,17 @@ class Task:
         timer.daemon = True
         timer.start()
 
+    def _watch_disk(self, folders: tuple[Path, ...]) -> None:
+        """/output and /checkpoints are host folders: bound their size by checking it every
+        second (rootless Podman has no quota for bind mounts)."""
+        limit = self.spec.resources.output_mb * 1024 * 1024
+        while not self.stop.wait(1.0) and not self.ran.is_set():
+            used = sum(_size(p) for d in folders for p in _walk_files(d))
+            if used > limit:
+                self.disk_exceeded = True
+                self.stop.set()
+                return
+
     def _check_gpus(self) -> tuple[tuple[str, int], ...]:
         """Re-check free memory on the reserved GPUs just before the job starts: something
         outside campugrid may have taken it since the lease. If so, hand the task back."""
@@ -90,20 +104,28 @@ class Task:
     def run(self) -> None:
         job_id, token = self.lease.job_id, self.lease.fencing_token
         self.renewer.start()
-        outcome: pb.CompleteRequest
+        outcome = pb.CompleteRequest(succeeded=False, exit_code=-1)
+        failed_here = ""  # the provider failed, not the job: hand back, counting the attempt
         try:
             outcome = self._execute()
-        except (BuildFailed, InvalidInput, OSError, httpx.HTTPError, hooks.CheckpointError) as e:
+        except (BuildFailed, InvalidInput) as e:  # the job's own fault: final
             outcome = pb.CompleteRequest(succeeded=False, exit_code=-1, reason=str(e))
+        except httpx.HTTPError as e:
+            failed_here = _http_failure(e)
+        except (OSError, SandboxError, grpc.RpcError) as e:
+            failed_here = f"{type(e).__name__}: {e}"
         except Exception as e:
             log.exception("task %s crashed the agent's task runner", job_id)
-            outcome = pb.CompleteRequest(succeeded=False, exit_code=-1,
-                                         reason=f"agent error: {type(e).__name__}: {e}")
+            failed_here = f"agent error: {type(e).__name__}: {e}"
         finally:
             self.shipper.close()
         try:
             if self.lost.is_set():
                 log.info("task %s attempt %d stopped: %s", job_id, token, self.renewer.reason)
+            elif failed_here:
+                log.warning("task %s attempt %d failed on this machine: %s", job_id, token,
+                            failed_here)
+                _retry(lambda: self.client.release(job_id, token, failed_here, failed=True))
             elif self.draining or self.handback:
                 why = self.handback or "the provider is shutting down"
                 released = _retry(lambda: self.client.release(job_id, token, why))
@@ -133,10 +155,17 @@ class Task:
             if lease.datasets:
                 _fetch_datasets(http, lease, data_dir)
         if lease.HasField("resume"):
-            checkpoints.restore(lease.resume, ckpt_dir, work)
-            self.uploader.done.add(hooks.folder_name(lease.resume.epoch))  # already stored
-            self.shipper.line("run", f"[campugrid] resuming from the checkpoint of epoch "
-                                     f"{lease.resume.epoch}")
+            try:
+                checkpoints.restore(lease.resume, ckpt_dir, work)
+                self.uploader.done.add(hooks.folder_name(lease.resume.epoch))  # already stored
+                self.shipper.line("run", f"[campugrid] resuming from the checkpoint of epoch "
+                                         f"{lease.resume.epoch}")
+            except (InvalidInput, hooks.CheckpointError, httpx.HTTPError) as e:
+                shutil.rmtree(ckpt_dir, ignore_errors=True)
+                ckpt_dir.mkdir()
+                why = _http_failure(e) if isinstance(e, httpx.HTTPError) else str(e)
+                self.shipper.line("run", f"[campugrid] the checkpoint of epoch {lease.resume.epoch} "
+                                         f"is unusable ({why}); starting from scratch")
         build_log = self.shipper.for_stream("build")
         build_log(f"[campugrid] building with {self.builder.name}, RUN steps under gVisor, offline")
         try:
@@ -154,6 +183,7 @@ class Task:
             return pb.CompleteRequest(succeeded=False, exit_code=-1, reason=self.handback)
         self.phase = "running"
         self.renewer.set_phase("running")
+        self.renewer.renew_now()
         last_line: list[str] = []
         run_log = self.shipper.for_stream("run")
 
@@ -170,6 +200,9 @@ class Task:
             "PYTHONPATH": f"{user_pythonpath}:{HOOKS_MOUNT}" if user_pythonpath else HOOKS_MOUNT,
         }
         self.uploader.start()
+        watch = threading.Thread(target=self._watch_disk, args=((output_dir, ckpt_dir),),
+                                 daemon=True, name=f"disk-{lease.job_id}")
+        watch.start()
         result = self.sandbox.run(RunRequest(
             name=self.name, image=self.image, command=spec.command, env=tuple(env.items()),
             output_dir=output_dir, data_dir=data_dir if lease.datasets else None,
@@ -179,12 +212,20 @@ class Task:
             mounts=((ckpt_dir, CHECKPOINT_MOUNT, "rw"),
                     (hooks_src, f"{HOOKS_MOUNT}/campugrid/hooks", "ro"))),
             log=on_line, cancel=self.stop)
+        self.ran.set()
         if not self.lost.is_set():
-            self.uploader.flush()  # the final checkpoint of a drained job, too
+            try:
+                self.uploader.flush()  # the final checkpoint of a drained job, too
+            except (grpc.RpcError, httpx.HTTPError, OSError, CampugridError) as e:
+                why = _http_failure(e) if isinstance(e, httpx.HTTPError) else str(e)
+                self.shipper.line("run", f"[campugrid] the last checkpoint was not kept: {why}")
         uploaded = False
-        if not self.stop.is_set() and not self.draining:
+        if not self.stop.is_set() and not self.draining and not self.disk_exceeded:
             uploaded = _upload_output(lease.output_url, output_dir, work / "output.tar.gz")
-        if result.timed_out:
+        if self.disk_exceeded:
+            reason = (f"the job wrote more than {spec.resources.output_mb} MB to /output and "
+                      "/checkpoints (resources.output_mb); it was stopped")
+        elif result.timed_out:
             reason = f"wall time of {spec.resources.wall_time_s} s exceeded; the job was stopped"
         elif result.oom_killed:
             reason = f"out of memory: the job used more than {spec.resources.memory_mb} MB"
@@ -193,12 +234,35 @@ class Task:
         else:
             reason = ""
         return pb.CompleteRequest(
-            succeeded=result.exit_code == 0 and not result.timed_out, exit_code=result.exit_code,
+            succeeded=result.exit_code == 0 and not result.timed_out and not self.disk_exceeded,
+            exit_code=result.exit_code,
             reason=reason, result=last_line[0][-4000:] if last_line else "",
             output_uploaded=uploaded)
 
 
 Mapped = tuple[tuple[str, int], ...]  # (uuid, device minor) per reserved GPU
+
+
+def _walk_files(root: Path) -> list[str]:
+    out = []
+    for dirpath, _dirs, files in os.walk(root, followlinks=False):
+        out += [os.path.join(dirpath, f) for f in files]
+    return out
+
+
+def _size(path: str) -> int:
+    try:
+        return os.lstat(path).st_size
+    except OSError:
+        return 0  # removed meanwhile
+
+
+def _http_failure(e: httpx.HTTPError) -> str:
+    """What went wrong, without the URL: presigned URLs are credentials."""
+    what = "a transfer to or from object storage"
+    if isinstance(e, httpx.HTTPStatusError):
+        return f"{what} failed: HTTP {e.response.status_code}"
+    return f"{what} failed: {type(e).__name__}"
 
 
 def _check_gpus_free(lease: pb.LeaseReply, found: Sequence[pb.Gpu]) -> tuple[Mapped, str]:

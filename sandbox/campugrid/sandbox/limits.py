@@ -62,10 +62,15 @@ class JobCgroup:
         return [p / "cgroup.procs" for p in self.paths]
 
     def oom_killed(self) -> bool:
+        """The kernel's OOM killer acted in this cgroup (memory.failcnt would also count
+        ordinary page-cache reclaim at the limit)."""
         for p in self.paths:
             if p.parent.parent.name == "memory":
                 try:
-                    return int((p / "memory.failcnt").read_text()) > 0
+                    for line in (p / "memory.oom_control").read_text().splitlines():
+                        key, _, value = line.partition(" ")
+                        if key == "oom_kill":
+                            return int(value) > 0
                 except (OSError, ValueError):
                     return False
         return False

@@ -121,7 +121,7 @@ class PodmanRunsc:
                 # If the agent dies (kill -9, OOM), the sandbox must not compute on unwatched.
                 on_orphan=self.stop_argv(req.name),
             )
-            oom = cg.oom_killed() if cg is not None else False
+            oom = done.returncode != 0 and cg is not None and cg.oom_killed()
         self.stop(req.name)  # also when podman itself died: nothing of the job may stay
         return RunResult(done.returncode, done.timed_out, done.cancelled, oom, done.tail,
                          self.limits.as_dict())

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 
 LogFn = Callable[[str], None]
+MAX_LINE = 64 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +60,8 @@ def run_streaming(
     stream = proc.stdout
 
     def pump() -> None:
-        for raw in iter(stream.readline, b""):
+        # Bounded reads: output without newlines must not grow the agent's memory.
+        for raw in iter(lambda: stream.readline(MAX_LINE), b""):
             line = raw.decode("utf-8", "replace").rstrip("\n")
             tail.append(line)
             log(line)

@@ -6,6 +6,8 @@ Create Date: 2026-11-29
 """
 from __future__ import annotations
 
+import json
+
 import sqlalchemy as sa
 from alembic import op
 
@@ -36,6 +38,16 @@ def upgrade() -> None:
                               unique=False)
     with op.batch_alter_table("machines", schema=None) as batch_op:
         batch_op.add_column(sa.Column("gpus_json", sa.Text(), server_default="[]", nullable=False))
+    # Jobs stored before this revision: their GPU needs come from their spec.
+    conn = op.get_bind()
+    for job_id, spec_json in conn.execute(sa.text("SELECT id, spec_json FROM jobs")).all():
+        try:
+            gpus = int(json.loads(spec_json).get("resources", {}).get("gpus", 0) or 0)
+        except (ValueError, TypeError, AttributeError):
+            gpus = 0
+        if gpus:
+            conn.execute(sa.text("UPDATE jobs SET gpus_needed = :g WHERE id = :i"),
+                         {"g": gpus, "i": job_id})
 
 
 def downgrade() -> None:
