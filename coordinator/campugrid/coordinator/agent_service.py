@@ -7,7 +7,10 @@ callers that are broken or unauthenticated.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -29,6 +32,7 @@ from campugrid.protocol.states import JobState
 from campugrid.protocol.wire import MACHINE_HEADER, SECRET_HEADER
 
 log = logging.getLogger("campugrid.coordinator.agents")
+AUTH_CACHE_S = 30.0  # a checked secret is trusted this long without a database read
 
 R = TypeVar("R")
 
@@ -55,14 +59,26 @@ def _gpus(gpus: Sequence[pb.Gpu]) -> tuple[GpuView, ...]:
 class AgentService(pb_grpc.AgentServiceServicer):
     def __init__(self, coord: Coordinator) -> None:
         self.coord = coord
+        # (machine, sha256 of the secret it showed) -> when to check with the store again
+        self._known: dict[tuple[str, str], float] = {}
+        self._known_lock = threading.Lock()
 
     def _machine(self, context: grpc.ServicerContext) -> str:
         md = dict(context.invocation_metadata())
         machine_id, secret = str(md.get(MACHINE_HEADER, "")), str(md.get(SECRET_HEADER, ""))
+        key = (machine_id, hashlib.sha256(secret.encode()).hexdigest())
+        now = time.monotonic()
+        with self._known_lock:
+            if self._known.get(key, 0.0) > now:
+                return machine_id
         try:
             self.coord.store.authenticate(machine_id, secret)
         except Unauthenticated as e:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
+        with self._known_lock:
+            if len(self._known) > 100_000:
+                self._known.clear()
+            self._known[key] = now + AUTH_CACHE_S
         return machine_id
 
     @staticmethod

@@ -6,17 +6,20 @@ import dataclasses
 import datetime as dt
 import hashlib
 import logging
+import threading
+import time
 
 from campugrid.builders.context import inspect_context
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.objects import S3Store
 from campugrid.coordinator.scheduler import MachineView, why_waiting
-from campugrid.coordinator.store import CheckpointView, JobView, Store
+from campugrid.coordinator.store import CheckpointView, Claim, JobView, Store
 from campugrid.protocol.errors import InvalidInput, StorageError
 from campugrid.protocol.spec import DatasetRef, JobSpec
 from campugrid.protocol.states import JobState
 
 log = logging.getLogger("campugrid.coordinator")
+OFFER_REFRESH_S = 10.0  # a machine's unchanged GPU snapshot is rewritten at most this often
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +54,8 @@ class Coordinator:
         self.settings = settings
         self.store = store
         self.objects = objects
+        self._offers: dict[str, tuple[object, float]] = {}
+        self._offers_lock = threading.Lock()
 
     def submit(self, spec: JobSpec, context: bytes) -> tuple[JobView, bool]:
         """Validate everything, store the context, then the job; answer only after both."""
@@ -73,12 +78,13 @@ class Coordinator:
 
     def lease(self, machine_id: str, offer: MachineView | None = None) -> Lease | None:
         if offer is not None:
-            self.store.update_machine(machine_id, offer.gpus, offer.gpu_isolation)
-        job = self.store.claim_next(machine_id, self.settings.lease_seconds, offer)
-        if job is None:
+            self._note_offer(machine_id, offer)
+        claim = self.store.claim(machine_id, self.settings.lease_seconds, offer)
+        if claim is None:
             return None
+        job = claim.job
         try:
-            return self._lease_for(job)
+            return self._lease_for(claim)
         except InvalidInput as e:  # e.g. a dataset was deleted since submit: it cannot run
             self.store.finish(job.id, job.attempt, machine_id, succeeded=False, exit_code=None,
                               reason=f"cannot start: {e}", result=None, output_key=None, limits={})
@@ -87,10 +93,21 @@ class Coordinator:
             self.store.release(job.id, job.attempt, machine_id, "object storage unavailable")
             raise
 
-    def _lease_for(self, job: JobView) -> Lease:
+    def _note_offer(self, machine_id: str, offer: MachineView) -> None:
+        """Keep the machine's GPU snapshot (for why-it-waits) fresh, without a write per poll."""
+        key = (offer.gpus, offer.gpu_isolation)
+        now = time.monotonic()
+        with self._offers_lock:
+            last = self._offers.get(machine_id)
+            if last is not None and last[0] == key and now - last[1] < OFFER_REFRESH_S:
+                return
+            self._offers[machine_id] = (key, now)
+        self.store.update_machine(machine_id, offer.gpus, offer.gpu_isolation)
+
+    def _lease_for(self, claim: Claim) -> Lease:
+        job, resume = claim.job, claim.resume
         ttl = dt.timedelta(seconds=self.settings.presign_seconds)
         output_key = self.output_key(job.id, job.attempt)
-        resume = self.store.latest_checkpoint(job.id)
         return Lease(
             job=job,
             lease_seconds=self.settings.lease_seconds,
@@ -103,7 +120,7 @@ class Coordinator:
             },
             resume=resume,
             resume_url=self.objects.presign_get(resume.key, ttl) if resume else "",
-            gpu_uuids=self.store.reserved_gpus(job.id, job.attempt),
+            gpu_uuids=list(claim.gpu_uuids),
         )
 
     def waiting_reason(self, job: JobView) -> str | None:

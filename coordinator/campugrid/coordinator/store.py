@@ -7,15 +7,16 @@ Claiming is correct on SQLite (guarded update by id and state); SKIP LOCKED is o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import hashlib
 import hmac
 import json
 import secrets
+import threading
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, delete, event, func, select, update
@@ -42,6 +43,7 @@ from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import ACTIVE, JobState, sources_of
 
 MAX_LOG_CHUNK = 64 * 1024
+READ_ONLY = "campugrid_read_only"
 
 
 def utcnow() -> dt.datetime:
@@ -79,6 +81,15 @@ class JobView:
             output_key=row.output_key, limits=json.loads(row.limits_json or "{}"),
             created_at=row.created_at, updated_at=row.updated_at,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """What a lease hands out: the job as the new attempt, its GPUs, where to resume from."""
+
+    job: JobView
+    gpu_uuids: tuple[str, ...]
+    resume: CheckpointView | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,8 +138,12 @@ def make_engine(url: str) -> Engine:
 
         @event.listens_for(engine, "begin")
         def _sqlite_begin(conn: Any) -> None:
-            # IMMEDIATE takes the write lock up front: no deadlocked lock upgrades.
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            # IMMEDIATE takes the write lock up front: no deadlocked lock upgrades. Reads
+            # (marked read-only) take none, so they never queue behind writers in WAL mode.
+            if conn.get_execution_options().get(READ_ONLY):
+                conn.exec_driver_sql("BEGIN")
+            else:
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
     return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
@@ -138,10 +153,23 @@ class Store:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._session = sessionmaker(engine, expire_on_commit=False)
+        self._reader = sessionmaker(engine.execution_options(**{READ_ONLY: True}),
+                                    expire_on_commit=False)
+        self._writer: contextlib.AbstractContextManager[Any] = (
+            threading.Lock() if engine.dialect.name == "sqlite" else contextlib.nullcontext())
 
-    @contextmanager
+    @contextlib.contextmanager
     def _tx(self) -> Iterator[Session]:
-        with self._session.begin() as s:
+        # SQLite has one writer at a time; waiting for it inside SQLite means its busy
+        # handler's sleeps (up to 100 ms each). Waiting on a lock here hands over at once.
+        # (Other processes on the same file still work, through the busy timeout.)
+        with self._writer, self._session.begin() as s:
+            yield s
+
+    @contextlib.contextmanager
+    def _read(self) -> Iterator[Session]:
+        """A transaction that only reads (no write lock on SQLite)."""
+        with self._reader.begin() as s:
             yield s
 
     # --- researchers ------------------------------------------------------------------------
@@ -173,18 +201,18 @@ class Store:
             return JobView.from_row(existing), False
 
     def get(self, job_id: str) -> JobView:
-        with self._tx() as s:
+        with self._read() as s:
             return JobView.from_row(self._row(s, job_id))
 
     def list_jobs(self, state: JobState | None = None, limit: int = 100) -> list[JobView]:
         q = select(Job).order_by(Job.created_at.desc(), Job.id).limit(limit)
         if state is not None:
             q = q.where(Job.state == state.value)
-        with self._tx() as s:
+        with self._read() as s:
             return [JobView.from_row(r) for r in s.scalars(q)]
 
     def events(self, job_id: str) -> list[EventView]:
-        with self._tx() as s:
+        with self._read() as s:
             self._row(s, job_id)
             rows = s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id))
             return [EventView(r.at, r.attempt, r.kind, r.detail) for r in rows]
@@ -208,7 +236,7 @@ class Store:
              .order_by(LogChunk.id).limit(limit))
         if stream is not None:
             q = q.where(LogChunk.stream == stream)
-        with self._tx() as s:
+        with self._read() as s:
             self._row(s, job_id)
             return [LogView(r.id, r.attempt, r.stream, r.text) for r in s.scalars(q)]
 
@@ -224,7 +252,7 @@ class Store:
         return machine_id, secret
 
     def authenticate(self, machine_id: str, secret: str) -> None:
-        with self._tx() as s:
+        with self._read() as s:
             m = s.get(Machine, machine_id)
             # Compare digests in constant time; an unknown id costs the same as a wrong secret.
             expected = m.secret_sha256 if m is not None else _digest("")
@@ -240,6 +268,11 @@ class Store:
 
     def claim_next(self, machine_id: str, lease_s: float,
                    machine: MachineView | None = None) -> JobView | None:
+        claim = self.claim(machine_id, lease_s, machine)
+        return claim.job if claim is not None else None
+
+    def claim(self, machine_id: str, lease_s: float,
+              machine: MachineView | None = None) -> Claim | None:
         """Lease the oldest queued job this machine can hold, as the next attempt, reserving
         GPU memory on specific GPUs in the same transaction (so it cannot be promised twice)."""
         offer = machine or MachineView(machine_id, "")
@@ -264,15 +297,17 @@ class Store:
                     return None
                 _, job_id, attempt, gpus, gpu_mb = min(candidates)
                 now = utcnow()
-                res = s.execute(
+                row = s.scalars(
                     update(Job)
                     .where(Job.id == job_id, Job.state == JobState.QUEUED.value,
                            Job.attempt == attempt)
                     .values(state=JobState.BUILDING.value, attempt=attempt + 1,
                             machine_id=machine_id,
                             lease_expires_at=now + dt.timedelta(seconds=lease_s),
-                            reason=None, updated_at=now))
-                if res.rowcount != 1:  # type: ignore[attr-defined]
+                            reason=None, updated_at=now)
+                    .returning(Job)
+                    .execution_options(synchronize_session=False)).first()
+                if row is None:
                     continue  # someone else took it between our read and write
                 for uuid in gpus:
                     s.add(GpuReservation(job_id=job_id, attempt=attempt + 1, machine_id=machine_id,
@@ -280,7 +315,11 @@ class Store:
                 detail = f"machine {machine_id}" + (f", GPUs {', '.join(gpus)}" if gpus else "")
                 s.add(JobEvent(job_id=job_id, at=now, attempt=attempt + 1, kind="leased",
                                detail=detail))
-                return JobView.from_row(self._row(s, job_id))
+                resume = s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
+                                   .order_by(Checkpoint.epoch.desc(), Checkpoint.id.desc())
+                                   .limit(1)).first()
+                return Claim(JobView.from_row(row), gpus,
+                             CheckpointView.from_row(resume) if resume is not None else None)
         return None
 
     def _gpu_candidate(self, s: Session, machine_id: str, offer: MachineView,
@@ -307,7 +346,7 @@ class Store:
         return None
 
     def reserved_gpus(self, job_id: str, attempt: int) -> list[str]:
-        with self._tx() as s:
+        with self._read() as s:
             return list(s.scalars(select(GpuReservation.gpu_uuid).where(
                 GpuReservation.job_id == job_id, GpuReservation.attempt == attempt)
                 .order_by(GpuReservation.id)))
@@ -322,7 +361,7 @@ class Store:
     def online_machines(self, within_s: float = 30) -> list[MachineView]:
         """Machines seen recently, with their GPUs minus what is reserved on them."""
         since = utcnow() - dt.timedelta(seconds=within_s)
-        with self._tx() as s:
+        with self._read() as s:
             reserved = {(m, g): int(mb) for m, g, mb in s.execute(
                 select(GpuReservation.machine_id, GpuReservation.gpu_uuid,
                        func.sum(GpuReservation.memory_mb))
@@ -466,13 +505,13 @@ class Store:
         return [old.key for old in dropped if old.key not in {r.key for r in rows[:keep]}]
 
     def latest_checkpoint(self, job_id: str) -> CheckpointView | None:
-        with self._tx() as s:
+        with self._read() as s:
             row = s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
                             .order_by(Checkpoint.epoch.desc(), Checkpoint.id.desc()).limit(1)).first()
             return CheckpointView.from_row(row) if row is not None else None
 
     def checkpoints(self, job_id: str) -> list[CheckpointView]:
-        with self._tx() as s:
+        with self._read() as s:
             rows = s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
                              .order_by(Checkpoint.epoch, Checkpoint.id))
             return [CheckpointView.from_row(r) for r in rows]
