@@ -95,7 +95,7 @@ def test_a_machine_that_reports_less_free_memory_gets_less(store: Store):
 
 def test_why_a_job_waits_comes_from_online_machines(store: Store):
     m, _ = store.register_machine("desktop", {})
-    store.update_machine(m, rig(m, 2).gpus, gpu_isolation=True)
+    store.heartbeat(m, offer=rig(m, 2))
     [view] = store.online_machines()
     assert view.name == "desktop" and view.gpus[0].available_mb == 2 * GB
 

@@ -105,11 +105,12 @@ class AgentService(pb_grpc.AgentServiceServicer):
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
         machine = self._machine(context)
-        caps = _caps(request.capabilities) if request.HasField("capabilities") else None
-        self.coord.store.heartbeat(machine, caps)
         if request.HasField("capabilities"):
-            self.coord.store.update_machine(machine, _gpus(request.capabilities.gpus),
-                                            request.capabilities.gpu_isolation)
+            c = request.capabilities
+            self.coord.store.heartbeat(machine, _caps(c),
+                                       MachineView(machine, "", _gpus(c.gpus), c.gpu_isolation))
+        else:
+            self.coord.store.heartbeat(machine)
         return pb.HeartbeatReply()
 
     def Lease(self, request: pb.LeaseRequest, context: grpc.ServicerContext) -> pb.LeaseReply:

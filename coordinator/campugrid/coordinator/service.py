@@ -102,7 +102,7 @@ class Coordinator:
             if last is not None and last[0] == key and now - last[1] < OFFER_REFRESH_S:
                 return
             self._offers[machine_id] = (key, now)
-        self.store.update_machine(machine_id, offer.gpus, offer.gpu_isolation)
+        self.store.heartbeat(machine_id, offer=offer)
 
     def _lease_for(self, claim: Claim) -> Lease:
         job, resume = claim.job, claim.resume

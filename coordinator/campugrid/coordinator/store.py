@@ -259,10 +259,15 @@ class Store:
             if not hmac.compare_digest(expected, _digest(secret)) or m is None:
                 raise Unauthenticated("unknown machine or wrong secret; register again")
 
-    def heartbeat(self, machine_id: str, capabilities: dict[str, Any] | None = None) -> None:
+    def heartbeat(self, machine_id: str, capabilities: dict[str, Any] | None = None,
+                  offer: MachineView | None = None) -> None:
+        """The machine is alive; with what it reports now (capabilities, GPU snapshot)."""
         values: dict[str, Any] = {"last_seen_at": utcnow()}
         if capabilities is not None:
             values["capabilities_json"] = json.dumps(capabilities)
+        if offer is not None:
+            values["gpus_json"] = json.dumps({"isolation": offer.gpu_isolation, "gpus": [
+                dataclasses.asdict(g) for g in offer.gpus]})
         with self._tx() as s:
             s.execute(update(Machine).where(Machine.id == machine_id).values(**values))
 
@@ -350,13 +355,6 @@ class Store:
             return list(s.scalars(select(GpuReservation.gpu_uuid).where(
                 GpuReservation.job_id == job_id, GpuReservation.attempt == attempt)
                 .order_by(GpuReservation.id)))
-
-    def update_machine(self, machine_id: str, gpus: Sequence[GpuView], gpu_isolation: bool) -> None:
-        snapshot = {"isolation": gpu_isolation, "gpus": [dataclasses.asdict(g) for g in gpus]}
-        with self._tx() as s:
-            s.execute(update(Machine).where(Machine.id == machine_id).values(
-                gpus_json=json.dumps(snapshot),
-                last_seen_at=utcnow()))
 
     def online_machines(self, within_s: float = 30) -> list[MachineView]:
         """Machines seen recently, with their GPUs minus what is reserved on them."""

@@ -36,7 +36,6 @@ def run_streaming(
     cancel: threading.Event | None = None,
     on_stop: Callable[[], None] | None = None,
     on_orphan: Sequence[str] | None = None,
-    env: dict[str, str] | None = None,
     tail_lines: int = 40,
 ) -> Finished:
     """Run argv, send each output line to `log`, stop it at the deadline or on cancel.
@@ -52,7 +51,6 @@ def run_streaming(
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        env=env,
         start_new_session=True,
     )
     guard = _guard(proc.pid, on_orphan) if on_orphan else None
