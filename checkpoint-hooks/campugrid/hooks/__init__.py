@@ -40,7 +40,8 @@ PREFIX = "epoch-"
 _NAME = re.compile(r"epoch-[0-9]{1,18}")
 
 __all__ = ["Checkpoint", "checkpoint_dir", "install_sigterm_handler", "latest", "regular_files",
-           "restore", "save", "save_folder", "sha256_file", "stop_requested", "verify"]
+           "restore", "save", "save_folder", "serve_shards", "sha256_file", "stop_requested",
+           "verify"]
 
 
 class CheckpointError(Exception):
@@ -209,3 +210,6 @@ def install_sigterm_handler() -> None:
     if not _installed and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_sigterm)
         _installed = True
+
+
+from campugrid.hooks.shards import serve_shards  # noqa: E402  (sharded jobs)

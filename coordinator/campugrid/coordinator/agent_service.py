@@ -8,7 +8,9 @@ callers that are broken or unauthenticated.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -18,6 +20,7 @@ import grpc
 
 from campugrid.coordinator.scheduler import GpuView, MachineView
 from campugrid.coordinator.service import Coordinator
+from campugrid.coordinator.sharding import MAX_RESULT, ShardResult, ShardTask, session_of
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
 from campugrid.protocol.errors import (
@@ -40,7 +43,8 @@ R = TypeVar("R")
 def _caps(c: pb.Capabilities) -> dict[str, Any]:
     return {"runtime": c.runtime, "builder": c.builder, "cpus": c.cpus,
             "memory_mb": c.memory_mb, "limits": dict(c.limits),
-            "gpu_isolation": c.gpu_isolation, "gpu_note": c.gpu_note}
+            "gpu_isolation": c.gpu_isolation, "gpu_note": c.gpu_note,
+            "speed_gflops": c.speed_gflops if math.isfinite(c.speed_gflops) else 0.0}
 
 
 def _gpus(gpus: Sequence[pb.Gpu]) -> tuple[GpuView, ...]:
@@ -121,7 +125,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
             return pb.LeaseReply(has_task=False)
         job = lease.job
         return pb.LeaseReply(
-            has_task=True, job_id=job.id, attempt=job.attempt, fencing_token=job.attempt,
+            has_task=True, job_id=job.id, attempt=job.attempt, fencing_token=lease.token,
             lease_seconds=lease.lease_seconds, spec_json=job.spec.to_json(),
             context_url=lease.context_url, output_url=lease.output_url,
             datasets=[pb.Dataset(name=name, files=[pb.Dataset.File(path=f.path, url=f.url, size=f.size)
@@ -131,15 +135,21 @@ class AgentService(pb_grpc.AgentServiceServicer):
                               size=lease.resume.size, sha256=lease.resume.sha256)
                     if lease.resume is not None else None),
             gpu_uuids=lease.gpu_uuids, gpu_memory_mb=job.spec.resources.gpu_memory_mb,
+            shard=_shard_pb(lease.shard),
         )
 
     def Renew(self, request: pb.RenewRequest, context: grpc.ServicerContext) -> pb.RenewReply:
         machine = self._machine(context)
         phase = JobState.RUNNING if request.phase == "running" else JobState.BUILDING
         lease_s = self.coord.settings.lease_seconds
+        token = request.fencing_token
         try:
-            self._guard(context, lambda: self.coord.store.renew_lease(
-                request.job_id, request.fencing_token, machine, phase, lease_s))
+            if session_of(token) is not None:
+                self._guard(context, lambda: self.coord.store.shards.renew(
+                    request.job_id, token, machine, lease_s))
+            else:
+                self._guard(context, lambda: self.coord.store.renew_lease(
+                    request.job_id, token, machine, phase, lease_s))
         except (StaleAttempt, IllegalTransition) as e:
             return pb.RenewReply(keep_going=False, reason=str(e))
         return pb.RenewReply(keep_going=True, lease_seconds=lease_s)
@@ -148,8 +158,10 @@ class AgentService(pb_grpc.AgentServiceServicer):
         machine = self._machine(context)
         if request.stream not in ("build", "run"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "stream: build or run")
+        append = (self.coord.store.shards.append_logs if session_of(request.fencing_token)
+                  is not None else self.coord.store.append_logs)
         try:
-            self._guard(context, lambda: self.coord.store.append_logs(
+            self._guard(context, lambda: append(
                 request.job_id, request.fencing_token, machine, request.stream, request.seq,
                 request.text))
         except (StaleAttempt, IllegalTransition):
@@ -158,6 +170,14 @@ class AgentService(pb_grpc.AgentServiceServicer):
 
     def Complete(self, request: pb.CompleteRequest, context: grpc.ServicerContext) -> pb.CompleteReply:
         machine = self._machine(context)
+        if session_of(request.fencing_token) is not None:  # the end of a shard session
+            failure = None if request.succeeded else (request.reason[:4000] or "session failed")
+            try:
+                self._guard(context, lambda: self.coord.store.shards.end(
+                    request.job_id, request.fencing_token, machine, failure=failure))
+            except (StaleAttempt, IllegalTransition) as e:
+                return pb.CompleteReply(accepted=False, reason=str(e))
+            return pb.CompleteReply(accepted=True)
         key: str | None = None
         if request.output_uploaded:
             claimed = self.coord.output_key(request.job_id, request.fencing_token)
@@ -178,6 +198,9 @@ class AgentService(pb_grpc.AgentServiceServicer):
     def BeginCheckpoint(self, request: pb.BeginCheckpointRequest,
                         context: grpc.ServicerContext) -> pb.BeginCheckpointReply:
         machine = self._machine(context)
+        if session_of(request.fencing_token) is not None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "shards do not checkpoint: a lost shard runs again from its start")
         try:
             up = self._guard(context, lambda: self.coord.begin_checkpoint(
                 request.job_id, request.fencing_token, machine, request.epoch, request.size))
@@ -200,11 +223,47 @@ class AgentService(pb_grpc.AgentServiceServicer):
 
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseReply:
         machine = self._machine(context)
+        release = (self.coord.store.shards.release if session_of(request.fencing_token)
+                   is not None else self.coord.store.release)
         try:
-            self._guard(context, lambda: self.coord.store.release(
+            self._guard(context, lambda: release(
                 request.job_id, request.fencing_token, machine, request.reason[:2000] or "drained",
                 failed=request.failed))
         except (StaleAttempt, IllegalTransition) as e:
             return pb.ReleaseReply(accepted=False, reason=str(e))
         log.info("job %s released after a drain", request.job_id)
         return pb.ReleaseReply(accepted=True)
+
+    def NextShard(self, request: pb.NextShardRequest,
+                  context: grpc.ServicerContext) -> pb.NextShardReply:
+        machine = self._machine(context)
+        if session_of(request.fencing_token) is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "fencing_token: not a shard session")
+        done = None
+        if request.HasField("done"):
+            d = request.done
+            result = d.result_json or None
+            if result is not None:
+                if len(result) > MAX_RESULT:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"result of shard {d.index}: larger than {MAX_RESULT} bytes")
+                try:
+                    json.loads(result)
+                except ValueError:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"result of shard {d.index}: not JSON")
+            done = ShardResult(d.index, d.succeeded, d.exit_code, result, d.reason[:4000] or None)
+        try:
+            task = self._guard(context, lambda: self.coord.next_shard(
+                request.job_id, request.fencing_token, machine, done))
+        except (StaleAttempt, IllegalTransition) as e:
+            return pb.NextShardReply(accepted=False, reason=str(e))
+        if task is None:
+            return pb.NextShardReply(accepted=True, has_shard=False)
+        return pb.NextShardReply(accepted=True, has_shard=True, shard=_shard_pb(task))
+
+
+def _shard_pb(task: ShardTask | None) -> pb.ShardTask | None:
+    if task is None:
+        return None
+    return pb.ShardTask(index=task.index, payload_json=task.payload_json, cost=task.cost)

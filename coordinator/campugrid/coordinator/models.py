@@ -6,7 +6,9 @@ import datetime as dt
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -57,6 +59,13 @@ class Job(Base):
     # Attempts handed back by a graceful drain: they do not count against max_attempts.
     drained: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     gpus_needed: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # Sharded jobs (shards_total > 0): the job stays QUEUED while shards wait for a machine,
+    # is RUNNING once the last one is handed out, and ends when every shard has ended.
+    shards_total: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    shards_queued: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    shards_done: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    shards_failed: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    shards_sha256: Mapped[str | None] = mapped_column(String(64))
     machine_id: Mapped[str | None] = mapped_column(String(36))
     lease_expires_at: Mapped[dt.datetime | None] = mapped_column()
     exit_code: Mapped[int | None] = mapped_column(Integer)
@@ -113,6 +122,47 @@ class Machine(Base):
     gpus_json: Mapped[str] = mapped_column(Text, default="[]", server_default="[]")
     registered_at: Mapped[dt.datetime] = mapped_column()
     last_seen_at: Mapped[dt.datetime] = mapped_column()
+
+
+class Shard(Base):
+    """One payload of a sharded job: a task of its own, run inside a machine's session."""
+
+    __tablename__ = "shards"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
+    idx: Mapped[int] = mapped_column(Integer, primary_key=True)
+    state: Mapped[str] = mapped_column(String(16))  # queued, running, succeeded, failed
+    cost: Mapped[float] = mapped_column(Float)
+    payload_json: Mapped[str] = mapped_column(Text)
+    tries: Mapped[int] = mapped_column(Integer, default=0)  # sessions lost while holding it
+    session_id: Mapped[int | None] = mapped_column(BigInteger)  # the session running it
+    machine_id: Mapped[str | None] = mapped_column(String(36))
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    result_json: Mapped[str | None] = mapped_column(Text)
+    reason: Mapped[str | None] = mapped_column(Text)
+    finished_at: Mapped[dt.datetime | None] = mapped_column()
+
+    __table_args__ = (
+        # Next shard of a job: the heaviest (fast machines) or lightest (slow ones) queued.
+        Index("ix_shards_pick", "job_id", "state", "cost", "idx"),
+    )
+
+
+class ShardSession(Base):
+    """One machine working through shards of one job in one warm sandbox. Its id is the
+    fencing token of every call the machine makes about it."""
+
+    __tablename__ = "shard_sessions"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"),
+                                    primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), index=True)
+    machine_id: Mapped[str] = mapped_column(String(36))
+    active: Mapped[bool] = mapped_column(Boolean, default=True)
+    lease_expires_at: Mapped[dt.datetime | None] = mapped_column()
+    started_at: Mapped[dt.datetime] = mapped_column()
+
+    __table_args__ = (Index("ix_shard_sessions_active", "active", "lease_expires_at"),)
 
 
 class Checkpoint(Base):

@@ -33,6 +33,7 @@ class MachineView:
     name: str
     gpus: tuple[GpuView, ...] = ()
     gpu_isolation: bool = False  # runsc can pass GPUs through (nvproxy)
+    speed: float = 0.0  # GFLOP/s of the matmul benchmark the agent ran when it joined
 
 
 def place(need: Resources, machine: MachineView) -> tuple[str, ...] | None:
@@ -51,6 +52,15 @@ def place(need: Resources, machine: MachineView) -> tuple[str, ...] | None:
 def _suits(need: Resources, gpu: GpuView) -> bool:
     return (gpu.kind in need.gpu_kinds and gpu.cc >= need.min_cc
             and gpu.available_mb >= need.gpu_memory_mb)
+
+
+def is_fast(speed: float, online: Sequence[float]) -> bool:
+    """At or above the upper median of the machines online: such a machine takes the heavy
+    shards of a sharded job first, the others the light ones."""
+    if not online:
+        return True
+    ranked = sorted(online)
+    return speed >= ranked[len(ranked) // 2]
 
 
 def why_waiting(need: Resources, machines: Sequence[MachineView]) -> str:

@@ -12,7 +12,8 @@ import time
 from campugrid.builders.context import inspect_context
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.objects import S3Store
-from campugrid.coordinator.scheduler import MachineView, why_waiting
+from campugrid.coordinator.scheduler import MachineView, is_fast, why_waiting
+from campugrid.coordinator.sharding import ShardResult, ShardTask
 from campugrid.coordinator.store import CheckpointView, Claim, JobView, Store
 from campugrid.protocol.errors import InvalidInput, StorageError
 from campugrid.protocol.spec import DatasetRef, JobSpec
@@ -20,6 +21,7 @@ from campugrid.protocol.states import JobState
 
 log = logging.getLogger("campugrid.coordinator")
 OFFER_REFRESH_S = 10.0  # a machine's unchanged GPU snapshot is rewritten at most this often
+SPEEDS_REFRESH_S = 10.0  # how old the machines' speed ranking may be
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +41,8 @@ class Lease:
     resume: CheckpointView | None
     resume_url: str
     gpu_uuids: list[str]
+    token: int  # the fencing token: the attempt, or a sharded job's session
+    shard: ShardTask | None = None  # sharded job: the session's first shard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +60,8 @@ class Coordinator:
         self.objects = objects
         self._offers: dict[str, tuple[object, float]] = {}
         self._offers_lock = threading.Lock()
+        self._speeds: dict[str, float] = {}
+        self._speeds_at = -SPEEDS_REFRESH_S
 
     def submit(self, spec: JobSpec, context: bytes) -> tuple[JobView, bool]:
         """Validate everything, store the context, then the job; answer only after both."""
@@ -79,19 +85,41 @@ class Coordinator:
     def lease(self, machine_id: str, offer: MachineView | None = None) -> Lease | None:
         if offer is not None:
             self._note_offer(machine_id, offer)
-        claim = self.store.claim(machine_id, self.settings.lease_seconds, offer)
+        claim = self.store.claim(machine_id, self.settings.lease_seconds, offer,
+                                 heavy_first=self.is_fast(machine_id))
         if claim is None:
             return None
-        job = claim.job
+        job, sharded = claim.job, claim.session is not None
         try:
             return self._lease_for(claim)
         except InvalidInput as e:  # e.g. a dataset was deleted since submit: it cannot run
-            self.store.finish(job.id, job.attempt, machine_id, succeeded=False, exit_code=None,
-                              reason=f"cannot start: {e}", result=None, output_key=None, limits={})
+            if sharded:
+                self.store.shards.end(job.id, claim.token, machine_id, failure=f"cannot start: {e}")
+            else:
+                self.store.finish(job.id, job.attempt, machine_id, succeeded=False,
+                                  exit_code=None, reason=f"cannot start: {e}", result=None,
+                                  output_key=None, limits={})
             return None
         except StorageError:  # storage is down: not the job's fault, hand it straight back
-            self.store.release(job.id, job.attempt, machine_id, "object storage unavailable")
+            if sharded:
+                self.store.shards.release(job.id, claim.token, machine_id,
+                                          "object storage unavailable", failed=False)
+            else:
+                self.store.release(job.id, job.attempt, machine_id, "object storage unavailable")
             raise
+
+    def is_fast(self, machine_id: str) -> bool:
+        """Is this machine among the faster half online (by its matmul score)?"""
+        now = time.monotonic()
+        if now - self._speeds_at > SPEEDS_REFRESH_S or machine_id not in self._speeds:
+            self._speeds = {m.id: m.speed for m in self.store.online_machines()}
+            self._speeds_at = now
+        return is_fast(self._speeds.get(machine_id, 0.0), list(self._speeds.values()))
+
+    def next_shard(self, job_id: str, token: int, machine_id: str,
+                   done: ShardResult | None) -> ShardTask | None:
+        return self.store.shards.next_shard(job_id, token, machine_id, done,
+                                            heavy_first=self.is_fast(machine_id))
 
     def _note_offer(self, machine_id: str, offer: MachineView) -> None:
         """Keep the machine's GPU snapshot (for why-it-waits) fresh, without a write per poll."""
@@ -107,12 +135,14 @@ class Coordinator:
     def _lease_for(self, claim: Claim) -> Lease:
         job, resume = claim.job, claim.resume
         ttl = dt.timedelta(seconds=self.settings.presign_seconds)
-        output_key = self.output_key(job.id, job.attempt)
+        # Shards report results, not output folders: their sessions get no upload URL.
+        output_url = ("" if claim.session is not None
+                      else self.objects.presign_put(self.output_key(job.id, job.attempt), ttl))
         return Lease(
             job=job,
             lease_seconds=self.settings.lease_seconds,
             context_url=self.objects.presign_get(job.context_key, ttl),
-            output_url=self.objects.presign_put(output_key, ttl),
+            output_url=output_url,
             datasets={
                 ds.name: [DatasetFile(path, self.objects.presign_get(key, ttl, ds.bucket), size)
                           for path, key, size in self._dataset_files(ds)]
@@ -121,13 +151,19 @@ class Coordinator:
             resume=resume,
             resume_url=self.objects.presign_get(resume.key, ttl) if resume else "",
             gpu_uuids=list(claim.gpu_uuids),
+            token=claim.token,
+            shard=claim.shard,
         )
 
     def waiting_reason(self, job: JobView) -> str | None:
         """Why a queued job is not running, from the machines online now."""
         if job.state is not JobState.QUEUED:
             return None
-        return why_waiting(job.spec.resources, self.store.online_machines())
+        why = why_waiting(job.spec.resources, self.store.online_machines())
+        running = job.shards_total - job.shards_queued - job.shards_done
+        if job.shards_total and running:
+            return f"{job.shards_queued} shards wait, {running} running: {why}"
+        return why
 
     def begin_checkpoint(self, job_id: str, token: int, machine_id: str, epoch: int,
                          size: int) -> CheckpointUpload:

@@ -30,8 +30,17 @@ from campugrid.coordinator.models import (
     JobEvent,
     LogChunk,
     Machine,
+    Shard,
+    ShardSession,
 )
 from campugrid.coordinator.scheduler import GpuView, MachineView, place
+from campugrid.coordinator.sharding import (
+    ShardStore,
+    ShardTask,
+    insert_shards,
+    open_session,
+    session_token,
+)
 from campugrid.protocol.errors import (
     Conflict,
     IllegalTransition,
@@ -69,6 +78,10 @@ class JobView:
     limits: dict[str, str]
     created_at: dt.datetime
     updated_at: dt.datetime
+    shards_total: int = 0  # 0: not a sharded job
+    shards_queued: int = 0
+    shards_done: int = 0
+    shards_failed: int = 0
 
     @classmethod
     def from_row(cls, row: Job) -> JobView:
@@ -80,16 +93,25 @@ class JobView:
             exit_code=row.exit_code, reason=row.reason, result=row.result,
             output_key=row.output_key, limits=json.loads(row.limits_json or "{}"),
             created_at=row.created_at, updated_at=row.updated_at,
+            shards_total=row.shards_total or 0, shards_queued=row.shards_queued or 0,
+            shards_done=row.shards_done or 0, shards_failed=row.shards_failed or 0,
         )
 
 
 @dataclasses.dataclass(frozen=True)
 class Claim:
-    """What a lease hands out: the job as the new attempt, its GPUs, where to resume from."""
+    """What a lease hands out: the job as the new attempt, its GPUs, where to resume from;
+    for a sharded job, the session it opened and that session's first shard."""
 
     job: JobView
     gpu_uuids: tuple[str, ...]
     resume: CheckpointView | None
+    session: int | None = None
+    shard: ShardTask | None = None
+
+    @property
+    def token(self) -> int:
+        return session_token(self.session) if self.session is not None else self.job.attempt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,9 +179,10 @@ class Store:
                                     expire_on_commit=False)
         self._writer: contextlib.AbstractContextManager[Any] = (
             threading.Lock() if engine.dialect.name == "sqlite" else contextlib.nullcontext())
+        self.shards = ShardStore(self)
 
     @contextlib.contextmanager
-    def _tx(self) -> Iterator[Session]:
+    def tx(self) -> Iterator[Session]:
         # SQLite has one writer at a time; waiting for it inside SQLite means its busy
         # handler's sleeps (up to 100 ms each). Waiting on a lock here hands over at once.
         # (Other processes on the same file still work, through the busy timeout.)
@@ -167,7 +190,7 @@ class Store:
             yield s
 
     @contextlib.contextmanager
-    def _read(self) -> Iterator[Session]:
+    def read(self) -> Iterator[Session]:
         """A transaction that only reads (no write lock on SQLite)."""
         with self._reader.begin() as s:
             yield s
@@ -177,49 +200,56 @@ class Store:
     def submit(self, spec: JobSpec, context_key: str, context_sha256: str) -> tuple[JobView, bool]:
         """Store a new job; with a known client_job_id return the stored one (created=False)."""
         now = utcnow()
+        stored_spec = spec.without_shards().to_json()
         row = Job(
             id=str(uuid.uuid4()), client_job_id=spec.client_job_id, name=spec.name,
-            state=JobState.QUEUED.value, spec_json=spec.to_json(), context_key=context_key,
+            state=JobState.QUEUED.value, spec_json=stored_spec, context_key=context_key,
             context_sha256=context_sha256, attempt=0, max_attempts=spec.max_attempts,
             gpus_needed=spec.resources.gpus, created_at=now, updated_at=now,
+            shards_total=len(spec.shards), shards_queued=len(spec.shards), shards_done=0,
+            shards_failed=0, shards_sha256=spec.shards_sha256,
         )
         try:
-            with self._tx() as s:
+            with self.tx() as s:
                 s.add(row)
                 s.flush()
-                s.add(JobEvent(job_id=row.id, at=now, attempt=0, kind="submitted", detail=""))
+                if spec.shards:
+                    insert_shards(s, row.id, spec)
+                s.add(JobEvent(job_id=row.id, at=now, attempt=0, kind="submitted",
+                               detail=f"{len(spec.shards)} shards" if spec.shards else ""))
             return JobView.from_row(row), True
         except IntegrityError:
             if spec.client_job_id is None:
                 raise
-        with self._tx() as s:
+        with self.tx() as s:
             existing = s.scalars(select(Job).where(Job.client_job_id == spec.client_job_id)).one()
-            if existing.spec_json != spec.to_json() or existing.context_sha256 != context_sha256:
+            if (existing.spec_json != stored_spec or existing.context_sha256 != context_sha256
+                    or existing.shards_sha256 != spec.shards_sha256):
                 raise Conflict(
                     f"client_job_id {spec.client_job_id!r} is already job {existing.id} with a "
                     "different spec or context; use a new client_job_id for a new job")
             return JobView.from_row(existing), False
 
     def get(self, job_id: str) -> JobView:
-        with self._read() as s:
-            return JobView.from_row(self._row(s, job_id))
+        with self.read() as s:
+            return JobView.from_row(self.row(s, job_id))
 
     def list_jobs(self, state: JobState | None = None, limit: int = 100) -> list[JobView]:
         q = select(Job).order_by(Job.created_at.desc(), Job.id).limit(limit)
         if state is not None:
             q = q.where(Job.state == state.value)
-        with self._read() as s:
+        with self.read() as s:
             return [JobView.from_row(r) for r in s.scalars(q)]
 
     def events(self, job_id: str) -> list[EventView]:
-        with self._read() as s:
-            self._row(s, job_id)
+        with self.read() as s:
+            self.row(s, job_id)
             rows = s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id))
             return [EventView(r.at, r.attempt, r.kind, r.detail) for r in rows]
 
     def cancel(self, job_id: str) -> JobView:
-        with self._tx() as s:
-            row = self._row(s, job_id)
+        with self.tx() as s:
+            row = self.row(s, job_id)
             if JobState(row.state).final:
                 raise IllegalTransition(f"job {job_id} is already {row.state}")
             self._move(s, row.id, row.attempt, JobState.CANCELLED, reason="cancelled by the user",
@@ -227,6 +257,12 @@ class Store:
             s.add(JobEvent(job_id=job_id, at=utcnow(), attempt=row.attempt, kind="cancelled",
                            detail=f"was {row.state}"))
             self._free_gpus(s, job_id)
+            if row.shards_total:
+                s.execute(update(ShardSession).where(ShardSession.job_id == job_id)
+                          .values(active=False))
+                s.execute(update(Shard).where(Shard.job_id == job_id,
+                                              Shard.state.in_(["queued", "running"]))
+                          .values(state="cancelled", reason="the job was cancelled"))
             s.refresh(row)
             return JobView.from_row(row)
 
@@ -236,8 +272,8 @@ class Store:
              .order_by(LogChunk.id).limit(limit))
         if stream is not None:
             q = q.where(LogChunk.stream == stream)
-        with self._read() as s:
-            self._row(s, job_id)
+        with self.read() as s:
+            self.row(s, job_id)
             return [LogView(r.id, r.attempt, r.stream, r.text) for r in s.scalars(q)]
 
     # --- agents -----------------------------------------------------------------------------
@@ -245,14 +281,14 @@ class Store:
     def register_machine(self, name: str, capabilities: dict[str, Any]) -> tuple[str, str]:
         machine_id, secret = str(uuid.uuid4()), secrets.token_urlsafe(32)
         now = utcnow()
-        with self._tx() as s:
+        with self.tx() as s:
             s.add(Machine(id=machine_id, name=name[:200], secret_sha256=_digest(secret),
                           capabilities_json=json.dumps(capabilities), registered_at=now,
                           last_seen_at=now))
         return machine_id, secret
 
     def authenticate(self, machine_id: str, secret: str) -> None:
-        with self._read() as s:
+        with self.read() as s:
             m = s.get(Machine, machine_id)
             # Compare digests in constant time; an unknown id costs the same as a wrong secret.
             expected = m.secret_sha256 if m is not None else _digest("")
@@ -268,7 +304,7 @@ class Store:
         if offer is not None:
             values["gpus_json"] = json.dumps({"isolation": offer.gpu_isolation, "gpus": [
                 dataclasses.asdict(g) for g in offer.gpus]})
-        with self._tx() as s:
+        with self.tx() as s:
             s.execute(update(Machine).where(Machine.id == machine_id).values(**values))
 
     def claim_next(self, machine_id: str, lease_s: float,
@@ -277,12 +313,14 @@ class Store:
         return claim.job if claim is not None else None
 
     def claim(self, machine_id: str, lease_s: float,
-              machine: MachineView | None = None) -> Claim | None:
+              machine: MachineView | None = None, *, heavy_first: bool = True) -> Claim | None:
         """Lease the oldest queued job this machine can hold, as the next attempt, reserving
-        GPU memory on specific GPUs in the same transaction (so it cannot be promised twice)."""
+        GPU memory on specific GPUs in the same transaction (so it cannot be promised twice).
+        A sharded job opens a session instead, holding its heaviest queued shard
+        (`heavy_first`, for fast machines) or its lightest."""
         offer = machine or MachineView(machine_id, "")
         for _ in range(20):
-            with self._tx() as s:
+            with self.tx() as s:
                 postgres = s.bind is not None and s.bind.dialect.name == "postgresql"
                 wants_gpu_jobs = bool(offer.gpus) and offer.gpu_isolation
                 if wants_gpu_jobs and postgres:  # serialise reservations per machine
@@ -302,6 +340,12 @@ class Store:
                     return None
                 _, job_id, attempt, gpus, gpu_mb = min(candidates)
                 now = utcnow()
+                if s.scalar(select(Job.shards_total).where(Job.id == job_id)):
+                    opened = open_session(s, job_id, machine_id, lease_s, heavy_first=heavy_first,
+                                          gpus=gpus, gpu_mb=gpu_mb, now=now)
+                    if opened is None:
+                        continue
+                    return Claim(JobView.from_row(self.row(s, job_id)), gpus, None, *opened)
                 row = s.scalars(
                     update(Job)
                     .where(Job.id == job_id, Job.state == JobState.QUEUED.value,
@@ -351,7 +395,7 @@ class Store:
         return None
 
     def reserved_gpus(self, job_id: str, attempt: int) -> list[str]:
-        with self._read() as s:
+        with self.read() as s:
             return list(s.scalars(select(GpuReservation.gpu_uuid).where(
                 GpuReservation.job_id == job_id, GpuReservation.attempt == attempt)
                 .order_by(GpuReservation.id)))
@@ -359,7 +403,7 @@ class Store:
     def online_machines(self, within_s: float = 30) -> list[MachineView]:
         """Machines seen recently, with their GPUs minus what is reserved on them."""
         since = utcnow() - dt.timedelta(seconds=within_s)
-        with self._read() as s:
+        with self.read() as s:
             reserved = {(m, g): int(mb) for m, g, mb in s.execute(
                 select(GpuReservation.machine_id, GpuReservation.gpu_uuid,
                        func.sum(GpuReservation.memory_mb))
@@ -371,7 +415,9 @@ class Store:
                 gpus = tuple(GpuView(g["uuid"], g["kind"], g["name"], g["free_mb"],
                                      reserved.get((m.id, g["uuid"]), 0), (g["cc"][0], g["cc"][1]))
                              for g in snap.get("gpus", []))
-                out.append(MachineView(m.id, m.name, gpus, bool(snap.get("isolation"))))
+                speed = json.loads(m.capabilities_json or "{}").get("speed_gflops") or 0.0
+                out.append(MachineView(m.id, m.name, gpus, bool(snap.get("isolation")),
+                                       float(speed)))
             return out
 
     def renew_lease(self, job_id: str, token: int, machine_id: str, phase: JobState,
@@ -379,14 +425,14 @@ class Store:
         """Extend the lease of the current attempt; also moves BUILDING -> RUNNING."""
         assert phase in ACTIVE
         now = utcnow()
-        with self._tx() as s:
+        with self.tx() as s:
             res = s.execute(
                 update(Job)
                 .where(Job.id == job_id, Job.attempt == token, Job.machine_id == machine_id,
                        Job.state.in_([JobState.BUILDING.value, phase.value]))
                 .values(state=phase.value, lease_expires_at=now + dt.timedelta(seconds=lease_s),
                         updated_at=now))
-            row = self._row(s, job_id)
+            row = self.row(s, job_id)
             refused = self._refusal(s, row, token, "renew") if res.rowcount != 1 else None  # type: ignore[attr-defined]
         if refused is not None:
             raise refused
@@ -395,8 +441,8 @@ class Store:
     def append_logs(self, job_id: str, token: int, machine_id: str, stream: str, seq: int,
                     text: str) -> None:
         try:
-            with self._tx() as s:
-                row = self._row(s, job_id)
+            with self.tx() as s:
+                row = self.row(s, job_id)
                 if row.attempt != token or row.machine_id != machine_id or row.state not in (
                         JobState.BUILDING.value, JobState.RUNNING.value):
                     refused = self._refusal(s, row, token, "logs")
@@ -417,7 +463,7 @@ class Store:
                exit_code: int | None, reason: str | None, result: str | None,
                output_key: str | None, limits: dict[str, str]) -> JobView:
         target = JobState.SUCCEEDED if succeeded else JobState.FAILED
-        with self._tx() as s:
+        with self.tx() as s:
             res = s.execute(
                 update(Job)
                 .where(Job.id == job_id, Job.attempt == token, Job.machine_id == machine_id,
@@ -426,7 +472,7 @@ class Store:
                         result=clean(result),
                         output_key=output_key, limits_json=json.dumps(limits),
                         lease_expires_at=None, updated_at=utcnow()))
-            row = self._row(s, job_id)
+            row = self.row(s, job_id)
             if res.rowcount != 1:  # type: ignore[attr-defined]
                 refused = self._refusal(s, row, token, "complete")
             else:
@@ -442,10 +488,11 @@ class Store:
         """Jobs whose lease ran out go back to the queue, or fail when out of attempts."""
         now = now or utcnow()
         moved: list[str] = []
-        with self._tx() as s:
+        with self.tx() as s:
             expired: Sequence[Any] = s.execute(
                 select(Job.id, Job.attempt, Job.max_attempts, Job.machine_id, Job.drained)
-                .where(Job.state.in_([x.value for x in ACTIVE]), Job.lease_expires_at < now)
+                .where(Job.state.in_([x.value for x in ACTIVE]), Job.lease_expires_at < now,
+                       Job.shards_total == 0)
             ).all()
             for job_id, attempt, max_attempts, machine_id, drained in expired:
                 out_of_attempts = attempt - drained >= max_attempts
@@ -463,12 +510,12 @@ class Store:
                                    kind="lease_expired", detail=reason))
                     self._free_gpus(s, job_id)
                     moved.append(job_id)
-        return moved
+        return moved + self.shards.requeue_expired(now)
 
     def check_attempt(self, job_id: str, token: int, machine_id: str, what: str) -> JobView:
         """The job, if `token` is its current attempt, held by this machine; else refused."""
-        with self._tx() as s:
-            row = self._row(s, job_id)
+        with self.tx() as s:
+            row = self.row(s, job_id)
             ok = (row.attempt == token and row.machine_id == machine_id
                   and JobState(row.state) in ACTIVE)
             refused = None if ok else self._refusal(s, row, token, what)
@@ -480,8 +527,8 @@ class Store:
                           size: int, sha256: str, keep: int) -> list[str]:
         """Record a verified checkpoint of the current attempt; return the keys that retention
         (the newest `keep` per job) dropped, for the caller to delete from storage."""
-        with self._tx() as s:
-            row = self._row(s, job_id)
+        with self.tx() as s:
+            row = self.row(s, job_id)
             if not (row.attempt == token and row.machine_id == machine_id
                     and JobState(row.state) in ACTIVE):
                 refused = self._refusal(s, row, token, f"checkpoint of epoch {epoch}")
@@ -503,13 +550,13 @@ class Store:
         return [old.key for old in dropped if old.key not in {r.key for r in rows[:keep]}]
 
     def latest_checkpoint(self, job_id: str) -> CheckpointView | None:
-        with self._read() as s:
+        with self.read() as s:
             row = s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
                             .order_by(Checkpoint.epoch.desc(), Checkpoint.id.desc()).limit(1)).first()
             return CheckpointView.from_row(row) if row is not None else None
 
     def checkpoints(self, job_id: str) -> list[CheckpointView]:
-        with self._read() as s:
+        with self.read() as s:
             rows = s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
                              .order_by(Checkpoint.epoch, Checkpoint.id))
             return [CheckpointView.from_row(r) for r in rows]
@@ -519,8 +566,8 @@ class Store:
         """The attempt goes back to the queue: a drain does not count against max_attempts;
         a provider-side failure (`failed`) does, and fails the job when none are left."""
         now = utcnow()
-        with self._tx() as s:
-            row = self._row(s, job_id)
+        with self.tx() as s:
+            row = self.row(s, job_id)
             used = row.attempt - row.drained
             exhausted = failed and used >= row.max_attempts
             target = JobState.FAILED if exhausted else JobState.QUEUED
@@ -535,7 +582,7 @@ class Store:
                 .values(state=target.value, drained=Job.drained + (0 if failed else 1),
                         machine_id=None, lease_expires_at=None, reason=clean(why),
                         updated_at=now))
-            row = self._row(s, job_id)
+            row = self.row(s, job_id)
             if res.rowcount != 1:  # type: ignore[attr-defined]
                 refused = self._refusal(s, row, token, "release")
             else:
@@ -549,15 +596,17 @@ class Store:
 
     def extend_active_leases(self, lease_s: float) -> int:
         """After a coordinator restart, give agents one lease period to reach us again."""
-        with self._tx() as s:
-            res = s.execute(update(Job).where(Job.state.in_([x.value for x in ACTIVE]))
+        with self.tx() as s:
+            res = s.execute(update(Job).where(Job.state.in_([x.value for x in ACTIVE]),
+                                              Job.shards_total == 0)
                             .values(lease_expires_at=utcnow() + dt.timedelta(seconds=lease_s)))
-            return int(res.rowcount)  # type: ignore[attr-defined]
+            jobs = int(res.rowcount)  # type: ignore[attr-defined]
+        return jobs + self.shards.extend_active(lease_s)
 
     # --- helpers ----------------------------------------------------------------------------
 
     @staticmethod
-    def _row(s: Session, job_id: str) -> Job:
+    def row(s: Session, job_id: str) -> Job:
         row = s.get(Job, job_id, populate_existing=True)
         if row is None:
             raise NotFound(f"no job {job_id}")

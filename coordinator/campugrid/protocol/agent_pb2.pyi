@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Capabilities(_message.Message):
-    __slots__ = ("runtime", "builder", "cpus", "memory_mb", "limits", "gpus", "gpu_isolation", "gpu_note")
+    __slots__ = ("runtime", "builder", "cpus", "memory_mb", "limits", "gpus", "gpu_isolation", "gpu_note", "speed_gflops")
     class LimitsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class Capabilities(_message.Message):
     GPUS_FIELD_NUMBER: _ClassVar[int]
     GPU_ISOLATION_FIELD_NUMBER: _ClassVar[int]
     GPU_NOTE_FIELD_NUMBER: _ClassVar[int]
+    SPEED_GFLOPS_FIELD_NUMBER: _ClassVar[int]
     runtime: str
     builder: str
     cpus: int
@@ -31,7 +32,8 @@ class Capabilities(_message.Message):
     gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
     gpu_isolation: bool
     gpu_note: str
-    def __init__(self, runtime: _Optional[str] = ..., builder: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_mb: _Optional[int] = ..., limits: _Optional[_Mapping[str, str]] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_isolation: _Optional[bool] = ..., gpu_note: _Optional[str] = ...) -> None: ...
+    speed_gflops: float
+    def __init__(self, runtime: _Optional[str] = ..., builder: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_mb: _Optional[int] = ..., limits: _Optional[_Mapping[str, str]] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_isolation: _Optional[bool] = ..., gpu_note: _Optional[str] = ..., speed_gflops: _Optional[float] = ...) -> None: ...
 
 class Gpu(_message.Message):
     __slots__ = ("uuid", "name", "kind", "memory_total_mb", "memory_free_mb", "compute_capability", "temperature_c", "driver_version", "shared_memory", "minor")
@@ -109,7 +111,7 @@ class Dataset(_message.Message):
     def __init__(self, name: _Optional[str] = ..., files: _Optional[_Iterable[_Union[Dataset.File, _Mapping]]] = ...) -> None: ...
 
 class LeaseReply(_message.Message):
-    __slots__ = ("has_task", "job_id", "attempt", "fencing_token", "lease_seconds", "spec_json", "context_url", "output_url", "datasets", "resume", "gpu_uuids", "gpu_memory_mb")
+    __slots__ = ("has_task", "job_id", "attempt", "fencing_token", "lease_seconds", "spec_json", "context_url", "output_url", "datasets", "resume", "gpu_uuids", "gpu_memory_mb", "shard")
     HAS_TASK_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +124,7 @@ class LeaseReply(_message.Message):
     RESUME_FIELD_NUMBER: _ClassVar[int]
     GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
     GPU_MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     has_task: bool
     job_id: str
     attempt: int
@@ -134,7 +137,54 @@ class LeaseReply(_message.Message):
     resume: Resume
     gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
     gpu_memory_mb: int
-    def __init__(self, has_task: _Optional[bool] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., fencing_token: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., spec_json: _Optional[str] = ..., context_url: _Optional[str] = ..., output_url: _Optional[str] = ..., datasets: _Optional[_Iterable[_Union[Dataset, _Mapping]]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., gpu_memory_mb: _Optional[int] = ...) -> None: ...
+    shard: ShardTask
+    def __init__(self, has_task: _Optional[bool] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., fencing_token: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., spec_json: _Optional[str] = ..., context_url: _Optional[str] = ..., output_url: _Optional[str] = ..., datasets: _Optional[_Iterable[_Union[Dataset, _Mapping]]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., gpu_memory_mb: _Optional[int] = ..., shard: _Optional[_Union[ShardTask, _Mapping]] = ...) -> None: ...
+
+class ShardTask(_message.Message):
+    __slots__ = ("index", "payload_json", "cost")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_JSON_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    payload_json: str
+    cost: float
+    def __init__(self, index: _Optional[int] = ..., payload_json: _Optional[str] = ..., cost: _Optional[float] = ...) -> None: ...
+
+class ShardResult(_message.Message):
+    __slots__ = ("index", "succeeded", "exit_code", "result_json", "reason")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SUCCEEDED_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    RESULT_JSON_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    succeeded: bool
+    exit_code: int
+    result_json: str
+    reason: str
+    def __init__(self, index: _Optional[int] = ..., succeeded: _Optional[bool] = ..., exit_code: _Optional[int] = ..., result_json: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class NextShardRequest(_message.Message):
+    __slots__ = ("job_id", "fencing_token", "done")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    fencing_token: int
+    done: ShardResult
+    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., done: _Optional[_Union[ShardResult, _Mapping]] = ...) -> None: ...
+
+class NextShardReply(_message.Message):
+    __slots__ = ("accepted", "reason", "has_shard", "shard")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    HAS_SHARD_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    has_shard: bool
+    shard: ShardTask
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., has_shard: _Optional[bool] = ..., shard: _Optional[_Union[ShardTask, _Mapping]] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("epoch", "url", "size", "sha256")

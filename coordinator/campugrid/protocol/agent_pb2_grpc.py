@@ -79,6 +79,11 @@ class AgentServiceStub:
                 request_serializer=campugrid_dot_protocol_dot_agent__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=campugrid_dot_protocol_dot_agent__pb2.ReleaseReply.FromString,
                 _registered_method=True)
+        self.NextShard = channel.unary_unary(
+                '/campugrid.v1.AgentService/NextShard',
+                request_serializer=campugrid_dot_protocol_dot_agent__pb2.NextShardRequest.SerializeToString,
+                response_deserializer=campugrid_dot_protocol_dot_agent__pb2.NextShardReply.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -142,6 +147,15 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def NextShard(self, request, context):
+        """Sharded jobs: report the result of the shard the session holds, get the next one.
+        A lease of a sharded job opens a session (its fencing token) holding the first shard;
+        Renew, ReportLogs and Release take the session's token, Complete ends the session.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -189,6 +203,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=campugrid_dot_protocol_dot_agent__pb2.ReleaseRequest.FromString,
                     response_serializer=campugrid_dot_protocol_dot_agent__pb2.ReleaseReply.SerializeToString,
+            ),
+            'NextShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.NextShard,
+                    request_deserializer=campugrid_dot_protocol_dot_agent__pb2.NextShardRequest.FromString,
+                    response_serializer=campugrid_dot_protocol_dot_agent__pb2.NextShardReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -434,6 +453,33 @@ class AgentService:
             '/campugrid.v1.AgentService/Release',
             campugrid_dot_protocol_dot_agent__pb2.ReleaseRequest.SerializeToString,
             campugrid_dot_protocol_dot_agent__pb2.ReleaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NextShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/campugrid.v1.AgentService/NextShard',
+            campugrid_dot_protocol_dot_agent__pb2.NextShardRequest.SerializeToString,
+            campugrid_dot_protocol_dot_agent__pb2.NextShardReply.FromString,
             options,
             channel_credentials,
             insecure,

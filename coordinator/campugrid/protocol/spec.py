@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
 import json
 import re
 from collections.abc import Mapping
@@ -25,6 +26,10 @@ MAX_ARG_LEN = 8192
 MAX_ENV = 128
 MAX_ENV_VALUE = 32768
 MAX_DATASETS = 16
+MAX_SHARDS = 100_000
+MAX_SHARD_PAYLOAD = 64 * 1024  # bytes of JSON per shard
+MAX_SPEC_BYTES = 16 * 1024 * 1024  # room for a long list of shards
+SHARD_MODES = ("process", "serve")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +71,18 @@ class DatasetRef:
 
 
 @dataclasses.dataclass(frozen=True)
+class Shard:
+    """One payload of a sharded job: it becomes a task of its own."""
+
+    payload_json: str  # canonical JSON text of the payload
+    cost: float = 1.0  # relative; heavy shards go to fast machines
+
+    @property
+    def payload(self) -> Any:
+        return json.loads(self.payload_json)
+
+
+@dataclasses.dataclass(frozen=True)
 class JobSpec:
     command: tuple[str, ...] | None = None  # None: the image's own CMD
     env: tuple[tuple[str, str], ...] = ()
@@ -74,11 +91,15 @@ class JobSpec:
     max_attempts: int = 3
     client_job_id: str | None = None
     name: str | None = None
+    # A sharded job: one task per shard, run in a warm sandbox per machine. "process" runs the
+    # command once per shard; "serve" starts it once and hands it shards (hooks.serve_shards).
+    shards: tuple[Shard, ...] = ()
+    shard_mode: str = "process"
 
     @classmethod
     def from_json(cls, text: str | bytes) -> JobSpec:
-        if len(text) > 1024 * 1024:
-            raise InvalidInput("spec: larger than 1 MiB")
+        if len(text) > MAX_SPEC_BYTES:
+            raise InvalidInput(f"spec: larger than {MAX_SPEC_BYTES // 1024**2} MiB")
         try:
             data = json.loads(text or "{}")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -171,6 +192,16 @@ class JobSpec:
             _require(isinstance(name, str) and 0 < len(name) <= 200 and name.isprintable(),
                      "name", "must be a printable string of at most 200 characters")
 
+        shards = _shards(data.get("shards"))
+        shard_mode = data.get("shard_mode", "process")
+        _require(shard_mode in SHARD_MODES, "shard_mode",
+                 f"must be one of {', '.join(SHARD_MODES)}")
+        if "shard_mode" in data and not shards:
+            raise InvalidInput("shard_mode: only for sharded jobs (give a list of shards)")
+        if shards and command is None:
+            raise InvalidInput("command: a sharded job needs a command (it runs once per shard, "
+                               "or once per sandbox with shard_mode \"serve\")")
+
         return cls(
             command=command,
             env=tuple(sorted(env.items())),
@@ -179,7 +210,23 @@ class JobSpec:
             max_attempts=_integer(data, "max_attempts", 3, 1, 50, "spec"),
             client_job_id=client_job_id,
             name=name,
+            shards=shards,
+            shard_mode=str(shard_mode),
         )
+
+    def without_shards(self) -> JobSpec:
+        """The spec as stored on the job row and sent to agents: shards live in their own
+        table and reach agents one at a time."""
+        return dataclasses.replace(self, shards=())
+
+    @property
+    def shards_sha256(self) -> str | None:
+        if not self.shards:
+            return None
+        h = hashlib.sha256()
+        for sh in self.shards:
+            h.update(f"{sh.cost!r}\x00{sh.payload_json}\x01".encode())
+        return h.hexdigest()
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -194,6 +241,10 @@ class JobSpec:
             out["client_job_id"] = self.client_job_id
         if self.name is not None:
             out["name"] = self.name
+        if self.shards:
+            out["shards"] = [{"payload": sh.payload, "cost": sh.cost} for sh in self.shards]
+        if self.shards or self.shard_mode != "process":
+            out["shard_mode"] = self.shard_mode
         return out
 
     def to_json(self) -> str:
@@ -201,6 +252,32 @@ class JobSpec:
 
 
 GPU_KINDS = ("nvidia", "apple")
+
+
+def _shards(value: Any) -> tuple[Shard, ...]:
+    if value is None:
+        return ()
+    _require(isinstance(value, list) and 0 < len(value) <= MAX_SHARDS, "shards",
+             f"must be a list of 1 to {MAX_SHARDS} objects {{payload, cost}}")
+    out = []
+    for i, item in enumerate(value):
+        where = f"shards[{i}]"
+        _require(isinstance(item, Mapping) and "payload" in item, where,
+                 "must be an object with a payload (any JSON) and an optional cost")
+        _no_unknown(item, _ShardFields, where)
+        payload = json.dumps(item["payload"], sort_keys=True, separators=(",", ":"),
+                             ensure_ascii=False)
+        _require(len(payload.encode()) <= MAX_SHARD_PAYLOAD, f"{where}.payload",
+                 f"at most {MAX_SHARD_PAYLOAD // 1024} KiB of JSON (put bulk data in a dataset)")
+        cost = _number(item, "cost", 1.0, 1e-9, 1e12, where)
+        out.append(Shard(payload_json=payload, cost=cost))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ShardFields:  # the fields a shard may have, for unknown-field suggestions
+    payload: Any
+    cost: float
 
 
 def _cc(value: Any) -> str | None:

@@ -105,5 +105,12 @@ class CoordinatorClient:
             metadata=self._md, timeout=RPC_TIMEOUT_S)
         return reply
 
+    def next_shard(self, job_id: str, token: int,
+                   done: pb.ShardResult | None) -> pb.NextShardReply:
+        reply: pb.NextShardReply = self.stub.NextShard(
+            pb.NextShardRequest(job_id=job_id, fencing_token=token, done=done),
+            metadata=self._md, timeout=RPC_TIMEOUT_S)
+        return reply
+
     def close(self) -> None:
         self.channel.close()

@@ -142,7 +142,9 @@ class Task:
             self.sandbox.remove_image(self.image)
             shutil.rmtree(self.work, ignore_errors=True)
 
-    def _execute(self) -> pb.CompleteRequest:
+    def _prepare(self) -> pb.CompleteRequest | tuple[tuple[str, int], ...]:
+        """Download, restore, build and re-check GPUs: the outcome if the task ends here,
+        else the GPUs to map."""
         lease, spec, work = self.lease, self.spec, self.work
         context_dir, output_dir, data_dir = work / "context", work / "output", work / "data"
         ckpt_dir = work / "checkpoints"
@@ -181,6 +183,14 @@ class Task:
         mapped = self._check_gpus()
         if self.handback:
             return pb.CompleteRequest(succeeded=False, exit_code=-1, reason=self.handback)
+        return mapped
+
+    def _execute(self) -> pb.CompleteRequest:
+        lease, spec, work = self.lease, self.spec, self.work
+        output_dir, ckpt_dir = work / "output", work / "checkpoints"
+        mapped = self._prepare()
+        if isinstance(mapped, pb.CompleteRequest):
+            return mapped
         self.phase = "running"
         self.renewer.set_phase("running")
         self.renewer.renew_now()
@@ -192,26 +202,13 @@ class Task:
                 last_line[:] = [text]
             run_log(text)
 
-        hooks_src = Path(hooks.__file__).parent
-        user_pythonpath = dict(spec.env).get("PYTHONPATH")
-        env = dict(spec.env) | {
-            "CAMPUGRID_JOB_ID": lease.job_id, "CAMPUGRID_ATTEMPT": str(lease.attempt),
-            "CAMPUGRID_OUTPUT": "/output", "CAMPUGRID_CHECKPOINT_DIR": CHECKPOINT_MOUNT,
-            "PYTHONPATH": f"{user_pythonpath}:{HOOKS_MOUNT}" if user_pythonpath else HOOKS_MOUNT,
-        }
+        env = self.job_env()
         self.uploader.start()
         watch = threading.Thread(target=self._watch_disk, args=((output_dir, ckpt_dir),),
                                  daemon=True, name=f"disk-{lease.job_id}")
         watch.start()
-        result = self.sandbox.run(RunRequest(
-            name=self.name, image=self.image, command=spec.command, env=tuple(env.items()),
-            output_dir=output_dir, data_dir=data_dir if lease.datasets else None,
-            memory_mb=spec.resources.memory_mb, cpus=spec.resources.cpus,
-            tmp_mb=spec.resources.disk_mb, wall_time_s=spec.resources.wall_time_s,
-            agent=self.client.machine_id, gpus=mapped,
-            mounts=((ckpt_dir, CHECKPOINT_MOUNT, "rw"),
-                    (hooks_src, f"{HOOKS_MOUNT}/campugrid/hooks", "ro"))),
-            log=on_line, cancel=self.stop)
+        result = self.sandbox.run(self.run_request(spec.command, env, mapped), log=on_line,
+                                  cancel=self.stop)
         self.ran.set()
         if not self.lost.is_set():
             try:
@@ -238,6 +235,28 @@ class Task:
             exit_code=result.exit_code,
             reason=reason, result=last_line[0][-4000:] if last_line else "",
             output_uploaded=uploaded)
+
+
+    def job_env(self) -> dict[str, str]:
+        user_pythonpath = dict(self.spec.env).get("PYTHONPATH")
+        return dict(self.spec.env) | {
+            "CAMPUGRID_JOB_ID": self.lease.job_id, "CAMPUGRID_ATTEMPT": str(self.lease.attempt),
+            "CAMPUGRID_OUTPUT": "/output", "CAMPUGRID_CHECKPOINT_DIR": CHECKPOINT_MOUNT,
+            "PYTHONPATH": f"{user_pythonpath}:{HOOKS_MOUNT}" if user_pythonpath else HOOKS_MOUNT,
+        }
+
+    def run_request(self, command: tuple[str, ...] | None, env: dict[str, str],
+                    mapped: tuple[tuple[str, int], ...]) -> RunRequest:
+        """The sandbox for this task: /output, /checkpoints and the hooks (read-only)."""
+        spec, work = self.spec, self.work
+        return RunRequest(
+            name=self.name, image=self.image, command=command, env=tuple(env.items()),
+            output_dir=work / "output", data_dir=work / "data" if self.lease.datasets else None,
+            memory_mb=spec.resources.memory_mb, cpus=spec.resources.cpus,
+            tmp_mb=spec.resources.disk_mb, wall_time_s=spec.resources.wall_time_s,
+            agent=self.client.machine_id, gpus=mapped,
+            mounts=((work / "checkpoints", CHECKPOINT_MOUNT, "rw"),
+                    (Path(hooks.__file__).parent, f"{HOOKS_MOUNT}/campugrid/hooks", "ro")))
 
 
 Mapped = tuple[tuple[str, int], ...]  # (uuid, device minor) per reserved GPU

@@ -21,6 +21,8 @@ import grpc
 from campugrid.agent import gpus
 from campugrid.agent.client import CoordinatorClient
 from campugrid.agent.gpus import GpuPolicy, nvproxy_support
+from campugrid.agent.shards import ShardSessionTask
+from campugrid.agent.speed import matmul_gflops
 from campugrid.agent.task import Task
 from campugrid.builders.base import Builder
 from campugrid.protocol import agent_pb2 as pb
@@ -54,6 +56,8 @@ class Agent:
         self.task: Task | None = None
         self.gpu_note = nvproxy_support(sandbox.runsc)
         self.gpu_isolation = not self.gpu_note
+        self.speed = matmul_gflops(gpu=bool(gpus.discover(settings.gpu_policy).gpus))
+        log.info("speed score: %.1f GFLOP/s (matmul)", self.speed)
 
     def shutdown(self) -> None:
         """First call: drain the running task. Second call: stop it now."""
@@ -76,7 +80,7 @@ class Agent:
                                cpus=os.cpu_count() or 1, memory_mb=mem_kb // 1024,
                                limits=self.sandbox.limits.as_dict(), gpus=found.gpus,
                                gpu_isolation=self.gpu_isolation and bool(found.gpus),
-                               gpu_note=note)
+                               gpu_note=note, speed_gflops=self.speed)
 
     def run(self, *, once: bool = False) -> None:
         caps = self.capabilities()
@@ -115,7 +119,8 @@ class Agent:
         work = self.work_root / f"{lease.job_id}-{lease.fencing_token}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
-        self.task = Task(self.client, lease, work, self.builder, self.sandbox,
+        kind = ShardSessionTask if lease.HasField("shard") else Task
+        self.task = kind(self.client, lease, work, self.builder, self.sandbox,
                          self.settings.gpu_policy)
         try:
             if self.stopping.is_set():  # a drain arrived between lease and start

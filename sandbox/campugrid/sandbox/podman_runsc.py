@@ -8,17 +8,18 @@ the job's cgroup, which only a process we launch ourselves can do.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
 import subprocess
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from campugrid.protocol.errors import SandboxError
 from campugrid.sandbox import limits as host_limits
-from campugrid.sandbox.process import LogFn, run_streaming
+from campugrid.sandbox.process import Interactive, LogFn, run_streaming
 
 RUNSC_FLAGS = ("--runtime-flag", "network=none", "--runtime-flag", "ignore-cgroups")
 OUTPUT_MOUNT = "/output"
@@ -74,10 +75,11 @@ class PodmanRunsc:
         first = out.splitlines()[0] if out else "runsc"
         return first.replace("runsc version", "runsc").strip()
 
-    def argv(self, req: RunRequest) -> list[str]:
+    def argv(self, req: RunRequest, *, interactive: bool = False) -> list[str]:
         gpu_flags = ["--runtime-flag", "nvproxy=true"] if req.gpus else []
         args = [
             self.podman, "--runtime", self.runsc, *RUNSC_FLAGS, *gpu_flags, "run",
+            *(["--interactive"] if interactive else []),
             "--rm", "--name", req.name, "--pull", "never",
             "--network", "none",
             "--read-only", "--read-only-tmpfs=false",
@@ -125,6 +127,23 @@ class PodmanRunsc:
         self.stop(req.name)  # also when podman itself died: nothing of the job may stay
         return RunResult(done.returncode, done.timed_out, done.cancelled, oom, done.tail,
                          self.limits.as_dict())
+
+    @contextlib.contextmanager
+    def session(self, req: RunRequest, *, log: LogFn) -> Iterator[Interactive]:
+        """A warm sandbox: the same container as `run`, kept up and talked to in lines over
+        its stdin/stdout (shards of one job, one after another). Removed on exit, also when
+        the agent dies (guard)."""
+        if shutil.which(self.runsc) is None and not Path(self.runsc).exists():
+            raise SandboxError("runsc (gVisor) is not installed; jobs never run without it")
+        with host_limits.job_cgroup(self.limits, req.name, memory_mb=req.memory_mb,
+                                    cpus=req.cpus, pids=HOST_PIDS_CEILING) as cg:
+            box = Interactive(host_limits.launcher(cg, self.argv(req, interactive=True)),
+                              log=log, on_orphan=self.stop_argv(req.name))
+            try:
+                yield box
+            finally:
+                box.close(on_stop=lambda: self.stop(req.name))
+                self.stop(req.name)
 
     def signal(self, name: str, sig: str = "TERM") -> None:
         """Deliver a signal to the job's processes (inside gVisor), e.g. to ask for a drain."""

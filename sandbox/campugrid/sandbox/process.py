@@ -10,6 +10,7 @@ import collections
 import contextlib
 import dataclasses
 import os
+import queue
 import signal
 import subprocess
 import threading
@@ -84,6 +85,72 @@ def run_streaming(
     if guard is not None:
         _release(guard)
     return Finished(proc.returncode, timed_out, cancelled, "\n".join(tail))
+
+
+class Interactive:
+    """A long-lived child we talk to in lines: send() to its stdin, receive() from its
+    stdout; stderr lines go to `log`. Guarded like run_streaming: if this process dies, the
+    child's group is killed and `on_orphan` runs."""
+
+    def __init__(self, argv: Sequence[str], *, log: LogFn,
+                 on_orphan: Sequence[str] | None = None) -> None:
+        self.proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, start_new_session=True)
+        self.guard = _guard(self.proc.pid, on_orphan) if on_orphan else None
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        self._lines: queue.Queue[bytes | None] = queue.Queue()
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        out, err = self.proc.stdout, self.proc.stderr
+
+        def pump_out() -> None:
+            for raw in iter(lambda: out.readline(MAX_LINE * 2), b""):
+                self._lines.put(raw)
+            self._lines.put(None)
+
+        def pump_err() -> None:
+            for raw in iter(lambda: err.readline(MAX_LINE), b""):
+                line = raw.decode("utf-8", "replace").rstrip("\n")
+                self.tail.append(line)
+                log(line)
+
+        self._readers = [threading.Thread(target=pump_out, daemon=True),
+                         threading.Thread(target=pump_err, daemon=True)]
+        for t in self._readers:
+            t.start()
+
+    def send(self, line: bytes) -> bool:
+        """False if the child no longer reads."""
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(line + b"\n")
+            self.proc.stdin.flush()
+            return True
+        except (BrokenPipeError, ValueError):
+            return False
+
+    def receive(self, timeout_s: float) -> bytes | None:
+        """The next stdout line; b"" if none came in time; None once the child has exited."""
+        try:
+            return self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            return b""
+
+    def close(self, on_stop: Callable[[], None] | None = None, grace_s: float = 5.0) -> int:
+        """End of input; wait `grace_s` for the child to finish, then stop it."""
+        assert self.proc.stdin is not None
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            if on_stop is not None:
+                on_stop()
+            _kill_group(self.proc)
+        for t in self._readers:
+            t.join(timeout=5)
+        if self.guard is not None:
+            _release(self.guard)
+        return self.proc.returncode
 
 
 _GUARD = """

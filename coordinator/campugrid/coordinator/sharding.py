@@ -1,0 +1,340 @@
+"""Sharded jobs: one task per shard, handed out through sessions.
+
+A session is one machine working through shards of one job in one warm sandbox: the lease
+that opens it carries the first shard, and each result the machine reports comes back with
+the next one. The session's id, offset by SESSION_TOKEN_BASE, is the fencing token of every
+call about it, so a lost machine's late results are refused like a lost attempt's.
+
+The job row keeps counters (total, queued, done, failed) that every change updates first,
+which also serialises changes to one job; `_settle` then derives the job's state from them:
+QUEUED while shards wait for a machine, RUNNING once every shard is handed out, and
+SUCCEEDED or FAILED when every shard has ended.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy.orm import Session
+
+from campugrid.coordinator.models import GpuReservation, Job, JobEvent, LogChunk, Shard, ShardSession
+from campugrid.protocol.errors import IllegalTransition, StaleAttempt
+from campugrid.protocol.spec import JobSpec
+from campugrid.protocol.states import JobState
+
+if TYPE_CHECKING:
+    from campugrid.coordinator.store import Store
+
+SESSION_TOKEN_BASE = 1 << 40  # attempts of plain jobs stay far below this
+MAX_RESULT = 64 * 1024
+MAX_LOG_CHUNK = 64 * 1024
+QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
+
+
+def session_token(session_id: int) -> int:
+    return SESSION_TOKEN_BASE + session_id
+
+
+def session_of(token: int) -> int | None:
+    """The session a fencing token names, or None for a plain job's attempt."""
+    return token - SESSION_TOKEN_BASE if token >= SESSION_TOKEN_BASE else None
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardTask:
+    index: int
+    payload_json: str
+    cost: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardResult:
+    index: int
+    succeeded: bool
+    exit_code: int | None
+    result_json: str | None  # JSON text, at most MAX_RESULT
+    reason: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardView:
+    index: int
+    state: str
+    cost: float
+    tries: int
+    machine_id: str | None
+    exit_code: int | None
+    result: Any
+    reason: str | None
+    finished_at: dt.datetime | None
+
+
+def insert_shards(s: Session, job_id: str, spec: JobSpec) -> None:
+    s.execute(insert(Shard), [
+        {"job_id": job_id, "idx": i, "state": QUEUED, "cost": sh.cost,
+         "payload_json": sh.payload_json, "tries": 0}
+        for i, sh in enumerate(spec.shards)])
+
+
+def open_session(s: Session, job_id: str, machine_id: str, lease_s: float, *,
+                 heavy_first: bool, gpus: Sequence[str], gpu_mb: int,
+                 now: dt.datetime) -> tuple[int, ShardTask] | None:
+    """Inside the caller's claim transaction: a new session on `job_id` holding its next
+    shard, or None if another machine took the last queued shard first."""
+    if not _take_one(s, job_id):
+        return None
+    sid = int(s.scalars(insert(ShardSession).values(
+        job_id=job_id, machine_id=machine_id, active=True,
+        lease_expires_at=now + dt.timedelta(seconds=lease_s), started_at=now)
+        .returning(ShardSession.id)).one())
+    task = _hand_out(s, job_id, sid, machine_id, heavy_first)
+    for uuid in gpus:
+        s.add(GpuReservation(job_id=job_id, attempt=sid, machine_id=machine_id, gpu_uuid=uuid,
+                             memory_mb=gpu_mb))
+    s.add(JobEvent(job_id=job_id, at=now, attempt=sid, kind="session",
+                   detail=f"machine {machine_id} opened session {sid}"
+                          + (f", GPUs {', '.join(gpus)}" if gpus else "")))
+    _settle(s, job_id)
+    return sid, task
+
+
+def _take_one(s: Session, job_id: str) -> bool:
+    """Count one queued shard of the job as handed out (locks the job row on PostgreSQL)."""
+    res = s.execute(update(Job).where(
+        Job.id == job_id, Job.shards_queued > 0,
+        Job.state.in_([JobState.QUEUED.value, JobState.RUNNING.value]))
+        .values(shards_queued=Job.shards_queued - 1, updated_at=dt.datetime.now(dt.UTC))
+        .execution_options(synchronize_session=False))
+    return bool(res.rowcount == 1)  # type: ignore[attr-defined]
+
+
+def _hand_out(s: Session, job_id: str, sid: int, machine_id: str,
+              heavy_first: bool) -> ShardTask:
+    """The heaviest queued shard for a fast machine, the lightest for a slow one."""
+    order = (Shard.cost.desc(), Shard.idx) if heavy_first else (Shard.cost, Shard.idx)
+    q = (select(Shard.idx, Shard.payload_json, Shard.cost)
+         .where(Shard.job_id == job_id, Shard.state == QUEUED).order_by(*order).limit(1))
+    idx, payload, cost = s.execute(q).one()  # the job's counter said one is queued
+    s.execute(update(Shard).where(Shard.job_id == job_id, Shard.idx == idx, Shard.state == QUEUED)
+              .values(state=RUNNING, session_id=sid, machine_id=machine_id)
+              .execution_options(synchronize_session=False))
+    return ShardTask(int(idx), str(payload), float(cost))
+
+
+def _settle(s: Session, job_id: str) -> None:
+    """Derive the job's state from its counters (read after this transaction's updates)."""
+    job = s.execute(select(Job.state, Job.shards_total, Job.shards_queued, Job.shards_done,
+                           Job.shards_failed).where(Job.id == job_id)).one()
+    state, total, queued, done, failed = job
+    if JobState(state).final:
+        return
+    now = dt.datetime.now(dt.UTC)
+    if done >= total:
+        target = JobState.FAILED if failed else JobState.SUCCEEDED
+        reason = None
+        if failed:
+            first = s.execute(select(Shard.idx, Shard.reason).where(
+                Shard.job_id == job_id, Shard.state == FAILED).order_by(Shard.idx).limit(1)).one()
+            reason = (f"{failed} of {total} shards failed (first: shard {first[0]}: {first[1]}); "
+                      "every shard's result: campugrid shards JOB_ID")
+        s.execute(update(Job).where(Job.id == job_id, Job.state == state).values(
+            state=target.value, reason=reason, result=f"{total - failed} of {total} shards succeeded",
+            exit_code=None, updated_at=now))
+        s.execute(update(ShardSession).where(ShardSession.job_id == job_id,
+                                             ShardSession.active.is_(True)).values(active=False))
+        s.add(JobEvent(job_id=job_id, at=now, attempt=0, kind=target.value,
+                       detail=reason or f"all {total} shards succeeded"))
+        return
+    target = JobState.QUEUED if queued > 0 else JobState.RUNNING
+    if target.value != state:
+        s.execute(update(Job).where(Job.id == job_id, Job.state == state)
+                  .values(state=target.value, updated_at=now))
+
+
+class ShardStore:
+    """The shard operations; each is one transaction of the job store."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def _session(self, s: Session, job_id: str, token: int, machine_id: str,
+                 what: str, *, ended_ok: bool = False) -> ShardSession:
+        """The active session `token` names, held by this machine, else refused
+        (`ended_ok`: also one that has ended)."""
+        sid = session_of(token)
+        row = s.get(ShardSession, sid, populate_existing=True) if sid is not None else None
+        if row is None or row.job_id != job_id or row.machine_id != machine_id:
+            raise StaleAttempt(f"{what}: no session {token} of job {job_id} on this machine")
+        if not row.active and not ended_ok:
+            job_state = s.scalar(select(Job.state).where(Job.id == job_id))
+            raise StaleAttempt(f"{what} from session {row.id} refused: the session is over "
+                               f"(job {job_state})")
+        return row
+
+    def next_shard(self, job_id: str, token: int, machine_id: str, done: ShardResult | None,
+                   *, heavy_first: bool) -> ShardTask | None:
+        """Record the result of the shard the session holds and hand out the next one
+        (None: no shard is waiting, or the job has ended)."""
+        with self.store.tx() as s:
+            session = self._session(s, job_id, token, machine_id, "shard result")
+            if done is not None:
+                self._record(s, job_id, session.id, done)
+            state = JobState(s.scalar(select(Job.state).where(Job.id == job_id)) or "failed")
+            if state.final or not _take_one(s, job_id):
+                return None
+            task = _hand_out(s, job_id, session.id, machine_id, heavy_first)
+            _settle(s, job_id)
+            return task
+
+    def _record(self, s: Session, job_id: str, sid: int, done: ShardResult) -> None:
+        now = dt.datetime.now(dt.UTC)
+        res = s.execute(update(Shard).where(
+            Shard.job_id == job_id, Shard.idx == done.index, Shard.session_id == sid,
+            Shard.state == RUNNING).values(
+            state=SUCCEEDED if done.succeeded else FAILED, exit_code=done.exit_code,
+            result_json=_clean(done.result_json), reason=_clean(done.reason), finished_at=now)
+            .execution_options(synchronize_session=False))
+        if res.rowcount != 1:  # type: ignore[attr-defined]
+            raise StaleAttempt(f"result of shard {done.index} refused: session {sid} "
+                               "does not hold it")
+        s.execute(update(Job).where(Job.id == job_id).values(
+            shards_done=Job.shards_done + 1,
+            shards_failed=Job.shards_failed + (0 if done.succeeded else 1)))
+        _settle(s, job_id)
+
+    def renew(self, job_id: str, token: int, machine_id: str, lease_s: float) -> None:
+        now = dt.datetime.now(dt.UTC)
+        with self.store.tx() as s:
+            session = self._session(s, job_id, token, machine_id, "renew")
+            state = JobState(s.scalar(select(Job.state).where(Job.id == job_id)) or "failed")
+            if state.final:
+                session.active = False
+                refused = IllegalTransition(f"renew of session {session.id} refused: the job "
+                                            f"is {state.value}")
+            else:
+                session.lease_expires_at = now + dt.timedelta(seconds=lease_s)
+                refused = None
+        if refused is not None:
+            raise refused
+
+    def end(self, job_id: str, token: int, machine_id: str, *, failure: str | None) -> None:
+        """The machine is done with the session. `failure` is the job's own fault (its image
+        does not build, the shard runner cannot start): the whole job fails with it."""
+        with self.store.tx() as s:
+            session = self._session(s, job_id, token, machine_id, "end of session",
+                                    ended_ok=failure is None)
+            if not session.active:  # the job ended first, which closed it
+                return
+            self._close(s, session, count_try=False, why="session ended")
+            if failure:
+                now = dt.datetime.now(dt.UTC)
+                res = s.execute(update(Job).where(
+                    Job.id == job_id, Job.state.in_([JobState.QUEUED.value, JobState.RUNNING.value]))
+                    .values(state=JobState.FAILED.value, reason=_clean(failure), updated_at=now))
+                if res.rowcount == 1:  # type: ignore[attr-defined]
+                    s.execute(update(Shard).where(Shard.job_id == job_id,
+                                                  Shard.state.in_([QUEUED, RUNNING]))
+                              .values(state=CANCELLED, reason="the job failed"))
+                    s.execute(update(ShardSession).where(ShardSession.job_id == job_id)
+                              .values(active=False))
+                    s.add(JobEvent(job_id=job_id, at=now, attempt=session.id, kind="failed",
+                                   detail=_clean(failure) or ""))
+
+    def release(self, job_id: str, token: int, machine_id: str, reason: str,
+                failed: bool) -> None:
+        """Hand the session back: a drain (its shard is queued again as it was) or a
+        provider-side failure (counted against the shard's attempts)."""
+        with self.store.tx() as s:
+            session = self._session(s, job_id, token, machine_id, "release")
+            self._close(s, session, count_try=failed,
+                        why=f"{'failed on its machine' if failed else 'drained'}: {reason}")
+
+    def requeue_expired(self, now: dt.datetime) -> list[str]:
+        """Sessions whose lease ran out: their shards go back to the queue."""
+        with self.store.tx() as s:
+            expired = list(s.scalars(select(ShardSession).where(
+                ShardSession.active.is_(True), ShardSession.lease_expires_at < now)))
+            for session in expired:
+                self._close(s, session, count_try=True,
+                            why=f"lease of session {session.id} on machine "
+                                f"{session.machine_id} expired")
+            return sorted({x.job_id for x in expired})
+
+    def _close(self, s: Session, session: ShardSession, *, count_try: bool, why: str) -> None:
+        """End a session; shards it still holds are queued again (or fail, out of tries)."""
+        session.active = False
+        job_id = session.job_id
+        max_tries = int(s.scalar(select(Job.max_attempts).where(Job.id == job_id)) or 1)
+        held = s.execute(select(Shard.idx, Shard.tries).where(
+            Shard.job_id == job_id, Shard.session_id == session.id, Shard.state == RUNNING)).all()
+        requeued = failed = 0
+        for idx, tries in held:
+            tries += 1 if count_try else 0
+            if tries >= max_tries:
+                values: dict[str, Any] = {
+                    "state": FAILED, "tries": tries, "finished_at": dt.datetime.now(dt.UTC),
+                    "reason": f"{why}; all {max_tries} tries used"}
+                failed += 1
+            else:
+                values = {"state": QUEUED, "tries": tries, "session_id": None, "machine_id": None}
+                requeued += 1
+            s.execute(update(Shard).where(Shard.job_id == job_id, Shard.idx == idx).values(**values)
+                      .execution_options(synchronize_session=False))
+        s.execute(delete(GpuReservation).where(
+            GpuReservation.job_id == job_id, GpuReservation.attempt == session.id))
+        if held:
+            s.execute(update(Job).where(Job.id == job_id).values(
+                shards_queued=Job.shards_queued + requeued, shards_done=Job.shards_done + failed,
+                shards_failed=Job.shards_failed + failed))
+        if count_try or held:
+            s.add(JobEvent(job_id=job_id, at=dt.datetime.now(dt.UTC), attempt=session.id,
+                           kind="session_lost" if count_try else "session_released",
+                           detail=why + (f"; shard(s) {', '.join(str(i) for i, _ in held)} "
+                                         "queued again" if requeued else "")))
+        _settle(s, job_id)
+
+    def append_logs(self, job_id: str, token: int, machine_id: str, stream: str, seq: int,
+                    text: str) -> None:
+        with self.store.tx() as s:
+            session = self._session(s, job_id, token, machine_id, "logs")
+            exists = s.scalar(select(LogChunk.id).where(
+                LogChunk.job_id == job_id, LogChunk.attempt == session.id,
+                LogChunk.stream == stream, LogChunk.seq == seq))
+            if exists is None:
+                s.add(LogChunk(job_id=job_id, attempt=session.id, stream=stream, seq=seq,
+                               text=(_clean(text) or "")[:MAX_LOG_CHUNK]))
+
+    def extend_active(self, lease_s: float) -> int:
+        with self.store.tx() as s:
+            res = s.execute(update(ShardSession).where(ShardSession.active.is_(True)).values(
+                lease_expires_at=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=lease_s)))
+            return int(res.rowcount)  # type: ignore[attr-defined]
+
+    def shards(self, job_id: str, *, state: str | None = None, after: int = -1,
+               limit: int = 1000) -> list[ShardView]:
+        q = (select(Shard).where(Shard.job_id == job_id, Shard.idx > after)
+             .order_by(Shard.idx).limit(limit))
+        if state is not None:
+            q = q.where(Shard.state == state)
+        with self.store.read() as s:
+            self.store.row(s, job_id)
+            return [ShardView(r.idx, r.state, r.cost, r.tries, r.machine_id, r.exit_code,
+                              json.loads(r.result_json) if r.result_json else None, r.reason,
+                              r.finished_at) for r in s.scalars(q)]
+
+    def counts(self, job_id: str) -> dict[str, int]:
+        with self.store.read() as s:
+            rows = s.execute(select(Shard.state, func.count()).where(Shard.job_id == job_id)
+                             .group_by(Shard.state)).all()
+        return {str(state): int(n) for state, n in rows}
+
+
+def _clean(text: str | None) -> str | None:
+    return text.replace("\x00", "\\0") if text else text
+
+

@@ -1,0 +1,140 @@
+"""A session of a sharded job on this machine: build once, keep one sandbox warm, and run
+the job's shards in it one after another, each result sent with the request for the next.
+
+    lease (session + first shard) -> download, build -> start the shard runner in gVisor
+      -> shard, NextShard(result) -> shard, ... -> no shard left -> Complete (ends the session)
+
+The runner (campugrid.hooks.shard_runner, mounted read-only) speaks JSON lines over the
+sandbox's stdin/stdout; everything it says is untrusted and checked here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+from campugrid.agent.task import HOOKS_MOUNT, Task, _retry
+from campugrid.protocol import agent_pb2 as pb
+from campugrid.sandbox.process import Interactive
+
+log = logging.getLogger("campugrid.agent")
+READY_TIMEOUT_S = 120.0  # sandbox start, with margin for a busy machine
+MAX_RESULT = 64 * 1024
+
+
+class ShardSessionTask(Task):
+    """Task's download/build/report, with a warm sandbox serving shards in between."""
+
+    def drain(self, grace_s: float) -> None:
+        """Finish the shard in hand within the grace period, take no new one."""
+        self.draining = True
+        timer = threading.Timer(grace_s, self.stop.set)
+        timer.daemon = True
+        timer.start()
+        if self.phase != "running":
+            self.stop.set()
+
+    def _execute(self) -> pb.CompleteRequest:
+        mapped = self._prepare()
+        if isinstance(mapped, pb.CompleteRequest):
+            return mapped
+        self.phase = "running"
+        self.renewer.set_phase("running")
+        spec, lease = self.spec, self.lease
+        assert spec.command is not None  # the spec refuses sharded jobs without one
+        command = ("python3", "-m", "campugrid.hooks.shard_runner", spec.shard_mode, "--",
+                   *spec.command)
+        env = self.job_env()
+        run_log = self.shipper.for_stream("run")
+        with self.sandbox.session(self.run_request(command, env, mapped), log=run_log) as box:
+            if not self._wait_ready(box):
+                return pb.CompleteRequest(
+                    succeeded=False, exit_code=-1,
+                    reason="the shard runner did not start in the sandbox: sharded jobs need "
+                           f"python3 in the image (it runs {HOOKS_MOUNT}/campugrid/hooks/"
+                           "shard_runner.py); last lines:\n" + "\n".join(list(box.tail)[-10:]))
+            shard: pb.ShardTask | None = lease.shard
+            ran = 0
+            while shard is not None and not self.stop.is_set():
+                done = self._run_one(box, shard)
+                ran += 1
+                if done is None:  # the sandbox died or was stopped under the shard
+                    if not self.stop.is_set():
+                        self.handback = f"the sandbox stopped during shard {shard.index}"
+                    break
+                reply = _retry(lambda d=done: self.client.next_shard(  # type: ignore[misc]
+                    lease.job_id, lease.fencing_token, d))
+                if not reply.accepted:
+                    log.info("session %d of %s is over: %s", lease.fencing_token, lease.job_id,
+                             reply.reason)
+                    self.lost.set()
+                    break
+                shard = reply.shard if reply.has_shard else None
+                if shard is not None and self.draining:
+                    break  # handed back with the session (Release) below
+        self.shipper.line("run", f"[campugrid] session {lease.fencing_token}: {ran} shards run "
+                                 "in one sandbox")
+        return pb.CompleteRequest(succeeded=True, exit_code=0)
+
+    def _wait_ready(self, box: Interactive) -> bool:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline and not self.stop.is_set():
+            line = box.receive(0.5)
+            if line is None:
+                return False
+            msg = _parse(line)
+            if msg.get("ready") is True:
+                return True
+        return False
+
+    def _run_one(self, box: Interactive, shard: pb.ShardTask) -> pb.ShardResult | None:
+        """Send one shard to the runner and wait for its answer (None if none comes)."""
+        wall = float(self.spec.resources.wall_time_s)
+        if not box.send(json.dumps({"index": shard.index, "payload_json": shard.payload_json,
+                                    "timeout_s": wall}).encode()):
+            return None
+        run_log = self.shipper.for_stream("run")
+        deadline = time.monotonic() + wall + 30  # the runner enforces wall; this backs it up
+        while not self.stop.is_set():
+            if time.monotonic() > deadline:
+                return pb.ShardResult(index=shard.index, succeeded=False, exit_code=-1,
+                                      reason=f"no answer within the wall time of {wall:.0f} s")
+            line = box.receive(0.25)
+            if line is None:
+                return None
+            if not line:
+                continue
+            msg = _parse(line)
+            if "log" in msg:
+                run_log(str(msg["log"])[:MAX_RESULT])
+            elif msg.get("done") == shard.index:
+                return _result(shard.index, msg)
+        return None
+
+
+def _parse(line: bytes) -> dict[str, object]:
+    try:
+        msg = json.loads(line)
+    except ValueError:
+        return {}
+    return msg if isinstance(msg, dict) else {}
+
+
+def _result(index: int, msg: dict[str, object]) -> pb.ShardResult:
+    result = msg.get("result")
+    text = result if isinstance(result, str) else ""
+    ok = msg.get("ok") is True
+    reason = str(msg.get("error") or "")[:2000]
+    if text:
+        try:
+            json.loads(text)
+        except ValueError:
+            text, ok, reason = "", False, "the shard's result is not JSON"
+        if len(text) > MAX_RESULT:
+            text, ok, reason = "", False, f"the shard's result is over {MAX_RESULT} bytes"
+    code = msg.get("exit")
+    return pb.ShardResult(index=index, succeeded=ok,
+                          exit_code=code if isinstance(code, int) and -2**31 <= code < 2**31 else -1,
+                          result_json=text, reason=reason)
