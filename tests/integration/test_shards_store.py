@@ -55,6 +55,9 @@ def test_every_shard_is_a_task_with_its_own_result(store: Store):
     assert done.state is JobState.SUCCEEDED and done.result == "3 of 3 shards succeeded"
     assert [(s.index, s.state, s.result) for s in store.shards.shards(job.id)] == [
         (0, "succeeded", 0), (1, "succeeded", 10), (2, "succeeded", 20)]
+    # The session's last log lines may come after the job's end closed it.
+    store.shards.append_logs(job.id, token, m, "run", 1, "the last line")
+    assert [c.text for c in store.logs(job.id)] == ["the last line"]
     store.shards.end(job.id, token, m, failure=None)  # already closed by the job's end
     assert store.claim(m, 30) is None
 
@@ -101,6 +104,8 @@ def test_a_lost_session_requeues_its_shard_and_its_late_result_is_refused(store:
         store.shards.next_shard(job.id, claim.token, lost, ok(held, "late"), heavy_first=True)
     with pytest.raises(StaleAttempt):
         store.shards.renew(job.id, claim.token, lost, 30)
+    with pytest.raises(StaleAttempt, match="lease expired"):
+        store.shards.append_logs(job.id, claim.token, lost, "run", 1, "late line")
     again = store.claim(other, 30)
     assert again is not None and again.shard is not None
     shard = {s.index: s for s in store.shards.shards(job.id)}[held]

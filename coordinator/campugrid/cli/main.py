@@ -48,7 +48,13 @@ def _api(server: str) -> Any:
 
 def _print_job(job: dict[str, Any]) -> None:
     typer.echo(f"job      {job['id']}" + (f"  ({job['name']})" if job.get("name") else ""))
-    typer.echo(f"state    {job['state']}  (attempt {job['attempt']} of {job['max_attempts']})")
+    shards = job.get("shards")
+    if shards:
+        typer.echo(f"state    {job['state']}  ({shards['total']} shards: {shards['queued']} "
+                   f"queued, {shards['running']} running, {shards['done'] - shards['failed']} "
+                   f"succeeded, {shards['failed']} failed)")
+    else:
+        typer.echo(f"state    {job['state']}  (attempt {job['attempt']} of {job['max_attempts']})")
     if job.get("waiting_reason"):
         typer.echo(f"waiting  {job['waiting_reason']}")
     if job.get("reason"):
@@ -126,6 +132,19 @@ def logs(job_id: str, follow: Annotated[bool, typer.Option("--follow", "-f")] = 
             prefix = "build| " if chunk["stream"] == "build" else ""
             for line in chunk["text"].splitlines():
                 typer.echo(f"{prefix}{line}")
+    except CampugridError as e:
+        _fail(str(e))
+
+
+@app.command()
+def shards(job_id: str,
+           state: Annotated[str | None, typer.Option(help="Only shards in this state.")] = None,
+           server: Server = DEFAULT_SERVER) -> None:
+    """Print a sharded job's shards, one JSON object per line: index, state, result, reason."""
+    try:
+        for sh in _api(server).shards(job_id, state):
+            typer.echo(json.dumps({k: sh[k] for k in ("index", "state", "result", "reason",
+                                                      "exit_code", "cost", "machine_id")}))
     except CampugridError as e:
         _fail(str(e))
 

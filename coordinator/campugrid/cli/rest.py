@@ -76,8 +76,9 @@ class Api:
         last: Exception | None = None
         for attempt in range(retries):
             try:
-                resp = self.http.post("/v1/jobs", files={"context": ("context.tar.gz", context)},
-                                      data={"spec": spec.to_json()})
+                resp = self.http.post("/v1/jobs", files={
+                    "context": ("context.tar.gz", context),
+                    "spec_file": ("spec.json", spec.to_json().encode(), "application/json")})
             except httpx.TransportError as e:
                 last = e
                 time.sleep(min(8, 0.5 * 2**attempt))
@@ -94,6 +95,19 @@ class Api:
         if state:
             params["state"] = state
         return list(self._check(self._send("GET", "/v1/jobs", params=params)))
+
+    def shards(self, job_id: str, state: str | None = None) -> Iterator[dict[str, Any]]:
+        """Every shard of a sharded job, in index order (paged)."""
+        after = -1
+        while True:
+            params: dict[str, Any] = {"after": after, "limit": 1000}
+            if state:
+                params["state"] = state
+            page = list(self._check(self._send("GET", f"/v1/jobs/{job_id}/shards", params=params)))
+            yield from page
+            if len(page) < 1000:
+                return
+            after = page[-1]["index"]
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         return dict(self._check(self._send("POST", f"/v1/jobs/{job_id}/cancel")))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import uuid
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ from campugrid.protocol.errors import (
     NotFound,
     StorageError,
 )
-from campugrid.protocol.spec import JobSpec
+from campugrid.protocol.spec import MAX_SPEC_BYTES, JobSpec
 from campugrid.protocol.states import JobState
 
 _STATUS: dict[type[CampugridError], int] = {
@@ -35,6 +36,26 @@ class EventOut(BaseModel):
     attempt: int
     kind: str
     detail: str
+
+
+class ShardCounts(BaseModel):
+    total: int
+    queued: int  # waiting for a machine
+    running: int
+    done: int  # ended, succeeded or failed
+    failed: int
+
+
+class ShardOut(BaseModel):
+    index: int
+    state: str  # queued, running, succeeded, failed, cancelled
+    cost: float
+    tries: int  # sessions lost while holding it
+    machine_id: str | None
+    exit_code: int | None
+    result: Any  # the shard's result: its result.json, or its last line of stdout
+    reason: str | None
+    finished_at: dt.datetime | None
 
 
 class JobOut(BaseModel):
@@ -54,6 +75,7 @@ class JobOut(BaseModel):
     created_at: dt.datetime
     updated_at: dt.datetime
     waiting_reason: str | None = None  # queued jobs: why no machine has taken it yet
+    shards: ShardCounts | None = None  # sharded jobs only
     events: list[EventOut] | None = None
 
     @classmethod
@@ -66,6 +88,11 @@ class JobOut(BaseModel):
             has_output=job.output_key is not None, limits=job.limits, spec=_redacted(job),
             created_at=job.created_at, updated_at=job.updated_at, events=events,
             waiting_reason=waiting_reason,
+            shards=ShardCounts(
+                total=job.shards_total, queued=job.shards_queued, done=job.shards_done,
+                failed=job.shards_failed,
+                running=job.shards_total - job.shards_queued - job.shards_done)
+            if job.shards_total else None,
         )
 
 
@@ -111,9 +138,18 @@ def create_app(coord: Coordinator) -> FastAPI:
               responses={200: {"model": JobOut, "description": "already submitted"}})
     def submit(
         context: Annotated[UploadFile, File(description="tar or tar.gz with a Dockerfile at its top")],
-        spec: Annotated[str, Form(description="the job spec as JSON")] = "{}",
+        spec: Annotated[str | None, Form(description="the job spec as JSON (up to 1 MiB)")] = None,
+        spec_file: Annotated[UploadFile | None, File(
+            description="the job spec as a JSON file, instead of `spec`: up to 16 MiB, room "
+                        "for a long list of shards")] = None,
     ) -> Any:
-        parsed = JobSpec.from_json(spec)
+        if spec is not None and spec_file is not None:
+            raise InvalidInput("give the spec once: as the `spec` field or as `spec_file`")
+        if spec_file is not None:
+            text = spec_file.file.read(MAX_SPEC_BYTES + 1)
+            parsed = JobSpec.from_json(text)
+        else:
+            parsed = JobSpec.from_json(spec or "{}")
         limit = coord.settings.max_context_bytes
         data = context.file.read(limit + 1)
         if len(data) > limit:
@@ -137,6 +173,17 @@ def create_app(coord: Coordinator) -> FastAPI:
         events = [EventOut(at=e.at, attempt=e.attempt, kind=e.kind, detail=e.detail)
                   for e in coord.store.events(job.id)]
         return JobOut.of(job, events, coord.waiting_reason(job))
+
+    @app.get("/v1/jobs/{job_id}/shards", response_model=list[ShardOut])
+    def shards(job_id: str,
+               state: Annotated[str | None,
+                                Query(pattern="^(queued|running|succeeded|failed|cancelled)$")] = None,
+               after: Annotated[int, Query(ge=-1, le=2**31)] = -1,
+               limit: Annotated[int, Query(ge=1, le=10_000)] = 1000) -> list[ShardOut]:
+        """A sharded job's shards in index order, with their results; page with `after`
+        (the last index seen)."""
+        return [ShardOut(**dataclasses.asdict(v)) for v in coord.store.shards.shards(
+            job_id_ok(job_id), state=state, after=after, limit=limit)]
 
     @app.post("/v1/jobs/{job_id}/cancel", response_model=JobOut)
     def cancel(job_id: str) -> JobOut:

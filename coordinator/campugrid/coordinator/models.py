@@ -159,6 +159,7 @@ class ShardSession(Base):
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), index=True)
     machine_id: Mapped[str] = mapped_column(String(36))
     active: Mapped[bool] = mapped_column(Boolean, default=True)
+    lost: Mapped[bool] = mapped_column(Boolean, default=False)  # ended by lease expiry
     lease_expires_at: Mapped[dt.datetime | None] = mapped_column()
     started_at: Mapped[dt.datetime] = mapped_column()
 

@@ -89,7 +89,7 @@ def open_session(s: Session, job_id: str, machine_id: str, lease_s: float, *,
     if not _take_one(s, job_id):
         return None
     sid = int(s.scalars(insert(ShardSession).values(
-        job_id=job_id, machine_id=machine_id, active=True,
+        job_id=job_id, machine_id=machine_id, active=True, lost=False,
         lease_expires_at=now + dt.timedelta(seconds=lease_s), started_at=now)
         .returning(ShardSession.id)).one())
     task = _hand_out(s, job_id, sid, machine_id, heavy_first)
@@ -260,6 +260,7 @@ class ShardStore:
             expired = list(s.scalars(select(ShardSession).where(
                 ShardSession.active.is_(True), ShardSession.lease_expires_at < now)))
             for session in expired:
+                session.lost = True
                 self._close(s, session, count_try=True,
                             why=f"lease of session {session.id} on machine "
                                 f"{session.machine_id} expired")
@@ -301,7 +302,11 @@ class ShardStore:
     def append_logs(self, job_id: str, token: int, machine_id: str, stream: str, seq: int,
                     text: str) -> None:
         with self.store.tx() as s:
-            session = self._session(s, job_id, token, machine_id, "logs")
+            # The last lines may arrive after the job ended (which closed the session); a
+            # session that lost its lease sends nothing more.
+            session = self._session(s, job_id, token, machine_id, "logs", ended_ok=True)
+            if session.lost:
+                raise StaleAttempt(f"logs from session {session.id} refused: its lease expired")
             exists = s.scalar(select(LogChunk.id).where(
                 LogChunk.job_id == job_id, LogChunk.attempt == session.id,
                 LogChunk.stream == stream, LogChunk.seq == seq))

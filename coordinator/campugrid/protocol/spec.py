@@ -196,8 +196,6 @@ class JobSpec:
         shard_mode = data.get("shard_mode", "process")
         _require(shard_mode in SHARD_MODES, "shard_mode",
                  f"must be one of {', '.join(SHARD_MODES)}")
-        if "shard_mode" in data and not shards:
-            raise InvalidInput("shard_mode: only for sharded jobs (give a list of shards)")
         if shards and command is None:
             raise InvalidInput("command: a sharded job needs a command (it runs once per shard, "
                                "or once per sandbox with shard_mode \"serve\")")
@@ -243,7 +241,7 @@ class JobSpec:
             out["name"] = self.name
         if self.shards:
             out["shards"] = [{"payload": sh.payload, "cost": sh.cost} for sh in self.shards]
-        if self.shards or self.shard_mode != "process":
+        if self.shard_mode != "process":  # kept in the stored spec, which has no shards
             out["shard_mode"] = self.shard_mode
         return out
 

@@ -21,6 +21,7 @@ def upgrade() -> None:
     sa.Column('job_id', sa.String(length=36), nullable=False),
     sa.Column('machine_id', sa.String(length=36), nullable=False),
     sa.Column('active', sa.Boolean(), nullable=False),
+    sa.Column('lost', sa.Boolean(), nullable=False),
     sa.Column('lease_expires_at', sa.DateTime(timezone=True), nullable=True),
     sa.Column('started_at', sa.DateTime(timezone=True), nullable=False),
     sa.ForeignKeyConstraint(['job_id'], ['jobs.id'], ),
