@@ -190,3 +190,81 @@ def test_a_job_whose_dataset_vanished_fails_at_lease_instead_of_sticking(coordin
     assert not c.lease().has_task
     final = api.job(job["id"])
     assert final["state"] == "failed" and final["reason"].startswith("cannot start: dataset d")
+
+
+def sharded_job(api: Api, costs: list[float]) -> str:
+    spec = JobSpec.from_dict({"command": ["python3", "x.py"],
+                              "shards": [{"payload": {"i": i}, "cost": c}
+                                         for i, c in enumerate(costs)]})
+    return str(api.submit(tar_folder(HELLO), spec)["id"])
+
+
+def test_shards_over_grpc_results_checked_and_heavy_ones_to_the_faster_machine(coordinator, tmp_path):
+    running, api = coordinator
+    job_id = sharded_job(api, [1, 7, 3])
+    slow, fast = (CoordinatorClient(f"127.0.0.1:{running.grpc_port}", tmp_path / f"{n}.json")
+                  for n in ("slow", "fast"))
+    _clients.extend((slow, fast))
+    slow.ensure_registered("slow", pb.Capabilities(runtime="runsc", speed_gflops=10.0))
+    fast.ensure_registered("fast", pb.Capabilities(runtime="runsc", speed_gflops=200.0))
+    lease_fast, lease_slow = fast.lease(), slow.lease()
+    assert lease_fast.HasField("shard") and lease_slow.HasField("shard")
+    assert (lease_fast.shard.cost, lease_slow.shard.cost) == (7, 1)
+    assert lease_fast.output_url == ""  # shards report results, not output folders
+    token = lease_fast.fencing_token
+    # what the agent relays from the sandbox is checked: JSON, bounded
+    with pytest.raises(grpc.RpcError) as e:
+        fast.next_shard(job_id, token, pb.ShardResult(index=lease_fast.shard.index,
+                                                      succeeded=True, result_json="{not json"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as e:
+        fast.next_shard(job_id, token, pb.ShardResult(index=lease_fast.shard.index,
+                                                      succeeded=True,
+                                                      result_json='"' + "x" * 70_000 + '"'))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # a result for a shard this session does not hold is refused
+    other = fast.next_shard(job_id, token, pb.ShardResult(index=lease_slow.shard.index,
+                                                          succeeded=True, result_json="1"))
+    assert not other.accepted and "does not hold it" in other.reason
+    # shard sessions do not checkpoint; plain attempts' calls do not take session tokens
+    with pytest.raises(grpc.RpcError) as e:
+        fast.begin_checkpoint(job_id, token, 1, 10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    nxt = fast.next_shard(job_id, token, pb.ShardResult(index=lease_fast.shard.index,
+                                                        succeeded=True, result_json='{"ok": 1}'))
+    assert nxt.accepted and nxt.has_shard and nxt.shard.cost == 3
+    assert fast.renew(job_id, token, "running", 5).keep_going
+    done = fast.next_shard(job_id, token, pb.ShardResult(index=nxt.shard.index, succeeded=True,
+                                                         result_json="2"))
+    assert done.accepted and not done.has_shard
+    assert fast.complete(pb.CompleteRequest(job_id=job_id, fencing_token=token,
+                                            succeeded=True)).accepted
+    # the slow machine's shard is still its own; once it reports, the job is done
+    last = slow.next_shard(job_id, lease_slow.fencing_token,
+                           pb.ShardResult(index=lease_slow.shard.index, succeeded=True,
+                                          result_json="3"))
+    assert last.accepted and not last.has_shard
+    job = api.job(job_id)
+    assert job["state"] == "succeeded" and job["shards"] == {
+        "total": 3, "queued": 0, "running": 0, "done": 3, "failed": 0}
+    assert [s["result"] for s in api.shards(job_id)] == [3, {"ok": 1}, 2]
+
+
+def test_a_lost_session_is_requeued_and_its_late_result_refused(coordinator, tmp_path):
+    running, api = coordinator  # leases of 1 s
+    job_id = sharded_job(api, [1])
+    lost, other = client(running, tmp_path, "lost"), client(running, tmp_path, "other")
+    first = lost.lease()
+    assert first.HasField("shard")
+    deadline = time.monotonic() + 15
+    second = other.lease()
+    while not second.has_task and time.monotonic() < deadline:
+        time.sleep(0.2)
+        second = other.lease()
+    assert second.has_task and second.shard.index == first.shard.index
+    late = lost.next_shard(job_id, first.fencing_token,
+                           pb.ShardResult(index=first.shard.index, succeeded=True, result_json="1"))
+    assert not late.accepted and "session is over" in late.reason
+    assert not lost.renew(job_id, first.fencing_token, "running", 5).keep_going
+    kinds = [e["kind"] for e in api.job(job_id)["events"]]
+    assert "session_lost" in kinds

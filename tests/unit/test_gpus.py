@@ -126,3 +126,12 @@ def test_the_agent_rechecks_free_memory_before_starting(free, why):
     assert (mapped, why in reason if why else reason == "") == ((("GPU-aaa", 2),) if not why else (), True)
     gone = _check_gpus_free(lease, [])
     assert gone[0] == () and "no longer offered" in gone[1]
+
+
+def test_the_speed_score_is_a_matmul_rate_and_falls_back_to_the_cpu():
+    from campugrid.agent.speed import matmul_gflops
+
+    small, large = matmul_gflops(n=64, repeats=3), matmul_gflops(n=512, repeats=3)
+    assert 0 < small < large  # BLAS is far more efficient on the larger product
+    # No CUDA here: asking for the GPU measures the CPU instead of failing.
+    assert matmul_gflops(gpu=True, n=256, repeats=2) > 0

@@ -84,3 +84,12 @@ def test_placement_over_thousands_of_machines_is_quick_and_never_overcommits():
     assert placed > 1000
     free = {g.uuid: g.free_mb for m in machines for g in m.gpus}
     assert all(reserved[u] <= free[u] for u in reserved)
+
+
+def test_the_faster_half_takes_heavy_shards():
+    from campugrid.coordinator.scheduler import is_fast
+
+    online = [10.0, 50.0, 200.0, 400.0]
+    assert [is_fast(s, online) for s in online] == [False, False, True, True]
+    assert is_fast(5.0, [5.0])  # alone: fastest there is
+    assert is_fast(0.0, [])

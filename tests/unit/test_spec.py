@@ -49,3 +49,36 @@ def test_invalid_json_is_refused_with_the_parser_message():
 def test_absurdly_nested_json_is_refused_not_crashed():
     with pytest.raises(InvalidInput, match="nested too deeply"):
         JobSpec.from_json("[" * 100000 + "]" * 100000)
+
+
+def test_shards_are_validated_and_kept_apart_from_the_stored_spec():
+    spec = JobSpec.from_dict({"command": ["python3", "s.py"], "shard_mode": "serve",
+                              "shards": [{"payload": {"lr": 0.1}, "cost": 4},
+                                         {"payload": [1, "two"]}]})
+    assert [s.payload for s in spec.shards] == [{"lr": 0.1}, [1, "two"]]
+    assert [s.cost for s in spec.shards] == [4.0, 1.0]
+    assert JobSpec.from_json(spec.to_json()) == spec
+    stored = JobSpec.from_json(spec.without_shards().to_json())
+    assert stored.shards == () and stored.shard_mode == "serve"
+    other = JobSpec.from_dict({"command": ["python3", "s.py"], "shard_mode": "serve",
+                               "shards": [{"payload": {"lr": 0.1}, "cost": 4},
+                                          {"payload": [1, "three"]}]})
+    assert spec.shards_sha256 != other.shards_sha256
+    assert spec.without_shards().to_json() == other.without_shards().to_json()
+
+
+@pytest.mark.parametrize(("raw", "says"), [
+    ({"shards": [{"payload": 1}]}, "command: a sharded job needs a command"),
+    ({"command": ["x"], "shards": {"a": 1}}, "shards: must be a list of 1 to"),
+    ({"command": ["x"], "shards": [{"payload": 1}, 7]}, "shards[1]: must be an object"),
+    ({"command": ["x"], "shards": [{"payload": 1, "weight": 2}]},
+     "shards[0]: unknown field 'weight'"),
+    ({"command": ["x"], "shards": [{"payload": 1, "cost": 0}]}, "shards[0].cost"),
+    ({"command": ["x"], "shards": [{"payload": "x" * 70_000}]}, "shards[0].payload: at most 64 KiB"),
+    ({"command": ["x"], "shards": [{"payload": 1}], "shard_mode": "threads"},
+     "shard_mode: must be one of process, serve"),
+])
+def test_bad_shards_are_refused_with_the_field(raw, says):
+    with pytest.raises(InvalidInput) as e:
+        JobSpec.from_dict(raw)
+    assert says in str(e.value)
