@@ -36,6 +36,7 @@ from campugrid.coordinator import server
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.models import Job, Machine
 from campugrid.coordinator.seaweed import EmbeddedS3, free_port
+from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobState
 
@@ -68,47 +69,104 @@ def seed_machines(running: server.Running, count: int) -> list[tuple[str, str]]:
     return creds
 
 
-def measure(address: str, creds: list[tuple[str, str]], leases: int, threads: int) -> dict[str, float]:
-    """Latency from one client asking in turn (as gpumesh's driver does), throughput from
-    `threads` clients at once."""
-    alone = _run(address, creds, leases // 3, 1)
-    together = _run(address, creds, leases, threads)
+def measure(address: str, creds: list[tuple[str, str]], leases: int, threads: int,
+            processes: int) -> dict[str, float]:
+    """Latency from one client asking in turn (as gpumesh's driver does); throughput from
+    `processes` client processes of `threads` threads each, all at once (agents are other
+    processes on other machines: client work must not share the coordinator's GIL)."""
+    alone = _client(address, creds, leases // 3, 1)
+    per_process = max(1, leases // processes)
+    procs = [subprocess.Popen([sys.executable, __file__, "--client", address,
+                               "--leases", str(per_process), "--threads", str(threads)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for _ in range(processes)]
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write(json.dumps(creds) + "\n")
+        p.stdin.flush()
+    for p in procs:  # each has warmed up and waits for "go"
+        assert p.stdout is not None
+        assert p.stdout.readline().strip() == "ready"
+    started, cpu0 = time.perf_counter(), _cpu(os.getpid())
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.close()
+    busy: list[float] = []
+    clients_cpu = 0.0
+    for p in procs:
+        assert p.stdout is not None
+        report = json.loads(p.stdout.readline())
+        busy += report["latencies"]
+        clients_cpu += report["cpu_s"]
+    wall = time.perf_counter() - started
+    server_cpu = _cpu(os.getpid()) - cpu0
+    for p in procs:
+        p.wait(timeout=600)
+    busy.sort()
     return {"median_ms": alone["median_ms"], "p95_ms": alone["p95_ms"],
-            "per_s": together["per_s"], "busy_p95_ms": together["p95_ms"]}
+            "per_s": len(busy) / wall, "busy_p95_ms": busy[int(len(busy) * 0.95) - 1] * 1000,
+            "server_cpu_ms": server_cpu / len(busy) * 1000,
+            "client_cpu_ms": clients_cpu / len(busy) * 1000}
 
 
-def _run(address: str, creds: list[tuple[str, str]], leases: int, threads: int) -> dict[str, float]:
-    clients = []
-    for m, s in creds:
-        c = CoordinatorClient(address, Path(os.devnull))
-        c.machine_id, c._secret = m, s
-        clients.append(c)
+def _cpu(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _client(address: str, creds: list[tuple[str, str]], leases: int, threads: int,
+            go: threading.Event | None = None) -> dict[str, float]:
+    """Leases from `threads` threads over one channel, as random registered machines."""
+    client = CoordinatorClient(address, Path(os.devnull))
     latencies: list[float] = []
     lock = threading.Lock()
-    rng = random.Random(1)
+    rng = random.Random(os.getpid())
 
     def one(_: int) -> None:
         with lock:
-            c = rng.choice(clients)
+            client.machine_id, client._secret = rng.choice(creds)
+            md = client._md
         t = time.perf_counter()
-        reply = c.lease()
+        reply = client.stub.Lease(pb.LeaseRequest(), metadata=md, timeout=30)
         took = time.perf_counter() - t
         assert reply.has_task
         with lock:
             latencies.append(took)
 
-    for _ in range(20):  # warm-up: connections, caches
+    for _ in range(20):  # warm-up: connection, caches, authentication of a few machines
         one(0)
     latencies.clear()
-    started = time.perf_counter()
+    if go is not None:
+        go.wait()
+    started, cpu = time.perf_counter(), time.process_time()
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, range(leases)))
-    wall = time.perf_counter() - started
-    for c in clients:
-        c.close()
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu
+    client.close()
     latencies.sort()
     return {"median_ms": statistics.median(latencies) * 1000,
-            "p95_ms": latencies[int(len(latencies) * 0.95) - 1] * 1000, "per_s": leases / wall}
+            "p95_ms": latencies[int(len(latencies) * 0.95) - 1] * 1000, "per_s": leases / wall,
+            "latencies": latencies, "cpu_s": cpu}  # type: ignore[dict-item]
+
+
+def client_process(address: str, leases: int, threads: int) -> None:
+    creds = [tuple(c) for c in json.loads(sys.stdin.readline())]
+    go = threading.Event()
+    result: dict[str, object] = {}
+
+    def run() -> None:
+        result.update(_client(address, creds, leases, threads, go))  # type: ignore[arg-type]
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    time.sleep(1.0)  # let it warm up
+    print("ready", flush=True)
+    sys.stdin.readline()
+    go.set()
+    worker.join()
+    print(json.dumps({"latencies": result["latencies"], "cpu_s": result["cpu_s"]}), flush=True)
 
 
 def peer(queued: int) -> dict[str, float] | None:
@@ -127,11 +185,18 @@ def peer(queued: int) -> dict[str, float] | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--leases", type=int, default=300)
-    ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--leases", type=int, default=600, help="leases per row")
+    ap.add_argument("--threads", type=int, default=4, help="threads per client process")
+    ap.add_argument("--processes", type=int, default=4, help="client processes at once")
+    ap.add_argument("--depths", default=",".join(map(str, DEPTHS)), help="queue depths")
+    ap.add_argument("--machines", default=",".join(map(str, MACHINES)), help="machine counts")
+    ap.add_argument("--client", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--database-url", default=None)
     ap.add_argument("--no-peer", action="store_true")
     args = ap.parse_args()
+    if args.client:
+        client_process(args.client, args.leases, args.threads)
+        return
     root = Path(tempfile.mkdtemp(prefix="campugrid-sched-"))
     s3 = EmbeddedS3(root / "s3", "bench", uuid.uuid4().hex).start()
     settings = Settings.from_env(root / "coord", s3_endpoint=s3.endpoint, s3_access_key="bench",
@@ -142,13 +207,16 @@ def main() -> None:
     address = f"127.0.0.1:{running.grpc_port}"
     rows = []
     try:
-        creds = seed_machines(running, max(MACHINES))
+        depths = [int(x) for x in args.depths.split(",")]
+        counts = [int(x) for x in args.machines.split(",")]
+        creds = seed_machines(running, max(counts))
         seeded = 0
-        for depth in DEPTHS:
-            seed_jobs(running, depth - seeded + 2 * args.leases * len(MACHINES) + 60 * len(MACHINES))
+        for depth in depths:
+            seed_jobs(running, depth - seeded + 2 * args.leases * len(counts)
+                      + 30 * (args.processes + 1) * len(counts))
             seeded = depth
-            for machines in MACHINES:
-                r = measure(address, creds[:machines], args.leases, args.threads)
+            for machines in counts:
+                r = measure(address, creds[:machines], args.leases, args.threads, args.processes)
                 rows.append((depth, machines, r))
                 print(f"  measured {depth} queued, {machines} machines: {r['median_ms']:.2f} ms",
                       file=sys.stderr)
@@ -156,18 +224,22 @@ def main() -> None:
         running.stop()
         s3.stop()
         shutil.rmtree(root, ignore_errors=True)
-    peers = {} if args.no_peer else {d: peer(min(d, 50_000)) for d in DEPTHS}
+    peers = {} if args.no_peer else {d: peer(min(d, 50_000)) for d in depths}
     db = "PostgreSQL" if args.database_url else "SQLite"
     print(f"\nlease over gRPC on loopback, {db}: latency from one client asking in turn; "
-          f"leases/s from {args.threads} clients at once ({args.leases} leases per row)\n")
-    print("| queued  | machines | median ms | p95 ms | leases/s | p95 ms busy | gpumesh median ms (queued) | ratio |")
-    print("|---------|----------|-----------|--------|----------|-------------|----------------------------|-------|")
+          f"leases/s from {args.processes} client processes x {args.threads} threads at once "
+          f"({args.leases} leases per row)\n")
+    print("| queued  | machines | median ms | p95 ms | leases/s | p95 ms busy | CPU ms/lease server+clients "
+          "| gpumesh median ms (queued) | ratio |")
+    print("|---------|----------|-----------|--------|----------|-------------|----------------------------"
+          "|----------------------------|-------|")
     for depth, machines, r in rows:
         p = peers.get(depth)
         pm = f"{p['median_ms']:.2f} ({p['queued']})" if p else "n/a"
         ratio = f"{p['median_ms'] / r['median_ms']:.1f}x" if p else "n/a"
         print(f"| {depth:>7} | {machines:>8} | {r['median_ms']:9.2f} | {r['p95_ms']:6.2f} "
-              f"| {r['per_s']:8.0f} | {r['busy_p95_ms']:11.2f} | {pm:>26} | {ratio:>5} |")
+              f"| {r['per_s']:8.0f} | {r['busy_p95_ms']:11.2f} "
+              f"| {r['server_cpu_ms']:12.2f} + {r['client_cpu_ms']:<12.2f} | {pm:>26} | {ratio:>5} |")
     print("\nratio: gpumesh's median lease latency over ours, same machine, same run "
           "(higher is better for campugrid)")
 

@@ -87,9 +87,10 @@ def test_placement_over_thousands_of_machines_is_quick_and_never_overcommits():
 
 
 def test_the_faster_half_takes_heavy_shards():
-    from campugrid.coordinator.scheduler import is_fast
+    from campugrid.coordinator.scheduler import fast_from
 
-    online = [10.0, 50.0, 200.0, 400.0]
-    assert [is_fast(s, online) for s in online] == [False, False, True, True]
-    assert is_fast(5.0, [5.0])  # alone: fastest there is
-    assert is_fast(0.0, [])
+    online = [400.0, 10.0, 200.0, 50.0]
+    assert [s >= fast_from(online) for s in online] == [True, False, True, False]
+    assert fast_from([10.0, 50.0, 200.0]) == 50.0  # odd count: the middle one is fast
+    assert fast_from([5.0]) <= 5.0  # alone: the fastest there is
+    assert fast_from([]) == 0.0

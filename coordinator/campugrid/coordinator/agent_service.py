@@ -126,7 +126,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
         job = lease.job
         return pb.LeaseReply(
             has_task=True, job_id=job.id, attempt=job.attempt, fencing_token=lease.token,
-            lease_seconds=lease.lease_seconds, spec_json=job.spec.to_json(),
+            lease_seconds=lease.lease_seconds, spec_json=job.spec_json,
             context_url=lease.context_url, output_url=lease.output_url,
             datasets=[pb.Dataset(name=name, files=[pb.Dataset.File(path=f.path, url=f.url, size=f.size)
                                                     for f in files])

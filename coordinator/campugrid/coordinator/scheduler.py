@@ -54,13 +54,11 @@ def _suits(need: Resources, gpu: GpuView) -> bool:
             and gpu.available_mb >= need.gpu_memory_mb)
 
 
-def is_fast(speed: float, online: Sequence[float]) -> bool:
-    """At or above the upper median of the machines online: such a machine takes the heavy
-    shards of a sharded job first, the others the light ones."""
-    if not online:
-        return True
+def fast_from(online: Sequence[float]) -> float:
+    """The speed from which a machine counts as fast: the upper median of the machines
+    online. Fast machines take the heavy shards of a sharded job first, the others the light."""
     ranked = sorted(online)
-    return speed >= ranked[len(ranked) // 2]
+    return ranked[len(ranked) // 2] if ranked else 0.0
 
 
 def why_waiting(need: Resources, machines: Sequence[MachineView]) -> str:

@@ -12,7 +12,7 @@ import time
 from campugrid.builders.context import inspect_context
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.objects import S3Store
-from campugrid.coordinator.scheduler import MachineView, is_fast, why_waiting
+from campugrid.coordinator.scheduler import MachineView, fast_from, why_waiting
 from campugrid.coordinator.sharding import ShardResult, ShardTask
 from campugrid.coordinator.store import CheckpointView, Claim, JobView, Store
 from campugrid.protocol.errors import InvalidInput, StorageError
@@ -61,7 +61,9 @@ class Coordinator:
         self._offers: dict[str, tuple[object, float]] = {}
         self._offers_lock = threading.Lock()
         self._speeds: dict[str, float] = {}
+        self._fast_from = 0.0  # the speed from which a machine counts as fast
         self._speeds_at = -SPEEDS_REFRESH_S
+        self._context_urls: dict[str, tuple[str, float]] = {}  # key -> (URL, good until)
 
     def submit(self, spec: JobSpec, context: bytes) -> tuple[JobView, bool]:
         """Validate everything, store the context, then the job; answer only after both."""
@@ -112,9 +114,11 @@ class Coordinator:
         """Is this machine among the faster half online (by its matmul score)?"""
         now = time.monotonic()
         if now - self._speeds_at > SPEEDS_REFRESH_S or machine_id not in self._speeds:
-            self._speeds = {m.id: m.speed for m in self.store.online_machines()}
-            self._speeds_at = now
-        return is_fast(self._speeds.get(machine_id, 0.0), list(self._speeds.values()))
+            speeds = {m.id: m.speed for m in self.store.online_machines()}
+            self._fast_from = fast_from(list(speeds.values()))
+            self._speeds, self._speeds_at = speeds, now
+        speed = self._speeds.get(machine_id, 0.0)
+        return speed >= self._fast_from
 
     def next_shard(self, job_id: str, token: int, machine_id: str,
                    done: ShardResult | None) -> ShardTask | None:
@@ -141,7 +145,7 @@ class Coordinator:
         return Lease(
             job=job,
             lease_seconds=self.settings.lease_seconds,
-            context_url=self.objects.presign_get(job.context_key, ttl),
+            context_url=self._context_url(job.context_key),
             output_url=output_url,
             datasets={
                 ds.name: [DatasetFile(path, self.objects.presign_get(key, ttl, ds.bucket), size)
@@ -154,6 +158,19 @@ class Coordinator:
             token=claim.token,
             shard=claim.shard,
         )
+
+    def _context_url(self, key: str) -> str:
+        """Contexts are shared by digest (a sweep's jobs all have one): a presigned GET is
+        reused while at least half of its validity is left."""
+        now = time.monotonic()
+        hit = self._context_urls.get(key)
+        if hit is not None and hit[1] > now:
+            return hit[0]
+        url = self.objects.presign_get(key, dt.timedelta(seconds=self.settings.presign_seconds))
+        if len(self._context_urls) > 10_000:
+            self._context_urls.clear()
+        self._context_urls[key] = (url, now + self.settings.presign_seconds / 2)
+        return url
 
     def waiting_reason(self, job: JobView) -> str | None:
         """Why a queued job is not running, from the machines online now."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
+import functools
 import hashlib
 import hmac
 import json
@@ -19,11 +20,24 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, delete, event, func, select, update
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Row,
+    bindparam,
+    create_engine,
+    delete,
+    event,
+    func,
+    insert,
+    select,
+    update,
+)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from campugrid.coordinator.models import (
+    Base,
     Checkpoint,
     GpuReservation,
     Job,
@@ -55,6 +69,12 @@ MAX_LOG_CHUNK = 64 * 1024
 READ_ONLY = "campugrid_read_only"
 
 
+@functools.lru_cache(maxsize=4096)
+def stored_spec(text: str) -> JobSpec:
+    """A stored spec, parsed (specs never change once stored; sweeps share them)."""
+    return JobSpec.from_json(text)
+
+
 def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
@@ -78,22 +98,23 @@ class JobView:
     limits: dict[str, str]
     created_at: dt.datetime
     updated_at: dt.datetime
+    spec_json: str = ""  # the spec as stored (what agents get)
     shards_total: int = 0  # 0: not a sharded job
     shards_queued: int = 0
     shards_done: int = 0
     shards_failed: int = 0
 
     @classmethod
-    def from_row(cls, row: Job) -> JobView:
+    def from_row(cls, row: Job | Row[Any]) -> JobView:
         return cls(
             id=row.id, client_job_id=row.client_job_id, name=row.name,
-            state=JobState(row.state), spec=JobSpec.from_json(row.spec_json),
+            state=JobState(row.state), spec=stored_spec(row.spec_json),
             context_key=row.context_key, attempt=row.attempt, max_attempts=row.max_attempts,
             machine_id=row.machine_id, lease_expires_at=row.lease_expires_at,
             exit_code=row.exit_code, reason=row.reason, result=row.result,
             output_key=row.output_key, limits=json.loads(row.limits_json or "{}"),
             created_at=row.created_at, updated_at=row.updated_at,
-            shards_total=row.shards_total or 0, shards_queued=row.shards_queued or 0,
+            spec_json=row.spec_json, shards_total=row.shards_total or 0, shards_queued=row.shards_queued or 0,
             shards_done=row.shards_done or 0, shards_failed=row.shards_failed or 0,
         )
 
@@ -112,6 +133,17 @@ class Claim:
     @property
     def token(self) -> int:
         return session_token(self.session) if self.session is not None else self.job.attempt
+
+
+@dataclasses.dataclass
+class _PendingClaim:
+    machine_id: str
+    lease_s: float
+    offer: MachineView
+    heavy_first: bool
+    done: bool = False
+    result: Claim | None = None
+    error: Exception | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +165,7 @@ class CheckpointView:
     created_at: dt.datetime
 
     @classmethod
-    def from_row(cls, r: Checkpoint) -> CheckpointView:
+    def from_row(cls, r: Checkpoint | Row[Any]) -> CheckpointView:
         return cls(r.job_id, r.attempt, r.epoch, r.key, r.size, r.sha256, r.created_at)
 
 
@@ -180,6 +212,9 @@ class Store:
         self._writer: contextlib.AbstractContextManager[Any] = (
             threading.Lock() if engine.dialect.name == "sqlite" else contextlib.nullcontext())
         self.shards = ShardStore(self)
+        self._pending: list[_PendingClaim] = []
+        self._pending_lock = threading.Lock()
+        self._leader = threading.Lock()
 
     @contextlib.contextmanager
     def tx(self) -> Iterator[Session]:
@@ -318,61 +353,106 @@ class Store:
         GPU memory on specific GPUs in the same transaction (so it cannot be promised twice).
         A sharded job opens a session instead, holding its heaviest queued shard
         (`heavy_first`, for fast machines) or its lightest."""
-        offer = machine or MachineView(machine_id, "")
+        req = _PendingClaim(machine_id, lease_s, machine or MachineView(machine_id, ""),
+                            heavy_first)
+        with self._pending_lock:
+            self._pending.append(req)
+        # Group commit: whoever holds the leader lock claims for everyone waiting, in one
+        # transaction (one fsync); a lease's cost then no longer includes a commit of its own.
+        with self._leader:
+            if not req.done:
+                with self._pending_lock:
+                    batch, self._pending = self._pending, []
+                self._claim_batch(batch)
+        if req.error is not None:
+            raise req.error
+        return req.result
+
+    def _claim_batch(self, batch: list[_PendingClaim]) -> None:
+        try:
+            with self._writer, self.engine.begin() as conn:
+                events: list[dict[str, Any]] = []  # the batch's history, in one statement
+                for r in batch:
+                    r.result = self._claim_in(conn, r.machine_id, r.lease_s, r.offer,
+                                              r.heavy_first, events)
+                if events:
+                    conn.execute(_ADD_EVENT, events)
+        except Exception as e:
+            if len(batch) == 1:
+                batch[0].error = e
+            else:  # one claim broke the transaction: the others must not pay for it
+                for r in batch:
+                    self._claim_batch([r])
+                return
+        for r in batch:
+            r.done = True
+
+    def _claim_in(self, conn: Connection, machine_id: str, lease_s: float, offer: MachineView,
+                  heavy_first: bool, events: list[dict[str, Any]]) -> Claim | None:
+        """One claim inside the caller's transaction: Core statements built once (below), the
+        ORM only for the rarer sharded case."""
+        postgres = conn.dialect.name == "postgresql"
+        wants_gpu_jobs = bool(offer.gpus) and offer.gpu_isolation
+        if not wants_gpu_jobs:
+            # The common case in one statement: take the oldest queued job if it is a plain
+            # CPU job. None: the queue is empty, or a sharded job is first (the path below).
+            now = utcnow()
+            row = conn.execute(_TAKE_NEXT_PG if postgres else _TAKE_NEXT, {
+                "machine_id": machine_id, "expires": now + dt.timedelta(seconds=lease_s),
+                "now": now}).first()
+            if row is not None:
+                return self._leased(conn, row, (), 0, now, events)
         for _ in range(20):
-            with self.tx() as s:
-                postgres = s.bind is not None and s.bind.dialect.name == "postgresql"
-                wants_gpu_jobs = bool(offer.gpus) and offer.gpu_isolation
-                if wants_gpu_jobs and postgres:  # serialise reservations per machine
-                    s.execute(select(Machine.id).where(Machine.id == machine_id).with_for_update())
-                cpu_q = (select(Job.id, Job.attempt, Job.created_at)
-                         .where(Job.state == JobState.QUEUED.value, Job.gpus_needed == 0)
-                         .order_by(Job.created_at, Job.id).limit(1))
-                if postgres:
-                    cpu_q = cpu_q.with_for_update(skip_locked=True)
-                candidates: list[tuple[Any, str, int, tuple[str, ...], int]] = [
-                    (created, job_id, attempt, (), 0) for job_id, attempt, created in s.execute(cpu_q)]
-                if wants_gpu_jobs:
-                    found = self._gpu_candidate(s, machine_id, offer)
-                    if found is not None:
-                        candidates.append(found)
-                if not candidates:
-                    return None
-                _, job_id, attempt, gpus, gpu_mb = min(candidates)
-                now = utcnow()
-                if s.scalar(select(Job.shards_total).where(Job.id == job_id)):
-                    opened = open_session(s, job_id, machine_id, lease_s, heavy_first=heavy_first,
-                                          gpus=gpus, gpu_mb=gpu_mb, now=now)
+            if wants_gpu_jobs and postgres:  # serialise reservations per machine
+                conn.execute(_LOCK_MACHINE, {"machine_id": machine_id})
+            candidates: list[tuple[Any, str, int, tuple[str, ...], int, int]] = [
+                (created, job_id, attempt, (), 0, shards) for job_id, attempt, created, shards
+                in conn.execute(_NEXT_CPU_JOB_PG if postgres else _NEXT_CPU_JOB)]
+            if wants_gpu_jobs:
+                found = self._gpu_candidate(conn, machine_id, offer)
+                if found is not None:
+                    candidates.append(found)
+            if not candidates:
+                return None
+            _, job_id, attempt, gpus, gpu_mb, sharded = min(candidates)
+            now = utcnow()
+            if sharded:
+                with Session(bind=conn) as s:
+                    opened = open_session(s, job_id, machine_id, lease_s,
+                                          heavy_first=heavy_first, gpus=gpus, gpu_mb=gpu_mb,
+                                          now=now)
+                    s.flush()
                     if opened is None:
                         continue
                     return Claim(JobView.from_row(self.row(s, job_id)), gpus, None, *opened)
-                row = s.scalars(
-                    update(Job)
-                    .where(Job.id == job_id, Job.state == JobState.QUEUED.value,
-                           Job.attempt == attempt)
-                    .values(state=JobState.BUILDING.value, attempt=attempt + 1,
-                            machine_id=machine_id,
-                            lease_expires_at=now + dt.timedelta(seconds=lease_s),
-                            reason=None, updated_at=now)
-                    .returning(Job)
-                    .execution_options(synchronize_session=False)).first()
-                if row is None:
-                    continue  # someone else took it between our read and write
-                for uuid in gpus:
-                    s.add(GpuReservation(job_id=job_id, attempt=attempt + 1, machine_id=machine_id,
-                                         gpu_uuid=uuid, memory_mb=gpu_mb))
-                detail = f"machine {machine_id}" + (f", GPUs {', '.join(gpus)}" if gpus else "")
-                s.add(JobEvent(job_id=job_id, at=now, attempt=attempt + 1, kind="leased",
-                               detail=detail))
-                resume = s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
-                                   .order_by(Checkpoint.epoch.desc(), Checkpoint.id.desc())
-                                   .limit(1)).first()
-                return Claim(JobView.from_row(row), gpus,
-                             CheckpointView.from_row(resume) if resume is not None else None)
+            row = conn.execute(_TAKE_JOB, {
+                "job_id": job_id, "seen_attempt": attempt, "machine_id": machine_id,
+                "expires": now + dt.timedelta(seconds=lease_s), "now": now}).first()
+            if row is None:
+                continue  # someone else took it between our read and write
+            return self._leased(conn, row, gpus, gpu_mb, now, events)
         return None
 
-    def _gpu_candidate(self, s: Session, machine_id: str, offer: MachineView,
-                       window: int = 64) -> tuple[Any, str, int, tuple[str, ...], int] | None:
+    @staticmethod
+    def _leased(conn: Connection, row: Row[Any], gpus: tuple[str, ...], gpu_mb: int,
+                now: dt.datetime, events: list[dict[str, Any]]) -> Claim:
+        """The rest of a lease once the job row is ours: reservations, history, resume."""
+        job_id, attempt, machine_id = row.id, row.attempt, row.machine_id
+        if gpus:
+            conn.execute(insert(GpuReservation), [
+                {"job_id": job_id, "attempt": attempt, "machine_id": machine_id,
+                 "gpu_uuid": uuid, "memory_mb": gpu_mb} for uuid in gpus])
+        detail = f"machine {machine_id}" + (f", GPUs {', '.join(gpus)}" if gpus else "")
+        events.append({"job_id": job_id, "at": now, "attempt": attempt, "kind": "leased",
+                       "detail": detail})
+        # Only an attempt records checkpoints: a job leased for the first time has none.
+        resume = (conn.execute(_LATEST_CHECKPOINT, {"job_id": job_id}).first()
+                  if attempt > 1 else None)
+        return Claim(JobView.from_row(row), gpus,
+                     CheckpointView.from_row(resume) if resume is not None else None)
+
+    def _gpu_candidate(self, s: Connection, machine_id: str, offer: MachineView,
+                       window: int = 64) -> tuple[Any, str, int, tuple[str, ...], int, int] | None:
         """The oldest of the first `window` GPU jobs that fits this machine's GPUs now."""
         reserved = {uuid: int(mb) for uuid, mb in s.execute(
             select(GpuReservation.gpu_uuid, func.sum(GpuReservation.memory_mb))
@@ -384,14 +464,14 @@ class Store:
         # Not locked: locking the whole window would hide it from every other machine until we
         # commit. The guarded update in claim_next settles races; the machine row lock (taken
         # by the caller on PostgreSQL) keeps two leases from reserving one GPU's memory twice.
-        q = (select(Job.id, Job.attempt, Job.created_at, Job.spec_json)
+        q = (select(Job.id, Job.attempt, Job.created_at, Job.spec_json, Job.shards_total)
              .where(Job.state == JobState.QUEUED.value, Job.gpus_needed > 0)
              .order_by(Job.created_at, Job.id).limit(window))
-        for job_id, attempt, created, spec_json in s.execute(q):
-            need = JobSpec.from_json(spec_json).resources
+        for job_id, attempt, created, spec_json, shards in s.execute(q):
+            need = stored_spec(spec_json).resources
             chosen = place(need, view)
             if chosen:
-                return (created, job_id, attempt, chosen, need.gpu_memory_mb)
+                return (created, job_id, attempt, chosen, need.gpu_memory_mb, shards)
         return None
 
     def reserved_gpus(self, job_id: str, attempt: int) -> list[str]:
@@ -636,6 +716,31 @@ class Store:
             detail = f"{what} from attempt {token} refused: the job is {row.state}"
         s.add(JobEvent(job_id=row.id, at=utcnow(), attempt=token, kind="refused", detail=detail))
         return StaleAttempt(detail) if row.attempt != token else IllegalTransition(detail)
+
+
+# The claim path's statements, built once.
+_JOBS, _CHECKPOINTS = Base.metadata.tables["jobs"], Base.metadata.tables["checkpoints"]
+_NEXT_CPU_JOB = (select(_JOBS.c.id, _JOBS.c.attempt, _JOBS.c.created_at, _JOBS.c.shards_total)
+                 .where(_JOBS.c.state == JobState.QUEUED.value, _JOBS.c.gpus_needed == 0)
+                 .order_by(_JOBS.c.created_at, _JOBS.c.id).limit(1))
+_NEXT_CPU_JOB_PG = _NEXT_CPU_JOB.with_for_update(skip_locked=True)
+_LEASE_VALUES = {"state": JobState.BUILDING.value, "attempt": _JOBS.c.attempt + 1,
+                 "machine_id": bindparam("machine_id"), "lease_expires_at": bindparam("expires"),
+                 "reason": None, "updated_at": bindparam("now")}
+_TAKE_NEXT, _TAKE_NEXT_PG = (
+    update(_JOBS).where(_JOBS.c.id == head.with_only_columns(_JOBS.c.id).scalar_subquery(),
+                        _JOBS.c.state == JobState.QUEUED.value, _JOBS.c.shards_total == 0)
+    .values(**_LEASE_VALUES).returning(*_JOBS.c)
+    for head in (_NEXT_CPU_JOB, _NEXT_CPU_JOB_PG))
+_LOCK_MACHINE = (select(Machine.id).where(Machine.id == bindparam("machine_id"))
+                 .with_for_update())
+_TAKE_JOB = (update(_JOBS)
+             .where(_JOBS.c.id == bindparam("job_id"), _JOBS.c.state == JobState.QUEUED.value,
+                    _JOBS.c.attempt == bindparam("seen_attempt"))
+             .values(**_LEASE_VALUES).returning(*_JOBS.c))
+_ADD_EVENT = insert(JobEvent)
+_LATEST_CHECKPOINT = (select(*_CHECKPOINTS.c).where(_CHECKPOINTS.c.job_id == bindparam("job_id"))
+                      .order_by(_CHECKPOINTS.c.epoch.desc(), _CHECKPOINTS.c.id.desc()).limit(1))
 
 
 def clean(text: str | None) -> str | None:
