@@ -220,3 +220,64 @@ def test_an_agent_that_cannot_renew_stops_its_sandbox_itself(two_agents):
     assert stopped_after < p.lease_seconds * 2 + 10
     print(f"coordinator unreachable -> sandbox gone: {stopped_after:.1f} s "
           f"(lease {p.lease_seconds:.0f} s)")
+
+
+SLOW_SHARDS = """
+import os, socket, time
+from campugrid import hooks
+def work(p):
+    time.sleep(0.7)
+    return {"square": p["i"] ** 2, "sandbox": socket.gethostname()}
+hooks.serve_shards(work)
+"""
+
+
+def test_kill_9_during_a_sharded_job_runs_the_lost_shard_elsewhere_once(two_agents, tmp_path):
+    p, api = two_agents
+    ctx = tmp_path / "slow"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text("FROM localhost/campugrid/python:bookworm\n"
+                                    "COPY work.py /work.py\n")
+    (ctx / "work.py").write_text(SLOW_SHARDS)
+    count = 16
+    job = api.submit(tar_folder(ctx), JobSpec.from_dict({
+        "command": ["python3", "/work.py"], "shard_mode": "serve",
+        "shards": [{"payload": {"i": i}} for i in range(count)]}))["id"]
+
+    def working_on_both() -> list[dict]:
+        """Shards in hand, once both agents' warm sandboxes have finished some."""
+        done = {s["machine_id"] for s in api.shards(job, state="succeeded")}
+        running = [s for s in api.shards(job, state="running") if s["machine_id"] in done]
+        return running if len(done) == 2 and running else []
+
+    held = wait_for("both agents to run shards", working_on_both, every=0.1)
+    agents = {a.machine_id(): a for a in p.agents}
+    victim_shard = held[0]
+    victim = agents[victim_shard["machine_id"]]
+    token = next(e for e in api.job(job)["events"] if e["kind"] == "session"
+                 and victim.machine_id() in e["detail"])["attempt"]
+
+    def sandbox() -> list[str]:
+        return [n for n in containers(job) if n.endswith(f"-{(1 << 40) + token}")]
+
+    assert sandbox(), "the victim's warm sandbox is not there"
+    os.kill(victim.pid(), signal.SIGKILL)
+    wait_for("the lost sandbox to be gone", lambda: not sandbox(), timeout=30)
+    final = api.wait(job, timeout_s=300)
+    assert final["state"] == "succeeded", final
+    shards = list(api.shards(job))
+    assert [s["result"]["square"] for s in shards] == [i * i for i in range(count)]
+    lost = next(s for s in shards if s["index"] == victim_shard["index"])
+    assert lost["tries"] == 1 and lost["machine_id"] != victim.machine_id()
+    assert "session_lost" in [e["kind"] for e in final["events"]]
+    # the lost session's late result is refused
+    client = CoordinatorClient(p.grpc_address, victim.state_dir / "credentials.json")
+    try:
+        creds = json.loads((victim.state_dir / "credentials.json").read_text())
+        client.machine_id, client._secret = creds["machine_id"], creds["secret"]
+        late = client.next_shard(job, (1 << 40) + token, pb.ShardResult(
+            index=victim_shard["index"], succeeded=True, result_json='"late"'))
+    finally:
+        client.close()
+    assert not late.accepted and "session is over" in late.reason
+    assert next(s for s in api.shards(job) if s["index"] == victim_shard["index"])["result"] != "late"
