@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -51,9 +53,18 @@ def run_log_until(api, job_id: str, text: str, timeout_s: float = 30) -> str:
 
 def test_a_sweep_runs_every_shard_in_one_warm_sandbox(api, platform):
     spec = JobSpec.from_json((SWEEP / "job.json").read_text())
-    job = api.submit(tar_folder(SWEEP), spec)
-    assert job["shards"]["total"] == len(spec.shards)
-    final = api.wait(job["id"], timeout_s=300)
+    # through the README's commands: submit --wait, then the shards' results
+    cli = [sys.executable, "-m", "campugrid.cli"]
+    out = subprocess.run([*cli, "submit", str(SWEEP), "--spec", str(SWEEP / "job.json"), "--wait",
+                          "--server", platform.url], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = {"id": out.stdout.splitlines()[0].strip()}
+    n = len(spec.shards)
+    assert f"({n} shards: 0 queued, 0 running, {n} succeeded, 0 failed)" in out.stdout
+    listed = subprocess.run([*cli, "shards", job["id"], "--server", platform.url],
+                            capture_output=True, text=True, timeout=60)
+    assert [json.loads(line)["state"] for line in listed.stdout.splitlines()] == ["succeeded"] * n
+    final = api.job(job["id"])
     assert final["state"] == "succeeded", final
     assert final["result"] == f"{len(spec.shards)} of {len(spec.shards)} shards succeeded"
     shards = list(api.shards(job["id"]))
