@@ -39,6 +39,7 @@ from campugrid.coordinator.seaweed import EmbeddedS3, free_port
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobState
+from campugrid.protocol.wire import MACHINE_HEADER, SECRET_HEADER
 
 BENCH = Path(__file__).resolve().parent
 DEPTHS = (1_000, 10_000, 100_000)
@@ -67,6 +68,21 @@ def seed_machines(running: server.Running, count: int) -> list[tuple[str, str]]:
              "capabilities_json": "{}", "gpus_json": "{}", "registered_at": now,
              "last_seen_at": now} for i, (m, s) in enumerate(creds)])
     return creds
+
+
+def join(address: str, creds: list[tuple[str, str]]) -> None:
+    """What every agent does when it starts: a heartbeat with its capabilities."""
+    client = CoordinatorClient(address, Path(os.devnull))
+    caps = pb.Capabilities(runtime="runsc", builder="buildah", cpus=8, memory_mb=32_000,
+                           speed_gflops=100.0)
+
+    def beat(cred: tuple[str, str]) -> None:
+        client.stub.Heartbeat(pb.HeartbeatRequest(capabilities=caps), timeout=30, metadata=(
+            (MACHINE_HEADER, cred[0]), (SECRET_HEADER, cred[1])))
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(beat, creds))
+    client.close()
 
 
 def measure(address: str, creds: list[tuple[str, str]], leases: int, threads: int,
@@ -210,6 +226,7 @@ def main() -> None:
         depths = [int(x) for x in args.depths.split(",")]
         counts = [int(x) for x in args.machines.split(",")]
         creds = seed_machines(running, max(counts))
+        join(address, creds)
         seeded = 0
         for depth in depths:
             seed_jobs(running, depth - seeded + 2 * args.leases * len(counts)

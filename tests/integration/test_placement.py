@@ -14,7 +14,8 @@ import pytest
 from sqlalchemy import text
 
 from campugrid.coordinator.scheduler import GpuView, MachineView
-from campugrid.coordinator.store import Store, utcnow
+from campugrid.coordinator.store import Store
+from campugrid.coordinator.views import utcnow
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobState
 

@@ -11,7 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from campugrid.coordinator.sharding import ShardResult, session_of
-from campugrid.coordinator.store import Store, utcnow
+from campugrid.coordinator.store import Store
+from campugrid.coordinator.views import utcnow
 from campugrid.protocol.errors import Conflict, StaleAttempt
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobState
@@ -41,7 +42,8 @@ def test_every_shard_is_a_task_with_its_own_result(store: Store):
     assert claim is not None and claim.session is not None and claim.shard is not None
     token, first = claim.token, claim.shard
     assert session_of(token) == claim.session
-    assert json.loads(first.payload_json) == {"n": 0}
+    # equal costs: a fast machine takes them from the end, a slow one from the start
+    assert json.loads(first.payload_json) == {"n": 2}
     seen = [first.index]
     task = store.shards.next_shard(job.id, token, m, ok(first.index, first.index * 10),
                                    heavy_first=True)
@@ -192,3 +194,24 @@ def test_many_machines_never_take_one_shard_twice(store: Store):
     assert sorted(taken) == list(range(n))
     done = store.get(job.id)
     assert done.state is JobState.SUCCEEDED and done.shards_done == n
+
+
+def test_a_sharded_gpu_job_holds_gpu_memory_per_session_until_the_job_ends(store: Store):
+    from campugrid.coordinator.scheduler import GpuView, MachineView
+
+    spec = {"command": ["x"], "resources": {"gpus": 1, "gpu_memory_mb": 4096},
+            "shards": [{"payload": i} for i in range(2)]}
+    job, _ = store.submit(JobSpec.from_dict(spec), "contexts/x.tar", "ab" * 32)
+    m, _ = store.register_machine("gpu-box", {})
+    offer = MachineView(m, "gpu-box", (GpuView("GPU-1", "nvidia", "RTX", 10_000, 0, (8, 6)),),
+                        gpu_isolation=True)
+    claim = store.claim(m, 30, offer)
+    assert claim is not None and claim.gpu_uuids == ("GPU-1",) and claim.shard is not None
+    assert store.reserved_gpus(job.id, claim.session) == ["GPU-1"]
+    nxt = store.shards.next_shard(job.id, claim.token, m, ok(claim.shard.index, 1),
+                                  heavy_first=True)
+    assert nxt is not None
+    assert store.shards.next_shard(job.id, claim.token, m, ok(nxt.index, 2),
+                                   heavy_first=True) is None
+    assert store.get(job.id).state is JobState.SUCCEEDED
+    assert store.reserved_gpus(job.id, claim.session) == []

@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from campugrid.coordinator.store import Store, utcnow
+from campugrid.coordinator.store import Store
+from campugrid.coordinator.views import utcnow
 from campugrid.protocol.errors import Conflict, IllegalTransition, NotFound, StaleAttempt
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobState

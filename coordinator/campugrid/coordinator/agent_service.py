@@ -111,10 +111,10 @@ class AgentService(pb_grpc.AgentServiceServicer):
         machine = self._machine(context)
         if request.HasField("capabilities"):
             c = request.capabilities
-            self.coord.store.heartbeat(machine, _caps(c),
-                                       MachineView(machine, "", _gpus(c.gpus), c.gpu_isolation))
+            self.coord.heartbeat(machine, _caps(c),
+                                 MachineView(machine, "", _gpus(c.gpus), c.gpu_isolation))
         else:
-            self.coord.store.heartbeat(machine)
+            self.coord.heartbeat(machine, None, None)
         return pb.HeartbeatReply()
 
     def Lease(self, request: pb.LeaseRequest, context: grpc.ServicerContext) -> pb.LeaseReply:

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 
 from campugrid.coordinator.scheduler import why_waiting
 from campugrid.coordinator.service import Coordinator
-from campugrid.coordinator.store import JobView
+from campugrid.coordinator.views import JobView
 from campugrid.protocol.errors import (
     CampugridError,
     Conflict,

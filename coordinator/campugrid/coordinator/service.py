@@ -8,19 +8,20 @@ import hashlib
 import logging
 import threading
 import time
+from typing import Any
 
 from campugrid.builders.context import inspect_context
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.objects import S3Store
 from campugrid.coordinator.scheduler import MachineView, fast_from, why_waiting
 from campugrid.coordinator.sharding import ShardResult, ShardTask
-from campugrid.coordinator.store import CheckpointView, Claim, JobView, Store
+from campugrid.coordinator.store import Store
+from campugrid.coordinator.views import CheckpointView, Claim, JobView
 from campugrid.protocol.errors import InvalidInput, StorageError
 from campugrid.protocol.spec import DatasetRef, JobSpec
 from campugrid.protocol.states import JobState
 
 log = logging.getLogger("campugrid.coordinator")
-OFFER_REFRESH_S = 10.0  # a machine's unchanged GPU snapshot is rewritten at most this often
 SPEEDS_REFRESH_S = 10.0  # how old the machines' speed ranking may be
 
 
@@ -58,7 +59,7 @@ class Coordinator:
         self.settings = settings
         self.store = store
         self.objects = objects
-        self._offers: dict[str, tuple[object, float]] = {}
+        self._offers: dict[str, object] = {}
         self._offers_lock = threading.Lock()
         self._speeds: dict[str, float] = {}
         self._fast_from = 0.0  # the speed from which a machine counts as fast
@@ -111,9 +112,10 @@ class Coordinator:
             raise
 
     def is_fast(self, machine_id: str) -> bool:
-        """Is this machine among the faster half online (by its matmul score)?"""
+        """Is this machine among the faster half online (by its matmul score)? The ranking is
+        at most SPEEDS_REFRESH_S old; a machine not in it yet counts as slow until then."""
         now = time.monotonic()
-        if now - self._speeds_at > SPEEDS_REFRESH_S or machine_id not in self._speeds:
+        if now - self._speeds_at > SPEEDS_REFRESH_S:
             speeds = {m.id: m.speed for m in self.store.online_machines()}
             self._fast_from = fast_from(list(speeds.values()))
             self._speeds, self._speeds_at = speeds, now
@@ -126,15 +128,25 @@ class Coordinator:
                                             heavy_first=self.is_fast(machine_id))
 
     def _note_offer(self, machine_id: str, offer: MachineView) -> None:
-        """Keep the machine's GPU snapshot (for why-it-waits) fresh, without a write per poll."""
+        """Keep the machine's GPU snapshot (for why-it-waits) fresh: written when it changes,
+        not once per poll (the agent's heartbeat, every 10 s, writes it too)."""
+        if self._remember_offer(machine_id, offer):
+            self.store.heartbeat(machine_id, offer=offer)
+
+    def heartbeat(self, machine_id: str, capabilities: dict[str, Any] | None,
+                  offer: MachineView | None) -> None:
+        self.store.heartbeat(machine_id, capabilities, offer)
+        if offer is not None:
+            self._remember_offer(machine_id, offer)
+
+    def _remember_offer(self, machine_id: str, offer: MachineView) -> bool:
+        """Note what is stored now; False if it was stored already."""
         key = (offer.gpus, offer.gpu_isolation)
-        now = time.monotonic()
         with self._offers_lock:
-            last = self._offers.get(machine_id)
-            if last is not None and last[0] == key and now - last[1] < OFFER_REFRESH_S:
-                return
-            self._offers[machine_id] = (key, now)
-        self.store.heartbeat(machine_id, offer=offer)
+            if self._offers.get(machine_id) == key:
+                return False
+            self._offers[machine_id] = key
+            return True
 
     def _lease_for(self, claim: Claim) -> Lease:
         job, resume = claim.job, claim.resume

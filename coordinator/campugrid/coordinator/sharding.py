@@ -116,7 +116,9 @@ def _take_one(s: Session, job_id: str) -> bool:
 def _hand_out(s: Session, job_id: str, sid: int, machine_id: str,
               heavy_first: bool) -> ShardTask:
     """The heaviest queued shard for a fast machine, the lightest for a slow one."""
-    order = (Shard.cost.desc(), Shard.idx) if heavy_first else (Shard.cost, Shard.idx)
+    # One direction per order, so ix_shards_pick serves both without sorting (forwards for
+    # the lightest, backwards for the heaviest): cheap at 100,000 shards too.
+    order = (Shard.cost.desc(), Shard.idx.desc()) if heavy_first else (Shard.cost, Shard.idx)
     q = (select(Shard.idx, Shard.payload_json, Shard.cost)
          .where(Shard.job_id == job_id, Shard.state == QUEUED).order_by(*order).limit(1))
     idx, payload, cost = s.execute(q).one()  # the job's counter said one is queued
@@ -147,6 +149,7 @@ def _settle(s: Session, job_id: str) -> None:
             exit_code=None, updated_at=now))
         s.execute(update(ShardSession).where(ShardSession.job_id == job_id,
                                              ShardSession.active.is_(True)).values(active=False))
+        s.execute(delete(GpuReservation).where(GpuReservation.job_id == job_id))
         s.add(JobEvent(job_id=job_id, at=now, attempt=0, kind=target.value,
                        detail=reason or f"all {total} shards succeeded"))
         return
@@ -242,6 +245,7 @@ class ShardStore:
                               .values(state=CANCELLED, reason="the job failed"))
                     s.execute(update(ShardSession).where(ShardSession.job_id == job_id)
                               .values(active=False))
+                    s.execute(delete(GpuReservation).where(GpuReservation.job_id == job_id))
                     s.add(JobEvent(job_id=job_id, at=now, attempt=session.id, kind="failed",
                                    detail=_clean(failure) or ""))
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
-import functools
 import hashlib
 import hmac
 import json
@@ -21,23 +20,19 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from sqlalchemy import (
-    Connection,
     Engine,
-    Row,
-    bindparam,
     create_engine,
     delete,
     event,
     func,
-    insert,
     select,
     update,
 )
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from campugrid.coordinator.claims import Claimer
 from campugrid.coordinator.models import (
-    Base,
     Checkpoint,
     GpuReservation,
     Job,
@@ -47,13 +42,18 @@ from campugrid.coordinator.models import (
     Shard,
     ShardSession,
 )
-from campugrid.coordinator.scheduler import GpuView, MachineView, place
+from campugrid.coordinator.scheduler import GpuView, MachineView
 from campugrid.coordinator.sharding import (
     ShardStore,
-    ShardTask,
     insert_shards,
-    open_session,
-    session_token,
+)
+from campugrid.coordinator.views import (
+    CheckpointView,
+    Claim,
+    EventView,
+    JobView,
+    LogView,
+    utcnow,
 )
 from campugrid.protocol.errors import (
     Conflict,
@@ -67,114 +67,6 @@ from campugrid.protocol.states import ACTIVE, JobState, sources_of
 
 MAX_LOG_CHUNK = 64 * 1024
 READ_ONLY = "campugrid_read_only"
-
-
-@functools.lru_cache(maxsize=4096)
-def stored_spec(text: str) -> JobSpec:
-    """A stored spec, parsed (specs never change once stored; sweeps share them)."""
-    return JobSpec.from_json(text)
-
-
-def utcnow() -> dt.datetime:
-    return dt.datetime.now(dt.UTC)
-
-
-@dataclasses.dataclass(frozen=True)
-class JobView:
-    id: str
-    client_job_id: str | None
-    name: str | None
-    state: JobState
-    spec: JobSpec
-    context_key: str
-    attempt: int
-    max_attempts: int
-    machine_id: str | None
-    lease_expires_at: dt.datetime | None
-    exit_code: int | None
-    reason: str | None
-    result: str | None
-    output_key: str | None
-    limits: dict[str, str]
-    created_at: dt.datetime
-    updated_at: dt.datetime
-    spec_json: str = ""  # the spec as stored (what agents get)
-    shards_total: int = 0  # 0: not a sharded job
-    shards_queued: int = 0
-    shards_done: int = 0
-    shards_failed: int = 0
-
-    @classmethod
-    def from_row(cls, row: Job | Row[Any]) -> JobView:
-        return cls(
-            id=row.id, client_job_id=row.client_job_id, name=row.name,
-            state=JobState(row.state), spec=stored_spec(row.spec_json),
-            context_key=row.context_key, attempt=row.attempt, max_attempts=row.max_attempts,
-            machine_id=row.machine_id, lease_expires_at=row.lease_expires_at,
-            exit_code=row.exit_code, reason=row.reason, result=row.result,
-            output_key=row.output_key, limits=json.loads(row.limits_json or "{}"),
-            created_at=row.created_at, updated_at=row.updated_at,
-            spec_json=row.spec_json, shards_total=row.shards_total or 0, shards_queued=row.shards_queued or 0,
-            shards_done=row.shards_done or 0, shards_failed=row.shards_failed or 0,
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class Claim:
-    """What a lease hands out: the job as the new attempt, its GPUs, where to resume from;
-    for a sharded job, the session it opened and that session's first shard."""
-
-    job: JobView
-    gpu_uuids: tuple[str, ...]
-    resume: CheckpointView | None
-    session: int | None = None
-    shard: ShardTask | None = None
-
-    @property
-    def token(self) -> int:
-        return session_token(self.session) if self.session is not None else self.job.attempt
-
-
-@dataclasses.dataclass
-class _PendingClaim:
-    machine_id: str
-    lease_s: float
-    offer: MachineView
-    heavy_first: bool
-    done: bool = False
-    result: Claim | None = None
-    error: Exception | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class EventView:
-    at: dt.datetime
-    attempt: int
-    kind: str
-    detail: str
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointView:
-    job_id: str
-    attempt: int
-    epoch: int
-    key: str
-    size: int
-    sha256: str
-    created_at: dt.datetime
-
-    @classmethod
-    def from_row(cls, r: Checkpoint | Row[Any]) -> CheckpointView:
-        return cls(r.job_id, r.attempt, r.epoch, r.key, r.size, r.sha256, r.created_at)
-
-
-@dataclasses.dataclass(frozen=True)
-class LogView:
-    id: int
-    attempt: int
-    stream: str
-    text: str
 
 
 def make_engine(url: str) -> Engine:
@@ -209,19 +101,17 @@ class Store:
         self._session = sessionmaker(engine, expire_on_commit=False)
         self._reader = sessionmaker(engine.execution_options(**{READ_ONLY: True}),
                                     expire_on_commit=False)
-        self._writer: contextlib.AbstractContextManager[Any] = (
+        self.writer: contextlib.AbstractContextManager[Any] = (
             threading.Lock() if engine.dialect.name == "sqlite" else contextlib.nullcontext())
         self.shards = ShardStore(self)
-        self._pending: list[_PendingClaim] = []
-        self._pending_lock = threading.Lock()
-        self._leader = threading.Lock()
+        self._claims = Claimer(self)
 
     @contextlib.contextmanager
     def tx(self) -> Iterator[Session]:
         # SQLite has one writer at a time; waiting for it inside SQLite means its busy
         # handler's sleeps (up to 100 ms each). Waiting on a lock here hands over at once.
         # (Other processes on the same file still work, through the busy timeout.)
-        with self._writer, self._session.begin() as s:
+        with self.writer, self._session.begin() as s:
             yield s
 
     @contextlib.contextmanager
@@ -235,10 +125,10 @@ class Store:
     def submit(self, spec: JobSpec, context_key: str, context_sha256: str) -> tuple[JobView, bool]:
         """Store a new job; with a known client_job_id return the stored one (created=False)."""
         now = utcnow()
-        stored_spec = spec.without_shards().to_json()
+        spec_text = spec.without_shards().to_json()
         row = Job(
             id=str(uuid.uuid4()), client_job_id=spec.client_job_id, name=spec.name,
-            state=JobState.QUEUED.value, spec_json=stored_spec, context_key=context_key,
+            state=JobState.QUEUED.value, spec_json=spec_text, context_key=context_key,
             context_sha256=context_sha256, attempt=0, max_attempts=spec.max_attempts,
             gpus_needed=spec.resources.gpus, created_at=now, updated_at=now,
             shards_total=len(spec.shards), shards_queued=len(spec.shards), shards_done=0,
@@ -258,7 +148,7 @@ class Store:
                 raise
         with self.tx() as s:
             existing = s.scalars(select(Job).where(Job.client_job_id == spec.client_job_id)).one()
-            if (existing.spec_json != stored_spec or existing.context_sha256 != context_sha256
+            if (existing.spec_json != spec_text or existing.context_sha256 != context_sha256
                     or existing.shards_sha256 != spec.shards_sha256):
                 raise Conflict(
                     f"client_job_id {spec.client_job_id!r} is already job {existing.id} with a "
@@ -349,130 +239,8 @@ class Store:
 
     def claim(self, machine_id: str, lease_s: float,
               machine: MachineView | None = None, *, heavy_first: bool = True) -> Claim | None:
-        """Lease the oldest queued job this machine can hold, as the next attempt, reserving
-        GPU memory on specific GPUs in the same transaction (so it cannot be promised twice).
-        A sharded job opens a session instead, holding its heaviest queued shard
-        (`heavy_first`, for fast machines) or its lightest."""
-        req = _PendingClaim(machine_id, lease_s, machine or MachineView(machine_id, ""),
-                            heavy_first)
-        with self._pending_lock:
-            self._pending.append(req)
-        # Group commit: whoever holds the leader lock claims for everyone waiting, in one
-        # transaction (one fsync); a lease's cost then no longer includes a commit of its own.
-        with self._leader:
-            if not req.done:
-                with self._pending_lock:
-                    batch, self._pending = self._pending, []
-                self._claim_batch(batch)
-        if req.error is not None:
-            raise req.error
-        return req.result
-
-    def _claim_batch(self, batch: list[_PendingClaim]) -> None:
-        try:
-            with self._writer, self.engine.begin() as conn:
-                events: list[dict[str, Any]] = []  # the batch's history, in one statement
-                for r in batch:
-                    r.result = self._claim_in(conn, r.machine_id, r.lease_s, r.offer,
-                                              r.heavy_first, events)
-                if events:
-                    conn.execute(_ADD_EVENT, events)
-        except Exception as e:
-            if len(batch) == 1:
-                batch[0].error = e
-            else:  # one claim broke the transaction: the others must not pay for it
-                for r in batch:
-                    self._claim_batch([r])
-                return
-        for r in batch:
-            r.done = True
-
-    def _claim_in(self, conn: Connection, machine_id: str, lease_s: float, offer: MachineView,
-                  heavy_first: bool, events: list[dict[str, Any]]) -> Claim | None:
-        """One claim inside the caller's transaction: Core statements built once (below), the
-        ORM only for the rarer sharded case."""
-        postgres = conn.dialect.name == "postgresql"
-        wants_gpu_jobs = bool(offer.gpus) and offer.gpu_isolation
-        if not wants_gpu_jobs:
-            # The common case in one statement: take the oldest queued job if it is a plain
-            # CPU job. None: the queue is empty, or a sharded job is first (the path below).
-            now = utcnow()
-            row = conn.execute(_TAKE_NEXT_PG if postgres else _TAKE_NEXT, {
-                "machine_id": machine_id, "expires": now + dt.timedelta(seconds=lease_s),
-                "now": now}).first()
-            if row is not None:
-                return self._leased(conn, row, (), 0, now, events)
-        for _ in range(20):
-            if wants_gpu_jobs and postgres:  # serialise reservations per machine
-                conn.execute(_LOCK_MACHINE, {"machine_id": machine_id})
-            candidates: list[tuple[Any, str, int, tuple[str, ...], int, int]] = [
-                (created, job_id, attempt, (), 0, shards) for job_id, attempt, created, shards
-                in conn.execute(_NEXT_CPU_JOB_PG if postgres else _NEXT_CPU_JOB)]
-            if wants_gpu_jobs:
-                found = self._gpu_candidate(conn, machine_id, offer)
-                if found is not None:
-                    candidates.append(found)
-            if not candidates:
-                return None
-            _, job_id, attempt, gpus, gpu_mb, sharded = min(candidates)
-            now = utcnow()
-            if sharded:
-                with Session(bind=conn) as s:
-                    opened = open_session(s, job_id, machine_id, lease_s,
-                                          heavy_first=heavy_first, gpus=gpus, gpu_mb=gpu_mb,
-                                          now=now)
-                    s.flush()
-                    if opened is None:
-                        continue
-                    return Claim(JobView.from_row(self.row(s, job_id)), gpus, None, *opened)
-            row = conn.execute(_TAKE_JOB, {
-                "job_id": job_id, "seen_attempt": attempt, "machine_id": machine_id,
-                "expires": now + dt.timedelta(seconds=lease_s), "now": now}).first()
-            if row is None:
-                continue  # someone else took it between our read and write
-            return self._leased(conn, row, gpus, gpu_mb, now, events)
-        return None
-
-    @staticmethod
-    def _leased(conn: Connection, row: Row[Any], gpus: tuple[str, ...], gpu_mb: int,
-                now: dt.datetime, events: list[dict[str, Any]]) -> Claim:
-        """The rest of a lease once the job row is ours: reservations, history, resume."""
-        job_id, attempt, machine_id = row.id, row.attempt, row.machine_id
-        if gpus:
-            conn.execute(insert(GpuReservation), [
-                {"job_id": job_id, "attempt": attempt, "machine_id": machine_id,
-                 "gpu_uuid": uuid, "memory_mb": gpu_mb} for uuid in gpus])
-        detail = f"machine {machine_id}" + (f", GPUs {', '.join(gpus)}" if gpus else "")
-        events.append({"job_id": job_id, "at": now, "attempt": attempt, "kind": "leased",
-                       "detail": detail})
-        # Only an attempt records checkpoints: a job leased for the first time has none.
-        resume = (conn.execute(_LATEST_CHECKPOINT, {"job_id": job_id}).first()
-                  if attempt > 1 else None)
-        return Claim(JobView.from_row(row), gpus,
-                     CheckpointView.from_row(resume) if resume is not None else None)
-
-    def _gpu_candidate(self, s: Connection, machine_id: str, offer: MachineView,
-                       window: int = 64) -> tuple[Any, str, int, tuple[str, ...], int, int] | None:
-        """The oldest of the first `window` GPU jobs that fits this machine's GPUs now."""
-        reserved = {uuid: int(mb) for uuid, mb in s.execute(
-            select(GpuReservation.gpu_uuid, func.sum(GpuReservation.memory_mb))
-            .where(GpuReservation.machine_id == machine_id)
-            .group_by(GpuReservation.gpu_uuid))}
-        view = MachineView(offer.id, offer.name, tuple(
-            dataclasses.replace(g, reserved_mb=reserved.get(g.uuid, 0)) for g in offer.gpus),
-            offer.gpu_isolation)
-        # Not locked: locking the whole window would hide it from every other machine until we
-        # commit. The guarded update in claim_next settles races; the machine row lock (taken
-        # by the caller on PostgreSQL) keeps two leases from reserving one GPU's memory twice.
-        q = (select(Job.id, Job.attempt, Job.created_at, Job.spec_json, Job.shards_total)
-             .where(Job.state == JobState.QUEUED.value, Job.gpus_needed > 0)
-             .order_by(Job.created_at, Job.id).limit(window))
-        for job_id, attempt, created, spec_json, shards in s.execute(q):
-            need = stored_spec(spec_json).resources
-            chosen = place(need, view)
-            if chosen:
-                return (created, job_id, attempt, chosen, need.gpu_memory_mb, shards)
-        return None
+        """Lease the oldest queued job this machine can hold (see campugrid.coordinator.claims)."""
+        return self._claims.claim(machine_id, lease_s, machine, heavy_first=heavy_first)
 
     def reserved_gpus(self, job_id: str, attempt: int) -> list[str]:
         with self.read() as s:
@@ -716,31 +484,6 @@ class Store:
             detail = f"{what} from attempt {token} refused: the job is {row.state}"
         s.add(JobEvent(job_id=row.id, at=utcnow(), attempt=token, kind="refused", detail=detail))
         return StaleAttempt(detail) if row.attempt != token else IllegalTransition(detail)
-
-
-# The claim path's statements, built once.
-_JOBS, _CHECKPOINTS = Base.metadata.tables["jobs"], Base.metadata.tables["checkpoints"]
-_NEXT_CPU_JOB = (select(_JOBS.c.id, _JOBS.c.attempt, _JOBS.c.created_at, _JOBS.c.shards_total)
-                 .where(_JOBS.c.state == JobState.QUEUED.value, _JOBS.c.gpus_needed == 0)
-                 .order_by(_JOBS.c.created_at, _JOBS.c.id).limit(1))
-_NEXT_CPU_JOB_PG = _NEXT_CPU_JOB.with_for_update(skip_locked=True)
-_LEASE_VALUES = {"state": JobState.BUILDING.value, "attempt": _JOBS.c.attempt + 1,
-                 "machine_id": bindparam("machine_id"), "lease_expires_at": bindparam("expires"),
-                 "reason": None, "updated_at": bindparam("now")}
-_TAKE_NEXT, _TAKE_NEXT_PG = (
-    update(_JOBS).where(_JOBS.c.id == head.with_only_columns(_JOBS.c.id).scalar_subquery(),
-                        _JOBS.c.state == JobState.QUEUED.value, _JOBS.c.shards_total == 0)
-    .values(**_LEASE_VALUES).returning(*_JOBS.c)
-    for head in (_NEXT_CPU_JOB, _NEXT_CPU_JOB_PG))
-_LOCK_MACHINE = (select(Machine.id).where(Machine.id == bindparam("machine_id"))
-                 .with_for_update())
-_TAKE_JOB = (update(_JOBS)
-             .where(_JOBS.c.id == bindparam("job_id"), _JOBS.c.state == JobState.QUEUED.value,
-                    _JOBS.c.attempt == bindparam("seen_attempt"))
-             .values(**_LEASE_VALUES).returning(*_JOBS.c))
-_ADD_EVENT = insert(JobEvent)
-_LATEST_CHECKPOINT = (select(*_CHECKPOINTS.c).where(_CHECKPOINTS.c.job_id == bindparam("job_id"))
-                      .order_by(_CHECKPOINTS.c.epoch.desc(), _CHECKPOINTS.c.id.desc()).limit(1))
 
 
 def clean(text: str | None) -> str | None:

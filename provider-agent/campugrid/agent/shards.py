@@ -46,9 +46,13 @@ class ShardSessionTask(Task):
         assert spec.command is not None  # the spec refuses sharded jobs without one
         command = ("python3", "-m", "campugrid.hooks.shard_runner", spec.shard_mode, "--",
                    *spec.command)
-        env = self.job_env()
+        # No host folder is writable here: shards leave results, and write only to the
+        # sandbox's size-bounded /tmp (so no disk watchdog is needed).
+        env = {k: v for k, v in self.job_env().items()
+               if k not in ("CAMPUGRID_OUTPUT", "CAMPUGRID_CHECKPOINT_DIR")}
         run_log = self.shipper.for_stream("run")
-        with self.sandbox.session(self.run_request(command, env, mapped), log=run_log) as box:
+        request = self.run_request(command, env, mapped, writable=False)
+        with self.sandbox.session(request, log=run_log) as box:
             if not self._wait_ready(box):
                 return pb.CompleteRequest(
                     succeeded=False, exit_code=-1,
@@ -59,11 +63,11 @@ class ShardSessionTask(Task):
             ran = 0
             while shard is not None and not self.stop.is_set():
                 done = self._run_one(box, shard)
-                ran += 1
                 if done is None:  # the sandbox died or was stopped under the shard
                     if not self.stop.is_set():
                         self.handback = f"the sandbox stopped during shard {shard.index}"
                     break
+                ran += 1
                 reply = _retry(lambda d=done: self.client.next_shard(  # type: ignore[misc]
                     lease.job_id, lease.fencing_token, d))
                 if not reply.accepted:

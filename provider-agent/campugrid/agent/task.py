@@ -236,7 +236,6 @@ class Task:
             reason=reason, result=last_line[0][-4000:] if last_line else "",
             output_uploaded=uploaded)
 
-
     def job_env(self) -> dict[str, str]:
         user_pythonpath = dict(self.spec.env).get("PYTHONPATH")
         return dict(self.spec.env) | {
@@ -246,17 +245,20 @@ class Task:
         }
 
     def run_request(self, command: tuple[str, ...] | None, env: dict[str, str],
-                    mapped: tuple[tuple[str, int], ...]) -> RunRequest:
-        """The sandbox for this task: /output, /checkpoints and the hooks (read-only)."""
+                    mapped: tuple[tuple[str, int], ...], *, writable: bool = True) -> RunRequest:
+        """The sandbox for this task: the hooks (read-only), and with `writable` the host
+        folders /output and /checkpoints (bounded by the disk watchdog)."""
         spec, work = self.spec, self.work
+        hooks_mount = (Path(hooks.__file__).parent, f"{HOOKS_MOUNT}/campugrid/hooks", "ro")
         return RunRequest(
             name=self.name, image=self.image, command=command, env=tuple(env.items()),
-            output_dir=work / "output", data_dir=work / "data" if self.lease.datasets else None,
+            output_dir=work / "output" if writable else None,
+            data_dir=work / "data" if self.lease.datasets else None,
             memory_mb=spec.resources.memory_mb, cpus=spec.resources.cpus,
             tmp_mb=spec.resources.disk_mb, wall_time_s=spec.resources.wall_time_s,
             agent=self.client.machine_id, gpus=mapped,
-            mounts=((work / "checkpoints", CHECKPOINT_MOUNT, "rw"),
-                    (Path(hooks.__file__).parent, f"{HOOKS_MOUNT}/campugrid/hooks", "ro")))
+            mounts=((work / "checkpoints", CHECKPOINT_MOUNT, "rw"), hooks_mount) if writable
+            else (hooks_mount,))
 
 
 Mapped = tuple[tuple[str, int], ...]  # (uuid, device minor) per reserved GPU

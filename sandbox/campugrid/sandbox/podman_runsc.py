@@ -35,7 +35,7 @@ class RunRequest:
     image: str
     command: tuple[str, ...] | None
     env: tuple[tuple[str, str], ...]
-    output_dir: Path  # the one writable host folder
+    output_dir: Path | None  # the one writable host folder (None: the job writes only /tmp)
     data_dir: Path | None  # mounted read-only at /data
     memory_mb: int
     cpus: float
@@ -90,12 +90,13 @@ class PodmanRunsc:
             "--ulimit", "nofile=1024:1024",
             "--timeout", str(req.wall_time_s + 5),  # podman's own backstop to ours
             "--log-opt", "max-size=20mb",
-            "-v", f"{req.output_dir}:{OUTPUT_MOUNT}:rw",
             "--label", f"{AGENT_LABEL}={req.agent}",
         ]
         if self.limits.v1_delegated is None:
             # Asked for where it may hold (cgroup v2); reported as not enforced otherwise.
             args += ["--memory", f"{req.memory_mb}m"] if _cgroup_v2() else []
+        if req.output_dir is not None:
+            args += ["-v", f"{req.output_dir}:{OUTPUT_MOUNT}:rw"]
         if req.data_dir is not None:
             args += ["-v", f"{req.data_dir}:{DATA_MOUNT}:ro"]
         for host, target, mode in req.mounts:

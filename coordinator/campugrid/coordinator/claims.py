@@ -1,0 +1,199 @@
+"""Claiming: the scheduler's hot path, from a machine asking for work to a lease.
+
+A claim takes the oldest queued job the machine can hold, as its next attempt, with a
+guarded update (so it is correct on SQLite, and on PostgreSQL where SKIP LOCKED only keeps
+concurrent claimers apart), reserves GPU memory on specific GPUs in the same transaction,
+and records it in the job's history. For a CPU machine the common case is one statement.
+Concurrent claims are committed together (group commit): one fsync for all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import threading
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Connection, Row, bindparam, func, insert, select, update
+from sqlalchemy.orm import Session
+
+from campugrid.coordinator.models import Base, GpuReservation, Job, JobEvent, Machine
+from campugrid.coordinator.scheduler import MachineView, place
+from campugrid.coordinator.sharding import open_session
+from campugrid.coordinator.views import CheckpointView, Claim, JobView, stored_spec, utcnow
+from campugrid.protocol.states import JobState
+
+if TYPE_CHECKING:
+    from campugrid.coordinator.store import Store
+
+
+@dataclasses.dataclass
+class _PendingClaim:
+    machine_id: str
+    lease_s: float
+    offer: MachineView
+    heavy_first: bool
+    done: bool = False
+    result: Claim | None = None
+    error: Exception | None = None
+
+
+class Claimer:
+    """Claims for whoever asks, concurrent claims in one transaction."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._pending: list[_PendingClaim] = []
+        self._pending_lock = threading.Lock()
+        self._leader = threading.Lock()
+
+    def claim(self, machine_id: str, lease_s: float,
+              machine: MachineView | None = None, *, heavy_first: bool = True) -> Claim | None:
+        """Lease the oldest queued job this machine can hold, as the next attempt, reserving
+        GPU memory on specific GPUs in the same transaction (so it cannot be promised twice).
+        A sharded job opens a session instead, holding its heaviest queued shard
+        (`heavy_first`, for fast machines) or its lightest."""
+        req = _PendingClaim(machine_id, lease_s, machine or MachineView(machine_id, ""),
+                            heavy_first)
+        with self._pending_lock:
+            self._pending.append(req)
+        # Group commit: whoever holds the leader lock claims for everyone waiting, in one
+        # transaction (one fsync); a lease's cost then no longer includes a commit of its own.
+        with self._leader:
+            if not req.done:
+                with self._pending_lock:
+                    batch, self._pending = self._pending, []
+                self._claim_batch(batch)
+        if req.error is not None:
+            raise req.error
+        return req.result
+
+    def _claim_batch(self, batch: list[_PendingClaim]) -> None:
+        try:
+            with self.store.writer, self.store.engine.begin() as conn:
+                events: list[dict[str, Any]] = []  # the batch's history, in one statement
+                for r in batch:
+                    r.result = self._claim_in(conn, r.machine_id, r.lease_s, r.offer,
+                                              r.heavy_first, events)
+                if events:
+                    conn.execute(_ADD_EVENT, events)
+        except Exception as e:
+            if len(batch) == 1:
+                batch[0].error = e
+            else:  # one claim broke the transaction: the others must not pay for it
+                for r in batch:
+                    self._claim_batch([r])
+                return
+        for r in batch:
+            r.done = True
+
+    def _claim_in(self, conn: Connection, machine_id: str, lease_s: float, offer: MachineView,
+                  heavy_first: bool, events: list[dict[str, Any]]) -> Claim | None:
+        """One claim inside the caller's transaction: Core statements built once (below), the
+        ORM only for the rarer sharded case."""
+        postgres = conn.dialect.name == "postgresql"
+        wants_gpu_jobs = bool(offer.gpus) and offer.gpu_isolation
+        if not wants_gpu_jobs:
+            # The common case in one statement: take the oldest queued job if it is a plain
+            # CPU job. None: the queue is empty, or a sharded job is first (the path below).
+            now = utcnow()
+            row = conn.execute(_TAKE_NEXT_PG if postgres else _TAKE_NEXT, {
+                "machine_id": machine_id, "expires": now + dt.timedelta(seconds=lease_s),
+                "now": now}).first()
+            if row is not None:
+                return self._leased(conn, row, (), 0, now, events)
+        for _ in range(20):
+            if wants_gpu_jobs and postgres:  # serialise reservations per machine
+                conn.execute(_LOCK_MACHINE, {"machine_id": machine_id})
+            candidates: list[tuple[Any, str, int, tuple[str, ...], int, int]] = [
+                (created, job_id, attempt, (), 0, shards) for job_id, attempt, created, shards
+                in conn.execute(_NEXT_CPU_JOB_PG if postgres else _NEXT_CPU_JOB)]
+            if wants_gpu_jobs:
+                found = self._gpu_candidate(conn, machine_id, offer)
+                if found is not None:
+                    candidates.append(found)
+            if not candidates:
+                return None
+            _, job_id, attempt, gpus, gpu_mb, sharded = min(candidates)
+            now = utcnow()
+            if sharded:
+                with Session(bind=conn) as s:
+                    opened = open_session(s, job_id, machine_id, lease_s,
+                                          heavy_first=heavy_first, gpus=gpus, gpu_mb=gpu_mb,
+                                          now=now)
+                    s.flush()
+                    if opened is None:
+                        continue
+                    return Claim(JobView.from_row(self.store.row(s, job_id)), gpus, None, *opened)
+            row = conn.execute(_TAKE_JOB, {
+                "job_id": job_id, "seen_attempt": attempt, "machine_id": machine_id,
+                "expires": now + dt.timedelta(seconds=lease_s), "now": now}).first()
+            if row is None:
+                continue  # someone else took it between our read and write
+            return self._leased(conn, row, gpus, gpu_mb, now, events)
+        return None
+
+    @staticmethod
+    def _leased(conn: Connection, row: Row[Any], gpus: tuple[str, ...], gpu_mb: int,
+                now: dt.datetime, events: list[dict[str, Any]]) -> Claim:
+        """The rest of a lease once the job row is ours: reservations, history, resume."""
+        job_id, attempt, machine_id = row.id, row.attempt, row.machine_id
+        if gpus:
+            conn.execute(insert(GpuReservation), [
+                {"job_id": job_id, "attempt": attempt, "machine_id": machine_id,
+                 "gpu_uuid": uuid, "memory_mb": gpu_mb} for uuid in gpus])
+        detail = f"machine {machine_id}" + (f", GPUs {', '.join(gpus)}" if gpus else "")
+        events.append({"job_id": job_id, "at": now, "attempt": attempt, "kind": "leased",
+                       "detail": detail})
+        # Only an attempt records checkpoints: a job leased for the first time has none.
+        resume = (conn.execute(_LATEST_CHECKPOINT, {"job_id": job_id}).first()
+                  if attempt > 1 else None)
+        return Claim(JobView.from_row(row), gpus,
+                     CheckpointView.from_row(resume) if resume is not None else None)
+
+    def _gpu_candidate(self, s: Connection, machine_id: str, offer: MachineView,
+                       window: int = 64) -> tuple[Any, str, int, tuple[str, ...], int, int] | None:
+        """The oldest of the first `window` GPU jobs that fits this machine's GPUs now."""
+        reserved = {uuid: int(mb) for uuid, mb in s.execute(
+            select(GpuReservation.gpu_uuid, func.sum(GpuReservation.memory_mb))
+            .where(GpuReservation.machine_id == machine_id)
+            .group_by(GpuReservation.gpu_uuid))}
+        view = MachineView(offer.id, offer.name, tuple(
+            dataclasses.replace(g, reserved_mb=reserved.get(g.uuid, 0)) for g in offer.gpus),
+            offer.gpu_isolation)
+        # Not locked: locking the whole window would hide it from every other machine until we
+        # commit. The guarded update in claim_next settles races; the machine row lock (taken
+        # by the caller on PostgreSQL) keeps two leases from reserving one GPU's memory twice.
+        q = (select(Job.id, Job.attempt, Job.created_at, Job.spec_json, Job.shards_total)
+             .where(Job.state == JobState.QUEUED.value, Job.gpus_needed > 0)
+             .order_by(Job.created_at, Job.id).limit(window))
+        for job_id, attempt, created, spec_json, shards in s.execute(q):
+            need = stored_spec(spec_json).resources
+            chosen = place(need, view)
+            if chosen:
+                return (created, job_id, attempt, chosen, need.gpu_memory_mb, shards)
+        return None
+
+# The claim path's statements, built once.
+_JOBS, _CHECKPOINTS = Base.metadata.tables["jobs"], Base.metadata.tables["checkpoints"]
+_NEXT_CPU_JOB = (select(_JOBS.c.id, _JOBS.c.attempt, _JOBS.c.created_at, _JOBS.c.shards_total)
+                 .where(_JOBS.c.state == JobState.QUEUED.value, _JOBS.c.gpus_needed == 0)
+                 .order_by(_JOBS.c.created_at, _JOBS.c.id).limit(1))
+_NEXT_CPU_JOB_PG = _NEXT_CPU_JOB.with_for_update(skip_locked=True)
+_LEASE_VALUES = {"state": JobState.BUILDING.value, "attempt": _JOBS.c.attempt + 1,
+                 "machine_id": bindparam("machine_id"), "lease_expires_at": bindparam("expires"),
+                 "reason": None, "updated_at": bindparam("now")}
+_TAKE_NEXT, _TAKE_NEXT_PG = (
+    update(_JOBS).where(_JOBS.c.id == head.with_only_columns(_JOBS.c.id).scalar_subquery(),
+                        _JOBS.c.state == JobState.QUEUED.value, _JOBS.c.shards_total == 0)
+    .values(**_LEASE_VALUES).returning(*_JOBS.c)
+    for head in (_NEXT_CPU_JOB, _NEXT_CPU_JOB_PG))
+_LOCK_MACHINE = (select(Machine.id).where(Machine.id == bindparam("machine_id"))
+                 .with_for_update())
+_TAKE_JOB = (update(_JOBS)
+             .where(_JOBS.c.id == bindparam("job_id"), _JOBS.c.state == JobState.QUEUED.value,
+                    _JOBS.c.attempt == bindparam("seen_attempt"))
+             .values(**_LEASE_VALUES).returning(*_JOBS.c))
+_ADD_EVENT = insert(JobEvent)
+_LATEST_CHECKPOINT = (select(*_CHECKPOINTS.c).where(_CHECKPOINTS.c.job_id == bindparam("job_id"))
+                      .order_by(_CHECKPOINTS.c.epoch.desc(), _CHECKPOINTS.c.id.desc()).limit(1))

@@ -1,0 +1,113 @@
+"""What the store hands out: plain, immutable views of its rows."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import functools
+import json
+from typing import Any
+
+from sqlalchemy import Row
+
+from campugrid.coordinator.models import Checkpoint, Job
+from campugrid.coordinator.sharding import ShardTask, session_token
+from campugrid.protocol.spec import JobSpec
+from campugrid.protocol.states import JobState
+
+
+@functools.lru_cache(maxsize=4096)
+def stored_spec(text: str) -> JobSpec:
+    """A stored spec, parsed (specs never change once stored; sweeps share them)."""
+    return JobSpec.from_json(text)
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobView:
+    id: str
+    client_job_id: str | None
+    name: str | None
+    state: JobState
+    spec: JobSpec
+    context_key: str
+    attempt: int
+    max_attempts: int
+    machine_id: str | None
+    lease_expires_at: dt.datetime | None
+    exit_code: int | None
+    reason: str | None
+    result: str | None
+    output_key: str | None
+    limits: dict[str, str]
+    created_at: dt.datetime
+    updated_at: dt.datetime
+    spec_json: str = ""  # the spec as stored (what agents get)
+    shards_total: int = 0  # 0: not a sharded job
+    shards_queued: int = 0
+    shards_done: int = 0
+    shards_failed: int = 0
+
+    @classmethod
+    def from_row(cls, row: Job | Row[Any]) -> JobView:
+        return cls(
+            id=row.id, client_job_id=row.client_job_id, name=row.name,
+            state=JobState(row.state), spec=stored_spec(row.spec_json),
+            context_key=row.context_key, attempt=row.attempt, max_attempts=row.max_attempts,
+            machine_id=row.machine_id, lease_expires_at=row.lease_expires_at,
+            exit_code=row.exit_code, reason=row.reason, result=row.result,
+            output_key=row.output_key, limits=json.loads(row.limits_json or "{}"),
+            created_at=row.created_at, updated_at=row.updated_at,
+            spec_json=row.spec_json, shards_total=row.shards_total or 0, shards_queued=row.shards_queued or 0,
+            shards_done=row.shards_done or 0, shards_failed=row.shards_failed or 0,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """What a lease hands out: the job as the new attempt, its GPUs, where to resume from;
+    for a sharded job, the session it opened and that session's first shard."""
+
+    job: JobView
+    gpu_uuids: tuple[str, ...]
+    resume: CheckpointView | None
+    session: int | None = None
+    shard: ShardTask | None = None
+
+    @property
+    def token(self) -> int:
+        return session_token(self.session) if self.session is not None else self.job.attempt
+
+
+@dataclasses.dataclass(frozen=True)
+class EventView:
+    at: dt.datetime
+    attempt: int
+    kind: str
+    detail: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointView:
+    job_id: str
+    attempt: int
+    epoch: int
+    key: str
+    size: int
+    sha256: str
+    created_at: dt.datetime
+
+    @classmethod
+    def from_row(cls, r: Checkpoint | Row[Any]) -> CheckpointView:
+        return cls(r.job_id, r.attempt, r.epoch, r.key, r.size, r.sha256, r.created_at)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogView:
+    id: int
+    attempt: int
+    stream: str
+    text: str
