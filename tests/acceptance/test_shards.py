@@ -146,3 +146,35 @@ def test_bad_shard_lists_are_refused_and_store_nothing(api, platform):
     assert len(api.jobs(limit=1000)) == before
     with pytest.raises(NotFound, match="no job"):
         list(api.shards("00000000-0000-0000-0000-000000000000"))
+
+
+HOG = r"""
+import json, os
+payload = json.loads(os.environ["CAMPUGRID_SHARD_PAYLOAD"])
+if payload == "hog":
+    b = bytearray(700 * 1024 * 1024)
+    b[::4096] = b"x" * len(b[::4096])
+print(json.dumps({"ok": payload}))
+"""
+
+
+@pytest.mark.skipif(not Path("/sys/fs/cgroup/memory/campugrid").is_dir(),
+                    reason="no delegated memory cgroup on this host: infra/setup.sh makes one "
+                           "(cgroup v1); without it memory limits are not enforced")
+def test_a_shard_that_kills_its_sandbox_fails_alone_and_the_rest_run_in_a_new_one(api, tmp_path):
+    ctx = tmp_path / "hog"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text("FROM localhost/campugrid/python:bookworm\n"
+                                    "COPY hog.py /hog.py\n")
+    (ctx / "hog.py").write_text(HOG)
+    spec = JobSpec.from_dict({"command": ["python3", "/hog.py"],
+                              "resources": {"memory_mb": 256},
+                              "shards": [{"payload": 1}, {"payload": "hog"}, {"payload": 3}]})
+    job = api.submit(tar_folder(ctx), spec)
+    final = api.wait(job["id"], timeout_s=300)
+    assert final["state"] == "failed", final
+    assert "first: shard 1: the sandbox stopped during this shard (out of memory?" in final["reason"]
+    shards = {s["index"]: s for s in api.shards(job["id"])}
+    assert shards[1]["state"] == "failed" and shards[1]["tries"] == 0  # the job's fault: final
+    assert (shards[0]["result"], shards[2]["result"]) == ({"ok": 1}, {"ok": 3})
+    assert "3 shards run in 2 sandboxes" in run_log_until(api, job["id"], "in 2 sandboxes")

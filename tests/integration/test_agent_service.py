@@ -222,6 +222,11 @@ def test_shards_over_grpc_results_checked_and_heavy_ones_to_the_faster_machine(c
                                                       succeeded=True,
                                                       result_json='"' + "x" * 70_000 + '"'))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as e:  # nested too deeply to parse
+        fast.next_shard(job_id, token, pb.ShardResult(index=lease_fast.shard.index,
+                                                      succeeded=True,
+                                                      result_json="[" * 30_000 + "]" * 30_000))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     # a result for a shard this session does not hold is refused
     other = fast.next_shard(job_id, token, pb.ShardResult(index=lease_slow.shard.index,
                                                           succeeded=True, result_json="1"))

@@ -87,7 +87,9 @@ def test_serve_shards_outside_a_sharded_job_says_so():
 def test_the_agent_trusts_nothing_the_runner_says():
     assert _result(3, {"done": 3, "ok": True, "exit": 0, "result": '{"a": 1}'}).succeeded
     bad_json = _result(3, {"done": 3, "ok": True, "exit": 0, "result": "{oops"})
-    assert not bad_json.succeeded and bad_json.reason == "the shard's result is not JSON"
+    assert not bad_json.succeeded and bad_json.reason.startswith("the shard's result is not JSON")
+    deep = _result(3, {"done": 3, "ok": True, "exit": 0, "result": "[" * 60_000 + "]" * 60_000})
+    assert not deep.succeeded and deep.result_json == ""
     huge = _result(3, {"done": 3, "ok": True, "exit": 0, "result": json.dumps("x" * 70_000)})
     assert not huge.succeeded and huge.result_json == ""
     odd = _result(3, {"done": 3, "ok": "yes", "exit": 2**40, "result": 5})

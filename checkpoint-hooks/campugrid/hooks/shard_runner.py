@@ -60,7 +60,7 @@ def _as_result(text: str) -> str:
     try:
         json.loads(text)
         return text
-    except ValueError:
+    except (ValueError, RecursionError):
         return json.dumps(text)
 
 
@@ -109,7 +109,7 @@ def _run_process(out: _Out, command: list[str], index: int, payload: str,
             return {"ok": False, "exit": code, "error": f"result.json is over {MAX_RESULT} bytes"}
         try:
             json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             return {"ok": False, "exit": code, "error": "result.json is not valid JSON"}
         result = text
     elif last:
@@ -174,7 +174,7 @@ class _Server:
                                               "(does it call hooks.serve_shards?)"}
             try:
                 reply = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue
             if reply.get("index") != index:
                 continue

@@ -249,7 +249,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
                                   f"result of shard {d.index}: larger than {MAX_RESULT} bytes")
                 try:
                     json.loads(result)
-                except ValueError:
+                except (ValueError, RecursionError):
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                   f"result of shard {d.index}: not JSON")
             done = ShardResult(d.index, d.succeeded, d.exit_code, result, d.reason[:4000] or None)

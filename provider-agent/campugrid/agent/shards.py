@@ -52,35 +52,58 @@ class ShardSessionTask(Task):
                if k not in ("CAMPUGRID_OUTPUT", "CAMPUGRID_CHECKPOINT_DIR")}
         run_log = self.shipper.for_stream("run")
         request = self.run_request(command, env, mapped, writable=False)
-        with self.sandbox.session(request, log=run_log) as box:
-            if not self._wait_ready(box):
-                return pb.CompleteRequest(
-                    succeeded=False, exit_code=-1,
-                    reason="the shard runner did not start in the sandbox: sharded jobs need "
-                           f"python3 in the image (it runs {HOOKS_MOUNT}/campugrid/hooks/"
-                           "shard_runner.py); last lines:\n" + "\n".join(list(box.tail)[-10:]))
-            shard: pb.ShardTask | None = lease.shard
-            ran = 0
-            while shard is not None and not self.stop.is_set():
-                done = self._run_one(box, shard)
-                if done is None:  # the sandbox died or was stopped under the shard
-                    if not self.stop.is_set():
-                        self.handback = f"the sandbox stopped during shard {shard.index}"
-                    break
-                ran += 1
-                reply = _retry(lambda d=done: self.client.next_shard(  # type: ignore[misc]
-                    lease.job_id, lease.fencing_token, d))
-                if not reply.accepted:
-                    log.info("session %d of %s is over: %s", lease.fencing_token, lease.job_id,
-                             reply.reason)
-                    self.lost.set()
-                    break
-                shard = reply.shard if reply.has_shard else None
-                if shard is not None and self.draining:
-                    break  # handed back with the session (Release) below
+        shard: pb.ShardTask | None = lease.shard
+        ran = sandboxes = 0
+        while shard is not None and not self.stop.is_set():
+            # A sandbox that dies under a shard (out of memory, a crash) fails that shard,
+            # not the machine: the next shard gets a fresh sandbox.
+            sandboxes += 1
+            with self.sandbox.session(request, log=run_log) as box:
+                if not self._wait_ready(box):
+                    if ran or self.stop.is_set():  # it started before: not the image's fault
+                        self.handback = "the shard sandbox did not start again"
+                        break
+                    return pb.CompleteRequest(
+                        succeeded=False, exit_code=-1,
+                        reason="the shard runner did not start in the sandbox: sharded jobs "
+                               f"need python3 in the image (it runs {HOOKS_MOUNT}/campugrid/"
+                               "hooks/shard_runner.py); last lines:\n"
+                               + "\n".join(list(box.tail)[-10:]))
+                shard, ran = self._serve(box, shard, ran)
         self.shipper.line("run", f"[campugrid] session {lease.fencing_token}: {ran} shards run "
-                                 "in one sandbox")
+                                 f"in {sandboxes} sandbox{'es' if sandboxes > 1 else ''}")
         return pb.CompleteRequest(succeeded=True, exit_code=0)
+
+    def _serve(self, box: Interactive, shard: pb.ShardTask | None,
+               ran: int) -> tuple[pb.ShardTask | None, int]:
+        """Shards through one sandbox until none is left, the task stops, or the sandbox
+        dies (then: the next shard, to run in a new one)."""
+        lease = self.lease
+        while shard is not None and not self.stop.is_set():
+            done = self._run_one(box, shard)
+            died = done is None
+            if done is None:
+                if self.stop.is_set():
+                    break
+                done = pb.ShardResult(
+                    index=shard.index, succeeded=False, exit_code=-1,
+                    reason="the sandbox stopped during this shard (out of memory? "
+                           f"resources.memory_mb is {self.spec.resources.memory_mb}); "
+                           "last lines:\n" + "\n".join(list(box.tail)[-5:]))
+            ran += 1
+            reply = _retry(lambda d=done: self.client.next_shard(  # type: ignore[misc]
+                lease.job_id, lease.fencing_token, d))
+            if not reply.accepted:
+                log.info("session %d of %s is over: %s", lease.fencing_token, lease.job_id,
+                         reply.reason)
+                self.lost.set()
+                return None, ran
+            shard = reply.shard if reply.has_shard else None
+            if shard is not None and self.draining:
+                return None, ran  # the shard in hand goes back with the session (Release)
+            if died:
+                break
+        return shard, ran
 
     def _wait_ready(self, box: Interactive) -> bool:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -134,8 +157,8 @@ def _result(index: int, msg: dict[str, object]) -> pb.ShardResult:
     if text:
         try:
             json.loads(text)
-        except ValueError:
-            text, ok, reason = "", False, "the shard's result is not JSON"
+        except (ValueError, RecursionError):
+            text, ok, reason = "", False, "the shard's result is not JSON (or nested too deeply)"
         if len(text) > MAX_RESULT:
             text, ok, reason = "", False, f"the shard's result is over {MAX_RESULT} bytes"
     code = msg.get("exit")
