@@ -260,3 +260,16 @@ def test_a_provider_side_failure_counts_as_an_attempt(store: Store):
         after = store.release(job.id, attempt, m, "disk full", failed=True)
     assert after.state is JobState.FAILED and "all 2 attempts used" in (after.reason or "")
     assert [e.kind for e in store.events(job.id)].count("handed_back") == 2
+
+
+def test_a_claim_hands_out_the_job_exactly_as_stored(store: Store):
+    # On SQLite the common claim runs on the DBAPI cursor (claims._take_next_sqlite): what it
+    # hands out must be what the store reads back, dates included.
+    job = submit(store, "exact", command=["x"], env={"A": "1"})
+    m, _ = store.register_machine("m", {})
+    claim = store.claim(m, lease_s=30)
+    assert claim is not None and claim.job.id == job.id
+    assert claim.job == store.get(job.id)
+    assert claim.job.lease_expires_at is not None
+    assert claim.job.lease_expires_at.tzinfo is not None
+    assert claim.job.created_at == job.created_at

@@ -18,6 +18,7 @@ from minio.datatypes import Part
 from minio.error import MinioException, S3Error
 from urllib3.exceptions import HTTPError
 
+from campugrid.coordinator.presign import Presigner
 from campugrid.protocol.errors import InvalidInput, StorageError
 
 _FAILURES = (MinioException, HTTPError, OSError, ValueError)
@@ -34,6 +35,8 @@ class S3Store:
                  *, secure: bool = False, region: str = "us-east-1") -> None:
         self.bucket = bucket
         self.client = Minio(endpoint, access_key, secret_key, secure=secure, region=region)
+        self.presigner = Presigner(f"{'https' if secure else 'http'}://{endpoint}", access_key,
+                                   secret_key, region)
 
     def close(self) -> None:
         self.client._http.clear()  # the SDK has no close(); its urllib3 pool does
@@ -110,12 +113,16 @@ class S3Store:
         return out
 
     def presign_get(self, key: str, ttl: dt.timedelta, bucket: str | None = None) -> str:
+        if self.presigner.handles(bucket or self.bucket, key):
+            return self.presigner.url("GET", bucket or self.bucket, key, int(ttl.total_seconds()))
         try:
             return str(self.client.presigned_get_object(bucket or self.bucket, key, expires=ttl))
         except _FAILURES as e:
             raise StorageError(f"cannot presign {key}: {e}") from e
 
     def presign_put(self, key: str, ttl: dt.timedelta) -> str:
+        if self.presigner.handles(self.bucket, key):
+            return self.presigner.url("PUT", self.bucket, key, int(ttl.total_seconds()))
         try:
             return str(self.client.presigned_put_object(self.bucket, key, expires=ttl))
         except _FAILURES as e:

@@ -6,6 +6,7 @@ import dataclasses
 import datetime as dt
 import functools
 import json
+from types import SimpleNamespace
 from typing import Any
 
 from sqlalchemy import Row
@@ -52,7 +53,7 @@ class JobView:
     shards_failed: int = 0
 
     @classmethod
-    def from_row(cls, row: Job | Row[Any]) -> JobView:
+    def from_row(cls, row: Job | Row[Any] | SimpleNamespace) -> JobView:
         return cls(
             id=row.id, client_job_id=row.client_job_id, name=row.name,
             state=JobState(row.state), spec=stored_spec(row.spec_json),
