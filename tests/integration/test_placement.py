@@ -139,3 +139,39 @@ def test_two_coordinator_processes_never_double_lease_or_overcommit(store: Store
         per_gpu = conn.execute(text("SELECT gpu_uuid, SUM(memory_mb) FROM gpu_reservations "
                                     "GROUP BY gpu_uuid")).all()
     assert len(per_gpu) == 8 and all(total <= 24 * GB for _, total in per_gpu)
+
+
+CPU_SCRIPT = """
+import json, sys, threading
+from campugrid.coordinator.store import Store, make_engine
+url, machines = sys.argv[1], json.loads(sys.argv[2])
+store = Store(make_engine(url))
+got = []
+def agent(m):
+    while True:
+        job = store.claim_next(m, 60)
+        if job is None:
+            return
+        got.append((job.id, job.attempt, m))
+threads = [threading.Thread(target=agent, args=(m,)) for m in machines]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(json.dumps(got))
+"""
+
+
+def test_two_coordinator_processes_lease_each_cpu_job_once(store: Store, db_url: str):
+    # The one-statement claim (and on SQLite its DBAPI path), under real contention.
+    jobs = [store.submit(JobSpec.from_dict({"command": ["x"]}), "contexts/x", "a" * 64)[0].id
+            for _ in range(300)]
+    machines = [store.register_machine(f"m{i}", {})[0] for i in range(8)]
+    procs = [subprocess.Popen([sys.executable, "-c", CPU_SCRIPT, db_url, json.dumps(machines)],
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    results = []
+    for p in procs:
+        out, _ = p.communicate(timeout=180)
+        assert p.returncode == 0
+        results += json.loads(out.strip().splitlines()[-1])
+    assert sorted(job for job, _, _ in results) == sorted(jobs)  # each exactly once
+    assert {attempt for _, attempt, _ in results} == {1}
+    assert all(store.get(j).state is JobState.BUILDING for j in jobs)
