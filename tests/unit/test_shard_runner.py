@@ -77,6 +77,12 @@ def test_process_mode_result_is_the_last_line_or_result_json():
     assert {"log": "[shard 0] log line"} in msgs
 
 
+def test_process_mode_refuses_an_oversized_result_json():
+    script = 'head -c 70000 /dev/zero | tr "\\0" 1 > "$CAMPUGRID_SHARD_OUTPUT/result.json"'
+    [done] = [m for m in run_runner("process", ["sh", "-c", script], [1]) if "done" in m]
+    assert done["ok"] is False and done["error"] == "result.json is over 65536 bytes"
+
+
 def test_serve_shards_outside_a_sharded_job_says_so():
     out = subprocess.run([sys.executable, "-c", "from campugrid import hooks; "
                           "hooks.serve_shards(print)"], capture_output=True, text=True,

@@ -104,9 +104,9 @@ def _run_process(out: _Out, command: list[str], index: int, payload: str,
     result_file = folder / "result.json"
     result = None
     if result_file.is_file() and not result_file.is_symlink():
-        text = result_file.read_text(errors="replace")
-        if len(text) > MAX_RESULT:
+        if result_file.stat().st_size > MAX_RESULT:
             return {"ok": False, "exit": code, "error": f"result.json is over {MAX_RESULT} bytes"}
+        text = result_file.read_text(errors="replace")
         try:
             json.loads(text)
         except (ValueError, RecursionError):
