@@ -60,8 +60,11 @@ def seed_jobs(running: server.Running, count: int) -> None:
     if running.coord.store.engine.dialect.name == "sqlite":
         # Set-up, not measurement: fold the seeded rows into the database file now, so that
         # no timed commit pays for checkpointing them.
-        with running.coord.store.engine.connect() as conn:
-            conn.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+        raw = running.coord.store.engine.raw_connection()  # outside any transaction
+        try:
+            raw.driver_connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # type: ignore[union-attr]
+        finally:
+            raw.close()
 
 
 def seed_machines(running: server.Running, count: int) -> list[tuple[str, str]]:
