@@ -79,7 +79,8 @@ def seed_machines(running: server.Running, count: int) -> list[tuple[str, str]]:
 
 
 def join(address: str, creds: list[tuple[str, str]]) -> None:
-    """What every agent does when it starts: a heartbeat with its capabilities."""
+    """What every agent does when it starts, and every 10 s after: a heartbeat with its
+    capabilities (untimed)."""
     client = CoordinatorClient(address, Path(os.devnull))
     caps = pb.Capabilities(runtime="runsc", builder="buildah", cpus=8, memory_mb=32_000,
                            speed_gflops=100.0)
@@ -234,13 +235,13 @@ def main() -> None:
         depths = [int(x) for x in args.depths.split(",")]
         counts = [int(x) for x in args.machines.split(",")]
         creds = seed_machines(running, max(counts))
-        join(address, creds)
         seeded = 0
         for depth in depths:
             seed_jobs(running, depth - seeded + 2 * args.leases * len(counts)
                       + 30 * (args.processes + 1) * len(counts))
             seeded = depth
             for machines in counts:
+                join(address, creds[:machines])  # agents heartbeat every 10 s: still here
                 r = measure(address, creds[:machines], args.leases, args.threads, args.processes)
                 rows.append((depth, machines, r))
                 print(f"  measured {depth} queued, {machines} machines: {r['median_ms']:.2f} ms",
