@@ -20,7 +20,7 @@ import grpc
 
 from campugrid.coordinator.scheduler import GpuView, MachineView
 from campugrid.coordinator.service import Coordinator
-from campugrid.coordinator.sharding import MAX_RESULT, ShardResult, ShardTask, session_of
+from campugrid.coordinator.sharding import ShardResult, ShardTask, session_of
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
 from campugrid.protocol.errors import (
@@ -31,6 +31,7 @@ from campugrid.protocol.errors import (
     StaleAttempt,
     Unauthenticated,
 )
+from campugrid.protocol.spec import MAX_SHARD_RESULT
 from campugrid.protocol.states import JobState
 from campugrid.protocol.wire import MACHINE_HEADER, SECRET_HEADER
 
@@ -244,9 +245,9 @@ class AgentService(pb_grpc.AgentServiceServicer):
             d = request.done
             result = d.result_json or None
             if result is not None:
-                if len(result) > MAX_RESULT:
+                if len(result) > MAX_SHARD_RESULT:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"result of shard {d.index}: larger than {MAX_RESULT} bytes")
+                                  f"result of shard {d.index}: larger than {MAX_SHARD_RESULT} bytes")
                 try:
                     json.loads(result)
                 except (ValueError, RecursionError):

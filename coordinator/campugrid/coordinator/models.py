@@ -39,6 +39,14 @@ class UTCDateTime(TypeDecorator[dt.datetime]):
         return value.replace(tzinfo=dt.UTC) if value.tzinfo is None else value.astimezone(dt.UTC)
 
 
+MAX_LOG_CHUNK = 64 * 1024
+
+
+def clean(text: str | None) -> str | None:
+    """Text from agents as stored: no NUL (PostgreSQL refuses it in text columns)."""
+    return text.replace("\x00", "\\0") if text else text
+
+
 class Base(DeclarativeBase):
     type_annotation_map = {dt.datetime: UTCDateTime}
 

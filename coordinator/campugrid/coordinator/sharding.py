@@ -22,7 +22,16 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
-from campugrid.coordinator.models import GpuReservation, Job, JobEvent, LogChunk, Shard, ShardSession
+from campugrid.coordinator.models import (
+    MAX_LOG_CHUNK,
+    GpuReservation,
+    Job,
+    JobEvent,
+    LogChunk,
+    Shard,
+    ShardSession,
+    clean,
+)
 from campugrid.protocol.errors import IllegalTransition, StaleAttempt
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobState
@@ -31,8 +40,6 @@ if TYPE_CHECKING:
     from campugrid.coordinator.store import Store
 
 SESSION_TOKEN_BASE = 1 << 40  # attempts of plain jobs stay far below this
-MAX_RESULT = 64 * 1024
-MAX_LOG_CHUNK = 64 * 1024
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
 
 
@@ -57,7 +64,7 @@ class ShardResult:
     index: int
     succeeded: bool
     exit_code: int | None
-    result_json: str | None  # JSON text, at most MAX_RESULT
+    result_json: str | None  # JSON text, at most spec.MAX_SHARD_RESULT bytes
     reason: str | None
 
 
@@ -200,7 +207,7 @@ class ShardStore:
             Shard.job_id == job_id, Shard.idx == done.index, Shard.session_id == sid,
             Shard.state == RUNNING).values(
             state=SUCCEEDED if done.succeeded else FAILED, exit_code=done.exit_code,
-            result_json=_clean(done.result_json), reason=_clean(done.reason), finished_at=now)
+            result_json=clean(done.result_json), reason=clean(done.reason), finished_at=now)
             .execution_options(synchronize_session=False))
         if res.rowcount != 1:  # type: ignore[attr-defined]
             raise StaleAttempt(f"result of shard {done.index} refused: session {sid} "
@@ -238,7 +245,7 @@ class ShardStore:
                 now = dt.datetime.now(dt.UTC)
                 res = s.execute(update(Job).where(
                     Job.id == job_id, Job.state.in_([JobState.QUEUED.value, JobState.RUNNING.value]))
-                    .values(state=JobState.FAILED.value, reason=_clean(failure), updated_at=now))
+                    .values(state=JobState.FAILED.value, reason=clean(failure), updated_at=now))
                 if res.rowcount == 1:  # type: ignore[attr-defined]
                     s.execute(update(Shard).where(Shard.job_id == job_id,
                                                   Shard.state.in_([QUEUED, RUNNING]))
@@ -247,7 +254,7 @@ class ShardStore:
                               .values(active=False))
                     s.execute(delete(GpuReservation).where(GpuReservation.job_id == job_id))
                     s.add(JobEvent(job_id=job_id, at=now, attempt=session.id, kind="failed",
-                                   detail=_clean(failure) or ""))
+                                   detail=clean(failure) or ""))
 
     def release(self, job_id: str, token: int, machine_id: str, reason: str,
                 failed: bool) -> None:
@@ -316,7 +323,7 @@ class ShardStore:
                 LogChunk.stream == stream, LogChunk.seq == seq))
             if exists is None:
                 s.add(LogChunk(job_id=job_id, attempt=session.id, stream=stream, seq=seq,
-                               text=(_clean(text) or "")[:MAX_LOG_CHUNK]))
+                               text=(clean(text) or "")[:MAX_LOG_CHUNK]))
 
     def extend_active(self, lease_s: float) -> int:
         with self.store.tx() as s:
@@ -341,9 +348,3 @@ class ShardStore:
             rows = s.execute(select(Shard.state, func.count()).where(Shard.job_id == job_id)
                              .group_by(Shard.state)).all()
         return {str(state): int(n) for state, n in rows}
-
-
-def _clean(text: str | None) -> str | None:
-    return text.replace("\x00", "\\0") if text else text
-
-

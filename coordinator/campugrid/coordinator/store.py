@@ -33,6 +33,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from campugrid.coordinator.claims import Claimer
 from campugrid.coordinator.models import (
+    MAX_LOG_CHUNK,
     Checkpoint,
     GpuReservation,
     Job,
@@ -41,6 +42,7 @@ from campugrid.coordinator.models import (
     Machine,
     Shard,
     ShardSession,
+    clean,
 )
 from campugrid.coordinator.scheduler import GpuView, MachineView
 from campugrid.coordinator.sharding import (
@@ -65,7 +67,6 @@ from campugrid.protocol.errors import (
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import ACTIVE, JobState, sources_of
 
-MAX_LOG_CHUNK = 64 * 1024
 READ_ONLY = "campugrid_read_only"
 
 
@@ -484,11 +485,6 @@ class Store:
             detail = f"{what} from attempt {token} refused: the job is {row.state}"
         s.add(JobEvent(job_id=row.id, at=utcnow(), attempt=token, kind="refused", detail=detail))
         return StaleAttempt(detail) if row.attempt != token else IllegalTransition(detail)
-
-
-def clean(text: str | None) -> str | None:
-    """Text from agents as stored: no NUL (PostgreSQL refuses it in text columns)."""
-    return text.replace("\x00", "\\0") if text else text
 
 
 def _digest(secret: str) -> str:

@@ -28,6 +28,7 @@ MAX_ENV_VALUE = 32768
 MAX_DATASETS = 16
 MAX_SHARDS = 100_000
 MAX_SHARD_PAYLOAD = 64 * 1024  # bytes of JSON per shard
+MAX_SHARD_RESULT = 64 * 1024  # bytes of JSON a shard's result may have
 MAX_SPEC_BYTES = 16 * 1024 * 1024  # room for a long list of shards
 SHARD_MODES = ("process", "serve")
 

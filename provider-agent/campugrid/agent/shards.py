@@ -17,11 +17,11 @@ import time
 
 from campugrid.agent.task import HOOKS_MOUNT, Task, _retry
 from campugrid.protocol import agent_pb2 as pb
+from campugrid.protocol.spec import MAX_SHARD_RESULT
 from campugrid.sandbox.process import Interactive
 
 log = logging.getLogger("campugrid.agent")
 READY_TIMEOUT_S = 120.0  # sandbox start, with margin for a busy machine
-MAX_RESULT = 64 * 1024
 
 
 class ShardSessionTask(Task):
@@ -135,7 +135,7 @@ class ShardSessionTask(Task):
                 continue
             msg = _parse(line)
             if "log" in msg:
-                run_log(str(msg["log"])[:MAX_RESULT])
+                run_log(str(msg["log"])[:MAX_SHARD_RESULT])
             elif msg.get("done") == shard.index:
                 return _result(shard.index, msg)
         return None
@@ -159,8 +159,8 @@ def _result(index: int, msg: dict[str, object]) -> pb.ShardResult:
             json.loads(text)
         except (ValueError, RecursionError):
             text, ok, reason = "", False, "the shard's result is not JSON (or nested too deeply)"
-        if len(text) > MAX_RESULT:
-            text, ok, reason = "", False, f"the shard's result is over {MAX_RESULT} bytes"
+        if len(text) > MAX_SHARD_RESULT:
+            text, ok, reason = "", False, f"the shard's result is over {MAX_SHARD_RESULT} bytes"
     code = msg.get("exit")
     return pb.ShardResult(index=index, succeeded=ok,
                           exit_code=code if isinstance(code, int) and -2**31 <= code < 2**31 else -1,
