@@ -69,6 +69,43 @@ def test_a_dockerfile_that_needs_network_is_refused_at_submit(api, tmp_path):
     assert err.value.status == 422 and "builds have no network" in err.value.detail
 
 
+@pytest.mark.parametrize(("fields", "says"), [
+    ({"spec": b'{"name": "caf\xe9"}'}, "byte 0xe9 at offset 13"),  # Latin-1, not UTF-8
+    ({"spec": b'{"name": "\xff\xfe"}'}, "not valid utf-8 text"),
+    ({"spec_file": ("spec.json", b'{"name": "\xff"}')}, "spec: not valid JSON"),
+])
+def test_text_that_is_not_utf8_is_refused_not_stored_as_mojibake(api, platform, fields, says):
+    before = len(api.jobs(limit=1000))
+    files = {"context": ("c.tgz", tar_folder(HELLO))}
+    data = {}
+    for name, value in fields.items():
+        if isinstance(value, tuple):
+            files[name] = value
+        else:
+            files[name] = (None, value)  # a plain form field, sent as raw bytes
+    resp = httpx.post(f"{platform.url}/v1/jobs", files=files, data=data, timeout=60)
+    assert resp.status_code == 422, resp.text
+    assert says in resp.json()["detail"]
+    assert len(api.jobs(limit=1000)) == before
+
+
+def test_the_dockerfile_is_read_as_the_builder_reads_it(api, tmp_path):
+    # One instruction to BuildKit and Buildah (a continued line): ADD of a loopback URL.
+    (tmp_path / "Dockerfile").write_text("FROM localhost/campugrid/python:bookworm\n"
+                                         "ADD http:/\\\n/127.0.0.1:8750/v1/jobs /j\n")
+    with pytest.raises(ApiError) as err:
+        api.submit(tar_folder(tmp_path), JobSpec())
+    assert err.value.status == 422 and "line 2" in err.value.detail and "no URLs" in err.value.detail
+
+
+def test_only_allowed_base_images_are_built_on(api, tmp_path):
+    (tmp_path / "Dockerfile").write_text("FROM localhost/campugrid-job/a-0/other:1\n")
+    with pytest.raises(ApiError) as err:
+        api.submit(tar_folder(tmp_path), JobSpec())
+    assert err.value.status == 422 and "not an allowed base image" in err.value.detail
+    assert "localhost/campugrid/python:bookworm" in err.value.detail
+
+
 def test_unknown_and_malformed_job_ids_are_404(api, platform):
     for job_id in ("00000000-0000-0000-0000-000000000000", "x' OR 1=1"):
         resp = httpx.get(f"{platform.url}/v1/jobs/{job_id}", timeout=30)

@@ -69,10 +69,10 @@ def test_garbage_is_not_an_archive():
 
 @pytest.mark.parametrize(("dockerfile", "says"), [
     ("RUN echo hi", "RUN before the first FROM"),
-    ("FROM x\nRUN --network=host curl example.org", "builds run with no network"),
-    ("FROM x\nRUN --mount=type=secret,id=aws cat /run/secrets/aws", "secret and ssh mounts"),
-    ("FROM x\nADD https://example.org/a.tgz /a.tgz", "ADD https://example.org/a.tgz"),
-    ("FROM x\nFROBNICATE now", "unknown instruction 'FROBNICATE'"),
+    ("FROM localhost/campugrid/python:bookworm\nRUN --network=host curl example.org", "builds run with no network"),
+    ("FROM localhost/campugrid/python:bookworm\nRUN --mount=type=secret,id=aws cat /run/secrets/aws", "secret and ssh mounts"),
+    ("FROM localhost/campugrid/python:bookworm\nADD https://example.org/a.tgz /a.tgz", "ADD https://example.org/a.tgz"),
+    ("FROM localhost/campugrid/python:bookworm\nFROBNICATE now", "unknown instruction 'FROBNICATE'"),
     ("# only a comment", "no FROM instruction"),
 ])
 def test_dockerfile_checks_say_which_line(dockerfile, says):
@@ -81,7 +81,7 @@ def test_dockerfile_checks_say_which_line(dockerfile, says):
 
 
 def test_dockerfile_continuations_and_comments_are_understood():
-    check_dockerfile("# syntax=docker/dockerfile:1\nARG V=1\nFROM x\nRUN echo a \\\n  # note\n  && echo b\n"
+    check_dockerfile("# syntax=docker/dockerfile:1\nARG V=1\nFROM localhost/campugrid/python:bookworm\nRUN echo a \\\n  # note\n  && echo b\n"
                      "ADD --chown=1:1 local.tgz /opt/\n")
 
 
@@ -106,12 +106,12 @@ def test_link_chains_cannot_reach_outside_the_context(members, tmp_path):
 
 
 @pytest.mark.parametrize("dockerfile", [
-    'FROM x\nADD ["http://192.168.1.1/x", "/x"]',
-    "FROM x\nARG U=http://127.0.0.1:8750/v1/jobs\nADD $U /x",
-    "FROM x\nRUN --mount=type=SECRET,id=a cat /run/secrets/a",
-    "FROM x\nRUN --mount=type=bind,from=y,target=/host ls /host",
-    "FROM x\nRUN --mount=type=cache,target=/root/.cache pip install x",
-    "FROM x\nCOPY --from=docker.io/library/alpine:3 /etc/passwd /p",
+    'FROM localhost/campugrid/python:bookworm\nADD ["http://192.168.1.1/x", "/x"]',
+    "FROM localhost/campugrid/python:bookworm\nARG U=http://127.0.0.1:8750/v1/jobs\nADD $U /x",
+    "FROM localhost/campugrid/python:bookworm\nRUN --mount=type=SECRET,id=a cat /run/secrets/a",
+    "FROM localhost/campugrid/python:bookworm\nRUN --mount=type=bind,from=y,target=/host ls /host",
+    "FROM localhost/campugrid/python:bookworm\nRUN --mount=type=cache,target=/root/.cache pip install x",
+    "FROM localhost/campugrid/python:bookworm\nCOPY --from=docker.io/library/alpine:3 /etc/passwd /p",
 ])
 def test_build_steps_that_reach_outside_are_refused(dockerfile):
     with pytest.raises(InvalidInput):

@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+from campugrid.builders.policy import BaseUse
 from campugrid.sandbox.process import LogFn
 
 
 class Builder(Protocol):
     name: str
+    scope: str  # this agent's folder of job cgroups: what its sweeps may remove
 
     def build(self, context_dir: Path, tag: str, *, log: LogFn, timeout_s: float,
               cancel: threading.Event | None = None, memory_mb: int = 4096,
-              cpus: float = 2.0) -> str:
+              cpus: float = 2.0, bases: Sequence[BaseUse] = ()) -> str:
         """Build context_dir/Dockerfile into the provider's image store as `tag`.
 
-        RUN steps get the job's memory and CPU where the host can enforce them.
-        Returns the tag; raises BuildFailed with the log tail on any failure.
+        `bases` are the allowed base images the checked Dockerfile starts from: each must be
+        here with its pinned digest, if any. RUN steps get the job's memory and CPU where the
+        host can enforce them. Returns the tag; raises BuildFailed with the log tail on any
+        failure.
         """
         ...

@@ -11,17 +11,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-import json
 import os
 import posixpath
-import re
 import shutil
 import stat
 import tarfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from campugrid.builders.policy import AllowedBase, CheckedDockerfile, check_dockerfile
 from campugrid.protocol.errors import InvalidInput
 
 MAX_MEMBERS = 20_000
@@ -35,6 +34,7 @@ class ContextInfo:
     members: int
     unpacked_bytes: int
     dockerfile: str
+    checked: CheckedDockerfile  # its stages and the allowed bases it builds on
 
 
 _ARCHIVE_ERRORS = (tarfile.TarError, EOFError, zlib.error)
@@ -49,13 +49,14 @@ def _archive_errors(what: str) -> Iterator[None]:
         raise InvalidInput(f"{what}: damaged archive ({type(e).__name__}: {e})") from e
 
 
-def inspect_context(data: bytes) -> ContextInfo:
-    """Check an uploaded context without unpacking it; raise InvalidInput with the reason."""
+def inspect_context(data: bytes, allowed: Sequence[AllowedBase] | None = None) -> ContextInfo:
+    """Check an uploaded context without unpacking it; raise InvalidInput with the reason.
+    `allowed`: the base images a build may start from (default: from configuration)."""
     with _archive_errors("context"):
-        return _inspect(data)
+        return _inspect(data, allowed)
 
 
-def _inspect(data: bytes) -> ContextInfo:
+def _inspect(data: bytes, allowed: Sequence[AllowedBase] | None) -> ContextInfo:
     total = 0
     count = 0
     dockerfile: bytes | None = None
@@ -79,18 +80,19 @@ def _inspect(data: bytes) -> ContextInfo:
         text = dockerfile.decode("utf-8")
     except UnicodeDecodeError as e:
         raise InvalidInput("context: Dockerfile is not UTF-8 text") from e
-    check_dockerfile(text)
-    return ContextInfo(members=count, unpacked_bytes=total, dockerfile=text)
+    checked = check_dockerfile(text, allowed)
+    return ContextInfo(members=count, unpacked_bytes=total, dockerfile=text, checked=checked)
 
 
-def extract_context(data: bytes, dest: Path) -> ContextInfo:
+def extract_context(data: bytes, dest: Path,
+                    allowed: Sequence[AllowedBase] | None = None) -> ContextInfo:
     """Unpack a context into the empty folder `dest`, checking every member again.
 
     Folders and files are written first, hard links are copied from files already written,
     and symbolic links are made last, so nothing is ever written through a link; then every
     link is resolved for real and the whole context is refused if one leads outside.
     """
-    info = inspect_context(data)
+    info = inspect_context(data, allowed)
     dest.mkdir(parents=True, exist_ok=True)
     root = dest.resolve()
     try:
@@ -213,99 +215,3 @@ def _checked_members(tar: tarfile.TarFile) -> Iterator[tuple[tarfile.TarInfo, st
             yield member, name
     except _ARCHIVE_ERRORS as e:
         raise InvalidInput(f"damaged archive ({type(e).__name__}: {e})") from e
-
-
-# --- Dockerfile -----------------------------------------------------------------------------
-
-_INSTRUCTIONS = {
-    "FROM", "RUN", "CMD", "LABEL", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT", "VOLUME",
-    "USER", "WORKDIR", "ARG", "ONBUILD", "STOPSIGNAL", "HEALTHCHECK", "SHELL", "MAINTAINER",
-}
-_URL_RE = re.compile(r"^(https?|git|ssh|ftp)://|^git@", re.IGNORECASE)
-
-
-def check_dockerfile(text: str) -> None:
-    """Refuse what cannot work on a provider (builds have no network) with a line number."""
-    saw_from = False
-    for lineno, line in _logical_lines(text):
-        word, _, rest = line.partition(" ")
-        inst = word.upper()
-        if inst in ("COPY", "ADD") and re.search(r"(?i)--from=\S*[:/.]", rest):
-            raise InvalidInput(f"Dockerfile line {lineno}: {inst} --from may name a build "
-                               "stage, not an image: providers pull from no registry")
-        if inst not in _INSTRUCTIONS:
-            raise InvalidInput(f"Dockerfile line {lineno}: unknown instruction {word!r}")
-        args = rest.split()
-        if inst == "FROM":
-            saw_from = True
-        elif not saw_from and inst not in ("ARG",):
-            raise InvalidInput(f"Dockerfile line {lineno}: {inst} before the first FROM")
-        if inst == "RUN":
-            for flag in args:
-                if not flag.startswith("--"):
-                    break
-                low = flag.lower()
-                if low.startswith("--network") and low not in ("--network=none", "--network=default"):
-                    raise InvalidInput(
-                        f"Dockerfile line {lineno}: {flag}: builds run with no network; "
-                        "put what the build needs into the context")
-                if low.startswith("--mount"):
-                    raise InvalidInput(
-                        f"Dockerfile line {lineno}: RUN --mount is not available on providers "
-                        "(bind, cache, secret and ssh mounts all reach outside the build)")
-                if low.startswith("--security"):
-                    raise InvalidInput(f"Dockerfile line {lineno}: {flag} is not allowed")
-        if inst == "ADD":
-            # Buildah fetches ADD's URLs itself, on the provider's network: only local sources.
-            for src in _sources(rest):
-                if _URL_RE.match(src) or "://" in src or "$" in src:
-                    raise InvalidInput(
-                        f"Dockerfile line {lineno}: ADD {src}: only files from the context "
-                        "(no URLs, no variables): builds have no network; download it "
-                        "beforehand and put it into the context")
-    if not saw_from:
-        raise InvalidInput("Dockerfile: no FROM instruction")
-
-
-def _sources(rest: str) -> list[str]:
-    """ADD's source arguments, in either form: JSON array or words; flags dropped."""
-    rest = rest.strip()
-    words: list[str]
-    flags = []
-    while rest.startswith("--"):
-        flag, _, rest = rest.partition(" ")
-        flags.append(flag)
-        rest = rest.strip()
-    if rest.startswith("["):
-        try:
-            parsed = json.loads(rest)
-        except ValueError:
-            parsed = None
-        if not isinstance(parsed, list) or not all(isinstance(w, str) for w in parsed):
-            raise InvalidInput(f"Dockerfile: ADD {rest[:60]}: not a valid JSON array")
-        words = parsed
-    else:
-        words = rest.split()
-    return words[:-1]
-
-
-def _logical_lines(text: str) -> Iterator[tuple[int, str]]:
-    """Join continuation lines; skip comments and blanks (parser directives are comments)."""
-    buf: list[str] = []
-    start = 0
-    for n, raw in enumerate(text.splitlines(), 1):
-        line = raw.strip()
-        if not buf and (not line or line.startswith("#")):
-            continue
-        if buf and line.startswith("#"):
-            continue
-        if not buf:
-            start = n
-        if line.endswith("\\"):
-            buf.append(line[:-1])
-            continue
-        buf.append(line)
-        yield start, " ".join(b for b in buf if b).strip()
-        buf = []
-    if buf:
-        yield start, " ".join(buf).strip()

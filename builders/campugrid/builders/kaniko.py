@@ -14,9 +14,11 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from campugrid.builders.policy import BaseUse
 from campugrid.protocol.errors import BuildFailed
 from campugrid.sandbox.process import LogFn
 
@@ -60,6 +62,7 @@ class KanikoBuilder:
         self.podman = shutil.which(podman) or podman
         self.skopeo = shutil.which("skopeo") or "skopeo"
         self._service: subprocess.Popen[bytes] | None = None
+        self.scope = ""  # Kaniko's containers run under the API service, outside job cgroups
 
     def _client(self) -> Any:
         import docker
@@ -82,9 +85,10 @@ class KanikoBuilder:
 
     def build(self, context_dir: Path, tag: str, *, log: LogFn, timeout_s: float,
               cancel: threading.Event | None = None, memory_mb: int = 4096,
-              cpus: float = 2.0) -> str:
+              cpus: float = 2.0, bases: Sequence[BaseUse] = ()) -> str:
         """memory_mb and cpus are not applied: the API service's containers are outside the
-        job cgroups (and rootless cgroup v1 ignores the API's limits)."""
+        job cgroups (and rootless cgroup v1 ignores the API's limits). `bases` are checked by
+        the policy only: Kaniko resolves FROM inside its own sandbox, which has no registry."""
         import docker.errors
 
         if not self.has_executor():

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 from fastapi import FastAPI, File, Form, HTTPException, Query, Request, UploadFile
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
+from starlette import formparsers
 
 from campugrid.coordinator.scheduler import why_waiting
 from campugrid.coordinator.service import Coordinator
@@ -114,6 +115,24 @@ class LogsOut(BaseModel):
     chunks: list[LogChunkOut]
     next_after: int
     state: JobState
+
+
+def _strict_decode(src: bytes | bytearray, codec: str) -> str:
+    """Multipart form text must be what it says it is. Starlette falls back to Latin-1 where
+    a field (or a field or file name) does not decode, which stores mojibake instead of
+    refusing: refuse it, with where the first bad byte is."""
+    try:
+        return bytes(src).decode(codec or "utf-8")
+    except UnicodeDecodeError as e:
+        raise HTTPException(422, detail=f"a form field is not valid {e.encoding} text (byte "
+                                        f"{bytes(src)[e.start]:#04x} at offset {e.start}); "
+                                        "send it as UTF-8") from e
+    except LookupError as e:
+        raise HTTPException(422, detail=f"unknown charset {codec!r} in the form") from e
+
+
+# Starlette has no option for this; the one place it decodes multipart text is this function.
+formparsers._user_safe_decode = _strict_decode
 
 
 def create_app(coord: Coordinator) -> FastAPI:

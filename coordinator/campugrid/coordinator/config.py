@@ -6,6 +6,8 @@ import dataclasses
 import os
 from pathlib import Path
 
+from campugrid.builders.policy import AllowedBase, allowed_bases
+
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
@@ -27,6 +29,9 @@ class Settings:
     keep_checkpoints: int = 3  # per job; older ones are deleted from storage
     checkpoint_part_bytes: int = 16 * 1024**2
     max_checkpoint_bytes: int = 64 * 1024**3
+    # What a job's FROM may name (CAMPUGRID_ALLOWED_BASES): checked at submit, and again by
+    # each agent against its own list.
+    allowed_bases: tuple[AllowedBase, ...] = dataclasses.field(default_factory=allowed_bases)
 
     @classmethod
     def from_env(cls, state_dir: Path, **overrides: object) -> Settings:
@@ -39,6 +44,7 @@ class Settings:
             "s3_secret_key": env.get("CAMPUGRID_S3_SECRET_KEY", ""),
             "s3_bucket": env.get("CAMPUGRID_S3_BUCKET", "campugrid"),
             "s3_secure": env.get("CAMPUGRID_S3_SECURE", "") in ("1", "true", "yes"),
+            "allowed_bases": allowed_bases(env.get("CAMPUGRID_ALLOWED_BASES")),
         }
         for key, name, kind in (("lease_seconds", "CAMPUGRID_LEASE_SECONDS", float),
                                 ("keep_checkpoints", "CAMPUGRID_KEEP_CHECKPOINTS", int)):

@@ -70,7 +70,7 @@ class Coordinator:
         """Validate everything, store the context, then the job; answer only after both."""
         if len(context) > self.settings.max_context_bytes:
             raise InvalidInput(f"context: larger than {self.settings.max_context_bytes // 1024**2} MiB")
-        inspect_context(context)
+        inspect_context(context, self.settings.allowed_bases)
         for ds in spec.datasets:
             if ds.bucket in (self.settings.s3_bucket, "campugrid-ready-probe"):
                 raise InvalidInput(f"dataset {ds.name}: bucket {ds.bucket!r} holds the platform's "

@@ -51,7 +51,7 @@ class Task:
         self.builder, self.sandbox = builder, sandbox
         self.spec = JobSpec.from_json(lease.spec_json)
         self.name = f"campugrid-{lease.job_id}-{lease.fencing_token}"
-        self.image = f"localhost/campugrid-job-{lease.job_id}:{lease.fencing_token}"
+        self.image = f"{job_image_prefix(sandbox.scope)}{lease.job_id}:{lease.fencing_token}"
         self.stop = threading.Event()  # stop building/running now
         self.lost = threading.Event()  # the lease is gone: report nothing
         self.draining = False
@@ -140,7 +140,7 @@ class Task:
         finally:
             self.renewer.stop()
             self.sandbox.remove_image(self.image)
-            shutil.rmtree(self.work, ignore_errors=True)
+            shutil.rmtree(self.work, ignore_errors=True)  # the agent's sweep catches the rest
 
     def _prepare(self) -> pb.CompleteRequest | tuple[tuple[str, int], ...]:
         """Download, restore, build and re-check GPUs: the outcome if the task ends here,
@@ -153,7 +153,7 @@ class Task:
         with httpx.Client(timeout=60) as http:
             resp = http.get(lease.context_url)
             resp.raise_for_status()
-            extract_context(resp.content, context_dir)
+            info = extract_context(resp.content, context_dir)
             if lease.datasets:
                 _fetch_datasets(http, lease, data_dir)
         if lease.HasField("resume"):
@@ -174,7 +174,7 @@ class Task:
             self.builder.build(context_dir, self.image, log=build_log,
                                timeout_s=min(BUILD_TIMEOUT_S, spec.resources.wall_time_s),
                                cancel=self.stop, memory_mb=spec.resources.memory_mb,
-                               cpus=spec.resources.cpus)
+                               cpus=spec.resources.cpus, bases=info.checked.bases)
         except BuildFailed as e:
             return pb.CompleteRequest(succeeded=False, exit_code=-1,
                                       reason=f"{e.reason}; last lines of the build log:\n{e.log_tail}")
@@ -262,6 +262,11 @@ class Task:
 
 
 Mapped = tuple[tuple[str, int], ...]  # (uuid, device minor) per reserved GPU
+
+
+def job_image_prefix(scope: str) -> str:
+    """Where this agent's job images are named: what its sweeps may remove."""
+    return f"localhost/campugrid-job/{scope or 'agent'}/"
 
 
 def _walk_files(root: Path) -> list[str]:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import os
 import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -23,10 +25,11 @@ from campugrid.agent.client import CoordinatorClient
 from campugrid.agent.gpus import GpuPolicy, nvproxy_support
 from campugrid.agent.shards import ShardSessionTask
 from campugrid.agent.speed import matmul_gflops
-from campugrid.agent.task import Task
+from campugrid.agent.task import Task, job_image_prefix
 from campugrid.builders.base import Builder
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol.errors import CampugridError
+from campugrid.sandbox import limits as host_limits
 from campugrid.sandbox.podman_runsc import PodmanRunsc
 
 log = logging.getLogger("campugrid.agent")
@@ -50,6 +53,10 @@ class Agent:
         self.settings = settings
         self.builder = builder
         self.sandbox = sandbox
+        # Everything this agent makes (job cgroups, job images) is named under its scope, so
+        # its sweeps remove its own leftovers and never another agent's of the same user.
+        self.scope = "a-" + hashlib.sha256(str(settings.state_dir.resolve()).encode()).hexdigest()[:12]
+        self.sandbox.scope = self.builder.scope = self.scope
         self.client = CoordinatorClient(settings.coordinator, settings.state_dir / "credentials.json")
         self.work_root = settings.state_dir / "work"
         self.stopping = threading.Event()
@@ -95,6 +102,7 @@ class Agent:
         log.info("agent %s registered as %s", self.settings.name, self.client.machine_id)
         for name in self.sandbox.sweep(self.client.machine_id):
             log.warning("removed sandbox %s left from an earlier run of this agent", name)
+        self.sweep("an earlier run of this agent")
         last_beat = 0.0
         while not self.stopping.is_set():
             try:
@@ -117,7 +125,7 @@ class Agent:
     def run_task(self, lease: pb.LeaseReply) -> None:
         log.info("task %s attempt %d leased", lease.job_id, lease.fencing_token)
         work = self.work_root / f"{lease.job_id}-{lease.fencing_token}"
-        shutil.rmtree(work, ignore_errors=True)
+        remove_tree(work)
         work.mkdir(parents=True)
         kind = ShardSessionTask if lease.HasField("shard") else Task
         self.task = kind(self.client, lease, work, self.builder, self.sandbox,
@@ -131,3 +139,24 @@ class Agent:
                         "expire and the job will run again", lease.job_id, e.code())
         finally:
             self.task = None
+            self.sweep(f"task {lease.job_id}")
+
+    def sweep(self, whose: str) -> None:
+        """Between tasks nothing of a task may remain: its cgroups (and whatever still runs in
+        them), its work folder, its image. Also at start, for an earlier life's leftovers."""
+        for name in host_limits.sweep(self.sandbox.limits, self.scope):
+            log.warning("removed cgroup %s left by %s", name, whose)
+        for image in self.sandbox.sweep_images(job_image_prefix(self.scope)):
+            log.warning("removed image %s left by %s", image, whose)
+        for folder in sorted(self.work_root.glob("*")) if self.work_root.is_dir() else []:
+            remove_tree(folder)
+            log.warning("removed work folder %s left by %s", folder.name, whose)
+
+
+def remove_tree(path: Path) -> None:
+    """rmtree, and where a job left files owned by its user namespace's ids (which this user
+    may not unlink from outside), the same from inside that namespace."""
+    shutil.rmtree(path, ignore_errors=True)
+    if path.exists():
+        subprocess.run(["podman", "unshare", "rm", "-rf", "--", str(path)], capture_output=True,
+                       timeout=120, check=False)

@@ -13,7 +13,10 @@ import contextlib
 import dataclasses
 import os
 import shutil
-from collections.abc import Iterator
+import signal
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -78,15 +81,20 @@ class JobCgroup:
 
 @contextlib.contextmanager
 def job_cgroup(limits: HostLimits, name: str, *, memory_mb: int, cpus: float,
-               pids: int) -> Iterator[JobCgroup | None]:
-    """A child cgroup per controller with the job's limits; removed when the job is over."""
+               pids: int, scope: str = "") -> Iterator[JobCgroup | None]:
+    """A child cgroup per controller with the job's limits, under this agent's `scope`
+    folder (so its sweeps never touch another agent's); emptied and removed afterwards."""
     if limits.v1_delegated is None:
         yield None
         return
     made: list[Path] = []
     try:
         for ctrl in CONTROLLERS:
-            path = limits.v1_delegated / ctrl / DELEGATED / name
+            parent = limits.v1_delegated / ctrl / DELEGATED
+            if scope:
+                parent = parent / scope
+                parent.mkdir(exist_ok=True)
+            path = parent / name
             path.mkdir(exist_ok=True)
             made.append(path)
             if ctrl == "memory":
@@ -99,9 +107,84 @@ def job_cgroup(limits: HostLimits, name: str, *, memory_mb: int, cpus: float,
                 (path / "pids.max").write_text(str(pids))
         yield JobCgroup(tuple(made))
     finally:
-        for path in made:
+        release(made)
+
+
+REAP_GRACE_S = 30.0  # e.g. the build runtime's background `runsc delete` (~5 s) finishing
+
+
+def release(paths: Sequence[Path], wait_s: float = 1.0) -> None:
+    """Remove a job's cgroups once they are empty: wait up to `wait_s` here, then give what
+    still runs in them REAP_GRACE_S to finish (in the background), then kill it."""
+    deadline = time.monotonic() + wait_s
+    while not _remove_if_empty(paths):
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    else:
+        return
+    threading.Thread(target=_reap, args=(tuple(paths),), daemon=True, name="cgroup-reaper").start()
+
+
+def _reap(paths: tuple[Path, ...]) -> None:
+    deadline = time.monotonic() + REAP_GRACE_S
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        if _remove_if_empty(paths):
+            return
+    kill_all(paths)
+
+
+def kill_all(paths: Sequence[Path], attempts: int = 50) -> None:
+    """SIGKILL every process in these cgroups until none is left, then remove them. Unlike a
+    process group, a cgroup also holds what its members started with setsid."""
+    for _ in range(attempts):
+        if _remove_if_empty(paths):
+            return
+        for pid in _members(paths):
             with contextlib.suppress(OSError):
-                path.rmdir()
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.1)
+
+
+def sweep(limits: HostLimits, scope: str) -> list[str]:
+    """Kill and remove every cgroup left in this agent's scope (an earlier life of it, or a
+    task that has ended). Returns the names removed."""
+    if limits.v1_delegated is None or not scope:
+        return []
+    folders = [limits.v1_delegated / ctrl / DELEGATED / scope for ctrl in CONTROLLERS]
+    names = sorted({child.name for folder in folders for child in _children(folder)})
+    for name in names:
+        kill_all([folder / name for folder in folders])
+    _remove_if_empty(folders)  # made again by the next job
+    return names
+
+
+def _children(path: Path) -> list[Path]:
+    try:
+        return [p for p in path.iterdir() if p.is_dir()]
+    except OSError:
+        return []
+
+
+def _members(paths: Sequence[Path]) -> list[int]:
+    pids: set[int] = set()
+    for p in paths:
+        with contextlib.suppress(OSError, ValueError):
+            pids.update(int(x) for x in (p / "cgroup.procs").read_text().split())
+    return sorted(pids)
+
+
+def _remove_if_empty(paths: Sequence[Path]) -> bool:
+    done = True
+    for p in paths:
+        try:
+            p.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError:
+            done = False  # still has members (EBUSY)
+    return done
 
 
 def launcher(cg: JobCgroup | None, argv: list[str]) -> list[str]:

@@ -61,10 +61,11 @@ class PodmanRunsc:
 
     name = "podman+runsc"
 
-    def __init__(self, podman: str = "podman", runsc: str = "runsc") -> None:
+    def __init__(self, podman: str = "podman", runsc: str = "runsc", scope: str = "") -> None:
         self.podman = shutil.which(podman) or podman
         self.runsc = shutil.which(runsc) or runsc
         self.limits = host_limits.detect()
+        self.scope = scope  # this agent's folder of job cgroups (see limits.job_cgroup)
 
     def describe(self) -> str:
         try:
@@ -114,7 +115,8 @@ class PodmanRunsc:
         if shutil.which(self.runsc) is None and not Path(self.runsc).exists():
             raise SandboxError("runsc (gVisor) is not installed; jobs never run without it")
         with host_limits.job_cgroup(self.limits, req.name, memory_mb=req.memory_mb,
-                                    cpus=req.cpus, pids=HOST_PIDS_CEILING) as cg:
+                                    cpus=req.cpus, pids=HOST_PIDS_CEILING,
+                                    scope=self.scope) as cg:
             done = run_streaming(
                 host_limits.launcher(cg, self.argv(req)),
                 log=log,
@@ -123,6 +125,7 @@ class PodmanRunsc:
                 on_stop=lambda: self.stop(req.name),
                 # If the agent dies (kill -9, OOM), the sandbox must not compute on unwatched.
                 on_orphan=self.stop_argv(req.name),
+                cgroups=cg.paths if cg is not None else (),
             )
             oom = done.returncode != 0 and cg is not None and cg.oom_killed()
         self.stop(req.name)  # also when podman itself died: nothing of the job may stay
@@ -137,9 +140,11 @@ class PodmanRunsc:
         if shutil.which(self.runsc) is None and not Path(self.runsc).exists():
             raise SandboxError("runsc (gVisor) is not installed; jobs never run without it")
         with host_limits.job_cgroup(self.limits, req.name, memory_mb=req.memory_mb,
-                                    cpus=req.cpus, pids=HOST_PIDS_CEILING) as cg:
+                                    cpus=req.cpus, pids=HOST_PIDS_CEILING,
+                                    scope=self.scope) as cg:
             box = Interactive(host_limits.launcher(cg, self.argv(req, interactive=True)),
-                              log=log, on_orphan=self.stop_argv(req.name))
+                              log=log, on_orphan=self.stop_argv(req.name),
+                              cgroups=cg.paths if cg is not None else ())
             try:
                 yield box
             finally:
@@ -165,6 +170,15 @@ class PodmanRunsc:
         for name in out:
             self.stop(name)
         return out
+
+    def sweep_images(self, prefix: str, keep: str = "") -> list[str]:
+        """Remove images whose name starts with `prefix` (this agent's job images), but `keep`."""
+        out = subprocess.run([self.podman, "images", "--format", "{{.Repository}}:{{.Tag}}"],
+                             capture_output=True, text=True, timeout=60, check=False).stdout.split()
+        gone = [ref for ref in out if ref.startswith(prefix) and ref != keep]
+        for ref in gone:
+            self.remove_image(ref)
+        return gone
 
     def exists(self, name: str) -> bool:
         return subprocess.run([self.podman, "container", "exists", name],

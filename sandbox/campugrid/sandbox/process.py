@@ -16,6 +16,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 LogFn = Callable[[str], None]
 MAX_LINE = 64 * 1024
@@ -37,6 +38,7 @@ def run_streaming(
     cancel: threading.Event | None = None,
     on_stop: Callable[[], None] | None = None,
     on_orphan: Sequence[str] | None = None,
+    cgroups: Sequence[Path] = (),
     tail_lines: int = 40,
 ) -> Finished:
     """Run argv, send each output line to `log`, stop it at the deadline or on cancel.
@@ -44,7 +46,8 @@ def run_streaming(
     `on_stop` runs first when stopping (e.g. `podman rm -f NAME`, which also tears down the
     sandbox that podman's own process group does not contain); then the group gets SIGKILL.
     `on_orphan` is a command that a guard process runs if *this* process dies first (even by
-    SIGKILL): the child's group is killed, then the command cleans up what lives outside it.
+    SIGKILL): the child's group and every process in `cgroups` are killed, then the command
+    cleans up what lives outside them.
     """
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
     proc = subprocess.Popen(
@@ -54,7 +57,7 @@ def run_streaming(
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    guard = _guard(proc.pid, on_orphan) if on_orphan else None
+    guard = _guard(proc.pid, on_orphan or (), cgroups) if on_orphan or cgroups else None
     assert proc.stdout is not None
     stream = proc.stdout
 
@@ -93,10 +96,11 @@ class Interactive:
     child's group is killed and `on_orphan` runs."""
 
     def __init__(self, argv: Sequence[str], *, log: LogFn,
-                 on_orphan: Sequence[str] | None = None) -> None:
+                 on_orphan: Sequence[str] | None = None, cgroups: Sequence[Path] = ()) -> None:
         self.proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, start_new_session=True)
-        self.guard = _guard(self.proc.pid, on_orphan) if on_orphan else None
+        self.guard = (_guard(self.proc.pid, on_orphan or (), cgroups)
+                      if on_orphan or cgroups else None)
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
         self._lines: queue.Queue[bytes | None] = queue.Queue()
         assert self.proc.stdout is not None and self.proc.stderr is not None
@@ -157,16 +161,32 @@ _GUARD = """
 read line
 [ "$line" = done ] && exit 0
 kill -KILL -- "-$0" 2>/dev/null
-exec "$@"
+# Then everything in the job's cgroups, which also holds what left the group (setsid).
+i=0
+while [ $i -lt 100 ]; do
+  left=
+  for d in $CAMPUGRID_GUARD_CGROUPS; do
+    for p in $(cat "$d/cgroup.procs" 2>/dev/null); do kill -KILL "$p" 2>/dev/null; left=1; done
+  done
+  [ -z "$left" ] && break
+  i=$((i + 1))
+  sleep 0.1
+done
+[ $# -gt 0 ] && "$@"
+for d in $CAMPUGRID_GUARD_CGROUPS; do rmdir "$d" 2>/dev/null; done
+exit 0
 """
 
 
-def _guard(pgid: int, cleanup: Sequence[str]) -> subprocess.Popen[bytes]:
+def _guard(pgid: int, cleanup: Sequence[str],
+           cgroups: Sequence[Path] = ()) -> subprocess.Popen[bytes]:
     """A process in its own session that waits on a pipe only we hold. EOF (we died) means:
-    kill the child's group and run `cleanup`; a "done" line means we finished normally."""
+    kill the child's group and everything in `cgroups`, run `cleanup`, remove the cgroups;
+    a "done" line means we finished normally."""
+    env = {**os.environ, "CAMPUGRID_GUARD_CGROUPS": " ".join(str(c) for c in cgroups)}
     return subprocess.Popen(["/bin/sh", "-c", _GUARD, str(pgid), *cleanup],
                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+                            stderr=subprocess.DEVNULL, start_new_session=True, env=env)
 
 
 def _release(guard: subprocess.Popen[bytes]) -> None:

@@ -1,0 +1,272 @@
+"""What a job's Dockerfile may ask of a provider's builder, decided on the parsed file.
+
+The file is read by BuildKit's own parser (the `dockerfile` package wraps its Go code), so
+continuation lines, the `escape` directive and flags are split as a builder splits them, not
+as a regular expression guesses. The words that decide where bytes come from — FROM's image,
+`--from`, ADD/COPY sources — must be *plain* after the few variable forms we expand: no
+quotes, no escape characters, no `$` left. A plain word reads the same to every Dockerfile
+lexer (BuildKit's, Buildah's imagebuilder), so what we check is what the builder acts on.
+Heredocs are refused: Buildah 1.28 reads their body lines as instructions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Iterable, Sequence
+
+import dockerfile
+
+from campugrid.protocol.errors import InvalidInput
+
+DEFAULT_BASES = ("localhost/campugrid/python:bookworm",)
+BASES_ENV = "CAMPUGRID_ALLOWED_BASES"
+
+_INSTRUCTIONS = {
+    "FROM", "RUN", "CMD", "LABEL", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT", "VOLUME",
+    "USER", "WORKDIR", "ARG", "STOPSIGNAL", "HEALTHCHECK", "SHELL", "MAINTAINER",
+}
+_SPECIAL = re.compile(r"""['"\\`$\s]""")  # what any lexer may read differently
+_SPECIAL_IN_JSON = re.compile(r"""['"\\`$]""")  # JSON form: spaces are part of the word
+_STAGE_NAME = re.compile(r"^[a-z][a-z0-9._-]*$")
+_NAME = r"[A-Za-z_][A-Za-z0-9_]*"
+# $NAME, ${NAME}, ${NAME:-word}, ${NAME-word}, ${NAME:+word}, ${NAME+word}: nothing else.
+_VAR = re.compile(r"\$(?:(?P<bare>" + _NAME + r")|\{(?P<name>" + _NAME +
+                  r")(?:(?P<op>:?[-+])(?P<word>[^${}'\"\\`\s]*))?\})")
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+_URLISH = re.compile(r"^[a-z][a-z0-9+.-]*://|^git@", re.IGNORECASE)
+_COPY_FLAGS = ("--chown", "--chmod", "--link")
+
+
+@dataclasses.dataclass(frozen=True)
+class AllowedBase:
+    """A base image a build may start from: its name, and the digest it must have if pinned."""
+
+    name: str
+    digest: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> AllowedBase:
+        name, _, digest = text.strip().partition("@")
+        if not name or _SPECIAL.search(name) or (digest and not _DIGEST.match(digest)):
+            raise ValueError(f"allowed base {text!r}: give NAME:TAG or NAME:TAG@sha256:<64 hex>")
+        return cls(name, digest or None)
+
+    def __str__(self) -> str:
+        return f"{self.name}@{self.digest}" if self.digest else self.name
+
+
+def allowed_bases(text: str | None = None) -> tuple[AllowedBase, ...]:
+    """The configured bases: comma- or space-separated, from CAMPUGRID_ALLOWED_BASES."""
+    text = os.environ.get(BASES_ENV, "") if text is None else text
+    words = [w for w in re.split(r"[,\s]+", text) if w] or list(DEFAULT_BASES)
+    return tuple(AllowedBase.parse(w) for w in words)
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseUse:
+    """One FROM that starts from an image (not an earlier stage): what the builder must find."""
+
+    line: int
+    allowed: AllowedBase
+    digest: str | None  # the digest the FROM line pins, if it does
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckedDockerfile:
+    stages: int
+    bases: tuple[BaseUse, ...]
+
+
+@dataclasses.dataclass
+class _Stage:
+    index: int
+    name: str | None
+    vars: dict[str, str | None]  # None: declared, but with no value we can know
+
+
+def check_dockerfile(text: str,
+                     allowed: Sequence[AllowedBase] | None = None) -> CheckedDockerfile:
+    """Refuse, naming the line, anything a provider must not build; say what it builds on."""
+    allowed = tuple(allowed) if allowed is not None else allowed_bases()
+    try:
+        commands = dockerfile.parse_string(text)
+    except dockerfile.GoParseError as e:
+        if "no instructions" in str(e):
+            raise InvalidInput("Dockerfile: no FROM instruction (the file has no instructions)") from e
+        raise InvalidInput(f"Dockerfile: {e}") from e
+    global_args: dict[str, str | None] = {}
+    stages: list[_Stage] = []
+    bases: list[BaseUse] = []
+    for cmd in commands:
+        inst, line = cmd.cmd.upper(), cmd.start_line
+        at = f"Dockerfile line {line}"
+        if cmd.heredocs or any(v.startswith("<<") for v in cmd.value if not cmd.json):
+            raise InvalidInput(f"{at}: heredocs (<<EOF) are not available: providers' Buildah "
+                               "reads their lines as instructions; put the script into the "
+                               "context and COPY it")
+        if inst == "ONBUILD":
+            raise InvalidInput(f"{at}: ONBUILD is not available (job images are never bases)")
+        if inst not in _INSTRUCTIONS:
+            raise InvalidInput(f"{at}: unknown instruction {cmd.cmd!r}")
+        if inst == "FROM":
+            stage, use = _from(cmd, stages, global_args, allowed, at)
+            stages.append(stage)
+            if use is not None:
+                bases.append(use)
+            continue
+        if not stages:
+            if inst != "ARG":
+                raise InvalidInput(f"{at}: {inst} before the first FROM")
+            _declare(cmd, global_args, global_args, at)
+            continue
+        stage = stages[-1]
+        if inst == "ARG":
+            _declare(cmd, stage.vars, global_args, at)
+        elif inst == "ENV":
+            _env(cmd, stage.vars)
+        elif inst == "RUN":
+            _run_flags(cmd.flags, at)
+        elif inst in ("ADD", "COPY"):
+            _copy(cmd, inst, stage, stages, at)
+    if not stages:
+        raise InvalidInput("Dockerfile: no FROM instruction")
+    return CheckedDockerfile(stages=len(stages), bases=tuple(bases))
+
+
+def _from(cmd: dockerfile.Command, stages: list[_Stage], global_args: dict[str, str | None],
+          allowed: Sequence[AllowedBase], at: str) -> tuple[_Stage, BaseUse | None]:
+    for flag in cmd.flags:
+        if not flag.lower().startswith("--platform="):
+            raise InvalidInput(f"{at}: FROM {flag} is not available")
+    words = list(cmd.value)
+    name: str | None = None
+    if len(words) == 3 and words[1].upper() == "AS":
+        name = words[2].lower()
+        if not _STAGE_NAME.match(name):
+            raise InvalidInput(f"{at}: stage name {words[2]!r}: use letters, digits, '.', '_' "
+                               "and '-', starting with a letter")
+        words = words[:1]
+    if len(words) != 1:
+        raise InvalidInput(f"{at}: FROM takes one image (and optionally AS name)")
+    ref = _plain(words[0], global_args, at, "FROM")
+    index = len(stages)
+    for earlier in stages:
+        if earlier.name is not None and earlier.name == ref.lower():
+            return _Stage(index, name, dict(earlier.vars)), None  # ENV carries over
+    if ref == "scratch":
+        return _Stage(index, name, {}), None
+    image, _, digest = ref.partition("@")
+    if digest and not _DIGEST.match(digest):
+        raise InvalidInput(f"{at}: FROM {ref}: a pinned digest is sha256:<64 hex digits>")
+    for base in allowed:
+        if base.name == image:
+            if base.digest and digest and digest != base.digest:
+                raise InvalidInput(f"{at}: FROM {ref}: this provider pins {base.name} to "
+                                   f"{base.digest}")
+            return _Stage(index, name, {}), BaseUse(cmd.start_line, base, digest or None)
+    names = ", ".join(str(b) for b in allowed)
+    raise InvalidInput(f"{at}: FROM {ref}: not an allowed base image (allowed: {names}; or an "
+                       "earlier stage of this file)")
+
+
+def _declare(cmd: dockerfile.Command, into: dict[str, str | None],
+             global_args: dict[str, str | None], at: str) -> None:
+    for word in cmd.value:
+        name, eq, default = word.partition("=")
+        if not re.fullmatch(_NAME, name):
+            raise InvalidInput(f"{at}: ARG {word!r}: not a variable name")
+        if eq:
+            into[name] = _expand(default, into)
+        else:
+            into[name] = global_args.get(name)  # no build arguments are passed: no value
+
+
+def _env(cmd: dockerfile.Command, into: dict[str, str | None]) -> None:
+    values = list(cmd.value)
+    for name, value in zip(values[::2], values[1::2], strict=False):
+        into[name] = _expand(value, into)
+
+
+def _run_flags(flags: Iterable[str], at: str) -> None:
+    for flag in flags:
+        low = flag.lower()
+        if low in ("--network=none", "--network=default"):
+            continue
+        if low.startswith("--network"):
+            raise InvalidInput(f"{at}: RUN {flag}: builds run with no network; put what the "
+                               "build needs into the context")
+        if low.startswith("--mount"):
+            raise InvalidInput(f"{at}: RUN --mount is not available on providers (bind, cache, "
+                               "secret and ssh mounts all reach outside the build)")
+        raise InvalidInput(f"{at}: RUN {flag} is not available")
+
+
+def _copy(cmd: dockerfile.Command, inst: str, stage: _Stage, stages: list[_Stage],
+          at: str) -> None:
+    for flag in cmd.flags:
+        key, _, value = flag.partition("=")
+        key = key.lower()
+        if key == "--from":
+            _from_stage(_plain(value, stage.vars, at, f"{inst} --from"), stage, stages, at, inst)
+        elif key not in _COPY_FLAGS:
+            raise InvalidInput(f"{at}: {inst} {flag} is not available")
+    sources = list(cmd.value)[:-1]
+    if not sources:
+        raise InvalidInput(f"{at}: {inst} needs a source and a destination")
+    for src in sources:
+        word = _plain(src, stage.vars, at, inst, json_form=cmd.json)
+        if _URLISH.match(word) or "://" in word:
+            raise InvalidInput(f"{at}: {inst} {word}: only files from the context (no URLs): "
+                               "builds have no network; download it beforehand and put it "
+                               "into the context")
+
+
+def _from_stage(ref: str, stage: _Stage, stages: list[_Stage], at: str, inst: str) -> None:
+    """`--from` names an earlier stage of this file, by name or index; never an image."""
+    earlier = stages[:stage.index]
+    if ref.isdigit() and int(ref) < stage.index:
+        return
+    if any(s.name == ref.lower() for s in earlier):
+        return
+    raise InvalidInput(f"{at}: {inst} --from={ref}: --from may name an earlier stage of this "
+                       "Dockerfile, not an image (providers build only on allowed bases)")
+
+
+def _plain(word: str, scope: dict[str, str | None], at: str, what: str,
+           json_form: bool = False) -> str:
+    special = _SPECIAL_IN_JSON if json_form else _SPECIAL
+    expanded = _expand(word, scope, special)
+    if expanded is None or special.search(expanded):
+        raise InvalidInput(
+            f"{at}: {what} {word!r}: write it as a plain word (no quotes or escapes; "
+            "variables only as $NAME, ${NAME} or ${NAME:-default}, declared with a value "
+            "earlier in this file)")
+    return expanded
+
+
+def _expand(word: str, scope: dict[str, str | None],
+            special: re.Pattern[str] = _SPECIAL) -> str | None:
+    """`word` with the simple variable forms replaced; None where a value cannot be known
+    here or the word uses anything else (quotes, escapes, other `$` forms)."""
+    failed = False
+
+    def value(m: re.Match[str]) -> str:
+        nonlocal failed
+        name = m.group("bare") or m.group("name")
+        if name not in scope or scope[name] is None:
+            failed = True
+            return ""
+        current = scope[name] or ""
+        op, alt = m.group("op"), m.group("word") or ""
+        if op in (":-", "-"):
+            return current if current else alt
+        if op in (":+", "+"):
+            return alt if current else ""
+        return current
+
+    out = _VAR.sub(value, word)
+    if failed or special.search(out):
+        return None
+    return out
