@@ -72,13 +72,14 @@ def test_a_missing_base_image_is_named_in_the_failure(provider, shared_tmp):
         os.chown(ctx, provider.uid, provider.gid)
         os.chown(ctx / "Dockerfile", provider.uid, provider.gid)
     res = buildah_build(provider, str(ctx), "localhost/campugrid-test/nobase:1")
-    assert not res["ok"] and "not-on-this-provider" in res["tail"]
+    assert not res["ok"] and "not-on-this-provider" in res["reason"]
+    assert "not an allowed base image" in res["reason"]
 
 
 def test_a_memory_hog_run_step_is_stopped_where_limits_hold(provider, shared_tmp):
     hog = "b = bytearray(600 * 1024 * 1024); b[::4096] = b'x' * len(b[::4096]); print('built')"
     ctx = context(shared_tmp, provider, f'RUN python3 -c "{hog}"\n')
-    res = buildah_build(provider, ctx, "localhost/campugrid-test/hog:1", memory_mb=256)
+    res = buildah_build(provider, ctx, "localhost/campugrid-test/hog:1", memory_mb=256, disk_mb=64)
     remove_image(provider, "localhost/campugrid-test/hog:1")
     if res["limits"]["memory"] != "enforced":
         pytest.skip(f"memory limit on this host: {res['limits']['memory']}")

@@ -17,12 +17,14 @@ class Builder(Protocol):
 
     def build(self, context_dir: Path, tag: str, *, log: LogFn, timeout_s: float,
               cancel: threading.Event | None = None, memory_mb: int = 4096,
-              cpus: float = 2.0, bases: Sequence[BaseUse] = ()) -> str:
+              cpus: float = 2.0, disk_mb: int = 512,
+              bases: Sequence[BaseUse] | None = None) -> str:
         """Build context_dir/Dockerfile into the provider's image store as `tag`.
 
-        `bases` are the allowed base images the checked Dockerfile starts from: each must be
-        here with its pinned digest, if any. RUN steps get the job's memory and CPU where the
-        host can enforce them. Returns the tag; raises BuildFailed with the log tail on any
-        failure.
+        `bases` are the allowed base images the checked Dockerfile starts from (None: check
+        the Dockerfile here): each must be here with its pinned digest, if any. RUN steps get
+        the job's memory and CPU where the host can enforce them, and the build at most
+        `disk_mb` of disk where the builder can bound it. Returns the tag; raises BuildFailed
+        with the log tail on any failure.
         """
         ...

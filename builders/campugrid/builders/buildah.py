@@ -1,27 +1,50 @@
-"""Rootless Buildah with every RUN step inside gVisor (runsc) and no network.
+"""Rootless Buildah with every RUN step inside gVisor (runsc), no network and bounded disk.
 
 `--isolation chroot` would run RUN steps on the host kernel with the host network, so it is
 never used. runsc goes through a small wrapper (runsc-build-runtime) because plain
-`runsc delete` blocks and fails after each step, which aborts the build. Buildah's own
-process (which fetches ADD's URLs itself) runs in a network namespace of its own with only a
-loopback that is down: whatever a Dockerfile check missed, the build reaches no network.
+`runsc delete` blocks and fails after each step, which aborts the build.
+
+Each build runs in Buildah's user namespace (`buildah unshare`) with, in it:
+- a network namespace of its own whose only loopback is down, so Buildah's own process
+  (which fetches ADD's URLs itself) reaches nothing, whatever a Dockerfile check missed;
+- its own image store on a tmpfs of `disk_mb`, so everything the build writes (its working
+  layer and the layer it commits) stops at that size, and the store vanishes with the build;
+- as the only other images, a store of this provider's allowed base images (read-only), so
+  no other job's image can be named as a base, a `--from` or a mount.
+The finished image is then pushed into the provider's own store, to run.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from campugrid.builders.policy import BaseUse
-from campugrid.protocol.errors import BuildFailed
+from campugrid.builders.policy import BaseUse, check_dockerfile
+from campugrid.protocol.errors import BuildFailed, InvalidInput
 from campugrid.sandbox import limits as host_limits
 from campugrid.sandbox.process import LogFn, run_streaming
 
 WRAPPER = Path(__file__).with_name("runsc-build-runtime")
+
+# $1 store folder, $2 its size in MB, $3 the allowed-bases store, $4 the provider's store
+# ("graphroot+runroot"), $5 the tag; the rest is `buildah bud`'s arguments.
+_SCRIPT = """
+set -e
+w=$1 size=$2 bases=$3 main=$4 tag=$5
+shift 5
+mount -t tmpfs -o "size=${size}m,mode=0700" campugrid-build "$w"
+set -- --root "$w/root" --runroot "$w/run" --storage-driver overlay \\
+  --storage-opt "overlay.imagestore=$bases" "$@"
+unshare --net -- buildah "$@"
+buildah --root "$w/root" --runroot "$w/run" --storage-driver overlay \\
+  --storage-opt "overlay.imagestore=$bases" push -q "$tag" "containers-storage:[overlay@$main]$tag"
+"""
 
 
 class BuildahBuilder:
@@ -29,71 +52,120 @@ class BuildahBuilder:
 
     def __init__(self, buildah: str = "buildah", scope: str = "") -> None:
         self.buildah = shutil.which(buildah) or buildah
-        self.unshare = shutil.which("unshare") or "/usr/bin/unshare"
         # RUN steps run in a job cgroup too, where this host can enforce one.
         self.limits = host_limits.detect()
         self.scope = scope  # this agent's folder of job cgroups (see limits.job_cgroup)
+        runtime = Path(os.environ.get("XDG_RUNTIME_DIR") or f"/run/user/{os.getuid()}")
+        data = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local/share")
+        self.bases_store = (data / "campugrid" / "bases", runtime / "campugrid-bases")
+        self._main: tuple[str, str] | None = None
 
-    def argv(self, context_dir: Path, tag: str) -> list[str]:
+    def main_store(self) -> tuple[str, str]:
+        """The provider's own image store (graphroot, runroot), where jobs run from."""
+        if self._main is None:
+            out = subprocess.run([self.buildah, "info", "--format",
+                                  "{{.store.GraphRoot}} {{.store.RunRoot}}"],
+                                 capture_output=True, text=True, timeout=60, check=False)
+            words = out.stdout.split()
+            if out.returncode != 0 or len(words) != 2:
+                raise BuildFailed("cannot find Buildah's image store", out.stderr[-1000:])
+            self._main = (words[0], words[1])
+        return self._main
+
+    def bud_args(self, context_dir: Path, tag: str) -> list[str]:
         return [
-            # In Buildah's user namespace (rootless), a network namespace of its own.
-            self.buildah, "unshare", self.unshare, "--net", "--",
-            self.buildah, "bud",
+            "bud",
             "--isolation", "oci",
             "--runtime", str(WRAPPER),
             "--runtime-flag", "network=none",
             "--runtime-flag", "ignore-cgroups",
             "--network", "none",
-            "--pull-never",  # no registry: FROM must name an image the provider has
+            "--pull-never",  # no registry: FROM names an allowed base this provider has
             "--layers=false", "--rm", "--force-rm",
             "-f", str(context_dir / "Dockerfile"),
             "-t", tag,
             str(context_dir),
         ]
 
+    def argv(self, store: Path, disk_mb: int, context_dir: Path, tag: str) -> list[str]:
+        graph, run = self.main_store()
+        return [self.buildah, "unshare", "/bin/sh", "-c", _SCRIPT, "campugrid-build",
+                str(store), str(disk_mb), str(self.bases_store[0] / "root"), f"{graph}+{run}",
+                tag, *self.bud_args(context_dir, tag)]
+
     def build(self, context_dir: Path, tag: str, *, log: LogFn, timeout_s: float,
               cancel: threading.Event | None = None, memory_mb: int = 4096,
-              cpus: float = 2.0, bases: Sequence[BaseUse] = ()) -> str:
+              cpus: float = 2.0, disk_mb: int = 512,
+              bases: Sequence[BaseUse] | None = None) -> str:
+        if bases is None:  # not checked by the caller: check here, with this host's policy
+            try:
+                bases = check_dockerfile((context_dir / "Dockerfile").read_text()).bases
+            except (InvalidInput, OSError, UnicodeDecodeError) as e:
+                raise BuildFailed(str(e), "") from e
         for use in bases:
-            self._check_base(use)
+            self._ensure_base(use)
         name = "build-" + "".join(c if c.isalnum() else "-" for c in tag)[-60:]
-        with host_limits.job_cgroup(self.limits, name, memory_mb=memory_mb, cpus=cpus,
-                                    pids=4096, scope=self.scope) as cg:
-            done = run_streaming(host_limits.launcher(cg, self.argv(context_dir, tag)), log=log,
-                                 timeout_s=timeout_s, cancel=cancel,
-                                 on_stop=self._remove_working_containers,
-                                 on_orphan=[self.buildah, "rm", "--all"],
-                                 cgroups=cg.paths if cg is not None else ())
-            oom = done.returncode != 0 and cg is not None and cg.oom_killed()
+        # Next to the context (in the task's work folder, which the agent sweeps) if it can.
+        near = context_dir.parent if os.access(context_dir.parent, os.W_OK) else None
+        store = Path(tempfile.mkdtemp(prefix="build-store-", dir=near))
+        try:
+            # The store's tmpfs is memory: the build may use its memory and its disk.
+            with host_limits.job_cgroup(self.limits, name, memory_mb=memory_mb + disk_mb,
+                                        cpus=cpus, pids=4096, scope=self.scope) as cg:
+                done = run_streaming(
+                    host_limits.launcher(cg, self.argv(store, disk_mb, context_dir, tag)),
+                    log=log, timeout_s=timeout_s, cancel=cancel, on_orphan=(),
+                    cgroups=cg.paths if cg is not None else ())
+                oom = done.returncode != 0 and cg is not None and cg.oom_killed()
+        finally:
+            shutil.rmtree(store, ignore_errors=True)  # an empty mount point by now
         if done.cancelled:
             raise BuildFailed("build cancelled", done.tail)
         if done.timed_out:
-            self._remove_working_containers()
             raise BuildFailed(f"build took longer than {timeout_s:.0f} s", done.tail)
         if done.returncode != 0:
+            if "no space left on device" in done.tail.lower():
+                raise BuildFailed(f"the build used more than {disk_mb} MB of disk "
+                                  "(resources.disk_mb bounds its working layer and the layer it "
+                                  "commits, together)", done.tail)
             why = f"; a RUN step used more than {memory_mb} MB" if oom else ""
             raise BuildFailed(f"build failed (buildah exit {done.returncode}{why})", done.tail)
         return tag
 
-    def _check_base(self, use: BaseUse) -> None:
-        """The base must be here, with the digest its pin (the provider's or the FROM line's)
-        names: a FROM never starts from an image that merely took an allowed name."""
-        want = use.allowed.digest or use.digest
-        found = subprocess.run([self.buildah, "images", "--json", use.allowed.name],
-                               capture_output=True, text=True, timeout=60, check=False)
-        try:
-            images = json.loads(found.stdout) if found.returncode == 0 else []
-        except ValueError:
-            images = []
-        if not images:
+    def _buildah_bases(self, *args: str) -> subprocess.CompletedProcess[str]:
+        root, run = self.bases_store
+        return subprocess.run([self.buildah, "--root", str(root / "root"), "--runroot", str(run),
+                               "--storage-driver", "overlay", *args],
+                              capture_output=True, text=True, timeout=600, check=False)
+
+    def _ensure_base(self, use: BaseUse) -> None:
+        """The allowed base must be in the bases store, as the provider's own store has it
+        (copied across when it changed), with the digest a pin names."""
+        here = _image(subprocess.run([self.buildah, "images", "--json", use.allowed.name],
+                                     capture_output=True, text=True, timeout=60, check=False))
+        if here is None:
             raise BuildFailed(f"Dockerfile line {use.line}: base image {use.allowed.name} is not "
-                              "on this provider", found.stderr.strip()[-500:])
-        digest = str(images[0].get("digest", ""))
+                              "on this provider", "")
+        known = _image(self._buildah_bases("images", "--json", use.allowed.name))
+        if known is None or known.get("id") != here.get("id"):
+            graph, run = self.main_store()
+            copied = self._buildah_bases("pull", "-q",
+                                         f"containers-storage:[overlay@{graph}+{run}]"
+                                         f"{use.allowed.name}")
+            if copied.returncode != 0:
+                raise BuildFailed(f"cannot make {use.allowed.name} available to builds",
+                                  copied.stderr[-1000:])
+        digest, want = str(here.get("digest", "")), use.allowed.digest or use.digest
         if want and digest != want:
             raise BuildFailed(f"Dockerfile line {use.line}: base image {use.allowed.name} here is "
                               f"{digest or 'unknown'}, not the pinned {want}", "")
 
-    def _remove_working_containers(self) -> None:
-        # The provider user is dedicated to campugrid: its working containers are ours.
-        subprocess.run([self.buildah, "rm", "--all"], capture_output=True, timeout=60,
-                       check=False)
+
+def _image(found: subprocess.CompletedProcess[str]) -> dict[str, object] | None:
+    if found.returncode != 0:
+        return None
+    try:
+        images = json.loads(found.stdout)
+    except ValueError:
+        return None
+    return images[0] if isinstance(images, list) and images and isinstance(images[0], dict) else None

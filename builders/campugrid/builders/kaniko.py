@@ -85,7 +85,8 @@ class KanikoBuilder:
 
     def build(self, context_dir: Path, tag: str, *, log: LogFn, timeout_s: float,
               cancel: threading.Event | None = None, memory_mb: int = 4096,
-              cpus: float = 2.0, bases: Sequence[BaseUse] = ()) -> str:
+              cpus: float = 2.0, disk_mb: int = 512,
+              bases: Sequence[BaseUse] | None = None) -> str:
         """memory_mb and cpus are not applied: the API service's containers are outside the
         job cgroups (and rootless cgroup v1 ignores the API's limits). `bases` are checked by
         the policy only: Kaniko resolves FROM inside its own sandbox, which has no registry."""

@@ -174,7 +174,8 @@ class Task:
             self.builder.build(context_dir, self.image, log=build_log,
                                timeout_s=min(BUILD_TIMEOUT_S, spec.resources.wall_time_s),
                                cancel=self.stop, memory_mb=spec.resources.memory_mb,
-                               cpus=spec.resources.cpus, bases=info.checked.bases)
+                               cpus=spec.resources.cpus, disk_mb=spec.resources.disk_mb,
+                               bases=info.checked.bases)
         except BuildFailed as e:
             return pb.CompleteRequest(succeeded=False, exit_code=-1,
                                       reason=f"{e.reason}; last lines of the build log:\n{e.log_tail}")

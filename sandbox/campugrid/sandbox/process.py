@@ -45,8 +45,8 @@ def run_streaming(
 
     `on_stop` runs first when stopping (e.g. `podman rm -f NAME`, which also tears down the
     sandbox that podman's own process group does not contain); then the group gets SIGKILL.
-    `on_orphan` is a command that a guard process runs if *this* process dies first (even by
-    SIGKILL): the child's group and every process in `cgroups` are killed, then the command
+    `on_orphan` is a command (possibly empty) that a guard process runs if *this* process dies
+    first (even by SIGKILL): the child's group and every process in `cgroups` are killed, then the command
     cleans up what lives outside them.
     """
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
@@ -57,7 +57,8 @@ def run_streaming(
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    guard = _guard(proc.pid, on_orphan or (), cgroups) if on_orphan or cgroups else None
+    guard = (_guard(proc.pid, on_orphan or (), cgroups)
+             if on_orphan is not None or cgroups else None)
     assert proc.stdout is not None
     stream = proc.stdout
 
@@ -100,7 +101,7 @@ class Interactive:
         self.proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, start_new_session=True)
         self.guard = (_guard(self.proc.pid, on_orphan or (), cgroups)
-                      if on_orphan or cgroups else None)
+                      if on_orphan is not None or cgroups else None)
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
         self._lines: queue.Queue[bytes | None] = queue.Queue()
         assert self.proc.stdout is not None and self.proc.stderr is not None
