@@ -10,7 +10,10 @@ import sys
 from pathlib import Path
 
 import campugrid.hooks
-from campugrid.agent.shards import _result
+from campugrid.agent import runner_lines
+from campugrid.agent.shards import READER_LIMITS, _result
+from campugrid.protocol import agent_pb2 as pb
+from campugrid.sandbox import confine
 
 HOOKS_ROOT = str(Path(campugrid.hooks.__file__).parents[2])
 
@@ -91,12 +94,20 @@ def test_serve_shards_outside_a_sharded_job_says_so():
 
 
 def test_the_agent_trusts_nothing_the_runner_says():
-    assert _result(3, {"done": 3, "ok": True, "exit": 0, "result": '{"a": 1}'}).succeeded
-    bad_json = _result(3, {"done": 3, "ok": True, "exit": 0, "result": "{oops"})
-    assert not bad_json.succeeded and bad_json.reason.startswith("the shard's result is not JSON")
-    deep = _result(3, {"done": 3, "ok": True, "exit": 0, "result": "[" * 60_000 + "]" * 60_000})
-    assert not deep.succeeded and deep.result_json == ""
-    huge = _result(3, {"done": 3, "ok": True, "exit": 0, "result": json.dumps("x" * 70_000)})
-    assert not huge.succeeded and huge.result_json == ""
-    odd = _result(3, {"done": 3, "ok": "yes", "exit": 2**40, "result": 5})
-    assert not odd.succeeded and odd.exit_code == -1 and odd.result_json == ""
+    with confine.Worker(READER_LIMITS) as reader:  # as the agent reads them: confined
+
+        def said(msg: object) -> pb.ShardResult:
+            return _result(3, reader.call(runner_lines.parse, json.dumps(msg).encode()))
+
+        assert said({"done": 3, "ok": True, "exit": 0, "result": '{"a": 1}'}).succeeded
+        bad_json = said({"done": 3, "ok": True, "exit": 0, "result": "{oops"})
+        assert not bad_json.succeeded and bad_json.reason.startswith("the shard's result is not JSON")
+        deep = said({"done": 3, "ok": True, "exit": 0, "result": "[" * 60_000 + "]" * 60_000})
+        assert not deep.succeeded and deep.result_json == ""
+        huge = said({"done": 3, "ok": True, "exit": 0, "result": json.dumps("x" * 70_000)})
+        assert not huge.succeeded and huge.result_json == ""
+        odd = said({"done": 3, "ok": "yes", "exit": 2**40, "result": 5})
+        assert not odd.succeeded and odd.exit_code == -1 and odd.result_json == ""
+        assert reader.call(runner_lines.parse, b"[1, 2]") == {}  # not an object
+        assert reader.call(runner_lines.parse, b"\xff not json") == {}
+        assert reader.call(runner_lines.parse, b"[" * 200_000) == {}  # too deep for json

@@ -20,6 +20,7 @@ import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from campugrid import hooks
 from campugrid.builders.policy import AllowedBase, CheckedDockerfile, check_dockerfile
 from campugrid.protocol.errors import InvalidInput
 
@@ -107,6 +108,23 @@ def extract_context(data: bytes, dest: Path,
         shutil.rmtree(root, ignore_errors=True)
         raise
     return info
+
+
+def extract_context_file(archive: Path, dest: Path,
+                         allowed: Sequence[AllowedBase] | None = None) -> ContextInfo:
+    """extract_context of a downloaded tarball: what the agent runs in a confined child."""
+    return extract_context(archive.read_bytes(), dest, allowed)
+
+
+def extract_checkpoint(archive: Path, dest: Path) -> int:
+    """A downloaded checkpoint, unpacked (plain files only) and checked against its own
+    manifest: what the agent runs in a confined child. Returns the number of files."""
+    count = extract_files(archive, dest)
+    try:
+        hooks.verify(dest)
+    except hooks.CheckpointError as e:
+        raise InvalidInput(str(e)) from e
+    return count
 
 
 def _unpack(data: bytes, root: Path) -> None:

@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -265,11 +266,23 @@ def up(
     missing = have("podman", "buildah", "runsc")
     if missing:
         _fail(f"missing {', '.join(missing)}; run infra/setup.sh first")
+    stopping = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        if not stopping.is_set():
+            stopping.set()
+            raise KeyboardInterrupt  # out of whatever we are doing, into platform.stop()
+        typer.echo("stopping at once", err=True)
+        os._exit(128 + signum)  # the guards still stop SeaweedFS and the agent
+
+    # From the start: a signal during start-up or the sample must still stop what runs.
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     platform = Platform(state_dir or default_state_dir(), http_port=http_port)
     code = 0
     try:
         platform.start()
-        platform.start_agent()
+        platform.start_agent(restart=True)
         typer.echo(f"campugrid is up: REST {platform.url}/v1 (docs at {platform.url}/docs), "
                    f"agents at {platform.grpc_address}, state in {platform.state_dir}")
         if sample:
@@ -282,17 +295,17 @@ def up(
             code = 0 if job["state"] == "succeeded" else 1
         if not exit_after_sample:
             typer.echo("press Ctrl-C to stop")
-            stop = threading.Event()
-            signal.signal(signal.SIGTERM, lambda *_: stop.set())
-            signal.signal(signal.SIGINT, lambda *_: stop.set())
-            while not stop.wait(1):
-                pass
+            while True:
+                time.sleep(3600)
     except CampugridError as e:
         typer.secho(f"error: {e}", fg="red", err=True)
         code = 2
     except KeyboardInterrupt:
         pass
     finally:
+        if stopping.is_set():
+            typer.echo("stopping (a second Ctrl-C stops at once)", err=True)
+        stopping.set()
         platform.stop()
     raise typer.Exit(code)
 

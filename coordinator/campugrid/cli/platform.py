@@ -1,14 +1,18 @@
 """`campugrid up`: the whole platform on one machine, on embedded defaults.
 
 SeaweedFS (S3) and the coordinator run in this process's care; the agent runs as a separate
-process, as the unprivileged provider user when started by root. The same class brings the
-platform up for the acceptance tests, so they exercise what the README runs.
+process, as the unprivileged provider user when started by root. Nothing outlives this process
+(each child has a guard that kills it if we die, even by SIGKILL), and what an earlier, killed
+run left is stopped at the next start. The same class brings the platform up for the
+acceptance tests, so they exercise what the README runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 import pwd
 import secrets
@@ -22,11 +26,15 @@ from pathlib import Path
 
 from campugrid.coordinator import server
 from campugrid.coordinator.config import Settings
-from campugrid.coordinator.seaweed import EmbeddedS3, free_port
+from campugrid.coordinator.seaweed import EmbeddedS3, end_processes, free_port, guard_group
 from campugrid.protocol.errors import CampugridError
+from campugrid.sandbox.process import release_guard
 
+log = logging.getLogger(__name__)
 PROVIDER_USER = os.environ.get("CAMPUGRID_AGENT_USER", "campugrid")
 BASE_IMAGE = "localhost/campugrid/python:bookworm"
+RESTART_DELAYS_S = (1.0, 30.0)  # first, most: doubling in between
+STABLE_AFTER_S = 60.0  # an agent up this long starts again from the first delay
 
 
 def default_state_dir() -> Path:
@@ -102,11 +110,20 @@ class ProviderUser:
 
 @dataclasses.dataclass
 class AgentHandle:
-    """A running agent process: the tests kill, drain and identify agents through this."""
+    """A running agent process: the tests kill, drain and identify agents through this.
+    With `restart`, the platform starts it again when it dies; `proc` is then the new one."""
 
     name: str
     state_dir: Path
     proc: subprocess.Popen[bytes]
+    argv: list[str] = dataclasses.field(default_factory=list)
+    log_file: Path | None = None
+    restart: bool = False
+    restarts: int = 0
+    guard: subprocess.Popen[bytes] | None = None
+    started_at: float = dataclasses.field(default_factory=time.monotonic)
+    restart_delay_s: float = dataclasses.field(default=RESTART_DELAYS_S[0], init=False)
+    restart_at: float | None = dataclasses.field(default=None, init=False)
 
     def machine_id(self) -> str | None:
         try:
@@ -133,6 +150,9 @@ class Platform:
     running: server.Running | None = None
     agents: list[AgentHandle] = dataclasses.field(default_factory=list)
     _http_thread: threading.Thread | None = None
+    _supervisor: threading.Thread | None = None
+    _stopping: threading.Event = dataclasses.field(default_factory=threading.Event)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     @property
     def url(self) -> str:
@@ -148,7 +168,8 @@ class Platform:
         os.chmod(self.state_dir, 0o711)  # noqa: S103 - the agent user must traverse it
         # The S3 secret lives only in memory and SeaweedFS's 0600 config, new at every start.
         access, secret = "campugrid", secrets.token_urlsafe(32)
-        self.s3 = EmbeddedS3(self.state_dir / "s3", access, secret).start()
+        self.s3 = EmbeddedS3(self.state_dir / "s3", access, secret)  # stop() sees it if start fails
+        self.s3.start()
         settings = Settings.from_env(
             self.state_dir / "coordinator", s3_endpoint=self.s3.endpoint, s3_access_key=access,
             s3_secret_key=secret, http_port=self.http_port,
@@ -165,7 +186,9 @@ class Platform:
         return self
 
     def start_agent(self, name: str = "local-agent", log_file: Path | None = None,
-                    user: ProviderUser | None = None, coordinator: str | None = None) -> AgentHandle:
+                    user: ProviderUser | None = None, coordinator: str | None = None,
+                    restart: bool = False) -> AgentHandle:
+        """Start an agent; with `restart`, start it again (with back-off) whenever it dies."""
         user = user or ProviderUser.resolve()
         agent_dir = self.state_dir / "agents" / name
         (self.state_dir / "agents").mkdir(parents=True, exist_ok=True)
@@ -174,33 +197,115 @@ class Platform:
         if not user.has_image(BASE_IMAGE):
             raise CampugridError(f"{BASE_IMAGE} is missing for user {user.name}; "
                                  "run infra/base-image.sh (infra/setup.sh does it)")
+        stale = agents_using(agent_dir)
+        if stale:  # left by a run of ours that was killed with its guard
+            log.warning("stopping agent processes left running on %s (pid %s)", agent_dir,
+                        ", ".join(map(str, stale)))
+            end_processes(stale, f"an agent on {agent_dir}")
         argv = user.command([sys.executable, "-m", "campugrid.cli", "agent", "run",
                              "--coordinator", coordinator or self.grpc_address,
                              "--state-dir", str(agent_dir),
                              "--name", name])
-        with open(log_file or agent_dir.with_suffix(".log"), "ab") as out:
-            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
-        handle = AgentHandle(name, agent_dir, proc)
-        self.agents.append(handle)
+        log_file = log_file or agent_dir.with_suffix(".log")
+        handle = AgentHandle(name, agent_dir, _spawn(argv, log_file), argv=argv,
+                             log_file=log_file, restart=restart)
+        # Our own child runs as root (runuser) or as us, so its group is ours to kill.
+        handle.guard = guard_group(handle.proc.pid)
+        with self._lock:
+            self.agents.append(handle)
+            if self._supervisor is None:
+                self._supervisor = threading.Thread(target=self._supervise, daemon=True,
+                                                    name="agent-supervisor")
+                self._supervisor.start()
         return handle
 
+    def _supervise(self) -> None:
+        """Reap agents as they die (then their guards go), and restart those that asked."""
+        while not self._stopping.wait(0.25):
+            with self._lock:
+                for agent in self.agents:
+                    self._look_after(agent)
+
+    def _look_after(self, agent: AgentHandle) -> None:
+        if agent.proc.poll() is None:
+            return
+        if agent.guard is not None:  # reaped: its group is gone, nothing left to guard
+            release_guard(agent.guard)
+            agent.guard = None
+        if not agent.restart:
+            return
+        now = time.monotonic()
+        if agent.restart_at is None:
+            if now - agent.started_at >= STABLE_AFTER_S:
+                agent.restart_delay_s = RESTART_DELAYS_S[0]
+            agent.restart_at = now + agent.restart_delay_s
+            log.warning("agent %s exited (status %s); starting it again in %.0f s", agent.name,
+                        agent.proc.returncode, agent.restart_delay_s)
+            agent.restart_delay_s = min(agent.restart_delay_s * 2, RESTART_DELAYS_S[1])
+            return
+        if now < agent.restart_at:
+            return
+        assert agent.log_file is not None
+        agent.restart_at = None
+        try:
+            agent.proc = _spawn(agent.argv, agent.log_file)
+        except OSError as e:
+            log.error("agent %s could not be started again: %s", agent.name, e)
+            return
+        agent.guard = guard_group(agent.proc.pid)
+        agent.started_at = now
+        agent.restarts += 1
+        log.warning("agent %s started again (pid %d, restart %d)", agent.name, agent.proc.pid,
+                    agent.restarts)
+
     def stop(self) -> None:
+        # The supervisor first, so that it does not start again what we stop on purpose.
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=10)
         for agent in self.agents:
             if agent.proc.poll() is None:
-                os.killpg(agent.proc.pid, signal.SIGTERM)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(agent.proc.pid, signal.SIGTERM)
         for agent in self.agents:
             try:
                 agent.proc.wait(timeout=40)
             except subprocess.TimeoutExpired:
-                os.killpg(agent.proc.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(agent.proc.pid, signal.SIGKILL)
                 agent.proc.wait()
+            if agent.guard is not None:
+                release_guard(agent.guard)
+                agent.guard = None
         if self.running is not None:
             self.running.stop()
             if self._http_thread is not None:
                 self._http_thread.join(timeout=10)
         if self.s3 is not None:
             self.s3.stop()
+
+
+def _spawn(argv: list[str], log_file: Path) -> subprocess.Popen[bytes]:
+    with open(log_file, "ab") as out:  # the child keeps its own copy
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def agents_using(agent_dir: Path) -> list[int]:
+    """Processes running `campugrid agent run --state-dir agent_dir` (runuser's included)."""
+    wanted = os.fsencode(agent_dir)
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        at = [i for i, a in enumerate(argv[:-1]) if a == b"--state-dir" and argv[i + 1] == wanted]
+        if at and b"agent" in argv and b"run" in argv:
+            found.append(int(entry.name))
+    return found
 
 
 def find_example(name: str) -> Path:

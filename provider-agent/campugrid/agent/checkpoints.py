@@ -21,11 +21,16 @@ import httpx
 
 from campugrid import hooks
 from campugrid.agent.client import CoordinatorClient
-from campugrid.builders.context import extract_files
+from campugrid.builders.context import extract_checkpoint
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol.errors import CampugridError, InvalidInput
+from campugrid.sandbox import confine
 
 log = logging.getLogger("campugrid.agent.checkpoints")
+# A checkpoint may be as large as the coordinator accepts (64 GiB): unpacked and hashed in a
+# stream, so little memory, but files and time to match.
+CHECKPOINT_LIMITS = confine.Limits(memory_mb=256, cpu_s=900, fsize_mb=64 * 1024, nofile=256,
+                                   wall_s=3600)
 
 
 def restore(resume: pb.Resume, folder: Path, scratch: Path) -> None:
@@ -41,8 +46,9 @@ def restore(resume: pb.Resume, folder: Path, scratch: Path) -> None:
         raise InvalidInput(f"checkpoint of epoch {resume.epoch} arrived damaged "
                            f"({size} bytes, sha256 {digest[:12]}…); not resuming from it")
     target = folder / hooks.folder_name(resume.epoch)
-    extract_files(tarball, target)
-    hooks.verify(target)
+    # Untrusted bytes (another machine's job wrote them): unpacked and checked confined.
+    confine.call(extract_checkpoint, tarball.resolve(), target.resolve(),
+                 writable=[target.resolve()], limits=CHECKPOINT_LIMITS)
     tarball.unlink()
 
 

@@ -15,13 +15,18 @@ import logging
 import threading
 import time
 
+from campugrid.agent import runner_lines
 from campugrid.agent.task import HOOKS_MOUNT, Task, _retry
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol.spec import MAX_SHARD_RESULT
-from campugrid.sandbox.process import Interactive
+from campugrid.sandbox import confine
+from campugrid.sandbox.podman_runsc import RunRequest
+from campugrid.sandbox.process import Interactive, LogFn
 
 log = logging.getLogger("campugrid.agent")
 READY_TIMEOUT_S = 120.0  # sandbox start, with margin for a busy machine
+# One runner line is at most 128 KiB (Interactive's bound): small memory, no files.
+READER_LIMITS = confine.Limits(memory_mb=256, cpu_s=600, fsize_mb=1, nofile=16, wall_s=30)
 
 
 class ShardSessionTask(Task):
@@ -52,7 +57,20 @@ class ShardSessionTask(Task):
                if k not in ("CAMPUGRID_OUTPUT", "CAMPUGRID_CHECKPOINT_DIR")}
         run_log = self.shipper.for_stream("run")
         request = self.run_request(command, env, mapped, writable=False)
-        shard: pb.ShardTask | None = lease.shard
+        # The runner's lines are read by one confined child for the whole session.
+        self.reader = confine.Worker(READER_LIMITS)
+        with self.reader:
+            _, ran, sandboxes, failed = self._sessions(request, run_log, lease.shard)
+        if failed is not None:
+            return failed
+        self.shipper.line("run", f"[campugrid] session {lease.fencing_token}: {ran} shards run "
+                                 f"in {sandboxes} sandbox{'es' if sandboxes > 1 else ''}")
+        return pb.CompleteRequest(succeeded=True, exit_code=0)
+
+    def _sessions(self, request: RunRequest, run_log: LogFn, shard: pb.ShardTask | None
+                  ) -> tuple[pb.ShardTask | None, int, int, pb.CompleteRequest | None]:
+        """Sandboxes one after another until no shard is left (a failure to start the first
+        one fails the job)."""
         ran = sandboxes = 0
         while shard is not None and not self.stop.is_set():
             # A sandbox that dies under a shard (out of memory, a crash) fails that shard,
@@ -63,16 +81,20 @@ class ShardSessionTask(Task):
                     if ran or self.stop.is_set():  # it started before: not the image's fault
                         self.handback = "the shard sandbox did not start again"
                         break
-                    return pb.CompleteRequest(
+                    return shard, ran, sandboxes, pb.CompleteRequest(
                         succeeded=False, exit_code=-1,
                         reason="the shard runner did not start in the sandbox: sharded jobs "
                                f"need python3 in the image (it runs {HOOKS_MOUNT}/campugrid/"
                                "hooks/shard_runner.py); last lines:\n"
                                + "\n".join(list(box.tail)[-10:]))
                 shard, ran = self._serve(box, shard, ran)
-        self.shipper.line("run", f"[campugrid] session {lease.fencing_token}: {ran} shards run "
-                                 f"in {sandboxes} sandbox{'es' if sandboxes > 1 else ''}")
-        return pb.CompleteRequest(succeeded=True, exit_code=0)
+        return shard, ran, sandboxes, None
+
+    def _read(self, line: bytes) -> dict[str, object]:
+        try:
+            return self.reader.call(runner_lines.parse, line)
+        except confine.ConfinementError as e:
+            return {"unreadable": str(e)}
 
     def _serve(self, box: Interactive, shard: pb.ShardTask | None,
                ran: int) -> tuple[pb.ShardTask | None, int]:
@@ -111,7 +133,7 @@ class ShardSessionTask(Task):
             line = box.receive(0.5)
             if line is None:
                 return False
-            msg = _parse(line)
+            msg = self._read(line)
             if msg.get("ready") is True:
                 return True
         return False
@@ -133,7 +155,11 @@ class ShardSessionTask(Task):
                 return None
             if not line:
                 continue
-            msg = _parse(line)
+            msg = self._read(line)
+            if "unreadable" in msg:
+                return pb.ShardResult(index=shard.index, succeeded=False, exit_code=-1,
+                                      reason=f"the shard runner's answer could not be read: "
+                                             f"{msg['unreadable']}"[:2000])
             if "log" in msg:
                 run_log(str(msg["log"])[:MAX_SHARD_RESULT])
             elif msg.get("done") == shard.index:
@@ -141,26 +167,12 @@ class ShardSessionTask(Task):
         return None
 
 
-def _parse(line: bytes) -> dict[str, object]:
-    try:
-        msg = json.loads(line)
-    except ValueError:
-        return {}
-    return msg if isinstance(msg, dict) else {}
-
-
 def _result(index: int, msg: dict[str, object]) -> pb.ShardResult:
+    """A "done" message (already read by runner_lines.parse) as the result to report."""
     result = msg.get("result")
     text = result if isinstance(result, str) else ""
-    ok = msg.get("ok") is True
-    reason = str(msg.get("error") or "")[:2000]
-    if text:
-        try:
-            json.loads(text)
-        except (ValueError, RecursionError):
-            text, ok, reason = "", False, "the shard's result is not JSON (or nested too deeply)"
-        if len(text) > MAX_SHARD_RESULT:
-            text, ok, reason = "", False, f"the shard's result is over {MAX_SHARD_RESULT} bytes"
+    ok = msg.get("ok") is True and "result_error" not in msg
+    reason = str(msg.get("result_error") or msg.get("error") or "")[:2000]
     code = msg.get("exit")
     return pb.ShardResult(index=index, succeeded=ok,
                           exit_code=code if isinstance(code, int) and -2**31 <= code < 2**31 else -1,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import tarfile
 import threading
 import time
@@ -30,10 +31,12 @@ from campugrid.agent.gpus import GpuPolicy
 from campugrid.agent.logship import LogShipper
 from campugrid.agent.renewer import Renewer
 from campugrid.builders.base import Builder
-from campugrid.builders.context import extract_context
+from campugrid.builders.context import extract_context_file
+from campugrid.builders.policy import allowed_bases
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol.errors import BuildFailed, CampugridError, InvalidInput, SandboxError
 from campugrid.protocol.spec import JobSpec
+from campugrid.sandbox import confine
 from campugrid.sandbox.podman_runsc import PodmanRunsc, RunRequest
 
 log = logging.getLogger("campugrid.agent")
@@ -41,6 +44,7 @@ MAX_OUTPUT_BYTES = 1024**3
 BUILD_TIMEOUT_S = 1800
 HOOKS_MOUNT = "/opt/campugrid/hooks"
 CHECKPOINT_MOUNT = "/checkpoints"
+DISK_POLL_S = 0.25
 R = TypeVar("R")
 
 
@@ -84,7 +88,9 @@ class Task:
         """/output and /checkpoints are host folders: bound their size by checking it every
         second (rootless Podman has no quota for bind mounts)."""
         limit = self.spec.resources.output_mb * 1024 * 1024
-        while not self.stop.wait(1.0) and not self.ran.is_set():
+        # A single file cannot pass the limit at all (RLIMIT_FSIZE, see run_request); many
+        # files together are caught within a quarter of a second.
+        while not self.stop.wait(DISK_POLL_S) and not self.ran.is_set():
             used = sum(_size(p) for d in folders for p in _walk_files(d))
             if used > limit:
                 self.disk_exceeded = True
@@ -150,10 +156,19 @@ class Task:
         ckpt_dir = work / "checkpoints"
         output_dir.mkdir()
         ckpt_dir.mkdir()
+        archive = (work / "context.tar").resolve()
         with httpx.Client(timeout=60) as http:
-            resp = http.get(lease.context_url)
-            resp.raise_for_status()
-            info = extract_context(resp.content, context_dir)
+            _download(http, lease.context_url, archive)
+            # Untrusted bytes: unpacked, and the Dockerfile parsed, in a confined child.
+            size_mb = archive.stat().st_size // 1024**2
+            try:
+                info = confine.call(extract_context_file, archive, context_dir.resolve(),
+                                    allowed_bases(), writable=[context_dir.resolve()],
+                                    limits=confine.Limits(memory_mb=2 * size_mb + 256, cpu_s=120,
+                                                          fsize_mb=2048, nofile=256, wall_s=300))
+            except confine.ConfinementError as e:  # the job's bytes stopped the unpacker
+                raise InvalidInput(f"context: unpacking it was stopped ({e})") from e
+            archive.unlink()
             if lease.datasets:
                 _fetch_datasets(http, lease, data_dir)
         if lease.HasField("resume"):
@@ -162,7 +177,7 @@ class Task:
                 self.uploader.done.add(hooks.folder_name(lease.resume.epoch))  # already stored
                 self.shipper.line("run", f"[campugrid] resuming from the checkpoint of epoch "
                                          f"{lease.resume.epoch}")
-            except (InvalidInput, hooks.CheckpointError, httpx.HTTPError) as e:
+            except (InvalidInput, confine.ConfinementError, httpx.HTTPError) as e:
                 shutil.rmtree(ckpt_dir, ignore_errors=True)
                 ckpt_dir.mkdir()
                 why = _http_failure(e) if isinstance(e, httpx.HTTPError) else str(e)
@@ -227,6 +242,9 @@ class Task:
             reason = f"wall time of {spec.resources.wall_time_s} s exceeded; the job was stopped"
         elif result.oom_killed:
             reason = f"out of memory: the job used more than {spec.resources.memory_mb} MB"
+        elif result.exit_code == 128 + signal.SIGXFSZ:
+            reason = (f"a file the job wrote reached {spec.resources.output_mb} MB "
+                      "(resources.output_mb, the limit for any one file); the job was stopped")
         elif result.exit_code != 0:
             reason = f"the job's command exited with status {result.exit_code}"
         else:
@@ -258,6 +276,7 @@ class Task:
             memory_mb=spec.resources.memory_mb, cpus=spec.resources.cpus,
             tmp_mb=spec.resources.disk_mb, wall_time_s=spec.resources.wall_time_s,
             agent=self.client.machine_id, gpus=mapped,
+            file_mb=spec.resources.output_mb if writable else None,
             mounts=((work / "checkpoints", CHECKPOINT_MOUNT, "rw"), hooks_mount) if writable
             else (hooks_mount,))
 
@@ -316,6 +335,13 @@ def _retry(call: Callable[[], R]) -> R:
             log.warning("report failed (%s); retrying in %d s", e.code(), delay)
             time.sleep(delay)
     return call()
+
+
+def _download(http: httpx.Client, url: str, to: Path) -> None:
+    with http.stream("GET", url) as resp, open(to, "wb") as out:
+        resp.raise_for_status()
+        for chunk in resp.iter_bytes(1024 * 1024):
+            out.write(chunk)
 
 
 def _fetch_datasets(http: httpx.Client, lease: pb.LeaseReply, data_dir: Path) -> None:

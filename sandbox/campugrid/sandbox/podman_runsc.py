@@ -44,6 +44,7 @@ class RunRequest:
     agent: str = ""  # the agent's machine id, as a label: what to sweep after a crash
     mounts: tuple[tuple[Path, str, str], ...] = ()  # (host path, container path, "ro"|"rw")
     gpus: tuple[tuple[str, int], ...] = ()  # reserved GPUs: (uuid, /dev/nvidia<minor>)
+    file_mb: int | None = None  # no file the job writes may be larger (RLIMIT_FSIZE, in gVisor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +90,7 @@ class PodmanRunsc:
             "--cap-drop", "all", "--security-opt", "no-new-privileges",
             "--ulimit", f"nproc={GUEST_NPROC}:{GUEST_NPROC}",
             "--ulimit", "nofile=1024:1024",
+            *(["--ulimit", f"fsize={req.file_mb * 1024 * 1024}"] if req.file_mb else []),
             "--timeout", str(req.wall_time_s + 5),  # podman's own backstop to ours
             "--log-opt", "max-size=20mb",
             "--label", f"{AGENT_LABEL}={req.agent}",

@@ -57,8 +57,8 @@ def run_streaming(
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    guard = (_guard(proc.pid, on_orphan or (), cgroups)
-             if on_orphan is not None or cgroups else None)
+    watcher = (guard(proc.pid, on_orphan or (), cgroups)
+               if on_orphan is not None or cgroups else None)
     assert proc.stdout is not None
     stream = proc.stdout
 
@@ -86,8 +86,8 @@ def run_streaming(
         time.sleep(0.05)
     proc.wait()
     reader.join(timeout=5)
-    if guard is not None:
-        _release(guard)
+    if watcher is not None:
+        release_guard(watcher)
     return Finished(proc.returncode, timed_out, cancelled, "\n".join(tail))
 
 
@@ -100,7 +100,7 @@ class Interactive:
                  on_orphan: Sequence[str] | None = None, cgroups: Sequence[Path] = ()) -> None:
         self.proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, start_new_session=True)
-        self.guard = (_guard(self.proc.pid, on_orphan or (), cgroups)
+        self.guard = (guard(self.proc.pid, on_orphan or (), cgroups)
                       if on_orphan is not None or cgroups else None)
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
         self._lines: queue.Queue[bytes | None] = queue.Queue()
@@ -154,14 +154,14 @@ class Interactive:
         for t in self._readers:
             t.join(timeout=5)
         if self.guard is not None:
-            _release(self.guard)
+            release_guard(self.guard)
         return self.proc.returncode
 
 
 _GUARD = """
 read line
 [ "$line" = done ] && exit 0
-kill -KILL -- "-$0" 2>/dev/null
+kill -s KILL -- "-$0" 2>/dev/null
 # Then everything in the job's cgroups, which also holds what left the group (setsid).
 i=0
 while [ $i -lt 100 ]; do
@@ -179,7 +179,7 @@ exit 0
 """
 
 
-def _guard(pgid: int, cleanup: Sequence[str],
+def guard(pgid: int, cleanup: Sequence[str],
            cgroups: Sequence[Path] = ()) -> subprocess.Popen[bytes]:
     """A process in its own session that waits on a pipe only we hold. EOF (we died) means:
     kill the child's group and everything in `cgroups`, run `cleanup`, remove the cgroups;
@@ -190,13 +190,14 @@ def _guard(pgid: int, cleanup: Sequence[str],
                             stderr=subprocess.DEVNULL, start_new_session=True, env=env)
 
 
-def _release(guard: subprocess.Popen[bytes]) -> None:
-    assert guard.stdin is not None
+def release_guard(watcher: subprocess.Popen[bytes]) -> None:
+    """We finished normally: the guard exits without killing anything."""
+    assert watcher.stdin is not None
     with contextlib.suppress(BrokenPipeError):
-        guard.stdin.write(b"done\n")
-        guard.stdin.close()
+        watcher.stdin.write(b"done\n")
+        watcher.stdin.close()
     with contextlib.suppress(subprocess.TimeoutExpired):
-        guard.wait(timeout=5)
+        watcher.wait(timeout=5)
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
