@@ -220,6 +220,10 @@ def agent_run(
     gpu_reserve_mb: Annotated[int, typer.Option(help="GPU memory to always leave free, per GPU.")] = 0,
     protect: Annotated[list[str] | None, typer.Option(help="A process name whose GPU is never used "
                                                            "while it runs (repeatable).")] = None,
+    require_limits: Annotated[str, typer.Option(
+        envvar="CAMPUGRID_REQUIRE_LIMITS",
+        help="Limits this machine must enforce or the agent does not start, comma-separated "
+             "(memory, cpu, pids, disk, wall_time, build_disk, confinement).")] = "",
 ) -> None:
     """Run a provider agent as this (unprivileged) user."""
     from campugrid.agent.gpus import GpuPolicy
@@ -242,8 +246,10 @@ def agent_run(
     try:
         policy = GpuPolicy(allow=tuple(x.strip() for x in gpus.split(",")) if gpus else None,
                            reserve_mb=gpu_reserve_mb, protected=tuple(protect or ()))
+        required = tuple(x.strip() for x in require_limits.split(",") if x.strip())
         agent = Agent(AgentSettings(coordinator=coordinator, state_dir=state_dir, name=name,
-                                    gpu_policy=policy), chosen, PodmanRunsc())
+                                    gpu_policy=policy, require_limits=required), chosen,
+                      PodmanRunsc())
     except CampugridError as e:
         _fail(str(e))
     signal.signal(signal.SIGTERM, lambda *_: agent.shutdown())

@@ -29,6 +29,7 @@ from campugrid.agent.task import Task, job_image_prefix
 from campugrid.builders.base import Builder
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol.errors import CampugridError
+from campugrid.sandbox import confine
 from campugrid.sandbox import limits as host_limits
 from campugrid.sandbox.podman_runsc import PodmanRunsc
 
@@ -43,6 +44,8 @@ class AgentSettings:
     poll_seconds: float = 1.0
     drain_grace_seconds: float = 30.0
     gpu_policy: GpuPolicy = dataclasses.field(default_factory=GpuPolicy)
+    # The provider's policy: limits this machine must enforce, or the agent does not start.
+    require_limits: tuple[str, ...] = ()
 
 
 class Agent:
@@ -57,6 +60,15 @@ class Agent:
         # its sweeps remove its own leftovers and never another agent's of the same user.
         self.scope = "a-" + hashlib.sha256(str(settings.state_dir.resolve()).encode()).hexdigest()[:12]
         self.sandbox.scope = self.builder.scope = self.scope
+        self.limits = enforceable(sandbox, builder)
+        for name in settings.require_limits:
+            how = self.limits.get(name)
+            if how is None:
+                raise CampugridError(f"--require-limits {name}: no such limit (known: "
+                                     f"{', '.join(sorted(self.limits))})")
+            if how != host_limits.ENFORCED:
+                raise CampugridError(f"this machine cannot enforce {name} ({how}), which the "
+                                     "provider's policy requires (--require-limits)")
         self.client = CoordinatorClient(settings.coordinator, settings.state_dir / "credentials.json")
         self.work_root = settings.state_dir / "work"
         self.stopping = threading.Event()
@@ -85,7 +97,7 @@ class Agent:
         note = "; ".join(n for n in (found.note, self.gpu_note if found.gpus else "") if n)
         return pb.Capabilities(runtime=self.sandbox.describe(), builder=self.builder.name,
                                cpus=os.cpu_count() or 1, memory_mb=mem_kb // 1024,
-                               limits=self.sandbox.limits.as_dict(), gpus=found.gpus,
+                               limits=self.limits, gpus=found.gpus,
                                gpu_isolation=self.gpu_isolation and bool(found.gpus),
                                gpu_note=note, speed_gflops=self.speed)
 
@@ -151,6 +163,17 @@ class Agent:
         for folder in sorted(self.work_root.glob("*")) if self.work_root.is_dir() else []:
             remove_tree(folder)
             log.warning("removed work folder %s left by %s", folder.name, whose)
+
+
+def enforceable(sandbox: PodmanRunsc, builder: Builder) -> dict[str, str]:
+    """Every limit this machine can or cannot enforce, as reported to the coordinator:
+    the sandbox's, the build's disk, and the confinement of untrusted bytes."""
+    build_disk = (host_limits.ENFORCED if builder.name == "buildah" else
+                  f"not enforced: the {builder.name} builder has no bounded build store")
+    layers = confine.layers()
+    missing = [f"{name} {how}" for name, how in layers.items() if not how.startswith(confine.ENFORCED)]
+    return {**sandbox.limits.as_dict(), "build_disk": build_disk,
+            "confinement": "; ".join(missing) if missing else host_limits.ENFORCED}
 
 
 def remove_tree(path: Path) -> None:
