@@ -262,6 +262,12 @@ def test_kill_9_during_a_sharded_job_runs_the_lost_shard_elsewhere_once(two_agen
 
     assert sandbox(), "the victim's warm sandbox is not there"
     os.kill(victim.pid(), signal.SIGKILL)
+    # The shard it held when it died (it may have finished the one seen above meanwhile):
+    # the coordinator still counts it running there until the session's lease expires.
+    in_hand = [sh for sh in api.shards(job, state="running")
+               if sh["machine_id"] == victim.machine_id()]
+    assert in_hand, "the victim held no shard when it was killed"
+    victim_shard = in_hand[0]
     wait_for("the lost sandbox to be gone", lambda: not sandbox(), timeout=30)
     final = api.wait(job, timeout_s=300)
     assert final["state"] == "succeeded", final

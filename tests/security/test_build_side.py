@@ -143,7 +143,8 @@ def image_exists(provider, ref: str) -> bool:
                           capture_output=True).returncode == 0
 
 
-URL_SPELLINGS = [c for c in CORPUS if c[3] in ("no URLs", "plain word") and "ADD" in c[1]]
+# Every spelling that hides a fetch, heredocs included (Buildah 1.28 runs their body lines).
+URL_SPELLINGS = [c for c in CORPUS if c[3] in ("no URLs", "plain word", "heredocs") and "ADD" in c[1]]
 
 
 @pytest.mark.parametrize("case", URL_SPELLINGS, ids=[c[0] for c in URL_SPELLINGS])
@@ -160,7 +161,8 @@ def test_no_spelling_of_a_url_reaches_the_host_even_around_the_check(provider, s
     # ... and a build handed it anyway fetches nothing: the listener saw no request.
     assert Recorder.seen == [], (Recorder.seen, res)
     assert not image_exists(provider, "localhost/campugrid-test/url:1") or res["ok"]
-    if case[0] in ("continued URL", "escape directive", "JSON form"):  # Buildah did try:
+    if case[0] in ("continued URL", "escape directive", "JSON form",
+                   "heredoc hiding an ADD"):  # Buildah did try:
         assert "network is unreachable" in res["tail"], res["tail"]
     subprocess.run(provider.command(["podman", "rmi", "-f", "localhost/campugrid-test/url:1"]),
                    capture_output=True)

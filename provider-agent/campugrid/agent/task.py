@@ -276,7 +276,9 @@ class Task:
             memory_mb=spec.resources.memory_mb, cpus=spec.resources.cpus,
             tmp_mb=spec.resources.disk_mb, wall_time_s=spec.resources.wall_time_s,
             agent=self.client.machine_id, gpus=mapped,
-            file_mb=spec.resources.output_mb if writable else None,
+            # One MB over: a single file can pass the limit only just, and the watchdog, which
+            # stops the job once the folders hold more than output_mb, sees it.
+            file_mb=spec.resources.output_mb + 1 if writable else None,
             mounts=((work / "checkpoints", CHECKPOINT_MOUNT, "rw"), hooks_mount) if writable
             else (hooks_mount,))
 

@@ -114,7 +114,7 @@ class Agent:
         log.info("agent %s registered as %s", self.settings.name, self.client.machine_id)
         for name in self.sandbox.sweep(self.client.machine_id):
             log.warning("removed sandbox %s left from an earlier run of this agent", name)
-        self.sweep("an earlier run of this agent")
+        self.sweep("an earlier run of this agent", logging.WARNING)
         last_beat = 0.0
         while not self.stopping.is_set():
             try:
@@ -151,18 +151,19 @@ class Agent:
                         "expire and the job will run again", lease.job_id, e.code())
         finally:
             self.task = None
-            self.sweep(f"task {lease.job_id}")
+            self.sweep(f"task {lease.job_id}", logging.INFO)
 
-    def sweep(self, whose: str) -> None:
+    def sweep(self, whose: str, level: int) -> None:
         """Between tasks nothing of a task may remain: its cgroups (and whatever still runs in
-        them), its work folder, its image. Also at start, for an earlier life's leftovers."""
+        them, e.g. a build runtime's last `runsc delete`), its work folder, its image. Also at
+        start, for an earlier life's leftovers."""
         for name in host_limits.sweep(self.sandbox.limits, self.scope):
-            log.warning("removed cgroup %s left by %s", name, whose)
+            log.log(level, "removed cgroup %s left by %s", name, whose)
         for image in self.sandbox.sweep_images(job_image_prefix(self.scope)):
-            log.warning("removed image %s left by %s", image, whose)
+            log.log(level, "removed image %s left by %s", image, whose)
         for folder in sorted(self.work_root.glob("*")) if self.work_root.is_dir() else []:
             remove_tree(folder)
-            log.warning("removed work folder %s left by %s", folder.name, whose)
+            log.log(level, "removed work folder %s left by %s", folder.name, whose)
 
 
 def enforceable(sandbox: PodmanRunsc, builder: Builder) -> dict[str, str]:

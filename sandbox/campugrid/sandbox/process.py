@@ -46,8 +46,8 @@ def run_streaming(
     `on_stop` runs first when stopping (e.g. `podman rm -f NAME`, which also tears down the
     sandbox that podman's own process group does not contain); then the group gets SIGKILL.
     `on_orphan` is a command (possibly empty) that a guard process runs if *this* process dies
-    first (even by SIGKILL): the child's group and every process in `cgroups` are killed, then the command
-    cleans up what lives outside them.
+    first (even by SIGKILL): the command cleans up what lives outside the child's group, then
+    the group and every process in `cgroups` are killed.
     """
     tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
     proc = subprocess.Popen(
@@ -161,19 +161,21 @@ class Interactive:
 _GUARD = """
 read line
 [ "$line" = done ] && exit 0
+# First the clean stop of what lives outside the group (podman rm, while conmon and runsc
+# can still answer), then the group, then everything left in the job's cgroups, which also
+# holds what left the group (setsid).
+[ $# -gt 0 ] && "$@"
 kill -s KILL -- "-$0" 2>/dev/null
-# Then everything in the job's cgroups, which also holds what left the group (setsid).
 i=0
 while [ $i -lt 100 ]; do
   left=
   for d in $CAMPUGRID_GUARD_CGROUPS; do
-    for p in $(cat "$d/cgroup.procs" 2>/dev/null); do kill -KILL "$p" 2>/dev/null; left=1; done
+    for p in $(cat "$d/cgroup.procs" 2>/dev/null); do kill -s KILL "$p" 2>/dev/null; left=1; done
   done
   [ -z "$left" ] && break
   i=$((i + 1))
   sleep 0.1
 done
-[ $# -gt 0 ] && "$@"
 for d in $CAMPUGRID_GUARD_CGROUPS; do rmdir "$d" 2>/dev/null; done
 exit 0
 """
@@ -182,7 +184,7 @@ exit 0
 def guard(pgid: int, cleanup: Sequence[str],
            cgroups: Sequence[Path] = ()) -> subprocess.Popen[bytes]:
     """A process in its own session that waits on a pipe only we hold. EOF (we died) means:
-    kill the child's group and everything in `cgroups`, run `cleanup`, remove the cgroups;
+    run `cleanup`, kill the child's group and everything in `cgroups`, remove the cgroups;
     a "done" line means we finished normally."""
     env = {**os.environ, "CAMPUGRID_GUARD_CGROUPS": " ".join(str(c) for c in cgroups)}
     return subprocess.Popen(["/bin/sh", "-c", _GUARD, str(pgid), *cleanup],
