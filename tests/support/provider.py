@@ -69,7 +69,7 @@ from campugrid.builders.buildah import BuildahBuilder
 from campugrid.protocol.errors import BuildFailed
 args = json.loads(sys.argv[1])
 lines = []
-builder = BuildahBuilder()
+builder = BuildahBuilder(scope="a-integration-tests")
 out = {"limits": builder.limits.as_dict()}
 try:
     builder.build(Path(args["context"]), args["tag"], log=lines.append, timeout_s=args["timeout_s"],
@@ -78,6 +78,8 @@ try:
 except BuildFailed as e:
     out.update(ok=False, reason=e.reason, tail=e.log_tail)
 out["lines"] = lines
+from campugrid.sandbox import limits
+limits.sweep(builder.limits, builder.scope)  # as the agent does after every task
 print(json.dumps(out))
 """
 

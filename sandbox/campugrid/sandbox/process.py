@@ -176,7 +176,8 @@ while [ $i -lt 100 ]; do
   i=$((i + 1))
   sleep 0.1
 done
-for d in $CAMPUGRID_GUARD_CGROUPS; do rmdir "$d" 2>/dev/null; done
+# The job's cgroups, then their agent's scope folder if nothing else is in it.
+for d in $CAMPUGRID_GUARD_CGROUPS; do rmdir "$d" "${d%/*}" 2>/dev/null; done
 exit 0
 """
 
