@@ -27,6 +27,7 @@ import pytest
 from campugrid.builders.policy import check_dockerfile
 from campugrid.protocol.errors import InvalidInput
 from tests.support.dockerfiles import CORPUS
+from tests.support.provider import SYSCALLS
 
 pytestmark = pytest.mark.integration
 BASE = "localhost/campugrid/python:bookworm"
@@ -299,3 +300,13 @@ def wait_until(check, timeout_s: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.2)
+
+
+def test_run_steps_get_the_strict_seccomp_profile_too(provider, shared_tmp):
+    ctx = make_context(shared_tmp, provider, f"FROM {BASE}\nCOPY s.py /s.py\nRUN python3 /s.py\n",
+                       **{"s.py": SYSCALLS.replace("print(json.dumps(", "print('SYSCALLS', json.dumps(")})
+    res = build(provider, ctx, "localhost/campugrid-test/seccomp:1")
+    subprocess.run(provider.command(["podman", "rmi", "-f", "localhost/campugrid-test/seccomp:1"]),
+                   capture_output=True)
+    seen = json.loads(next(line for line in res["lines"] if line.startswith("SYSCALLS "))[9:])
+    assert seen["getpid"] == "ok" and seen["unshare"] != "ok" and seen["ptrace"] != "ok", seen

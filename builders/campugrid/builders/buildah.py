@@ -28,6 +28,8 @@ from pathlib import Path
 from campugrid.builders.policy import BaseUse, check_dockerfile
 from campugrid.protocol.errors import BuildFailed, InvalidInput
 from campugrid.sandbox import limits as host_limits
+from campugrid.sandbox import profile
+from campugrid.sandbox.podman_runsc import runtime_dir
 from campugrid.sandbox.process import LogFn, run_streaming
 
 WRAPPER = Path(__file__).with_name("runsc-build-runtime")
@@ -55,9 +57,11 @@ class BuildahBuilder:
         # RUN steps run in a job cgroup too, where this host can enforce one.
         self.limits = host_limits.detect()
         self.scope = scope  # this agent's folder of job cgroups (see limits.job_cgroup)
-        runtime = Path(os.environ.get("XDG_RUNTIME_DIR") or f"/run/user/{os.getuid()}")
+        runtime = runtime_dir()
         data = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local/share")
         self.bases_store = (data / "campugrid" / "bases", runtime / "campugrid-bases")
+        # RUN steps get the same seccomp profile inside gVisor as jobs do.
+        self.seccomp = profile.write_profile(runtime / "campugrid" / "seccomp.json")
         self._main: tuple[str, str] | None = None
 
     def main_store(self) -> tuple[str, str]:
@@ -79,6 +83,8 @@ class BuildahBuilder:
             "--runtime", str(WRAPPER),
             "--runtime-flag", "network=none",
             "--runtime-flag", "ignore-cgroups",
+            *([*profile.RUNTIME_FLAGS, "--security-opt", f"seccomp={self.seccomp}"]
+              if self.seccomp else []),
             "--network", "none",
             "--pull-never",  # no registry: FROM names an allowed base this provider has
             "--layers=false", "--rm", "--force-rm",

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from campugrid.protocol.errors import SandboxError
 from campugrid.sandbox import limits as host_limits
+from campugrid.sandbox import profile
 from campugrid.sandbox.process import Interactive, LogFn, run_streaming
 
 RUNSC_FLAGS = ("--runtime-flag", "network=none", "--runtime-flag", "ignore-cgroups")
@@ -67,6 +68,7 @@ class PodmanRunsc:
         self.runsc = shutil.which(runsc) or runsc
         self.limits = host_limits.detect()
         self.scope = scope  # this agent's folder of job cgroups (see limits.job_cgroup)
+        self.seccomp = profile.write_profile(runtime_dir() / "campugrid" / "seccomp.json")
 
     def describe(self) -> str:
         try:
@@ -79,8 +81,9 @@ class PodmanRunsc:
 
     def argv(self, req: RunRequest, *, interactive: bool = False) -> list[str]:
         gpu_flags = ["--runtime-flag", "nvproxy=true"] if req.gpus else []
+        seccomp = [*profile.RUNTIME_FLAGS] if self.seccomp else []
         args = [
-            self.podman, "--runtime", self.runsc, *RUNSC_FLAGS, *gpu_flags, "run",
+            self.podman, "--runtime", self.runsc, *RUNSC_FLAGS, *gpu_flags, *seccomp, "run",
             *(["--interactive"] if interactive else []),
             "--rm", "--name", req.name, "--pull", "never",
             "--network", "none",
@@ -88,6 +91,7 @@ class PodmanRunsc:
             "--tmpfs", f"/tmp:rw,size={req.tmp_mb}m,mode=1777",
             "--userns", "keep-id",  # the job runs as the provider's uid, also inside
             "--cap-drop", "all", "--security-opt", "no-new-privileges",
+            *(["--security-opt", f"seccomp={self.seccomp}"] if self.seccomp else []),
             "--ulimit", f"nproc={GUEST_NPROC}:{GUEST_NPROC}",
             "--ulimit", "nofile=1024:1024",
             *(["--ulimit", f"fsize={req.file_mb * 1024 * 1024}"] if req.file_mb else []),
@@ -210,6 +214,10 @@ def gpu_devices(gpus: tuple[tuple[str, int], ...], cdi_dirs: tuple[Path, ...] = 
     nodes = [f"/dev/nvidia{minor}" for _, minor in gpus]
     nodes += [n for n in CONTROL_NODES if exists(n)]
     return [arg for n in nodes for arg in ("--device", n)] + env
+
+
+def runtime_dir() -> Path:
+    return Path(os.environ.get("XDG_RUNTIME_DIR") or f"/run/user/{os.getuid()}")
 
 
 def _cgroup_v2() -> bool:
