@@ -61,9 +61,12 @@ def _inspect(data: bytes, allowed: Sequence[AllowedBase] | None) -> ContextInfo:
     total = 0
     count = 0
     dockerfile: bytes | None = None
+    links: dict[str, str] = {}
     with _open(data) as tar:
         for member, name in _checked_members(tar):
             count += 1
+            if member.issym():
+                links[name] = member.linkname
             total += member.size if member.isfile() else 0
             if total > MAX_UNPACKED_BYTES:
                 raise InvalidInput(
@@ -74,6 +77,19 @@ def _inspect(data: bytes, allowed: Sequence[AllowedBase] | None) -> ContextInfo:
                 f = tar.extractfile(member)
                 assert f is not None
                 dockerfile = f.read()
+    # Where each link really lands (its folder may itself pass through links, as when the
+    # agent makes them in this order), then where each one leads.
+    placed: dict[str, str] = {}
+    for name, link in links.items():
+        folder = _resolve(posixpath.dirname(name), placed)
+        if folder is None:
+            raise InvalidInput(f"context: symlink {name} lies outside the context (through "
+                               "other links)")
+        placed[posixpath.join(folder, posixpath.basename(name))] = link
+    for name, link in placed.items():
+        if _resolve(name, placed) is None:
+            raise InvalidInput(f"context: symlink {name} -> {link} resolves outside the context "
+                               "(through other links)")
     if dockerfile is None:
         raise InvalidInput("context: no Dockerfile at the top of the tarball "
                            "(tar it from inside the folder: tar -C DIR -czf ctx.tgz .)")
@@ -187,6 +203,32 @@ def extract_files(archive: Path, dest: Path) -> int:
             else:
                 raise InvalidInput(f"{archive.name}: {name} is a link; checkpoints hold plain files")
     return count
+
+
+def _resolve(path: str, links: dict[str, str]) -> str | None:
+    """`path` inside the context as realpath would resolve it through the context's own
+    links, without unpacking; None if it leaves the context, or loops."""
+    pending = path.split("/")
+    resolved: list[str] = []
+    hops = 0
+    while pending:
+        part = pending.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not resolved:
+                return None
+            resolved.pop()
+            continue
+        here = "/".join([*resolved, part])
+        if here in links:
+            hops += 1
+            if hops > 40 or links[here].startswith("/"):
+                return None
+            pending = links[here].split("/") + pending  # relative to the link's folder
+            continue
+        resolved.append(part)
+    return "/".join(resolved)
 
 
 def _open(data: bytes) -> tarfile.TarFile:

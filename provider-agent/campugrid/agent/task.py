@@ -37,6 +37,7 @@ from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol.errors import BuildFailed, CampugridError, InvalidInput, SandboxError
 from campugrid.protocol.spec import JobSpec
 from campugrid.sandbox import confine
+from campugrid.sandbox import limits as host_limits
 from campugrid.sandbox.podman_runsc import PodmanRunsc, RunRequest
 
 log = logging.getLogger("campugrid.agent")
@@ -94,6 +95,8 @@ class Task:
             used = sum(_size(p) for d in folders for p in _walk_files(d))
             if used > limit:
                 self.disk_exceeded = True
+                # At once: a clean stop takes a second in which the job goes on writing.
+                host_limits.kill_job(self.sandbox.limits, self.name, self.sandbox.scope)
                 self.stop.set()
                 return
 

@@ -68,7 +68,7 @@ class JobCgroup:
         """The kernel's OOM killer acted in this cgroup (memory.failcnt would also count
         ordinary page-cache reclaim at the limit)."""
         for p in self.paths:
-            if p.parent.parent.name == "memory":
+            if (p / "memory.oom_control").exists():
                 try:
                     for line in (p / "memory.oom_control").read_text().splitlines():
                         key, _, value = line.partition(" ")
@@ -145,6 +145,19 @@ def kill_all(paths: Sequence[Path], attempts: int = 50) -> None:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.1)
+
+
+def kill_job(limits: HostLimits, name: str, scope: str) -> None:
+    """SIGKILL one job's gVisor sandbox now (a limit was passed: no grace). Only the sandbox:
+    conmon and podman stay to see it exit and clean up, as after an OOM kill."""
+    if limits.v1_delegated is None:
+        return
+    paths = [limits.v1_delegated / ctrl / DELEGATED / scope / name if scope else
+             limits.v1_delegated / ctrl / DELEGATED / name for ctrl in CONTROLLERS]
+    for pid in _members(paths):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"runsc-sandbox"):
+                os.kill(pid, signal.SIGKILL)
 
 
 def sweep(limits: HostLimits, scope: str) -> list[str]:

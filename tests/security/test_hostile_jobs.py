@@ -1,0 +1,591 @@
+"""Hostile jobs, run side: each submits one attack through the REST API as a researcher would,
+and asserts (a) the attack failed (what the job saw, its state and reason), (b) the host is
+as it was (tests/support/hostile.py) and (c) the agent serves the next job (`guard.check`).
+
+Every assertion says, in a comment, which protection it stands for: remove that protection
+and the assertion fails. The job's code is in tests/security/jobs.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import socket
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from campugrid.agent.logship import MAX_TASK_LOG_BYTES
+from campugrid.builders.context import MAX_MEMBERS
+from campugrid.sandbox.podman_runsc import GUEST_NPROC
+from tests.security import jobs
+from tests.security.conftest import (
+    BASE,
+    PLAIN,
+    reset_peak_rss,
+    result_of,
+    rss_kb,
+    run_job,
+    run_log,
+    run_python,
+)
+from tests.support import hostile
+
+pytestmark = pytest.mark.acceptance
+REFUSED = ("ENOENT", "EACCES", "EPERM")
+
+
+def stamp(s: str) -> float:
+    from datetime import datetime
+    return datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
+
+
+def seconds_running(job: dict) -> float:
+    """From the lease to the end, by the job's own events."""
+    events = {e["kind"]: e["at"] for e in job["events"]}
+    return stamp(events[job["state"]]) - stamp(events["leased"])
+
+
+def brief(job: dict) -> str:
+    return (f"job {job['id']}: {job['state']}, exit {job.get('exit_code')}, reason "
+            f"{(job.get('reason') or '')[:600]!r}, result {(job.get('result') or '')[:300]!r}")
+
+
+# --- (1) host files ---------------------------------------------------------------------------
+
+def host_file_targets(name: str, agent, canaries) -> list[str]:
+    work = agent.state_dir / "work"
+    return {
+        "etc-shadow": ["/etc/shadow", "/proc/1/root/etc/shadow"],
+        "provider-home": [str(canaries.home.path), str(canaries.home.path.parent)],
+        "agent-credentials": [str(canaries.credentials), str(canaries.state.path),
+                              str(agent.state_dir)],
+        "other-jobs-work-folders": [str(work), str(work / "{other}" / "output" / "result.txt")],
+        "own-work-folder-on-the-host": [str(work / "{job}-{attempt}" / "context" / "Dockerfile")],
+        "through-proc-1-root": [f"/proc/1/root{canaries.home.path}",
+                                f"/proc/self/root/../../..{canaries.credentials}",
+                                f"/proc/1/cwd/../../..{canaries.state.path}"],
+    }[name]
+
+
+@pytest.mark.parametrize("target", ["etc-shadow", "provider-home", "agent-credentials",
+                                    "other-jobs-work-folders", "own-work-folder-on-the-host",
+                                    "through-proc-1-root"])
+def test_a_job_cannot_read_host_files(api, guard, agent, canaries, provider, target):
+    paths = host_file_targets(target, agent, canaries)
+    other = None
+    if target == "other-jobs-work-folders":
+        # Another job's folder, as the agent lays them out (work/<job>-<attempt>/), owned by
+        # the provider: the job's own uid. (The agent sweeps it away after this task.)
+        other = hostile.Canary.plant(agent.state_dir / "work" / "0d1e-other-job-1" / "output" /
+                                     "result.txt", provider, label="other-job")
+        for d in (other.path.parent, other.path.parent.parent):
+            os.chown(d, provider.uid, provider.gid)
+        paths = [p.replace("{other}", "0d1e-other-job-1") for p in paths]
+    job = run_python(api, jobs.READ_PATHS, {"env": {"TARGETS": json.dumps(paths)}})
+    assert job["state"] == "succeeded", brief(job)
+    seen = result_of(job)
+    for path in paths:
+        # The host paths are not in the sandbox's filesystem at all (gVisor's gofer serves
+        # only the image and the mounts): a sandbox that showed them would read them, as
+        # these files belong to the job's own uid (keep-id). (/etc/shadow: the image's own is
+        # root's alone; the job runs as the provider's uid, with no capability to pass that.)
+        assert seen[path] in REFUSED, f"{path}: {seen[path]}"
+    guard.assert_not_leaked(job)
+    if other is not None:
+        hostile.assert_not_leaked([other.token], logs=run_log(api, job["id"]),
+                                  result=job["result"])
+    guard.check()
+
+
+def test_the_mount_table_shows_no_host_paths(api, guard, agent, provider):
+    needles = [str(agent.state_dir), str(provider.home), str(agent.state_dir / "work")]
+    job = run_python(api, jobs.MOUNT_TABLE, {"env": {"TARGETS": json.dumps(needles)}})
+    assert job["state"] == "succeeded", brief(job)
+    # gVisor shows its own mounts ("none" as every source), not the host's bind paths:
+    # with runc, /proc/self/mountinfo would name the agent's work folder.
+    assert result_of(job) == {n: [] for n in needles}
+    guard.check()
+
+
+# --- (2) network ------------------------------------------------------------------------------
+
+def labelled_listeners(platform) -> dict[str, tuple[str, int]]:
+    """Every TCP port listening on the host now, at each address a job might try, named by
+    whose it is; and SeaweedFS's own internal ports, in case they ever face the host."""
+    s3_port = platform.s3.endpoint.rsplit(":", 1)[1]
+    names = {platform.http_port: "coordinator-rest", platform.running.grpc_port: "coordinator-grpc",
+             int(s3_port): "seaweedfs-s3"}
+    weed = hostile.listening_ports_of(hostile.descendants(platform.s3.process.pid))
+    names.update({port: "seaweedfs" for _, port in weed if port not in names})
+    out: dict[str, tuple[str, int]] = {}
+    any_address = ("0.0.0.0", "0000:0000:0000:0000:0000:0000:0000:0000")
+    for sock in hostile.listening_sockets():
+        if not sock.proto.startswith("tcp"):
+            continue
+        name = names.get(sock.port, "listener")
+        addrs = ("127.0.0.1", hostile.host_address()) if sock.address in any_address else (
+            sock.address,)
+        for addr in addrs:
+            out[f"{name} {addr}:{sock.port}"] = (addr, sock.port)
+    for what, port in getattr(platform.s3, "ports", {}).items():
+        out.setdefault(f"seaweedfs-internal {what} 127.0.0.1:{port}", ("127.0.0.1", port))
+    return out
+
+
+def host_reaches(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=3).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_a_job_reaches_no_port_listening_on_the_host(api, guard, platform):
+    """Every local port, one job: the coordinator's REST and gRPC, SeaweedFS's S3 (and any
+    other port of it on the host), everything else listening on this machine; each asserted."""
+    targets = labelled_listeners(platform)
+    assert {"coordinator-rest", "coordinator-grpc", "seaweedfs-s3"} <= {
+        t.split()[0] for t in targets}, targets
+    job = run_python(api, jobs.CONNECT, {"env": {"TARGETS": json.dumps(
+        [("tcp", h, p) for h, p in targets.values()])}})
+    assert job["state"] == "succeeded", brief(job)
+    seen = result_of(job)
+    # The sandbox has a loopback of its own and no route out (runsc network=none): with the
+    # host's network, each of these would connect (and the platform's would answer the GET).
+    reached = {name: seen[f"tcp:{h}:{p}"] for name, (h, p) in targets.items()
+               if seen[f"tcp:{h}:{p}"].startswith("ok")}
+    assert not reached, f"the job reached: {reached}"
+    print(f"{len(targets)} host ports tried from the sandbox, none reached")
+    guard.check()
+
+
+@pytest.mark.parametrize("target", ["ssh-port-22", "host-address", "external-address", "dns",
+                                    "unix-sockets"])
+def test_a_job_reaches_nothing_beyond_its_sandbox(api, guard, provider, target):
+    witnesses: list[hostile.CanaryListener] = []
+    try:
+        if target == "ssh-port-22":
+            # Nothing on 22 here: listen there ourselves, to see whether the job arrives (with
+            # a real sshd there, the job's own report is the evidence).
+            with contextlib.suppress(OSError):
+                witnesses.append(hostile.CanaryListener("127.0.0.1", 22))
+            tries = [("tcp", "127.0.0.1", 22)]
+        elif target == "host-address":
+            witnesses.append(hostile.CanaryListener("0.0.0.0"))
+            port = witnesses[0].port
+            tries = [(k, h, port) for k in ("tcp", "udp")
+                     for h in ("127.0.0.1", hostile.host_address(), "10.0.2.2", "172.17.0.1")]
+        elif target == "external-address":
+            if not host_reaches("1.1.1.1", 443):
+                pytest.skip("this host itself reaches no external address: nothing to prove")
+            tries = [("tcp", "1.1.1.1", 443), ("tcp", "8.8.8.8", 53), ("udp", "8.8.8.8", 53)]
+        elif target == "dns":
+            resolver = next((line.split()[1] for line in Path("/etc/resolv.conf").read_text()
+                             .splitlines() if line.startswith("nameserver")), "127.0.0.53")
+            tries = [("dns", "example.org", 0), ("udp", resolver, 53), ("udp", "8.8.8.8", 53)]
+        else:
+            runtime = provider.runtime_dir
+            tries = [("unix", str(runtime / "podman" / "podman.sock"), 0),
+                     ("unix", "/run/podman/podman.sock", 0), ("unix", "/var/run/docker.sock", 0),
+                     ("unix", str(runtime / "bus"), 0), ("unix", "/run/dbus/system_bus_socket", 0),
+                     ("unix", "\0/containers/podman", 0)]
+        job = run_python(api, jobs.CONNECT, {"env": {"TARGETS": json.dumps(tries)}})
+        for w in witnesses:
+            # The host's own evidence: nothing from the sandbox arrived (runsc's network=none
+            # gives the sandbox a loopback of its own; with --network host it would arrive).
+            assert w.settle() == [], f"reached the host's listener on port {w.port}: {w.hits}"
+    finally:
+        for w in witnesses:
+            w.close()
+    assert job["state"] == "succeeded", brief(job)
+    seen = result_of(job)
+    assert set(seen) == {f"{k}:{h}:{p}" for k, h, p in tries}
+    # No route out and no host socket mounted in: every attempt fails.
+    reached = {t: v for t, v in seen.items() if v.startswith("ok")}
+    assert not reached, f"the job reached: {reached}"
+    guard.check()
+
+
+# --- (3) privileged operations ----------------------------------------------------------------
+
+EXPECTED_REFUSAL = {  # as runsc 20221219 answers (EPERM: no capability; others: not there)
+    "raw-socket": {"EPERM"}, "packet-socket": {"EPERM"}, "ptrace-pid-1": {"EPERM"},
+    "ptrace-the-agent": {"ESRCH", "EPERM"}, "mount-tmpfs": {"EPERM"},
+    "remount-root-writable": {"EPERM", "EROFS"},
+    "write-core-pattern": {"EACCES", "ENOENT", "EPERM", "EROFS"},
+    "write-any-proc-sys-file": {"EACCES"}, "sysrq-trigger": {"EACCES", "ENOENT", "EPERM"},
+    "init-module": {"EPERM", "ENOSYS"}, "bpf": {"EPERM", "ENOSYS"},
+    "open-by-handle-at": {"EPERM", "ENOTSUP", "EOPNOTSUPP", "ENOSYS"},
+    "mknod-host-disk": {"ENXIO", "EPERM", "ENODEV"}, "mknod-dev-mem": {"ENXIO", "EPERM", "ENODEV"},
+    "setuid-root": {"EPERM"},
+}
+HOST_SYSCTLS = ("kernel/core_pattern", "kernel/hostname", "vm/overcommit_memory",
+                "net/ipv4/ip_forward", "kernel/sysrq")
+
+
+def loaded_modules() -> str | None:
+    """The host kernel's modules (None: a kernel without module support, as on Firecracker)."""
+    modules = Path("/proc/modules")
+    return modules.read_text() if modules.exists() else None
+
+
+@pytest.mark.parametrize("attack", list(jobs.PRIVILEGED))
+def test_a_privileged_operation_is_refused(api, guard, agent, attack):
+    sysctls = {k: Path("/proc/sys", k).read_text() for k in HOST_SYSCTLS
+               if Path("/proc/sys", k).exists()}
+    modules = loaded_modules()
+    disk = os.stat(agent.state_dir).st_dev
+    env = {"AGENT_PID": str(agent.pid()), "HOST_DISK": f"{os.major(disk)}:{os.minor(disk)}"}
+    job = run_python(api, jobs.privileged(attack), {"env": env})
+    assert job["state"] == "succeeded", brief(job)
+    got = result_of(job)["attack"]
+    # All capabilities dropped, no-new-privileges, and gVisor's own kernel between the job and
+    # the host's: an operation that needs privilege, or reaches for the host, is refused.
+    assert got in EXPECTED_REFUSAL[attack], f"{attack}: {got}"
+    # The host's kernel settings and modules are as they were (a write that reached the
+    # host's /proc/sys, or a loaded module, shows here).
+    assert {k: Path("/proc/sys", k).read_text() for k in sysctls} == sysctls
+    assert loaded_modules() == modules
+    assert "TracerPid:\t0" in Path(f"/proc/{agent.pid()}/status").read_text()
+    guard.check()
+
+
+# --- (4) resources ----------------------------------------------------------------------------
+
+def test_a_fork_bomb_is_held_by_the_guest_process_limit(api, guard):
+    # Memory enough for 500 Python processes in gVisor (at 2 GB the memory limit stops the
+    # bomb first): here the process limit is what must hold.
+    job = run_python(api, jobs.FORK_BOMB, {"resources": {"memory_mb": 8192, "wall_time_s": 120}})
+    assert job["state"] == "succeeded", brief(job)
+    seen = result_of(job)
+    # gVisor enforces --ulimit nproc: fork() fails with EAGAIN before the guest has
+    # GUEST_NPROC processes (without it, 5000 forks, or the host's pids cgroup kills the box).
+    assert seen["stopped_by"] == "EAGAIN", seen
+    assert seen["forked"] < GUEST_NPROC, seen
+    print(f"fork bomb: {seen['forked']} processes, then {seen['stopped_by']}")
+    guard.check()
+
+
+def test_a_memory_bomb_is_oom_killed_at_memory_mb(api, guard):
+    job = run_python(api, jobs.MEMORY_BOMB, {"resources": {"memory_mb": 256}})
+    if job["limits"].get("memory") != "enforced":
+        pytest.skip(f"memory limit on this host: {job['limits'].get('memory')}")
+    # The job's cgroup (memory.limit_in_bytes = 256 MiB) holds the whole sandbox: the kernel
+    # kills it (SIGKILL: 137). Without it the job would print "survived".
+    assert job["state"] == "failed" and job["exit_code"] == 137, brief(job)
+    assert job["result"].startswith("allocated "), brief(job)
+    allocated = int(job["result"].split()[1])
+    assert allocated <= 256, brief(job)
+    print(f"memory bomb: OOM-killed after {allocated} MiB allocated in the guest (limit 256 MB)")
+    # The reason names the limit (the kernel's oom_kill count in the job's memory cgroup).
+    assert job["reason"] == "out of memory: the job used more than 256 MB", brief(job)
+    guard.check()
+
+
+def test_a_busy_loop_is_throttled_to_its_cpu_quota(api, guard):
+    full = run_python(api, jobs.BUSY_LOOP, {"resources": {"cpus": 2.0}})
+    quarter = run_python(api, jobs.BUSY_LOOP, {"resources": {"cpus": 0.25}})
+    if quarter["limits"].get("cpu") != "enforced":
+        pytest.skip(f"cpu limit on this host: {quarter['limits'].get('cpu')}")
+    assert full["state"] == quarter["state"] == "succeeded", (full, quarter)
+    # Loop iterations, not the guest's CPU time (gVisor cannot see the host throttle it):
+    # a quarter of a CPU against up to two does well under half the work (cfs_quota_us).
+    ratio = int(full["result"]) / int(quarter["result"])
+    assert ratio > 2, f"cpus=2 did {full['result']} iterations, cpus=0.25 did {quarter['result']}"
+    print(f"cpu quota: cpus=0.25 ran {ratio:.1f}x fewer loop iterations than cpus=2")
+    guard.check()
+
+
+@pytest.mark.parametrize(("where", "limit_mb"), [("/tmp/fill", 16), ("/dev/shm/fill", 64)])
+def test_filling_a_writable_folder_stops_at_its_size(api, guard, where, limit_mb):
+    job = run_python(api, jobs.FILL, {"env": {"TARGET": where}, "resources": {"disk_mb": 16}})
+    assert job["state"] == "succeeded", brief(job)
+    seen = result_of(job)
+    # /tmp is a tmpfs of resources.disk_mb; /dev/shm is podman's 64 MB shm: both stop the
+    # writer with ENOSPC (an unbounded tmpfs would take 4 GiB of the host's memory).
+    assert seen["stopped_by"] == "ENOSPC", seen
+    assert (limit_mb - 4) * 2**20 <= seen["written"] <= limit_mb * 2**20, seen
+    print(f"{where}: {seen['written']} bytes written, then ENOSPC (size {limit_mb} MB)")
+    guard.check()
+
+
+def measure_agent_peak(agent, run) -> tuple[dict, int]:
+    """Run `run()` and return its job and the agent's peak resident memory growth in KiB."""
+    pid = agent.pid()
+    base = rss_kb(pid)
+    reset_peak_rss(pid)
+    job = run()
+    return job, rss_kb(pid, "VmHWM") - base
+
+
+@pytest.mark.parametrize(("newlines", "size"), [(True, 2 * 10**9), (False, 2**29)],
+                         ids=["2-GB-of-short-lines", "512-MiB-without-a-newline"])
+def test_a_stdout_flood_leaves_the_agent_and_the_log_bounded(api, guard, agent, newlines, size):
+    """2 GB through the agent (it reads job output at about 30 MB/s here: a minute); the
+    line without end is 16 times the log limit, enough to show it is read in pieces."""
+    job, grew_kb = measure_agent_peak(agent, lambda: run_python(
+        api, jobs.STDOUT_FLOOD, {"env": {"NEWLINES": "1" if newlines else "0", "BYTES": str(size)}},
+        timeout=300))
+    assert job["state"] == "succeeded", brief(job)
+    chunks = api.logs(job["id"])["chunks"]
+    stored = sum(len(c["text"]) for c in chunks)
+    # The agent keeps at most MAX_TASK_LOG_BYTES of a task's log and counts the rest; it
+    # reads lines in bounded pieces (64 KiB), so an endless line is no endless buffer.
+    assert stored <= MAX_TASK_LOG_BYTES + 256 * 1024, stored
+    assert grew_kb < 256 * 1024, f"the agent grew by {grew_kb // 1024} MiB"
+    # All of it went through the agent (the job's last line comes after it):
+    assert job["result"].startswith("wrote ") and int(job["result"].split()[1]) >= size, brief(job)
+    assert "more lines not kept: the log limit is 32 MiB" in chunks[-1]["text"]
+    print(f"{size / 10**9:.1f} GB of stdout ({'lines' if newlines else 'no newline'}): "
+          f"{stored / 2**20:.1f} MiB stored, agent peak +{grew_kb // 1024} MiB, "
+          f"{seconds_running(job):.0f} s")
+    guard.check()
+
+
+def test_a_process_that_ignores_sigterm_is_stopped_at_its_wall_time(api, guard):
+    job = run_python(api, jobs.IGNORES_SIGTERM, {"resources": {"wall_time_s": 3}}, timeout=120)
+    # The wall-time limit kills the sandbox (podman rm --force, then SIGKILL to its group),
+    # not a polite signal: without it the job would run for ever.
+    assert job["state"] == "failed", brief(job)
+    assert job["reason"] == "wall time of 3 s exceeded; the job was stopped"
+    assert seconds_running(job) < 3 + 30, seconds_running(job)
+    assert "ignoring SIGTERM" in run_log(api, job["id"])
+    guard.check()  # no process of it on the host: checked against the before-picture
+
+
+def test_a_double_forked_daemon_does_not_outlive_its_job(api, guard, platform):
+    job = run_python(api, jobs.DOUBLE_FORK)
+    assert job["state"] == "succeeded", brief(job)
+    seen = result_of(job)
+    assert seen["daemon_beating"], seen  # the daemon was alive when its parent exited
+    # When the job's command (pid 1 in gVisor) exits, the sandbox goes, and every process in
+    # it: no runsc, gofer or conmon of it stays on the host (the guard's process check), and
+    # its container is gone. A daemon that escaped would keep a sandbox process alive.
+    name = f"campugrid-{job['id']}-1"
+    after = guard.check()
+    assert name not in after.containers
+    assert not [p for p in after.procs.values() if job["id"] in p.cmdline]
+
+
+def folder_size(path: Path) -> int:
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+    return total
+
+
+@pytest.mark.parametrize(("target", "mode"), [("/output", "many-files"),
+                                              ("/checkpoints", "many-files"),
+                                              ("/output", "one-big-file"),
+                                              ("/output", "sparse-files")])
+def test_writing_past_output_mb_stops_the_job(api, guard, agent, target, mode):
+    peak = [0]
+    stop = threading.Event()
+
+    def watch() -> None:  # the host's view of the job's work folder (disk blocks), meanwhile
+        while not stop.is_set():
+            peak[0] = max(peak[0], folder_size(agent.state_dir / "work"))
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        job = run_python(api, jobs.OUTPUT_WRITER, {"env": {"TARGET": target, "MODE": mode},
+                                                   "resources": {"output_mb": 8}})
+    finally:
+        stop.set()
+        watcher.join()
+    # The agent's disk watchdog (rootless Podman has no quota on bind mounts) counts the
+    # files' apparent sizes each second and stops the job: without it, the job would write
+    # 4 GiB (or 1 TiB of sparse files, which the output tarball would inflate), then sleep
+    # into "never stopped". (--ulimit fsize caps any one file at output_mb + 1.)
+    assert job["state"] == "failed", brief(job)
+    assert "wrote more than 8 MB to /output and /checkpoints" in job["reason"], brief(job)
+    log = run_log(api, job["id"])
+    assert "never stopped" not in log
+    assert peak[0] < 1024 * 2**20, f"the job's folder reached {peak[0] / 2**20:.0f} MiB"
+    last = [line for line in log.splitlines() if line.startswith(("wrote ", "made ", "stopped "))]
+    print(f"output_mb=8, {mode} in {target}: {last[-1] if last else '-'}; the host folder "
+          f"peaked at {peak[0] / 2**20:.1f} MiB on disk")
+    guard.check()
+
+
+def test_links_in_output_are_not_followed(api, guard, canaries, agent):
+    targets = {"provider-home": canaries.home.path, "agent-credentials": canaries.credentials,
+               "agent-state-dir": agent.state_dir}
+    job = run_python(api, jobs.OUTPUT_LINK, {"env": {"TARGETS": json.dumps(
+        {name: str(path) for name, path in targets.items()})}})
+    assert job["state"] == "succeeded" and job["result"] == "planted", brief(job)
+    output = api.output(job["id"])
+    with tarfile.open(fileobj=io.BytesIO(output)) as tar:
+        names = tar.getnames()
+    # The agent tars regular files only and never follows a link (hooks.regular_files):
+    # following one would upload the host file or folder it names.
+    for name in targets:
+        assert not [n for n in names if name in n], (name, names)
+    assert names == ["real.txt"], names
+    guard.assert_not_leaked(job, output=output)
+    guard.check()  # the canaries and credentials are unchanged
+
+
+@pytest.mark.parametrize("how", ["epoch-folder-is-a-link", "file-in-epoch-is-a-link",
+                                 "manifest-is-a-link", "swap-file-for-link"])
+def test_links_in_checkpoints_are_not_followed(api, guard, platform, canaries, how):
+    job = run_python(api, jobs.CHECKPOINT_LINK, {"env": {"TARGET": str(canaries.state.path),
+                                                         "HOW": how}})
+    assert job["state"] == "succeeded" and job["result"] == "planted", brief(job)
+    coord = platform.running.coord
+    recorded = coord.store.checkpoints(job["id"])
+    assert recorded, "not even the genuine checkpoint of epoch 1 was kept"
+    for ckpt in recorded:
+        blob = coord.objects.get_bytes(ckpt.key)
+        with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+            names = sorted(tar.getnames())
+            weights = tar.extractfile("w").read().decode() if "w" in names else ""
+        # The uploader copies through O_NOFOLLOW and directory fds, then checks the copy
+        # against the manifest: a link is never read, so no host file is in a checkpoint.
+        assert names == ["MANIFEST.json", "w"], (ckpt.epoch, names)
+        assert weights == f"genuine weights {ckpt.epoch}", (ckpt.epoch, weights)
+        hostile.assert_not_leaked(canaries.secrets(), checkpoint=blob)
+    if how in ("epoch-folder-is-a-link", "manifest-is-a-link"):
+        assert [c.epoch for c in recorded] == [1]  # the linked epoch was never uploaded
+    guard.assert_not_leaked(job)
+    guard.check()  # the canary the links point at is still there, unchanged
+
+
+# --- (5) hostile build contexts at the REST boundary -----------------------------------------
+
+DOCKERFILE = PLAIN.encode()
+
+
+def make_tar(members: list[tuple[str, str, object]]) -> bytes:
+    """members: (name, kind, payload), kind file|dir|symlink|hardlink|chr|blk|fifo."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, kind, payload in members:
+            info = tarfile.TarInfo(name)
+            if kind == "file":
+                assert isinstance(payload, bytes)
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
+                continue
+            info.type = {"dir": tarfile.DIRTYPE, "symlink": tarfile.SYMTYPE,
+                         "hardlink": tarfile.LNKTYPE, "chr": tarfile.CHRTYPE,
+                         "blk": tarfile.BLKTYPE, "fifo": tarfile.FIFOTYPE}[kind]
+            if kind in ("symlink", "hardlink"):
+                info.linkname = str(payload)
+            if kind in ("chr", "blk"):
+                info.devmajor, info.devminor = payload  # type: ignore[misc]
+            tar.addfile(info)
+    return buf.getvalue()
+
+
+DF = ("Dockerfile", "file", DOCKERFILE)
+CHAIN = [DF, ("d", "dir", None), ("d/x", "symlink", ".."), ("d/y", "symlink", "x/../etc/shadow")]
+CONTEXT_TRICKS = [
+    pytest.param([DF, ("/etc/cron.d/evil", "file", b"x")], "absolute path", id="absolute-path"),
+    pytest.param([DF, ("../../evil", "file", b"x")], "leaves the context folder", id="dot-dot"),
+    pytest.param([DF, ("sub/../../evil", "file", b"x")], "leaves the context folder",
+                 id="dot-dot-inside-a-path"),
+    pytest.param([DF, ("l", "symlink", "/etc/shadow")], "is absolute", id="absolute-symlink"),
+    pytest.param([DF, ("l", "symlink", "../../etc/shadow")], "leaves the context",
+                 id="escaping-symlink"),
+    pytest.param([("Dockerfile", "symlink", "/etc/passwd")], "is absolute",
+                 id="dockerfile-is-a-link"),
+    pytest.param([DF, ("h", "hardlink", "/etc/shadow")], "absolute path", id="absolute-hardlink"),
+    pytest.param([DF, ("h", "hardlink", "../../etc/shadow")], "leaves the context folder",
+                 id="escaping-hardlink"),
+    pytest.param([DF, ("sda", "blk", (8, 0))], "device, fifo", id="block-device"),
+    pytest.param([DF, ("mem", "chr", (1, 1))], "device, fifo", id="char-device"),
+    pytest.param([DF, ("p", "fifo", None)], "device, fifo", id="fifo"),
+    pytest.param([DF] + [(f"f{i}", "file", b"") for i in range(MAX_MEMBERS)],
+                 f"more than {MAX_MEMBERS} files", id="too-many-members"),
+    # d/x -> .. plus d/y -> x/../etc/shadow: each harmless on its own, together outside (the
+    # agent refuses it again when it unpacks: tests/unit/test_context.py, for real files).
+    pytest.param(CHAIN, "resolves outside the context", id="symlink-chain-escape"),
+]
+
+
+@pytest.mark.parametrize(("members", "says"), CONTEXT_TRICKS)
+def test_a_hostile_context_is_refused_at_submit_and_nothing_stored(api, guard, platform, members,
+                                                                   says):
+    context = make_tar(members)
+    before = {j["id"] for j in api.jobs(limit=1000)}
+    resp = httpx.post(f"{platform.url}/v1/jobs", files={"context": ("c.tgz", context)},
+                      data={"spec": json.dumps({"command": ["true"]})}, timeout=60)
+    try:
+        # builders.context.inspect_context, at the coordinator: without it the job is stored
+        # (201) and only the agent would refuse it.
+        assert resp.status_code == 422, resp.text
+        assert says in resp.json()["detail"], resp.json()["detail"]
+        assert {j["id"] for j in api.jobs(limit=1000)} == before  # no job
+        key = f"contexts/{hashlib.sha256(context).hexdigest()}.tar"
+        assert not platform.running.coord.objects.exists(key)  # and no stored context
+    finally:
+        if resp.status_code < 300:
+            api.cancel(resp.json()["id"])
+    # (c) for these is the next test's job: the agent never saw them.
+    guard.check(probe=False)
+
+
+# --- (6) lying shard runners -------------------------------------------------------------------
+
+LIAR_FILES = {"fake/campugrid/hooks/__init__.py": "", "fake/campugrid/hooks/shard_runner.py":
+              jobs.LYING_RUNNER}
+LIAR_DOCKERFILE = f"FROM {BASE}\nCOPY fake /fake\nRUN chmod -R a+rX /fake\n"
+
+
+LIES = {  # the lie -> the reason its shard must fail with
+    "not-json": "the shard's result is not JSON",
+    "too-big": "the shard's result is over 65536 bytes",
+    "nested-too-deep": "the shard's result is not JSON (or nested too deeply)",
+    "for-another-shard": "the sandbox stopped during this shard",
+}
+
+
+def test_a_lying_shard_runner_fails_its_own_shards_only(api, guard):
+    """One sharded job, one lie per shard, and an honest shard last. The job's own shard
+    runner comes first on PYTHONPATH; the costs make the only (hence fastest) machine take
+    the shards in this order; "for-another-shard" claims the honest shard's result."""
+    shards = [{"payload": {"lie": lie}, "cost": len(LIES) + 1 - i} for i, lie in enumerate(LIES)]
+    shards.append({"payload": {"n": 1}, "cost": 1})
+    spec = {"command": ["python3", "-c", "pass"], "env": {"PYTHONPATH": "/fake"}, "shards": shards}
+    job = run_job(api, LIAR_DOCKERFILE, LIAR_FILES, spec, timeout=300)
+    got = {s["index"]: s for s in api.shards(job["id"])}
+    honest = len(LIES)
+    for index, (lie, reason) in enumerate(LIES.items()):
+        # The agent accepts only bounded JSON for the shard it sent (runner_lines.parse): a
+        # lie fails that shard with a reason, and the session goes on (a fresh sandbox if the
+        # runner died). Without the checks, "not-json" and "too-big" would be stored.
+        assert got[index]["state"] == "failed", (lie, got[index])
+        assert reason in (got[index]["reason"] or ""), (lie, got[index]["reason"])
+    # The honest shard's result is its own, not the one the liar claimed for it.
+    assert got[honest]["state"] == "succeeded", got[honest]
+    assert got[honest]["result"] == {"honest": honest}, got[honest]
+    assert job["state"] == "failed", brief(job)
+    assert f"{len(LIES)} of {len(LIES) + 1} shards failed (first: shard 0" in job["reason"]
+    guard.check()
+
+
+def test_a_shard_runner_flooding_stdout_leaves_the_agent_bounded(api, guard, agent):
+    spec = {"command": ["python3", "-c", "pass"], "env": {"PYTHONPATH": "/fake"},
+            "shards": [{"payload": {"lie": "flood-after-answer"}}]}
+    job, grew_kb = measure_agent_peak(agent, lambda: run_job(
+        api, LIAR_DOCKERFILE, LIAR_FILES, spec, timeout=300))
+    # The runner's stdout is read in bounded lines; junk between shards is dropped, and the
+    # sandbox is stopped 5 s after its last shard: the agent does not buffer 2 GB.
+    assert job["state"] == "succeeded", brief(job)
+    assert [s["result"] for s in api.shards(job["id"])] == [{"honest": 0}]
+    assert grew_kb < 256 * 1024, f"the agent grew by {grew_kb // 1024} MiB"
+    print(f"shard runner flooding 2 GB after its answer: agent peak +{grew_kb // 1024} MiB")
+    guard.check()
