@@ -29,7 +29,7 @@ from campugrid.agent.task import Task, job_image_prefix
 from campugrid.builders.base import Builder
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol.errors import CampugridError
-from campugrid.sandbox import confine, profile
+from campugrid.sandbox import confine
 from campugrid.sandbox import limits as host_limits
 from campugrid.sandbox.podman_runsc import PodmanRunsc
 
@@ -174,8 +174,7 @@ def enforceable(sandbox: PodmanRunsc, builder: Builder) -> dict[str, str]:
     layers = confine.layers()
     missing = [f"{name} {how}" for name, how in layers.items() if not how.startswith(confine.ENFORCED)]
     seccomp = (host_limits.ENFORCED if sandbox.seccomp else
-               f"not enforced: no {profile.DEFAULT_PROFILE} to start a seccomp profile from; "
-               "only gVisor's own checks apply")
+               "not enforced: no seccomp profile; only gVisor's own checks apply")
     return {**sandbox.limits.as_dict(), "build_disk": build_disk,
             "confinement": "; ".join(missing) if missing else host_limits.ENFORCED,
             "sandbox_seccomp": seccomp}
