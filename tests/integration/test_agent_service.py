@@ -174,6 +174,21 @@ def test_a_gpu_lease_names_the_reserved_gpus_and_waiting_jobs_say_why(coordinato
     assert api.job(job["id"])["waiting_reason"] is None
 
 
+def test_a_job_is_leased_only_to_a_machine_that_enforces_what_it_requires(coordinator, tmp_path):
+    running, api = coordinator
+    job = api.submit(tar_folder(HELLO), JobSpec.from_dict(
+        {"resources": {"require_limits": ["sandbox_seccomp"]}}))
+    c = CoordinatorClient(f"127.0.0.1:{running.grpc_port}", tmp_path / "old.json")
+    _clients.append(c)
+    c.ensure_registered("old", pb.Capabilities(runtime="runsc", builder="buildah", limits={
+        "memory": "enforced", "sandbox_seccomp": "not enforced: no seccomp profile"}))
+    assert not c.lease(enforced=["memory"]).has_task
+    assert api.job(job["id"])["waiting_reason"] == (
+        "no online machine enforces sandbox_seccomp (resources.require_limits; 1 online)")
+    lease = c.lease(enforced=["memory", "sandbox_seccomp"])
+    assert lease.has_task and lease.job_id == job["id"]
+
+
 def test_a_job_whose_dataset_vanished_fails_at_lease_instead_of_sticking(coordinator, tmp_path):
     running, api = coordinator
     from campugrid.coordinator.objects import S3Store

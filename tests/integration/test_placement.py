@@ -3,6 +3,7 @@ never promised twice (also from two coordinator processes at once), released on 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import subprocess
@@ -13,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from sqlalchemy import text
 
-from campugrid.coordinator.scheduler import GpuView, MachineView
+from campugrid.coordinator.scheduler import GpuView, MachineView, why_waiting
 from campugrid.coordinator.store import Store
 from campugrid.coordinator.views import utcnow
 from campugrid.protocol.spec import JobSpec
@@ -99,6 +100,49 @@ def test_why_a_job_waits_comes_from_online_machines(store: Store):
     store.heartbeat(m, offer=rig(m, 2))
     [view] = store.online_machines()
     assert view.name == "desktop" and view.gpus[0].available_mb == 2 * GB
+
+
+def needing(store: Store, *limits: str, **extra) -> str:
+    spec = JobSpec.from_dict({"resources": {"require_limits": list(limits)}, **extra})
+    return store.submit(spec, "contexts/x.tar", "ab" * 32)[0].id
+
+
+def enforcing(machine_id: str, *limits: str, base: MachineView | None = None) -> MachineView:
+    return dataclasses.replace(base or MachineView(machine_id, "m"), enforced=frozenset(limits))
+
+
+@pytest.mark.parametrize("kind", ["plain", "sharded", "gpu"])
+def test_a_job_goes_only_to_machines_that_enforce_what_it_requires(store: Store, kind: str):
+    gpu = {"gpus": 1, "gpu_memory_mb": GB} if kind == "gpu" else {}
+    sharded = {"command": ["true"], "shards": [{"payload": 1}]} if kind == "sharded" else {}
+    strict = store.submit(JobSpec.from_dict({**sharded, "resources": {
+        **gpu, "require_limits": ["build_disk"]}}), "contexts/x.tar", "ab" * 32)[0].id
+    m, _ = store.register_machine("kaniko-box", {})
+    lacks = enforcing(m, "memory", "cpu", "pids", "disk", "wall_time", "confinement",
+                      "sandbox_seccomp", base=rig(m, 24) if gpu else None)
+    assert store.claim_next(m, 30, lacks) is None
+    # An offer that names no limit enforces none.
+    assert store.claim_next(m, 30, rig(m, 24) if gpu else None) is None
+    # A later job that requires nothing is not held up behind it.
+    easy = store.submit(JobSpec.from_dict({"resources": gpu}), "contexts/x.tar", "cd" * 32)[0].id
+    got = store.claim_next(m, 30, lacks)
+    assert got is not None and got.id == easy
+    other, _ = store.register_machine("buildah-box", {})
+    got = store.claim_next(other, 30, enforcing(other, "build_disk", "memory",
+                                                base=rig(other, 24) if gpu else None))
+    assert got is not None and got.id == strict
+    assert store.get(strict).spec.resources.require_limits == ("build_disk",)
+
+
+def test_why_a_job_waits_names_the_limit_no_machine_enforces(store: Store):
+    spec = JobSpec.from_dict({"resources": {"require_limits": ["sandbox_seccomp", "build_disk"]}})
+    store.register_machine("old-box", {"limits": {
+        "memory": "enforced", "build_disk": "enforced",
+        "sandbox_seccomp": "not enforced: no seccomp profile"}})
+    [view] = store.online_machines()
+    assert view.enforced == {"memory", "build_disk"}
+    assert why_waiting(spec.resources, [view]) == (
+        "no online machine enforces sandbox_seccomp (resources.require_limits; 1 online)")
 
 
 SCRIPT = """

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from campugrid.coordinator.scheduler import GpuView, MachineView, place, why_waiting
-from campugrid.protocol.spec import Resources
+from campugrid.protocol.spec import Resources, limits_mask
 
 GB = 1024
 
@@ -58,6 +58,19 @@ def test_reasons_name_the_best_machine():
     assert why_waiting(need(gb=12), [desktop, laptop]) == "no machine has 12 GB free (most free: desktop, 2 GB)"
     assert why_waiting(need(gb=12), []) == "no approved machine online"
     assert why_waiting(need(gb=12), [MachineView("c", "nas")]).startswith("no online machine has a GPU")
+
+
+def test_a_required_limit_narrows_the_machines_the_reason_speaks_of():
+    strict = Resources(gpus=1, gpu_memory_mb=12 * GB, require_limits=("memory", "build_disk"))
+    old = MachineView("o", "old", (gpu("g0", 48),), gpu_isolation=True, enforced=frozenset({"memory"}))
+    new = MachineView("n", "new", (gpu("g1", 4),), gpu_isolation=True,
+                      enforced=frozenset({"memory", "build_disk"}))
+    assert why_waiting(strict, [old]) == (
+        "no online machine enforces build_disk (resources.require_limits; 1 online)")
+    # The roomy machine does not count: only the one that enforces both is spoken of.
+    assert why_waiting(strict, [old, new]) == "no machine has 12 GB free (most free: new, 4 GB)"
+    assert old.lacks_mask & limits_mask(strict.require_limits)
+    assert not new.lacks_mask & limits_mask(strict.require_limits)
 
 
 def test_placement_over_thousands_of_machines_is_quick_and_never_overcommits():

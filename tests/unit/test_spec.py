@@ -1,7 +1,7 @@
 import pytest
 
 from campugrid.protocol.errors import InvalidInput
-from campugrid.protocol.spec import JobSpec
+from campugrid.protocol.spec import LIMITS, JobSpec, limits_mask
 
 
 def test_defaults_and_round_trip():
@@ -11,6 +11,17 @@ def test_defaults_and_round_trip():
     assert spec.resources.memory_mb == 2048 and spec.resources.cpus == 1.0
     assert spec.max_attempts == 3
     assert JobSpec.from_json(spec.to_json()) == spec
+
+
+def test_required_limits_are_kept_in_one_order_and_only_when_set():
+    spec = JobSpec.from_dict({"resources": {"require_limits": ["sandbox_seccomp", "memory",
+                                                               "memory"]}})
+    assert spec.resources.require_limits == ("memory", "sandbox_seccomp")
+    assert JobSpec.from_json(spec.to_json()) == spec
+    assert limits_mask(spec.resources.require_limits) == (
+        1 << LIMITS.index("memory") | 1 << LIMITS.index("sandbox_seccomp"))
+    # A spec that requires none is stored exactly as before the field existed.
+    assert "require_limits" not in JobSpec.from_dict({}).to_dict()["resources"]
 
 
 def test_string_command_runs_through_a_shell():
@@ -33,6 +44,10 @@ def test_string_command_runs_through_a_shell():
      "'d' is used twice"),
     ({"datasets": [{"name": "../x", "uri": "s3://bkt/a"}]}, "datasets[0].name"),
     ({"client_job_id": "has space"}, "client_job_id"),
+    ({"resources": {"require_limits": ["memroy"]}},
+     "resources.require_limits: no limit 'memroy' (did you mean 'memory'?)"),
+    ({"resources": {"require_limits": "memory"}}, "resources.require_limits: must be a list"),
+    ({"resources": {"require_limits": [1]}}, "resources.require_limits: must be a list"),
     ([], "spec: must be a JSON object"),
 ])
 def test_refusals_name_the_field(raw, says):

@@ -120,7 +120,8 @@ class AgentService(pb_grpc.AgentServiceServicer):
 
     def Lease(self, request: pb.LeaseRequest, context: grpc.ServicerContext) -> pb.LeaseReply:
         machine = self._machine(context)
-        offer = MachineView(machine, "", _gpus(request.gpus), request.gpu_isolation)
+        offer = MachineView(machine, "", _gpus(request.gpus), request.gpu_isolation,
+                            enforced=frozenset(request.enforced_limits))
         lease = self._guard(context, lambda: self.coord.lease(machine, offer))
         if lease is None:
             return pb.LeaseReply(has_task=False)

@@ -106,7 +106,7 @@ class Claimer:
             # CPU job. None: the queue is empty, or a sharded job is first (the path below).
             now = utcnow()
             params = {"machine_id": machine_id, "expires": now + dt.timedelta(seconds=lease_s),
-                      "now": now}
+                      "now": now, "lacks": offer.lacks_mask}
             row = (conn.execute(_TAKE_NEXT_PG, params).first() if postgres
                    else _take_next_sqlite(conn, params))
             if row is not None:
@@ -116,7 +116,8 @@ class Claimer:
                 conn.execute(_LOCK_MACHINE, {"machine_id": machine_id})
             candidates: list[tuple[Any, str, int, tuple[str, ...], int, int]] = [
                 (created, job_id, attempt, (), 0, shards) for job_id, attempt, created, shards
-                in conn.execute(_NEXT_CPU_JOB_PG if postgres else _NEXT_CPU_JOB)]
+                in conn.execute(_NEXT_CPU_JOB_PG if postgres else _NEXT_CPU_JOB,
+                                {"lacks": offer.lacks_mask})]
             if wants_gpu_jobs:
                 found = self._gpu_candidate(conn, machine_id, offer)
                 if found is not None:
@@ -167,14 +168,14 @@ class Claimer:
             select(GpuReservation.gpu_uuid, func.sum(GpuReservation.memory_mb))
             .where(GpuReservation.machine_id == machine_id)
             .group_by(GpuReservation.gpu_uuid))}
-        view = MachineView(offer.id, offer.name, tuple(
-            dataclasses.replace(g, reserved_mb=reserved.get(g.uuid, 0)) for g in offer.gpus),
-            offer.gpu_isolation)
+        view = dataclasses.replace(offer, gpus=tuple(
+            dataclasses.replace(g, reserved_mb=reserved.get(g.uuid, 0)) for g in offer.gpus))
         # Not locked: locking the whole window would hide it from every other machine until we
         # commit. The guarded update in claim_next settles races; the machine row lock (taken
         # by the caller on PostgreSQL) keeps two leases from reserving one GPU's memory twice.
         q = (select(Job.id, Job.attempt, Job.created_at, Job.spec_json, Job.shards_total)
-             .where(Job.state == JobState.QUEUED.value, Job.gpus_needed > 0)
+             .where(Job.state == JobState.QUEUED.value, Job.gpus_needed > 0,
+                   Job.limits_needed.op("&")(offer.lacks_mask) == 0)
              .order_by(Job.created_at, Job.id).limit(window))
         for job_id, attempt, created, spec_json, shards in s.execute(q):
             need = stored_spec(spec_json).resources
@@ -185,8 +186,11 @@ class Claimer:
 
 # The claim path's statements, built once.
 _JOBS, _CHECKPOINTS = Base.metadata.tables["jobs"], Base.metadata.tables["checkpoints"]
+# A job is for a machine only if it needs no limit the machine lacks (bit masks, spec.LIMITS).
+_SUITS_LIMITS = _JOBS.c.limits_needed.op("&")(bindparam("lacks")) == 0
 _NEXT_CPU_JOB = (select(_JOBS.c.id, _JOBS.c.attempt, _JOBS.c.created_at, _JOBS.c.shards_total)
-                 .where(_JOBS.c.state == JobState.QUEUED.value, _JOBS.c.gpus_needed == 0)
+                 .where(_JOBS.c.state == JobState.QUEUED.value, _JOBS.c.gpus_needed == 0,
+                        _SUITS_LIMITS)
                  .order_by(_JOBS.c.created_at, _JOBS.c.id).limit(1))
 _NEXT_CPU_JOB_PG = _NEXT_CPU_JOB.with_for_update(skip_locked=True)
 _LEASE_VALUES = {"state": JobState.BUILDING.value, "attempt": _JOBS.c.attempt + 1,
@@ -217,7 +221,8 @@ def _take_next_sqlite(conn: Connection, params: dict[str, Any]) -> SimpleNamespa
     if _SQLITE_TAKE is None:
         compiled = _TAKE_NEXT.compile(dialect=conn.dialect)
         order = tuple(compiled.positiontup or ())
-        fixed = dict(compiled.construct_params({"machine_id": "", "expires": None, "now": None}))
+        fixed = dict(compiled.construct_params({"machine_id": "", "expires": None, "now": None,
+                                                "lacks": 0}))
         _SQLITE_TAKE = (str(compiled), order, fixed)
     sql, order, fixed = _SQLITE_TAKE
     values = {**fixed, **params}

@@ -67,6 +67,9 @@ class Job(Base):
     # Attempts handed back by a graceful drain: they do not count against max_attempts.
     drained: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     gpus_needed: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # resources.require_limits as a bit mask over protocol.spec.LIMITS: a claim takes the job
+    # only if the machine enforces every one (limits_needed & what it lacks = 0).
+    limits_needed: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     # Sharded jobs (shards_total > 0): the job stays QUEUED while shards wait for a machine,
     # is RUNNING once the last one is handed out, and ends when every shard has ended.
     shards_total: Mapped[int] = mapped_column(Integer, default=0, server_default="0")

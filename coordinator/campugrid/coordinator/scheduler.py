@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from campugrid.protocol.spec import Resources
+from campugrid.protocol.spec import LIMITS, Resources, limits_mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +34,12 @@ class MachineView:
     gpus: tuple[GpuView, ...] = ()
     gpu_isolation: bool = False  # runsc can pass GPUs through (nvproxy)
     speed: float = 0.0  # GFLOP/s of the matmul benchmark the agent ran when it joined
+    enforced: frozenset[str] = frozenset()  # the limits (spec.LIMITS) that hold on it
+
+    @property
+    def lacks_mask(self) -> int:
+        """The limits it cannot enforce, as a mask: a job needing any of them is not for it."""
+        return limits_mask(set(LIMITS) - self.enforced)
 
 
 def place(need: Resources, machine: MachineView) -> tuple[str, ...] | None:
@@ -65,6 +71,14 @@ def why_waiting(need: Resources, machines: Sequence[MachineView]) -> str:
     """Why no online machine can take this job now, in words a researcher can act on."""
     if not machines:
         return "no approved machine online"
+    if need.require_limits:
+        able = [m for m in machines if set(need.require_limits) <= m.enforced]
+        if not able:
+            lacking = sorted({name for m in machines for name in need.require_limits
+                              if name not in m.enforced}, key=LIMITS.index)
+            return (f"no online machine enforces {', '.join(lacking)} "
+                    f"(resources.require_limits; {len(machines)} online)")
+        machines = able
     if need.gpus == 0:
         return "waiting for a free machine (every online machine is busy)"
     gpus = [(m, g) for m in machines for g in m.gpus]

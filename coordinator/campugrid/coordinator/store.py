@@ -64,7 +64,7 @@ from campugrid.protocol.errors import (
     StaleAttempt,
     Unauthenticated,
 )
-from campugrid.protocol.spec import JobSpec
+from campugrid.protocol.spec import ENFORCED, JobSpec, limits_mask
 from campugrid.protocol.states import ACTIVE, JobState, sources_of
 
 READ_ONLY = "campugrid_read_only"
@@ -131,7 +131,8 @@ class Store:
             id=str(uuid.uuid4()), client_job_id=spec.client_job_id, name=spec.name,
             state=JobState.QUEUED.value, spec_json=spec_text, context_key=context_key,
             context_sha256=context_sha256, attempt=0, max_attempts=spec.max_attempts,
-            gpus_needed=spec.resources.gpus, created_at=now, updated_at=now,
+            gpus_needed=spec.resources.gpus, limits_needed=limits_mask(spec.resources.require_limits),
+            created_at=now, updated_at=now,
             shards_total=len(spec.shards), shards_queued=len(spec.shards), shards_done=0,
             shards_failed=0, shards_sha256=spec.shards_sha256,
         )
@@ -264,9 +265,11 @@ class Store:
                 gpus = tuple(GpuView(g["uuid"], g["kind"], g["name"], g["free_mb"],
                                      reserved.get((m.id, g["uuid"]), 0), (g["cc"][0], g["cc"][1]))
                              for g in snap.get("gpus", []))
-                speed = json.loads(m.capabilities_json or "{}").get("speed_gflops") or 0.0
+                caps = json.loads(m.capabilities_json or "{}")
+                enforced = frozenset(name for name, how in (caps.get("limits") or {}).items()
+                                     if how == ENFORCED)
                 out.append(MachineView(m.id, m.name, gpus, bool(snap.get("isolation")),
-                                       float(speed)))
+                                       float(caps.get("speed_gflops") or 0.0), enforced))
             return out
 
     def renew_lease(self, job_id: str, token: int, machine_id: str, phase: JobState,

@@ -86,12 +86,14 @@ class HeartbeatReply(_message.Message):
     def __init__(self) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("gpus", "gpu_isolation")
+    __slots__ = ("gpus", "gpu_isolation", "enforced_limits")
     GPUS_FIELD_NUMBER: _ClassVar[int]
     GPU_ISOLATION_FIELD_NUMBER: _ClassVar[int]
+    ENFORCED_LIMITS_FIELD_NUMBER: _ClassVar[int]
     gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
     gpu_isolation: bool
-    def __init__(self, gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_isolation: _Optional[bool] = ...) -> None: ...
+    enforced_limits: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_isolation: _Optional[bool] = ..., enforced_limits: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Dataset(_message.Message):
     __slots__ = ("name", "files")

@@ -10,7 +10,7 @@ import difflib
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from campugrid.protocol.errors import InvalidInput
@@ -31,6 +31,11 @@ MAX_SHARD_PAYLOAD = 64 * 1024  # bytes of JSON per shard
 MAX_SHARD_RESULT = 64 * 1024  # bytes of JSON a shard's result may have
 MAX_SPEC_BYTES = 16 * 1024 * 1024  # room for a long list of shards
 SHARD_MODES = ("process", "serve")
+# The limits an agent reports as enforced or not (its Capabilities.limits), in a fixed order:
+# a job's resources.require_limits is stored as a bit mask over it, for the claim's filter.
+LIMITS = ("memory", "cpu", "pids", "disk", "wall_time", "build_disk", "confinement",
+          "sandbox_seccomp")
+ENFORCED = "enforced"  # what an agent reports for a limit that holds on its machine
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +49,9 @@ class Resources:
     wall_time_s: int = 3600
     min_compute_capability: str | None = None  # e.g. "8.0"
     gpu_kinds: tuple[str, ...] = ("nvidia",)  # GPU kinds the job was checked on
+    # Limits the machine must enforce to get this job (names from LIMITS); the job waits
+    # rather than run where one of them only holds on paper.
+    require_limits: tuple[str, ...] = ()
 
     @property
     def min_cc(self) -> tuple[int, int]:
@@ -154,6 +162,7 @@ class JobSpec:
             wall_time_s=_integer(res, "wall_time_s", 3600, 1, 14 * 86400, "resources"),
             min_compute_capability=_cc(res.get("min_compute_capability")),
             gpu_kinds=_kinds(res.get("gpu_kinds", ["nvidia"])),
+            require_limits=_limit_names(res.get("require_limits", [])),
         )
         if resources.gpus and not resources.gpu_memory_mb:
             raise InvalidInput("resources.gpu_memory_mb: say how much GPU memory each GPU needs "
@@ -228,11 +237,15 @@ class JobSpec:
         return h.hexdigest()
 
     def to_dict(self) -> dict[str, Any]:
+        resources = {**dataclasses.asdict(self.resources),
+                     "gpu_kinds": list(self.resources.gpu_kinds),
+                     "require_limits": list(self.resources.require_limits)}
+        if not self.resources.require_limits:  # stored specs stay as they were without it
+            del resources["require_limits"]
         out: dict[str, Any] = {
             "command": list(self.command) if self.command is not None else None,
             "env": dict(self.env),
-            "resources": {**dataclasses.asdict(self.resources),
-                          "gpu_kinds": list(self.resources.gpu_kinds)},
+            "resources": resources,
             "datasets": [dataclasses.asdict(d) for d in self.datasets],
             "max_attempts": self.max_attempts,
         }
@@ -292,6 +305,22 @@ def _kinds(value: Any) -> tuple[str, ...]:
              and all(v in GPU_KINDS for v in value) and len(set(value)) == len(value),
              "resources.gpu_kinds", f"must be a non-empty list drawn from {', '.join(GPU_KINDS)}")
     return tuple(value)
+
+
+def _limit_names(value: Any) -> tuple[str, ...]:
+    _require(isinstance(value, list) and all(isinstance(v, str) for v in value),
+             "resources.require_limits", f"must be a list of limit names ({', '.join(LIMITS)})")
+    for v in value:
+        if v not in LIMITS:
+            close = difflib.get_close_matches(v, LIMITS, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"known: {', '.join(LIMITS)}"
+            raise InvalidInput(f"resources.require_limits: no limit '{v}' ({hint})")
+    return tuple(sorted(set(value), key=LIMITS.index))
+
+
+def limits_mask(names: Iterable[str]) -> int:
+    """The bit mask of these limit names over LIMITS (unknown names are not counted)."""
+    return sum(1 << i for i, name in enumerate(LIMITS) if name in set(names))
 
 
 def _require(ok: bool, field: str, what: str) -> None:

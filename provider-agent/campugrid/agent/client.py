@@ -64,10 +64,11 @@ class CoordinatorClient:
         req = pb.HeartbeatRequest(capabilities=caps) if caps is not None else pb.HeartbeatRequest()
         self.stub.Heartbeat(req, metadata=self._md, timeout=RPC_TIMEOUT_S)
 
-    def lease(self, gpus: Sequence[pb.Gpu] = (), gpu_isolation: bool = False) -> pb.LeaseReply:
+    def lease(self, gpus: Sequence[pb.Gpu] = (), gpu_isolation: bool = False,
+              enforced: Sequence[str] = ()) -> pb.LeaseReply:
         reply: pb.LeaseReply = self.stub.Lease(
-            pb.LeaseRequest(gpus=gpus, gpu_isolation=gpu_isolation), metadata=self._md,
-            timeout=RPC_TIMEOUT_S)
+            pb.LeaseRequest(gpus=gpus, gpu_isolation=gpu_isolation, enforced_limits=enforced),
+            metadata=self._md, timeout=RPC_TIMEOUT_S)
         return reply
 
     def renew(self, job_id: str, token: int, phase: str, timeout_s: float) -> pb.RenewReply:

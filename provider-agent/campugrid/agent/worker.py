@@ -29,6 +29,7 @@ from campugrid.agent.task import Task, job_image_prefix
 from campugrid.builders.base import Builder
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol.errors import CampugridError
+from campugrid.protocol.spec import ENFORCED
 from campugrid.sandbox import confine
 from campugrid.sandbox import limits as host_limits
 from campugrid.sandbox.podman_runsc import PodmanRunsc
@@ -66,9 +67,10 @@ class Agent:
             if how is None:
                 raise CampugridError(f"--require-limits {name}: no such limit (known: "
                                      f"{', '.join(sorted(self.limits))})")
-            if how != host_limits.ENFORCED:
+            if how != ENFORCED:
                 raise CampugridError(f"this machine cannot enforce {name} ({how}), which the "
                                      "provider's policy requires (--require-limits)")
+        self.enforced = sorted(name for name, how in self.limits.items() if how == ENFORCED)
         self.client = CoordinatorClient(settings.coordinator, settings.state_dir / "credentials.json")
         self.work_root = settings.state_dir / "work"
         self.stopping = threading.Event()
@@ -122,7 +124,8 @@ class Agent:
                     self.client.heartbeat(self.capabilities())
                     last_beat = time.monotonic()
                 offer = gpus.discover(self.settings.gpu_policy).gpus
-                lease = self.client.lease(offer, self.gpu_isolation and bool(offer))
+                lease = self.client.lease(offer, self.gpu_isolation and bool(offer),
+                                          self.enforced)
             except grpc.RpcError as e:
                 log.warning("coordinator unreachable (%s)", e.code())
                 self.stopping.wait(2)
@@ -169,14 +172,14 @@ class Agent:
 def enforceable(sandbox: PodmanRunsc, builder: Builder) -> dict[str, str]:
     """Every limit this machine can or cannot enforce, as reported to the coordinator:
     the sandbox's, the build's disk, and the confinement of untrusted bytes."""
-    build_disk = (host_limits.ENFORCED if builder.name == "buildah" else
+    build_disk = (ENFORCED if builder.name == "buildah" else
                   f"not enforced: the {builder.name} builder has no bounded build store")
     layers = confine.layers()
-    missing = [f"{name} {how}" for name, how in layers.items() if not how.startswith(confine.ENFORCED)]
-    seccomp = (host_limits.ENFORCED if sandbox.seccomp else
+    missing = [f"{name} {how}" for name, how in layers.items() if not how.startswith(ENFORCED)]
+    seccomp = (ENFORCED if sandbox.seccomp else
                "not enforced: no seccomp profile; only gVisor's own checks apply")
     return {**sandbox.limits.as_dict(), "build_disk": build_disk,
-            "confinement": "; ".join(missing) if missing else host_limits.ENFORCED,
+            "confinement": "; ".join(missing) if missing else ENFORCED,
             "sandbox_seccomp": seccomp}
 
 

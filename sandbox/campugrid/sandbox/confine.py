@@ -46,10 +46,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from campugrid.protocol.errors import CampugridError, SandboxError
+from campugrid.protocol.spec import ENFORCED
 
 R = TypeVar("R")
 
-ENFORCED = "enforced"
 MAX_MESSAGE = 4000  # characters of a child's exception message that reach the agent
 STDERR_TAIL = 2000
 # Runtimes reserve address space they never write: the Go runtime inside the `dockerfile`

@@ -19,10 +19,11 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from campugrid.protocol.spec import ENFORCED
+
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 DELEGATED = "campugrid"  # the subtree infra/setup.sh hands to the provider user
 CONTROLLERS = ("memory", "cpu", "pids")
-ENFORCED = "enforced"
 
 
 @dataclasses.dataclass(frozen=True)
