@@ -74,6 +74,35 @@ if [ "$(id -u)" = 0 ]; then
       fi
     done
   fi
+  # Output slots: rootless Podman has no quota for bind mounts, so each agent's /output and
+  # /checkpoints go on a size-bounded filesystem of its own (campugrid.sandbox.slots):
+  # sparse ext4 images, which take disk only for what jobs write.
+  slots=/var/lib/campugrid/slots
+  install -d -m 0755 /var/lib/campugrid "$slots"
+  for i in $(seq 0 $((${CAMPUGRID_SLOTS:-4} - 1))); do
+    img="$slots/$i.img" dir="$slots/$i"
+    install -d -m 0700 -o "$user" -g "$user" "$dir"
+    mountpoint -q "$dir" && continue
+    if [ ! -f "$img" ]; then
+      (umask 077 && truncate -s "${CAMPUGRID_SLOT_GB:-32}G" "$img")
+      mkfs.ext4 -q -m 0 -i 65536 -J size=16 -E root_owner="$uid:$(id -g "$user")" "$img"
+    fi
+    if mount -o loop,discard,noinit_itable,nodev,nosuid "$img" "$dir" 2>/dev/null; then
+      chmod 0700 "$dir"
+      remount_podman=1
+      grep -q " $dir " /etc/fstab || \
+        echo "$img $dir ext4 loop,discard,noinit_itable,nodev,nosuid,nofail 0 0" >>/etc/fstab
+    else
+      say "cannot mount $img (no loop devices here?): agents check /output every 0.25 s instead"
+      break
+    fi
+  done
+  # Where / is not a shared mount (containers), mounts made after Podman's rootless
+  # namespace was set up stay invisible in it: start that namespace afresh.
+  if [ -n "${remount_podman:-}" ]; then
+    runuser -u "$user" -- env HOME="$home" XDG_RUNTIME_DIR="/run/user/$uid" \
+      podman system migrate >/dev/null 2>&1 || true
+  fi
   # The agent runs this checkout's .venv as $user: it must be able to read it.
   if ! runuser -u "$user" -- "$repo/.venv/bin/python" -c 'import campugrid.agent.worker' 2>/dev/null; then
     say "user $user cannot read $repo; put the checkout somewhere world-readable (not under /root)"

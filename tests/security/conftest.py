@@ -102,7 +102,7 @@ def platform() -> Iterator[Platform]:
         p.start_agent("security-agent")
         with Api(p.url) as api:  # one job first: the agent's cold start is no attack's cost
             warm = run_job(api, PLAIN, {}, {"command": ["true"]}, timeout=180)
-            assert warm["state"] == "succeeded", warm
+            assert warm["state"] == "succeeded", (warm["reason"], warm)
         yield p
     finally:
         p.stop()

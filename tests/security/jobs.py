@@ -304,6 +304,24 @@ try:
                 f.write(block)
             written += 1
             print(f"wrote {written} MiB", flush=True)
+    elif mode == "parallel-files":  # 16 writers at once, in 8 MiB strokes
+        import threading
+        stroke, errors = os.urandom(8 * 2**20), []
+        def writer(i):
+            global written
+            try:
+                for n in range(64):
+                    with open(f"{target}/w{i:02d}-{n:02d}", "wb") as f:
+                        f.write(stroke)
+                    written += 8
+            except OSError as e:
+                errors.append(e)
+        threads = [threading.Thread(target=writer, args=(i,)) for i in range(16)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        print(f"wrote {written} MiB", flush=True)
+        if errors:
+            raise errors[0]
     elif mode == "sparse-files":  # GBs that take no disk, until tarred for upload
         for i in range(4096):
             with open(f"{target}/sparse-{i:04d}", "wb") as f:

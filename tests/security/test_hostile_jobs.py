@@ -24,6 +24,7 @@ import pytest
 
 from campugrid.agent.logship import MAX_TASK_LOG_BYTES
 from campugrid.builders.context import MAX_MEMBERS
+from campugrid.sandbox import slots
 from campugrid.sandbox.podman_runsc import GUEST_NPROC
 from tests.security import jobs
 from tests.security.conftest import (
@@ -386,16 +387,18 @@ def folder_size(path: Path) -> int:
 
 @pytest.mark.parametrize(("target", "mode"), [("/output", "many-files"),
                                               ("/checkpoints", "many-files"),
+                                              ("/output", "parallel-files"),
                                               ("/output", "one-big-file"),
                                               ("/output", "sparse-files")])
 def test_writing_past_output_mb_stops_the_job(api, guard, agent, target, mode):
     peak = [0]
     stop = threading.Event()
 
-    def watch() -> None:  # the host's view of the job's work folder (disk blocks), meanwhile
+    def watch() -> None:  # the host's view (disk blocks) of the job's folders, meanwhile
         while not stop.is_set():
-            peak[0] = max(peak[0], folder_size(agent.state_dir / "work"))
-            time.sleep(0.05)
+            peak[0] = max(peak[0], folder_size(agent.state_dir / "work") + sum(
+                folder_size(task) for task in slots.SLOTS_ROOT.glob("*/task")))
+            time.sleep(0.01)
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
@@ -405,15 +408,17 @@ def test_writing_past_output_mb_stops_the_job(api, guard, agent, target, mode):
     finally:
         stop.set()
         watcher.join()
-    # The agent's disk watchdog (rootless Podman has no quota on bind mounts) counts the
-    # files' apparent sizes each second and stops the job: without it, the job would write
-    # 4 GiB (or 1 TiB of sparse files, which the output tarball would inflate), then sleep
-    # into "never stopped". (--ulimit fsize caps any one file at output_mb + 1.)
+    # The folders live in the agent's output slot, where the kernel refuses the byte past
+    # output_mb (+ the slot's slack for directories), and the watchdog stops the job that
+    # hit it: without them the job would write 4 GiB (or 1 TiB of sparse files, which the
+    # output tarball would inflate), then sleep into "never stopped". Sparse files take no
+    # disk; their apparent size is what the watchdog counts.
     assert job["state"] == "failed", brief(job)
+    assert job["limits"]["output"] == "enforced", job["limits"]
     assert "wrote more than 8 MB to /output and /checkpoints" in job["reason"], brief(job)
     log = run_log(api, job["id"])
     assert "never stopped" not in log
-    assert peak[0] < 1024 * 2**20, f"the job's folder reached {peak[0] / 2**20:.0f} MiB"
+    assert peak[0] <= 8 * 2**20 + slots.SLACK, f"the job's folders reached {peak[0] / 2**20:.2f} MiB"
     last = [line for line in log.splitlines() if line.startswith(("wrote ", "made ", "stopped "))]
     print(f"output_mb=8, {mode} in {target}: {last[-1] if last else '-'}; the host folder "
           f"peaked at {peak[0] / 2**20:.1f} MiB on disk")

@@ -10,8 +10,8 @@ from campugrid.sandbox import limits as host_limits
 def test_the_agent_reports_every_limit_a_job_can_require_and_no_other():
     sandbox = SimpleNamespace(limits=host_limits.detect(), seccomp=None)
     for builder in ("buildah", "kaniko"):
-        reported = enforceable(sandbox, SimpleNamespace(name=builder))  # type: ignore[arg-type]
+        reported = enforceable(sandbox, SimpleNamespace(name=builder), "enforced")  # type: ignore[arg-type]
         assert tuple(reported) == LIMITS
         assert reported["sandbox_seccomp"].startswith("not enforced")
     assert reported["build_disk"].startswith("not enforced: the kaniko builder")
-    assert enforceable(sandbox, SimpleNamespace(name="buildah"))["build_disk"] == ENFORCED  # type: ignore[arg-type]
+    assert enforceable(sandbox, SimpleNamespace(name="buildah"), "enforced")["build_disk"] == ENFORCED  # type: ignore[arg-type]

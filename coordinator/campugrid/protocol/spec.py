@@ -34,7 +34,7 @@ SHARD_MODES = ("process", "serve")
 # The limits an agent reports as enforced or not (its Capabilities.limits), in a fixed order:
 # a job's resources.require_limits is stored as a bit mask over it, for the claim's filter.
 LIMITS = ("memory", "cpu", "pids", "disk", "wall_time", "build_disk", "confinement",
-          "sandbox_seccomp")
+          "sandbox_seccomp", "output")
 ENFORCED = "enforced"  # what an agent reports for a limit that holds on its machine
 
 

@@ -35,8 +35,8 @@ from campugrid.builders.context import extract_context_file
 from campugrid.builders.policy import allowed_bases
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol.errors import BuildFailed, CampugridError, InvalidInput, SandboxError
-from campugrid.protocol.spec import JobSpec
-from campugrid.sandbox import confine
+from campugrid.protocol.spec import ENFORCED, JobSpec
+from campugrid.sandbox import confine, slots
 from campugrid.sandbox import limits as host_limits
 from campugrid.sandbox.podman_runsc import PodmanRunsc, RunRequest
 
@@ -51,10 +51,28 @@ R = TypeVar("R")
 
 class Task:
     def __init__(self, client: CoordinatorClient, lease: pb.LeaseReply, work: Path,
-                 builder: Builder, sandbox: PodmanRunsc, gpu_policy: GpuPolicy = GpuPolicy()) -> None:
+                 builder: Builder, sandbox: PodmanRunsc, gpu_policy: GpuPolicy = GpuPolicy(),
+                 slot: slots.Slot | None = None) -> None:
         self.client, self.lease, self.work = client, lease, work
         self.builder, self.sandbox = builder, sandbox
         self.spec = JobSpec.from_json(lease.spec_json)
+        # /output and /checkpoints: in the agent's output slot, which the kernel bounds to
+        # output_mb, where there is one that can hold it; else in the work folder.
+        self.slot, bounded = slot, None
+        try:
+            bounded = slot.prepare(self.spec.resources.output_mb * 1024**2) if slot else None
+            if slot is not None and bounded is None:
+                log.warning("task %s: output_mb %d is more than this agent's output slot holds "
+                            "(%d MB); /output is only checked every %.2f s", lease.job_id,
+                            self.spec.resources.output_mb, slot.capacity() // 1024**2,
+                            DISK_POLL_S)
+        except (SandboxError, OSError) as e:
+            log.warning("task %s: the output slot cannot be used (%s); /output is only "
+                        "checked every %.2f s", lease.job_id, e, DISK_POLL_S)
+        if bounded is None:
+            self.slot = None
+        self.files = bounded or work
+        self.output_dir, self.ckpt_dir = self.files / "output", self.files / "checkpoints"
         self.name = f"campugrid-{lease.job_id}-{lease.fencing_token}"
         self.image = f"{job_image_prefix(sandbox.scope)}{lease.job_id}:{lease.fencing_token}"
         self.stop = threading.Event()  # stop building/running now
@@ -68,7 +86,7 @@ class Task:
         self.renewer = Renewer(client, lease, on_lost=self._on_lost)
         self.shipper = LogShipper(client, lease.job_id, lease.fencing_token)
         self.uploader = checkpoints.CheckpointUploader(client, lease.job_id, lease.fencing_token,
-                                                       work / "checkpoints", work)
+                                                       self.ckpt_dir, work)
 
     def _on_lost(self, reason: str) -> None:
         self.lost.set()
@@ -86,13 +104,16 @@ class Task:
         timer.start()
 
     def _watch_disk(self, folders: tuple[Path, ...]) -> None:
-        """/output and /checkpoints are host folders: bound their size by checking it every
-        second (rootless Podman has no quota for bind mounts)."""
+        """Stop the job once /output and /checkpoints hold more than output_mb. In an output
+        slot the kernel refuses the bytes past it, and this stops the job that hit the wall;
+        without one, this is the bound (a single file cannot pass the limit: RLIMIT_FSIZE,
+        see run_request). Apparent sizes count too: sparse files would inflate the output
+        tarball."""
         limit = self.spec.resources.output_mb * 1024 * 1024
-        # A single file cannot pass the limit at all (RLIMIT_FSIZE, see run_request); many
-        # files together are caught within a quarter of a second.
         while not self.stop.wait(DISK_POLL_S) and not self.ran.is_set():
             used = sum(_size(p) for d in folders for p in _walk_files(d))
+            if self.slot is not None:
+                used = max(used, self.slot.used())
             if used > limit:
                 self.disk_exceeded = True
                 # At once: a clean stop takes a second in which the job goes on writing.
@@ -143,6 +164,8 @@ class Task:
             else:
                 outcome.job_id, outcome.fencing_token = job_id, token
                 outcome.limits.update(self.sandbox.limits.as_dict())
+                outcome.limits["output"] = (ENFORCED if self.slot is not None else
+                                            f"not enforced exactly: checked every {DISK_POLL_S} s")
                 done = _retry(lambda: self.client.complete(outcome))
                 if not done.accepted:
                     log.warning("completion of %s refused: %s", job_id, done.reason)
@@ -150,13 +173,15 @@ class Task:
             self.renewer.stop()
             self.sandbox.remove_image(self.image)
             shutil.rmtree(self.work, ignore_errors=True)  # the agent's sweep catches the rest
+            if self.files != self.work:
+                shutil.rmtree(self.files, ignore_errors=True)
 
     def _prepare(self) -> pb.CompleteRequest | tuple[tuple[str, int], ...]:
         """Download, restore, build and re-check GPUs: the outcome if the task ends here,
         else the GPUs to map."""
         lease, spec, work = self.lease, self.spec, self.work
-        context_dir, output_dir, data_dir = work / "context", work / "output", work / "data"
-        ckpt_dir = work / "checkpoints"
+        context_dir, data_dir = work / "context", work / "data"
+        output_dir, ckpt_dir = self.output_dir, self.ckpt_dir
         output_dir.mkdir()
         ckpt_dir.mkdir()
         archive = (work / "context.tar").resolve()
@@ -206,7 +231,7 @@ class Task:
 
     def _execute(self) -> pb.CompleteRequest:
         lease, spec, work = self.lease, self.spec, self.work
-        output_dir, ckpt_dir = work / "output", work / "checkpoints"
+        output_dir, ckpt_dir = self.output_dir, self.ckpt_dir
         mapped = self._prepare()
         if isinstance(mapped, pb.CompleteRequest):
             return mapped
@@ -274,7 +299,7 @@ class Task:
         hooks_mount = (Path(hooks.__file__).parent, f"{HOOKS_MOUNT}/campugrid/hooks", "ro")
         return RunRequest(
             name=self.name, image=self.image, command=command, env=tuple(env.items()),
-            output_dir=work / "output" if writable else None,
+            output_dir=self.output_dir if writable else None,
             data_dir=work / "data" if self.lease.datasets else None,
             memory_mb=spec.resources.memory_mb, cpus=spec.resources.cpus,
             tmp_mb=spec.resources.disk_mb, wall_time_s=spec.resources.wall_time_s,
@@ -282,7 +307,7 @@ class Task:
             # One MB over: a single file can pass the limit only just, and the watchdog, which
             # stops the job once the folders hold more than output_mb, sees it.
             file_mb=spec.resources.output_mb + 1 if writable else None,
-            mounts=((work / "checkpoints", CHECKPOINT_MOUNT, "rw"), hooks_mount) if writable
+            mounts=((self.ckpt_dir, CHECKPOINT_MOUNT, "rw"), hooks_mount) if writable
             else (hooks_mount,))
 
 

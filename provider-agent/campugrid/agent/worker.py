@@ -30,7 +30,7 @@ from campugrid.builders.base import Builder
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol.errors import CampugridError
 from campugrid.protocol.spec import ENFORCED
-from campugrid.sandbox import confine
+from campugrid.sandbox import confine, slots
 from campugrid.sandbox import limits as host_limits
 from campugrid.sandbox.podman_runsc import PodmanRunsc
 
@@ -61,7 +61,9 @@ class Agent:
         # its sweeps remove its own leftovers and never another agent's of the same user.
         self.scope = "a-" + hashlib.sha256(str(settings.state_dir.resolve()).encode()).hexdigest()[:12]
         self.sandbox.scope = self.builder.scope = self.scope
-        self.limits = enforceable(sandbox, builder)
+        # The output slot is this agent's for its lifetime (released when it exits).
+        self.slot, output = slots.acquire()
+        self.limits = enforceable(sandbox, builder, output)
         for name in settings.require_limits:
             how = self.limits.get(name)
             if how is None:
@@ -144,7 +146,7 @@ class Agent:
         work.mkdir(parents=True)
         kind = ShardSessionTask if lease.HasField("shard") else Task
         self.task = kind(self.client, lease, work, self.builder, self.sandbox,
-                         self.settings.gpu_policy)
+                         self.settings.gpu_policy, self.slot)
         try:
             if self.stopping.is_set():  # a drain arrived between lease and start
                 self.task.drain(0)
@@ -167,11 +169,16 @@ class Agent:
         for folder in sorted(self.work_root.glob("*")) if self.work_root.is_dir() else []:
             remove_tree(folder)
             log.log(level, "removed work folder %s left by %s", folder.name, whose)
+        for path in self.slot.leftovers() if self.slot is not None else []:
+            remove_tree(path)
+            log.log(level, "removed %s from output slot %s, left by %s", path.name,
+                    path.parent, whose)
 
 
-def enforceable(sandbox: PodmanRunsc, builder: Builder) -> dict[str, str]:
+def enforceable(sandbox: PodmanRunsc, builder: Builder, output: str) -> dict[str, str]:
     """Every limit this machine can or cannot enforce, as reported to the coordinator:
-    the sandbox's, the build's disk, and the confinement of untrusted bytes."""
+    the sandbox's, the build's disk, the confinement of untrusted bytes, and how /output is
+    bounded (`output`, from slots.acquire)."""
     build_disk = (ENFORCED if builder.name == "buildah" else
                   f"not enforced: the {builder.name} builder has no bounded build store")
     layers = confine.layers()
@@ -180,12 +187,14 @@ def enforceable(sandbox: PodmanRunsc, builder: Builder) -> dict[str, str]:
                "not enforced: no seccomp profile; only gVisor's own checks apply")
     return {**sandbox.limits.as_dict(), "build_disk": build_disk,
             "confinement": "; ".join(missing) if missing else ENFORCED,
-            "sandbox_seccomp": seccomp}
+            "sandbox_seccomp": seccomp, "output": output}
 
 
 def remove_tree(path: Path) -> None:
     """rmtree, and where a job left files owned by its user namespace's ids (which this user
     may not unlink from outside), the same from inside that namespace."""
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
     shutil.rmtree(path, ignore_errors=True)
     if path.exists():
         subprocess.run(["podman", "unshare", "rm", "-rf", "--", str(path)], capture_output=True,

@@ -1,0 +1,119 @@
+"""Output slots: a size-bounded filesystem for a job's /output and /checkpoints, rootless.
+
+Rootless Podman has no quota for bind mounts, and this kernel gives an unprivileged user
+no bounded filesystem on disk (no FUSE, no loop devices). So root makes them once, at
+install, as it delegates the cgroups: `infra/setup.sh` creates a few sparse ext4 images and
+mounts them at /var/lib/campugrid/slots/N, owned by the provider user. An agent takes one
+for its lifetime (an exclusive flock, gone with the agent), and before each task fills it
+with a ballast file (fallocate: instant, writes nothing, so the image stays sparse) until
+only the task's output_mb is left. The kernel then refuses the byte past the limit
+("No space left on device"), however many files the job writes at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import os
+import subprocess
+from pathlib import Path
+
+from campugrid.protocol.errors import SandboxError
+from campugrid.protocol.spec import ENFORCED
+
+SLOTS_ROOT = Path(os.environ.get("CAMPUGRID_SLOTS_DIR", "/var/lib/campugrid/slots"))
+BALLAST, LOCK = ".ballast", ".lock"
+KEEP = frozenset({BALLAST, LOCK, "lost+found"})
+# Room for the folders' own blocks (directories, indirect blocks) on top of output_mb.
+SLACK = 256 * 1024
+
+
+@dataclasses.dataclass
+class Slot:
+    path: Path
+    _lock_fd: int
+    _start: int = 0  # free bytes when the task began
+
+    def prepare(self, limit_bytes: int) -> Path | None:
+        """Leave exactly `limit_bytes` (+ SLACK) free in the slot (emptied by the agent's
+        sweep); the folder for the task's files, or None if the slot is too small."""
+        if self.leftovers():  # another job's files must never reach this one
+            raise SandboxError(f"output slot {self.path} still holds "
+                               f"{', '.join(p.name for p in self.leftovers())}")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path / BALLAST)
+        free = self._free()
+        ballast = free - limit_bytes - SLACK
+        if ballast < 0:
+            return None
+        if ballast:
+            fd = os.open(self.path / BALLAST, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, ballast)
+            finally:
+                os.close(fd)
+        self._start = self._free()
+        folder = self.path / "task"
+        folder.mkdir()
+        return folder
+
+    def used(self) -> int:
+        """Bytes of disk the task's files hold now (blocks, as the filesystem counts them)."""
+        return max(0, self._start - self._free())
+
+    def leftovers(self) -> list[Path]:
+        """Everything in the slot but its own files: what a sweep removes."""
+        return [self.path / e for e in sorted(os.listdir(self.path)) if e not in KEEP]
+
+    def capacity(self) -> int:
+        """The most a task may be given: the slot's free space without its ballast."""
+        st = os.statvfs(self.path)
+        try:
+            ballast = os.stat(self.path / BALLAST).st_blocks * 512
+        except FileNotFoundError:
+            ballast = 0
+        return st.f_bavail * st.f_frsize + ballast - SLACK
+
+    def _free(self) -> int:
+        st = os.statvfs(self.path)
+        return st.f_bavail * st.f_frsize
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._lock_fd)
+
+
+def _visible_to_podman(path: Path) -> bool:
+    """Is the slot mounted where Podman's containers are made (its rootless namespace)?"""
+    try:
+        return subprocess.run(["podman", "unshare", "mountpoint", "-q", str(path)],
+                              capture_output=True, timeout=60, check=False).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def acquire(root: Path = SLOTS_ROOT) -> tuple[Slot | None, str]:
+    """Take the first free slot for this process's lifetime: (slot, "enforced"), or (None,
+    why none could be taken)."""
+    if not root.is_dir():
+        return None, (f"not enforced exactly: no output slots ({root} is missing; infra/setup.sh "
+                      "makes them as root); /output is checked every 0.25 s")
+    mounted = [p for p in sorted(root.iterdir(), key=lambda p: p.name)
+               if p.is_dir() and os.path.ismount(p) and os.access(p, os.W_OK)]
+    for path in mounted:
+        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        if not _visible_to_podman(path):
+            os.close(fd)
+            return None, (f"not enforced exactly: output slot {path} is not mounted in Podman's "
+                          "rootless namespace (mounted after it started; `podman system "
+                          "migrate` starts it afresh); /output is checked every 0.25 s")
+        return Slot(path, fd), ENFORCED
+    why = (f"all {len(mounted)} output slots under {root} are taken by other agents"
+           if mounted else f"no output slot under {root} is mounted and writable by this user")
+    return None, f"not enforced exactly: {why}; /output is checked every 0.25 s"
