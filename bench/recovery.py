@@ -21,7 +21,7 @@ from pathlib import Path
 
 from campugrid.cli.platform import Platform
 from campugrid.cli.rest import Api, tar_folder
-from campugrid.coordinator.seaweed import free_port
+from campugrid.cli.seaweed import free_port
 from campugrid.protocol.spec import JobSpec
 
 REPO = Path(__file__).resolve().parents[1]

@@ -32,10 +32,10 @@ from pathlib import Path
 from sqlalchemy import insert
 
 from campugrid.agent.client import CoordinatorClient
+from campugrid.cli.seaweed import EmbeddedS3, free_port
 from campugrid.coordinator import server
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.models import Job, Machine
-from campugrid.coordinator.seaweed import EmbeddedS3, free_port
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobState

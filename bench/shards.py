@@ -26,7 +26,7 @@ from pathlib import Path
 
 from campugrid.cli.platform import Platform
 from campugrid.cli.rest import Api
-from campugrid.coordinator.seaweed import free_port
+from campugrid.cli.seaweed import free_port
 from campugrid.protocol.spec import JobSpec
 
 BENCH = Path(__file__).resolve().parent

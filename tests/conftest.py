@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from campugrid.cli.platform import ProviderUser
+from campugrid.cli.seaweed import EmbeddedS3
 from campugrid.coordinator.objects import S3Store
-from campugrid.coordinator.seaweed import EmbeddedS3
 from tests.support.postgres import TempPostgres
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from campugrid.cli.platform import Platform
 from campugrid.cli.rest import Api
-from campugrid.coordinator.seaweed import free_port
+from campugrid.cli.seaweed import free_port
 
 
 @pytest.fixture(scope="module")

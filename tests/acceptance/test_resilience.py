@@ -23,7 +23,7 @@ import pytest
 from campugrid.agent.client import CoordinatorClient
 from campugrid.cli.platform import AgentHandle, Platform, ProviderUser
 from campugrid.cli.rest import Api, tar_folder
-from campugrid.coordinator.seaweed import EmbeddedS3, free_port
+from campugrid.cli.seaweed import EmbeddedS3, free_port
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol.spec import JobSpec
 

@@ -12,9 +12,9 @@ import pytest
 
 from campugrid.agent.client import CoordinatorClient
 from campugrid.cli.rest import Api, tar_folder
+from campugrid.cli.seaweed import EmbeddedS3, free_port
 from campugrid.coordinator import server
 from campugrid.coordinator.config import Settings
-from campugrid.coordinator.seaweed import EmbeddedS3, free_port
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol.spec import JobSpec
 

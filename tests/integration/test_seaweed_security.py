@@ -24,8 +24,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from campugrid.cli.seaweed import EmbeddedS3, end_processes, stale_weeds
 from campugrid.coordinator.objects import S3Store
-from campugrid.coordinator.seaweed import EmbeddedS3, end_processes, stale_weeds
 
 pytestmark = pytest.mark.integration
 TTL = dt.timedelta(minutes=5)
@@ -179,7 +179,7 @@ def test_s3_keeps_working_through_the_one_door(s3: S3Store):
 OWNER = r'''
 import json, sys, time
 from pathlib import Path
-from campugrid.coordinator.seaweed import EmbeddedS3, end_processes, stale_weeds
+from campugrid.cli.seaweed import EmbeddedS3, end_processes, stale_weeds
 s = EmbeddedS3(Path(sys.argv[1]), "owner", "owner-secret-0123456789abcdef").start()
 print(json.dumps({"weed": s.process.pid, "guard": s._guard_proc.pid}), flush=True)
 time.sleep(600)

@@ -20,7 +20,7 @@ import pytest
 
 from campugrid.cli.platform import AgentHandle, Platform, ProviderUser
 from campugrid.cli.rest import FINAL, Api, tar_folder
-from campugrid.coordinator.seaweed import free_port
+from campugrid.cli.seaweed import free_port
 from campugrid.protocol.spec import JobSpec
 from tests.support import hostile
 

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from campugrid.cli.platform import have
-from campugrid.coordinator.seaweed import end_processes, free_port
+from campugrid.cli.seaweed import end_processes, free_port
 
 pytestmark = [
     pytest.mark.acceptance,

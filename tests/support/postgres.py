@@ -10,7 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from campugrid.coordinator.seaweed import free_port
+from campugrid.cli.seaweed import free_port
 
 
 def _bin(name: str) -> str | None:

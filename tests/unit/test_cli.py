@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from campugrid.coordinator.seaweed import free_port
+from campugrid.cli.seaweed import free_port
 
 CLI = [sys.executable, "-m", "campugrid.cli"]
 

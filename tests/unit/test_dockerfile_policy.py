@@ -4,7 +4,7 @@ the spelling as the attack it hides, then that the policy refuses it."""
 
 import pytest
 
-from campugrid.builders.policy import AllowedBase, allowed_bases, check_dockerfile
+from campugrid.protocol.dockerfiles import AllowedBase, allowed_bases, check_dockerfile
 from campugrid.protocol.errors import InvalidInput
 from tests.support.dockerfiles import CORPUS, buildkit_reads
 

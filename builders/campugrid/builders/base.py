@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-from campugrid.builders.policy import BaseUse
+from campugrid.protocol.dockerfiles import BaseUse
 from campugrid.sandbox.process import LogFn
 
 

@@ -24,9 +24,9 @@ import threading
 import time
 from pathlib import Path
 
+from campugrid.cli.seaweed import EmbeddedS3, end_processes, free_port, guard_group
 from campugrid.coordinator import server
 from campugrid.coordinator.config import Settings
-from campugrid.coordinator.seaweed import EmbeddedS3, end_processes, free_port, guard_group
 from campugrid.protocol.errors import CampugridError
 from campugrid.sandbox.process import release_guard
 

@@ -6,7 +6,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from campugrid.builders.policy import AllowedBase, allowed_bases
+from campugrid.protocol.dockerfiles import AllowedBase, allowed_bases
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,6 @@ import threading
 import time
 from typing import Any
 
-from campugrid.builders.context import inspect_context
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.objects import S3Store
 from campugrid.coordinator.scheduler import MachineView, fast_from, why_waiting
@@ -20,6 +19,7 @@ from campugrid.coordinator.views import CheckpointView, Claim, JobView
 from campugrid.protocol.errors import InvalidInput, StorageError
 from campugrid.protocol.spec import DatasetRef, JobSpec
 from campugrid.protocol.states import JobState
+from campugrid.protocol.tarballs import inspect_context
 
 log = logging.getLogger("campugrid.coordinator")
 SPEEDS_REFRESH_S = 10.0  # how old the machines' speed ranking may be

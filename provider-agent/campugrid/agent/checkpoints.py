@@ -21,9 +21,9 @@ import httpx
 
 from campugrid import hooks
 from campugrid.agent.client import CoordinatorClient
-from campugrid.builders.context import extract_checkpoint
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol.errors import CampugridError, InvalidInput
+from campugrid.protocol.tarballs import extract_checkpoint
 from campugrid.sandbox import confine
 
 log = logging.getLogger("campugrid.agent.checkpoints")

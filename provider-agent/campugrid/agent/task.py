@@ -31,11 +31,11 @@ from campugrid.agent.gpus import GpuPolicy
 from campugrid.agent.logship import LogShipper
 from campugrid.agent.renewer import Renewer
 from campugrid.builders.base import Builder
-from campugrid.builders.context import extract_context_file
-from campugrid.builders.policy import allowed_bases
 from campugrid.protocol import agent_pb2 as pb
+from campugrid.protocol.dockerfiles import allowed_bases
 from campugrid.protocol.errors import BuildFailed, CampugridError, InvalidInput, SandboxError
 from campugrid.protocol.spec import ENFORCED, JobSpec
+from campugrid.protocol.tarballs import extract_context_file
 from campugrid.sandbox import confine, slots
 from campugrid.sandbox import limits as host_limits
 from campugrid.sandbox.podman_runsc import PodmanRunsc, RunRequest

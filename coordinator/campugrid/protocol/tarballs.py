@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from campugrid import hooks
-from campugrid.builders.policy import AllowedBase, CheckedDockerfile, check_dockerfile
+from campugrid.protocol.dockerfiles import AllowedBase, CheckedDockerfile, check_dockerfile
 from campugrid.protocol.errors import InvalidInput
 
 MAX_MEMBERS = 20_000
