@@ -10,9 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from campugrid.coordinator.sharding import ShardResult, session_of
 from campugrid.coordinator.store import Store
-from campugrid.coordinator.views import utcnow
+from campugrid.coordinator.views import ShardResult, session_of, utcnow
 from campugrid.protocol.errors import Conflict, StaleAttempt
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobState

@@ -20,7 +20,7 @@ import grpc
 
 from campugrid.coordinator.scheduler import GpuView, MachineView
 from campugrid.coordinator.service import Coordinator
-from campugrid.coordinator.sharding import ShardResult, ShardTask, session_of
+from campugrid.coordinator.views import ShardResult, ShardTask, session_of
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
 from campugrid.protocol.errors import (

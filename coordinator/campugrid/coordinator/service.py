@@ -13,9 +13,8 @@ from typing import Any
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.objects import S3Store
 from campugrid.coordinator.scheduler import MachineView, fast_from, why_waiting
-from campugrid.coordinator.sharding import ShardResult, ShardTask
 from campugrid.coordinator.store import Store
-from campugrid.coordinator.views import CheckpointView, Claim, JobView
+from campugrid.coordinator.views import CheckpointView, Claim, JobView, ShardResult, ShardTask
 from campugrid.protocol.errors import InvalidInput, StorageError
 from campugrid.protocol.spec import DatasetRef, JobSpec
 from campugrid.protocol.states import JobState

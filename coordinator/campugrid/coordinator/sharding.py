@@ -13,7 +13,6 @@ SUCCEEDED or FAILED when every shard has ended.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import json
 from collections.abc import Sequence
@@ -32,6 +31,7 @@ from campugrid.coordinator.models import (
     ShardSession,
     clean,
 )
+from campugrid.coordinator.views import ShardResult, ShardTask, ShardView, session_of
 from campugrid.protocol.errors import IllegalTransition, StaleAttempt
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobState
@@ -39,46 +39,7 @@ from campugrid.protocol.states import JobState
 if TYPE_CHECKING:
     from campugrid.coordinator.store import Store
 
-SESSION_TOKEN_BASE = 1 << 40  # attempts of plain jobs stay far below this
 QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
-
-
-def session_token(session_id: int) -> int:
-    return SESSION_TOKEN_BASE + session_id
-
-
-def session_of(token: int) -> int | None:
-    """The session a fencing token names, or None for a plain job's attempt."""
-    return token - SESSION_TOKEN_BASE if token >= SESSION_TOKEN_BASE else None
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardTask:
-    index: int
-    payload_json: str
-    cost: float
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardResult:
-    index: int
-    succeeded: bool
-    exit_code: int | None
-    result_json: str | None  # JSON text, at most spec.MAX_SHARD_RESULT bytes
-    reason: str | None
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardView:
-    index: int
-    state: str
-    cost: float
-    tries: int
-    machine_id: str | None
-    exit_code: int | None
-    result: Any
-    reason: str | None
-    finished_at: dt.datetime | None
 
 
 def insert_shards(s: Session, job_id: str, spec: JobSpec) -> None:

@@ -12,9 +12,48 @@ from typing import Any
 from sqlalchemy import Row
 
 from campugrid.coordinator.models import Checkpoint, Job
-from campugrid.coordinator.sharding import ShardTask, session_token
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobState
+
+SESSION_TOKEN_BASE = 1 << 40  # attempts of plain jobs stay far below this
+
+
+def session_token(session_id: int) -> int:
+    return SESSION_TOKEN_BASE + session_id
+
+
+def session_of(token: int) -> int | None:
+    """The session a fencing token names, or None for a plain job's attempt."""
+    return token - SESSION_TOKEN_BASE if token >= SESSION_TOKEN_BASE else None
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardTask:
+    index: int
+    payload_json: str
+    cost: float
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardResult:
+    index: int
+    succeeded: bool
+    exit_code: int | None
+    result_json: str | None  # JSON text, at most spec.MAX_SHARD_RESULT bytes
+    reason: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardView:
+    index: int
+    state: str
+    cost: float
+    tries: int
+    machine_id: str | None
+    exit_code: int | None
+    result: Any
+    reason: str | None
+    finished_at: dt.datetime | None
 
 
 @functools.lru_cache(maxsize=4096)

@@ -1,4 +1,19 @@
-"""One root error type, with a subtree per boundary. Each error says what the user can do."""
+"""One root error type, with a subtree per boundary. Each error says what the user can do.
+
+    CampugridError
+    ├── InputError          what a user sent was refused
+    │   ├── InvalidInput        (spec, tarball, Dockerfile, dataset reference, form field)
+    │   ├── NotFound
+    │   └── Conflict
+    ├── AuthError           who is calling was not established
+    │   └── Unauthenticated
+    ├── StateError          the call does not fit the job's state (the state machine refused it)
+    │   ├── StaleAttempt        (fencing: not the current attempt)
+    │   └── IllegalTransition
+    ├── SandboxError        the sandbox could not be set up or run
+    ├── BuildFailed         the image did not build (the job's own fault)
+    └── StorageError        object storage could not be reached or refused
+"""
 
 from __future__ import annotations
 
@@ -7,28 +22,40 @@ class CampugridError(Exception):
     """Root of every error campugrid raises on purpose."""
 
 
-class InvalidInput(CampugridError):
+class InputError(CampugridError):
+    """Something a user sent was refused; resending it unchanged fails the same way."""
+
+
+class InvalidInput(InputError):
     """Something a user sent (spec, tarball, Dockerfile, dataset reference) was refused."""
 
 
-class NotFound(CampugridError):
+class NotFound(InputError):
     pass
 
 
-class Conflict(CampugridError):
+class Conflict(InputError):
     """The request contradicts what is stored (e.g. same client job id, different spec)."""
 
 
-class StaleAttempt(CampugridError):
+class AuthError(CampugridError):
+    """The caller could not be identified, or may not do this."""
+
+
+class Unauthenticated(AuthError):
+    pass
+
+
+class StateError(CampugridError):
+    """The job's state (or its current attempt) does not allow this call now."""
+
+
+class StaleAttempt(StateError):
     """A call about an attempt that is no longer the job's current one (fencing)."""
 
 
-class IllegalTransition(CampugridError):
+class IllegalTransition(StateError):
     """The job is not in a state from which this change is allowed."""
-
-
-class Unauthenticated(CampugridError):
-    pass
 
 
 class BuildFailed(CampugridError):
@@ -42,7 +69,17 @@ class BuildFailed(CampugridError):
 
 
 class SandboxError(CampugridError):
-    """The sandbox could not be set up or run (not: the job's own command failed)."""
+    """The sandbox could not be set up or run (not: the job's own command failed). Carries
+    the failing tool's exit code and the tail of its stderr where there was one."""
+
+    def __init__(self, reason: str, exit_code: int | None = None, stderr_tail: str = "") -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.exit_code = exit_code
+        self.stderr_tail = stderr_tail
+
+    def __str__(self) -> str:
+        return f"{self.reason}\n{self.stderr_tail}" if self.stderr_tail else self.reason
 
 
 class StorageError(CampugridError):
