@@ -1,5 +1,7 @@
-"""The code stays lint-clean and type-checked (mypy strict on our packages)."""
+"""The code stays lint-clean, type-checked (mypy strict on our packages), and its import graph
+has no circle and crosses no boundary the design forbids."""
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -19,3 +21,106 @@ def test_mypy_strict_is_clean():
                          cwd=REPO,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-4000:]
+
+
+# --- the import graph of our own modules ------------------------------------------------
+
+ROOTS = ("coordinator", "provider-agent", "sandbox", "builders", "checkpoint-hooks")
+# (importer, imported) package prefixes that must never meet: the coordinator runs no job
+# code, the contract depends on nothing of ours, and the hooks live inside jobs.
+FORBIDDEN = (
+    ("campugrid.coordinator", "campugrid.builders"),
+    ("campugrid.coordinator", "campugrid.agent"),
+    ("campugrid.coordinator", "campugrid.sandbox"),
+    ("campugrid.protocol", "campugrid.coordinator"),
+    ("campugrid.protocol", "campugrid.agent"),
+    ("campugrid.protocol", "campugrid.builders"),
+    ("campugrid.protocol", "campugrid.sandbox"),
+    ("campugrid.agent", "campugrid.coordinator"),
+    ("campugrid.hooks", "campugrid.coordinator"),
+    ("campugrid.hooks", "campugrid.agent"),
+    ("campugrid.hooks", "campugrid.sandbox"),
+    ("campugrid.hooks", "campugrid.builders"),
+)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> our modules it imports (imports under TYPE_CHECKING count: a circle of
+    types is still a circle of design)."""
+    files = {}
+    for root in ROOTS:
+        for path in (REPO / root).rglob("*.py"):
+            if "migrations" in path.parts or path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                continue
+            parts = list(path.relative_to(REPO / root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            files[".".join(parts)] = path
+    graph: dict[str, set[str]] = {}
+    for mod, path in files.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                names = [base, *(f"{base}.{a.name}" for a in node.names)]
+            for name in names:
+                while name and name not in files:
+                    name = name.rpartition(".")[0]
+                if name and name != mod:
+                    found.add(name)
+        graph[mod] = found
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_circle_finder_finds_circles():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_our_modules_import_no_circle_and_cross_no_boundary():
+    graph = import_graph()
+    assert "campugrid.coordinator.store" in graph and "campugrid.agent.task" in graph
+    assert circles(graph) == []
+    crossings = [f"{a} imports {b}" for a, deps in sorted(graph.items()) for b in sorted(deps)
+                 for x, y in FORBIDDEN
+                 if (a == x or a.startswith(x + ".")) and (b == y or b.startswith(y + "."))]
+    assert crossings == []

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
-from campugrid.coordinator.db import migrate
-from campugrid.coordinator.store import Store, make_engine
+from campugrid.coordinator.db import make_engine, migrate
+from campugrid.coordinator.store import Store
 from tests.support.postgres import TempPostgres
 
 

@@ -6,9 +6,8 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
-from campugrid.coordinator.db import migrate
+from campugrid.coordinator.db import make_engine, migrate
 from campugrid.coordinator.models import Base
-from campugrid.coordinator.store import make_engine
 
 pytestmark = pytest.mark.integration
 

@@ -37,7 +37,7 @@ def rig(machine_id: str, *free_gb: int, isolation: bool = True) -> MachineView:
 
 def test_a_gpu_job_reserves_memory_on_a_specific_gpu(store: Store):
     job = gpu_job(store, 10)
-    m, _ = store.register_machine("rig", {})
+    m, _ = store.machines.register("rig", {})
     assert store.claim_next(m, 30, rig(m, 24)).id == job
     assert store.reserved_gpus(job, 1) == [f"{m}-gpu0"]
     assert "GPUs" in store.events(job)[-1].detail
@@ -45,14 +45,14 @@ def test_a_gpu_job_reserves_memory_on_a_specific_gpu(store: Store):
 
 def test_cpu_only_machines_never_get_gpu_jobs(store: Store):
     gpu_job(store, 1)
-    cpu, _ = store.register_machine("laptop", {})
+    cpu, _ = store.machines.register("laptop", {})
     assert store.claim_next(cpu, 30) is None
     assert store.claim_next(cpu, 30, rig(cpu, 24, isolation=False)) is None
 
 
 def test_memory_is_never_promised_twice_under_concurrent_leases(store: Store):
     jobs = [gpu_job(store, 10) for _ in range(6)]
-    m, _ = store.register_machine("rig", {})
+    m, _ = store.machines.register("rig", {})
     offer = rig(m, 24)  # room for two 10 GB jobs
     barrier = threading.Barrier(6)
 
@@ -74,7 +74,7 @@ def test_memory_is_never_promised_twice_under_concurrent_leases(store: Store):
 @pytest.mark.parametrize("ending", ["cancel", "expire", "release"])
 def test_every_ending_releases_the_reservation(store: Store, ending: str):
     job = gpu_job(store, 20)
-    m, _ = store.register_machine("rig", {})
+    m, _ = store.machines.register("rig", {})
     store.claim_next(m, 30, rig(m, 24))
     other = gpu_job(store, 20)
     assert store.claim_next(m, 30, rig(m, 24)) is None  # full
@@ -91,14 +91,14 @@ def test_every_ending_releases_the_reservation(store: Store, ending: str):
 
 def test_a_machine_that_reports_less_free_memory_gets_less(store: Store):
     gpu_job(store, 12)
-    m, _ = store.register_machine("desktop", {})
+    m, _ = store.machines.register("desktop", {})
     assert store.claim_next(m, 30, rig(m, 11)) is None  # a model server holds the rest
 
 
 def test_why_a_job_waits_comes_from_online_machines(store: Store):
-    m, _ = store.register_machine("desktop", {})
-    store.heartbeat(m, offer=rig(m, 2))
-    [view] = store.online_machines()
+    m, _ = store.machines.register("desktop", {})
+    store.machines.heartbeat(m, offer=rig(m, 2))
+    [view] = store.machines.online()
     assert view.name == "desktop" and view.gpus[0].available_mb == 2 * GB
 
 
@@ -117,7 +117,7 @@ def test_a_job_goes_only_to_machines_that_enforce_what_it_requires(store: Store,
     sharded = {"command": ["true"], "shards": [{"payload": 1}]} if kind == "sharded" else {}
     strict = store.submit(JobSpec.from_dict({**sharded, "resources": {
         **gpu, "require_limits": ["build_disk"]}}), "contexts/x.tar", "ab" * 32)[0].id
-    m, _ = store.register_machine("kaniko-box", {})
+    m, _ = store.machines.register("kaniko-box", {})
     lacks = enforcing(m, "memory", "cpu", "pids", "disk", "wall_time", "confinement",
                       "sandbox_seccomp", base=rig(m, 24) if gpu else None)
     assert store.claim_next(m, 30, lacks) is None
@@ -127,7 +127,7 @@ def test_a_job_goes_only_to_machines_that_enforce_what_it_requires(store: Store,
     easy = store.submit(JobSpec.from_dict({"resources": gpu}), "contexts/x.tar", "cd" * 32)[0].id
     got = store.claim_next(m, 30, lacks)
     assert got is not None and got.id == easy
-    other, _ = store.register_machine("buildah-box", {})
+    other, _ = store.machines.register("buildah-box", {})
     got = store.claim_next(other, 30, enforcing(other, "build_disk", "memory",
                                                 base=rig(other, 24) if gpu else None))
     assert got is not None and got.id == strict
@@ -136,10 +136,10 @@ def test_a_job_goes_only_to_machines_that_enforce_what_it_requires(store: Store,
 
 def test_why_a_job_waits_names_the_limit_no_machine_enforces(store: Store):
     spec = JobSpec.from_dict({"resources": {"require_limits": ["sandbox_seccomp", "build_disk"]}})
-    store.register_machine("old-box", {"limits": {
+    store.machines.register("old-box", {"limits": {
         "memory": "enforced", "build_disk": "enforced",
         "sandbox_seccomp": "not enforced: no seccomp profile"}})
-    [view] = store.online_machines()
+    [view] = store.machines.online()
     assert view.enforced == {"memory", "build_disk"}
     assert why_waiting(spec.resources, [view]) == (
         "no online machine enforces sandbox_seccomp (resources.require_limits; 1 online)")
@@ -148,7 +148,8 @@ def test_why_a_job_waits_names_the_limit_no_machine_enforces(store: Store):
 SCRIPT = """
 import json, sys, threading
 from campugrid.coordinator.scheduler import GpuView, MachineView
-from campugrid.coordinator.store import Store, make_engine
+from campugrid.coordinator.db import make_engine
+from campugrid.coordinator.store import Store
 url, machines = sys.argv[1], json.loads(sys.argv[2])
 store = Store(make_engine(url))
 got = []
@@ -168,7 +169,7 @@ print(json.dumps(got))
 
 def test_two_coordinator_processes_never_double_lease_or_overcommit(store: Store, db_url: str):
     jobs = [gpu_job(store, 10) for _ in range(40)]
-    machines = [store.register_machine(f"m{i}", {})[0] for i in range(8)]
+    machines = [store.machines.register(f"m{i}", {})[0] for i in range(8)]
     procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, db_url, json.dumps(machines)],
                               stdout=subprocess.PIPE, text=True) for _ in range(2)]
     results = []
@@ -187,7 +188,8 @@ def test_two_coordinator_processes_never_double_lease_or_overcommit(store: Store
 
 CPU_SCRIPT = """
 import json, sys, threading
-from campugrid.coordinator.store import Store, make_engine
+from campugrid.coordinator.db import make_engine
+from campugrid.coordinator.store import Store
 url, machines = sys.argv[1], json.loads(sys.argv[2])
 store = Store(make_engine(url))
 got = []
@@ -208,7 +210,7 @@ def test_two_coordinator_processes_lease_each_cpu_job_once(store: Store, db_url:
     # The one-statement claim (and on SQLite its DBAPI path), under real contention.
     jobs = [store.submit(JobSpec.from_dict({"command": ["x"]}), "contexts/x", "a" * 64)[0].id
             for _ in range(300)]
-    machines = [store.register_machine(f"m{i}", {})[0] for i in range(8)]
+    machines = [store.machines.register(f"m{i}", {})[0] for i in range(8)]
     procs = [subprocess.Popen([sys.executable, "-c", CPU_SCRIPT, db_url, json.dumps(machines)],
                               stdout=subprocess.PIPE, text=True) for _ in range(2)]
     results = []

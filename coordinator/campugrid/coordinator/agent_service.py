@@ -8,7 +8,6 @@ callers that are broken or unauthenticated.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import threading
@@ -20,7 +19,7 @@ import grpc
 
 from campugrid.coordinator.scheduler import GpuView, MachineView
 from campugrid.coordinator.service import Coordinator
-from campugrid.coordinator.views import ShardResult, ShardTask, session_of
+from campugrid.coordinator.views import ShardResult, ShardTask
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
 from campugrid.protocol.errors import (
@@ -31,7 +30,6 @@ from campugrid.protocol.errors import (
     StaleAttempt,
     Unauthenticated,
 )
-from campugrid.protocol.spec import MAX_SHARD_RESULT
 from campugrid.protocol.states import JobState
 from campugrid.protocol.wire import MACHINE_HEADER, SECRET_HEADER
 
@@ -77,7 +75,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
             if self._known.get(key, 0.0) > now:
                 return machine_id
         try:
-            self.coord.store.authenticate(machine_id, secret)
+            self.coord.authenticate_machine(machine_id, secret)
         except Unauthenticated as e:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
         with self._known_lock:
@@ -101,10 +99,8 @@ class AgentService(pb_grpc.AgentServiceServicer):
         raise AssertionError("unreachable")
 
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
-        if not request.name or len(request.name) > 200:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "name: 1 to 200 characters")
-        machine_id, secret = self.coord.store.register_machine(
-            request.name, _caps(request.capabilities))
+        machine_id, secret = self._guard(context, lambda: self.coord.register_machine(
+            request.name, _caps(request.capabilities)))
         log.info("machine registered: %s (%s)", machine_id, request.name)
         return pb.RegisterReply(machine_id=machine_id, secret=secret)
 
@@ -143,27 +139,17 @@ class AgentService(pb_grpc.AgentServiceServicer):
     def Renew(self, request: pb.RenewRequest, context: grpc.ServicerContext) -> pb.RenewReply:
         machine = self._machine(context)
         phase = JobState.RUNNING if request.phase == "running" else JobState.BUILDING
-        lease_s = self.coord.settings.lease_seconds
-        token = request.fencing_token
         try:
-            if session_of(token) is not None:
-                self._guard(context, lambda: self.coord.store.shards.renew(
-                    request.job_id, token, machine, lease_s))
-            else:
-                self._guard(context, lambda: self.coord.store.renew_lease(
-                    request.job_id, token, machine, phase, lease_s))
+            lease_s = self._guard(context, lambda: self.coord.renew(
+                request.job_id, request.fencing_token, machine, phase))
         except (StaleAttempt, IllegalTransition) as e:
             return pb.RenewReply(keep_going=False, reason=str(e))
         return pb.RenewReply(keep_going=True, lease_seconds=lease_s)
 
     def ReportLogs(self, request: pb.LogsRequest, context: grpc.ServicerContext) -> pb.LogsReply:
         machine = self._machine(context)
-        if request.stream not in ("build", "run"):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "stream: build or run")
-        append = (self.coord.store.shards.append_logs if session_of(request.fencing_token)
-                  is not None else self.coord.store.append_logs)
         try:
-            self._guard(context, lambda: append(
+            self._guard(context, lambda: self.coord.report_logs(
                 request.job_id, request.fencing_token, machine, request.stream, request.seq,
                 request.text))
         except (StaleAttempt, IllegalTransition):
@@ -172,37 +158,20 @@ class AgentService(pb_grpc.AgentServiceServicer):
 
     def Complete(self, request: pb.CompleteRequest, context: grpc.ServicerContext) -> pb.CompleteReply:
         machine = self._machine(context)
-        if session_of(request.fencing_token) is not None:  # the end of a shard session
-            failure = None if request.succeeded else (request.reason[:4000] or "session failed")
-            try:
-                self._guard(context, lambda: self.coord.store.shards.end(
-                    request.job_id, request.fencing_token, machine, failure=failure))
-            except (StaleAttempt, IllegalTransition) as e:
-                return pb.CompleteReply(accepted=False, reason=str(e))
-            return pb.CompleteReply(accepted=True)
-        key: str | None = None
-        if request.output_uploaded:
-            claimed = self.coord.output_key(request.job_id, request.fencing_token)
-            # Claimed but not there: never point researchers at nothing.
-            if self._guard(context, lambda: self.coord.objects.exists(claimed)):
-                key = claimed
         try:
-            job = self._guard(context, lambda: self.coord.store.finish(
+            self._guard(context, lambda: self.coord.complete(
                 request.job_id, request.fencing_token, machine, succeeded=request.succeeded,
                 exit_code=request.exit_code, reason=request.reason or None,
-                result=request.result or None, output_key=key, limits=dict(request.limits)))
+                result=request.result or None, output_uploaded=request.output_uploaded,
+                limits=dict(request.limits)))
         except (StaleAttempt, IllegalTransition) as e:
             log.warning("completion refused: %s", e)
             return pb.CompleteReply(accepted=False, reason=str(e))
-        log.info("job %s %s", job.id, job.state.value)
         return pb.CompleteReply(accepted=True)
 
     def BeginCheckpoint(self, request: pb.BeginCheckpointRequest,
                         context: grpc.ServicerContext) -> pb.BeginCheckpointReply:
         machine = self._machine(context)
-        if session_of(request.fencing_token) is not None:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          "shards do not checkpoint: a lost shard runs again from its start")
         try:
             up = self._guard(context, lambda: self.coord.begin_checkpoint(
                 request.job_id, request.fencing_token, machine, request.epoch, request.size))
@@ -225,11 +194,9 @@ class AgentService(pb_grpc.AgentServiceServicer):
 
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseReply:
         machine = self._machine(context)
-        release = (self.coord.store.shards.release if session_of(request.fencing_token)
-                   is not None else self.coord.store.release)
         try:
-            self._guard(context, lambda: release(
-                request.job_id, request.fencing_token, machine, request.reason[:2000] or "drained",
+            self._guard(context, lambda: self.coord.release(
+                request.job_id, request.fencing_token, machine, request.reason,
                 failed=request.failed))
         except (StaleAttempt, IllegalTransition) as e:
             return pb.ReleaseReply(accepted=False, reason=str(e))
@@ -239,22 +206,11 @@ class AgentService(pb_grpc.AgentServiceServicer):
     def NextShard(self, request: pb.NextShardRequest,
                   context: grpc.ServicerContext) -> pb.NextShardReply:
         machine = self._machine(context)
-        if session_of(request.fencing_token) is None:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "fencing_token: not a shard session")
         done = None
         if request.HasField("done"):
             d = request.done
-            result = d.result_json or None
-            if result is not None:
-                if len(result) > MAX_SHARD_RESULT:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"result of shard {d.index}: larger than {MAX_SHARD_RESULT} bytes")
-                try:
-                    json.loads(result)
-                except (ValueError, RecursionError):
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"result of shard {d.index}: not JSON")
-            done = ShardResult(d.index, d.succeeded, d.exit_code, result, d.reason[:4000] or None)
+            done = ShardResult(d.index, d.succeeded, d.exit_code, d.result_json or None,
+                               d.reason[:4000] or None)
         try:
             task = self._guard(context, lambda: self.coord.next_shard(
                 request.job_id, request.fencing_token, machine, done))

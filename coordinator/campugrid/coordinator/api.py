@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import uuid
-from collections.abc import Iterator
 from typing import Annotated, Any
 
 from fastapi import FastAPI, File, Form, HTTPException, Query, Request, UploadFile
@@ -13,7 +12,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 from starlette import formparsers
 
-from campugrid.coordinator.scheduler import why_waiting
 from campugrid.coordinator.service import Coordinator
 from campugrid.coordinator.views import JobView
 from campugrid.protocol.errors import (
@@ -180,18 +178,17 @@ def create_app(coord: Coordinator) -> FastAPI:
     @app.get("/v1/jobs", response_model=list[JobOut])
     def list_jobs(state: JobState | None = None,
                   limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[JobOut]:
-        jobs = coord.store.list_jobs(state, limit)
-        machines = coord.store.online_machines() if any(
-            j.state is JobState.QUEUED for j in jobs) else []
-        return [JobOut.of(j, waiting_reason=why_waiting(j.spec.resources, machines)
-                          if j.state is JobState.QUEUED else None) for j in jobs]
+        jobs = coord.list_jobs(state, limit)
+        return [JobOut.of(j, waiting_reason=why)
+                for j, why in zip(jobs, coord.waiting_reasons(jobs), strict=True)]
 
     @app.get("/v1/jobs/{job_id}", response_model=JobOut)
     def get_job(job_id: str) -> JobOut:
-        job = coord.store.get(job_id_ok(job_id))
+        job = coord.get_job(job_id_ok(job_id))
         events = [EventOut(at=e.at, attempt=e.attempt, kind=e.kind, detail=e.detail)
-                  for e in coord.store.events(job.id)]
-        return JobOut.of(job, events, coord.waiting_reason(job))
+                  for e in coord.job_events(job.id)]
+        [why] = coord.waiting_reasons([job])
+        return JobOut.of(job, events, why)
 
     @app.get("/v1/jobs/{job_id}/shards", response_model=list[ShardOut])
     def shards(job_id: str,
@@ -201,31 +198,28 @@ def create_app(coord: Coordinator) -> FastAPI:
                limit: Annotated[int, Query(ge=1, le=10_000)] = 1000) -> list[ShardOut]:
         """A sharded job's shards in index order, with their results; page with `after`
         (the last index seen)."""
-        return [ShardOut(**dataclasses.asdict(v)) for v in coord.store.shards.shards(
+        return [ShardOut(**dataclasses.asdict(v)) for v in coord.shards(
             job_id_ok(job_id), state=state, after=after, limit=limit)]
 
     @app.post("/v1/jobs/{job_id}/cancel", response_model=JobOut)
     def cancel(job_id: str) -> JobOut:
-        return JobOut.of(coord.store.cancel(job_id_ok(job_id)))
+        return JobOut.of(coord.cancel(job_id_ok(job_id)))
 
     @app.get("/v1/jobs/{job_id}/logs", response_model=LogsOut)
     def logs(job_id: str, after: Annotated[int, Query(ge=0, le=2**62)] = 0,
              stream: Annotated[str | None, Query(pattern="^(build|run)$")] = None) -> LogsOut:
         jid = job_id_ok(job_id)
-        chunks = coord.store.logs(jid, after_id=after, stream=stream)
-        job = coord.store.get(jid)
+        chunks = coord.job_logs(jid, after_id=after, stream=stream)
+        state = coord.get_job(jid).state
         return LogsOut(
             chunks=[LogChunkOut(id=c.id, attempt=c.attempt, stream=c.stream, text=c.text)
                     for c in chunks],
-            next_after=chunks[-1].id if chunks else after, state=job.state)
+            next_after=chunks[-1].id if chunks else after, state=state)
 
     @app.get("/v1/jobs/{job_id}/output", response_class=StreamingResponse,
              responses={200: {"content": {"application/gzip": {}}}})
     def output(job_id: str) -> StreamingResponse:
-        job = coord.store.get(job_id_ok(job_id))
-        if job.output_key is None or not coord.objects.exists(job.output_key):
-            raise HTTPException(404, f"job {job.id} has no output (state {job.state.value})")
-        stream: Iterator[bytes] = coord.objects.stream(job.output_key)
+        job, stream = coord.open_output(job_id_ok(job_id))
         return StreamingResponse(stream, media_type="application/gzip", headers={
             "content-disposition": f'attachment; filename="{job.id}-output.tar.gz"'})
 

@@ -13,11 +13,12 @@ import dataclasses
 import datetime as dt
 import threading
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import Connection, Row, bindparam, func, insert, select, update
 from sqlalchemy.orm import Session
 
+from campugrid.coordinator.db import Database, job_row
 from campugrid.coordinator.models import (
     Base,
     GpuReservation,
@@ -29,10 +30,7 @@ from campugrid.coordinator.models import (
 from campugrid.coordinator.scheduler import MachineView, place
 from campugrid.coordinator.sharding import open_session
 from campugrid.coordinator.views import CheckpointView, Claim, JobView, stored_spec, utcnow
-from campugrid.protocol.states import JobState
-
-if TYPE_CHECKING:
-    from campugrid.coordinator.store import Store
+from campugrid.protocol.states import JobState, sources_of
 
 
 @dataclasses.dataclass
@@ -49,8 +47,8 @@ class _PendingClaim:
 class Claimer:
     """Claims for whoever asks, concurrent claims in one transaction."""
 
-    def __init__(self, store: Store) -> None:
-        self.store = store
+    def __init__(self, db: Database) -> None:
+        self.db = db
         self._pending: list[_PendingClaim] = []
         self._pending_lock = threading.Lock()
         self._leader = threading.Lock()
@@ -78,7 +76,7 @@ class Claimer:
 
     def _claim_batch(self, batch: list[_PendingClaim]) -> None:
         try:
-            with self.store.writer, self.store.engine.begin() as conn:
+            with self.db.connect() as conn:
                 events: list[dict[str, Any]] = []  # the batch's history, in one statement
                 for r in batch:
                     r.result = self._claim_in(conn, r.machine_id, r.lease_s, r.offer,
@@ -134,7 +132,7 @@ class Claimer:
                     s.flush()
                     if opened is None:
                         continue
-                    return Claim(JobView.from_row(self.store.row(s, job_id)), gpus, None, *opened)
+                    return Claim(JobView.from_row(job_row(s, job_id)), gpus, None, *opened)
             row = conn.execute(_TAKE_JOB, {
                 "job_id": job_id, "seen_attempt": attempt, "machine_id": machine_id,
                 "expires": now + dt.timedelta(seconds=lease_s), "now": now}).first()
@@ -174,7 +172,7 @@ class Claimer:
         # commit. The guarded update in claim_next settles races; the machine row lock (taken
         # by the caller on PostgreSQL) keeps two leases from reserving one GPU's memory twice.
         q = (select(Job.id, Job.attempt, Job.created_at, Job.spec_json, Job.shards_total)
-             .where(Job.state == JobState.QUEUED.value, Job.gpus_needed > 0,
+             .where(Job.state == _CLAIMABLE.value, Job.gpus_needed > 0,
                    Job.limits_needed.op("&")(offer.lacks_mask) == 0)
              .order_by(Job.created_at, Job.id).limit(window))
         for job_id, attempt, created, spec_json, shards in s.execute(q):
@@ -184,12 +182,15 @@ class Claimer:
                 return (created, job_id, attempt, chosen, need.gpu_memory_mb, shards)
         return None
 
-# The claim path's statements, built once.
+# The claim path's statements, built once. A lease is the move QUEUED -> BUILDING: the
+# guarded move of moves.py, precompiled (it is the hot path); its row check is the RETURNING
+# row (none: another machine took the job first, so the next candidate is tried).
 _JOBS, _CHECKPOINTS = Base.metadata.tables["jobs"], Base.metadata.tables["checkpoints"]
+(_CLAIMABLE,) = sources_of(JobState.BUILDING)  # one state, so an equality the index serves
 # A job is for a machine only if it needs no limit the machine lacks (bit masks, spec.LIMITS).
 _SUITS_LIMITS = _JOBS.c.limits_needed.op("&")(bindparam("lacks")) == 0
 _NEXT_CPU_JOB = (select(_JOBS.c.id, _JOBS.c.attempt, _JOBS.c.created_at, _JOBS.c.shards_total)
-                 .where(_JOBS.c.state == JobState.QUEUED.value, _JOBS.c.gpus_needed == 0,
+                 .where(_JOBS.c.state == _CLAIMABLE.value, _JOBS.c.gpus_needed == 0,
                         _SUITS_LIMITS)
                  .order_by(_JOBS.c.created_at, _JOBS.c.id).limit(1))
 _NEXT_CPU_JOB_PG = _NEXT_CPU_JOB.with_for_update(skip_locked=True)
@@ -198,13 +199,13 @@ _LEASE_VALUES = {"state": JobState.BUILDING.value, "attempt": _JOBS.c.attempt + 
                  "reason": None, "updated_at": bindparam("now")}
 _TAKE_NEXT, _TAKE_NEXT_PG = (
     update(_JOBS).where(_JOBS.c.id == head.with_only_columns(_JOBS.c.id).scalar_subquery(),
-                        _JOBS.c.state == JobState.QUEUED.value, _JOBS.c.shards_total == 0)
+                        _JOBS.c.state == _CLAIMABLE.value, _JOBS.c.shards_total == 0)
     .values(**_LEASE_VALUES).returning(*_JOBS.c)
     for head in (_NEXT_CPU_JOB, _NEXT_CPU_JOB_PG))
 _LOCK_MACHINE = (select(Machine.id).where(Machine.id == bindparam("machine_id"))
                  .with_for_update())
 _TAKE_JOB = (update(_JOBS)
-             .where(_JOBS.c.id == bindparam("job_id"), _JOBS.c.state == JobState.QUEUED.value,
+             .where(_JOBS.c.id == bindparam("job_id"), _JOBS.c.state == _CLAIMABLE.value,
                     _JOBS.c.attempt == bindparam("seen_attempt"))
              .values(**_LEASE_VALUES).returning(*_JOBS.c))
 _ADD_EVENT = insert(JobEvent)

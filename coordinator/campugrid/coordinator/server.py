@@ -14,10 +14,10 @@ import uvicorn
 from campugrid.coordinator.agent_service import AgentService
 from campugrid.coordinator.api import create_app
 from campugrid.coordinator.config import Settings
-from campugrid.coordinator.db import migrate
+from campugrid.coordinator.db import make_engine, migrate
 from campugrid.coordinator.objects import S3Store
 from campugrid.coordinator.service import Coordinator
-from campugrid.coordinator.store import Store, make_engine
+from campugrid.coordinator.store import Store
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
 from campugrid.protocol.errors import CampugridError
 
@@ -36,8 +36,7 @@ class Running:
         self.stop_event.set()
         self.http.should_exit = True
         self.grpc_server.stop(grace=2).wait()
-        self.coord.objects.close()
-        self.coord.store.engine.dispose()
+        self.coord.close()
 
 
 def build(settings: Settings) -> Coordinator:
@@ -55,7 +54,7 @@ def build(settings: Settings) -> Coordinator:
 def _reap(coord: Coordinator, stop: threading.Event, every_s: float) -> None:
     while not stop.wait(every_s):
         try:
-            for job_id in coord.store.requeue_expired():
+            for job_id in coord.requeue_expired():
                 log.warning("lease expired: job %s", job_id)
         except CampugridError:
             log.exception("lease reaper")
@@ -66,7 +65,7 @@ def _reap(coord: Coordinator, stop: threading.Event, every_s: float) -> None:
 def start(settings: Settings) -> Running:
     """Start gRPC and the reaper in the background; the caller runs `http.run()` or a thread."""
     coord = build(settings)
-    extended = coord.store.extend_active_leases(settings.lease_seconds)
+    extended = coord.extend_active_leases()
     if extended:
         log.warning("restarted with %d running jobs: their agents get one lease to reconnect", extended)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))

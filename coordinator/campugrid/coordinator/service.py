@@ -5,18 +5,30 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import hashlib
+import json
 import logging
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.objects import S3Store
 from campugrid.coordinator.scheduler import MachineView, fast_from, why_waiting
 from campugrid.coordinator.store import Store
-from campugrid.coordinator.views import CheckpointView, Claim, JobView, ShardResult, ShardTask
-from campugrid.protocol.errors import InvalidInput, StorageError
-from campugrid.protocol.spec import DatasetRef, JobSpec
+from campugrid.coordinator.views import (
+    CheckpointView,
+    Claim,
+    EventView,
+    JobView,
+    LogView,
+    ShardResult,
+    ShardTask,
+    ShardView,
+    session_of,
+)
+from campugrid.protocol.errors import InvalidInput, NotFound, StorageError
+from campugrid.protocol.spec import MAX_SHARD_RESULT, DatasetRef, JobSpec
 from campugrid.protocol.states import JobState
 from campugrid.protocol.tarballs import inspect_context
 
@@ -84,6 +96,49 @@ class Coordinator:
             log.info("job submitted", extra={"job_id": job.id})
         return job, created
 
+    def get_job(self, job_id: str) -> JobView:
+        return self.store.get(job_id)
+
+    def list_jobs(self, state: JobState | None, limit: int) -> list[JobView]:
+        return self.store.list_jobs(state, limit)
+
+    def waiting_reasons(self, jobs: Sequence[JobView]) -> list[str | None]:
+        """Why each queued job is not running, from the machines online now (read once for
+        a whole page: a sweep's jobs are mostly queued)."""
+        machines = (self.store.machines.online()
+                    if any(j.state is JobState.QUEUED for j in jobs) else [])
+        return [_waiting_reason(j, machines) for j in jobs]
+
+    def job_events(self, job_id: str) -> list[EventView]:
+        return self.store.events(job_id)
+
+    def job_logs(self, job_id: str, *, after_id: int, stream: str | None) -> list[LogView]:
+        return self.store.logs(job_id, after_id=after_id, stream=stream)
+
+    def shards(self, job_id: str, *, state: str | None, after: int,
+               limit: int) -> list[ShardView]:
+        return self.store.shards.shards(job_id, state=state, after=after, limit=limit)
+
+    def cancel(self, job_id: str) -> JobView:
+        return self.store.cancel(job_id)
+
+    def open_output(self, job_id: str) -> tuple[JobView, Iterator[bytes]]:
+        """The job and its output archive, streamed from storage; NotFound where it has none
+        (or where the archive is gone from storage)."""
+        job = self.store.get(job_id)
+        if job.output_key is None or not self.objects.exists(job.output_key):
+            raise NotFound(f"job {job.id} has no output (state {job.state.value})")
+        return job, self.objects.stream(job.output_key)
+
+    def register_machine(self, name: str, capabilities: dict[str, Any]) -> tuple[str, str]:
+        """A new machine's id and secret; the secret is shown this once."""
+        if not name or len(name) > 200:
+            raise InvalidInput("name: 1 to 200 characters")
+        return self.store.machines.register(name, capabilities)
+
+    def authenticate_machine(self, machine_id: str, secret: str) -> None:
+        self.store.machines.authenticate(machine_id, secret)
+
     def lease(self, machine_id: str, offer: MachineView | None = None) -> Lease | None:
         if offer is not None:
             self._note_offer(machine_id, offer)
@@ -115,7 +170,7 @@ class Coordinator:
         at most SPEEDS_REFRESH_S old; a machine not in it yet counts as slow until then."""
         now = time.monotonic()
         if now - self._speeds_at > SPEEDS_REFRESH_S:
-            speeds = {m.id: m.speed for m in self.store.online_machines()}
+            speeds = {m.id: m.speed for m in self.store.machines.online()}
             self._fast_from = fast_from(list(speeds.values()))
             self._speeds, self._speeds_at = speeds, now
         speed = self._speeds.get(machine_id, 0.0)
@@ -123,18 +178,80 @@ class Coordinator:
 
     def next_shard(self, job_id: str, token: int, machine_id: str,
                    done: ShardResult | None) -> ShardTask | None:
+        """Record the shard the session finished (if any) and hand out its next one."""
+        if session_of(token) is None:
+            raise InvalidInput("fencing_token: not a shard session")
+        if done is not None and done.result_json is not None:
+            _check_result(done.index, done.result_json)
         return self.store.shards.next_shard(job_id, token, machine_id, done,
                                             heavy_first=self.is_fast(machine_id))
+
+    def renew(self, job_id: str, token: int, machine_id: str, phase: JobState) -> float:
+        """Extend the lease of an attempt (moving it to `phase`) or of a shard session;
+        returns the lease granted, in seconds."""
+        lease_s = self.settings.lease_seconds
+        if session_of(token) is not None:
+            self.store.shards.renew(job_id, token, machine_id, lease_s)
+        else:
+            self.store.renew_lease(job_id, token, machine_id, phase, lease_s)
+        return lease_s
+
+    def report_logs(self, job_id: str, token: int, machine_id: str, stream: str, seq: int,
+                    text: str) -> None:
+        if stream not in ("build", "run"):
+            raise InvalidInput("stream: build or run")
+        append = (self.store.shards.append_logs if session_of(token) is not None
+                  else self.store.append_logs)
+        append(job_id, token, machine_id, stream, seq, text)
+
+    def complete(self, job_id: str, token: int, machine_id: str, *, succeeded: bool,
+                 exit_code: int | None, reason: str | None, result: str | None,
+                 output_uploaded: bool, limits: dict[str, str]) -> None:
+        """The end of an attempt, or of a shard session: a failed session is the job's own
+        fault (its image does not build, its shard runner cannot start), so the job fails."""
+        if session_of(token) is not None:
+            failure = None if succeeded else ((reason or "")[:4000] or "session failed")
+            self.store.shards.end(job_id, token, machine_id, failure=failure)
+            return
+        key = self.output_key(job_id, token) if output_uploaded else None
+        if key is not None and not self.objects.exists(key):
+            key = None  # claimed but not there: never point researchers at nothing
+        job = self.store.finish(job_id, token, machine_id, succeeded=succeeded,
+                                exit_code=exit_code, reason=reason, result=result,
+                                output_key=key, limits=limits)
+        log.info("job %s %s", job.id, job.state.value, extra={"job_id": job.id})
+
+    def release(self, job_id: str, token: int, machine_id: str, reason: str, *,
+                failed: bool) -> None:
+        """Hand an attempt or a shard session back: a drain, or (`failed`) a provider-side
+        failure, which counts against the job's attempts or the shard's tries."""
+        why = reason[:2000] or "drained"
+        if session_of(token) is not None:
+            self.store.shards.release(job_id, token, machine_id, why, failed=failed)
+        else:
+            self.store.release(job_id, token, machine_id, why, failed=failed)
+
+    def requeue_expired(self) -> list[str]:
+        """The jobs whose lease (or a shard session's) ran out: queued again, or failed."""
+        return self.store.requeue_expired()
+
+    def extend_active_leases(self) -> int:
+        """After a restart, give agents one lease period to reach us again."""
+        return self.store.extend_active_leases(self.settings.lease_seconds)
+
+    def close(self) -> None:
+        self.objects.close()
+        self.store.engine.dispose()
 
     def _note_offer(self, machine_id: str, offer: MachineView) -> None:
         """Keep the machine's GPU snapshot (for why-it-waits) fresh: written when it changes,
         not once per poll (the agent's heartbeat, every 10 s, writes it too)."""
         if self._remember_offer(machine_id, offer):
-            self.store.heartbeat(machine_id, offer=offer)
+            self.store.machines.heartbeat(machine_id, offer=offer)
 
     def heartbeat(self, machine_id: str, capabilities: dict[str, Any] | None,
                   offer: MachineView | None) -> None:
-        self.store.heartbeat(machine_id, capabilities, offer)
+        self.store.machines.heartbeat(machine_id, capabilities, offer)
         if offer is not None:
             self._remember_offer(machine_id, offer)
 
@@ -183,18 +300,10 @@ class Coordinator:
         self._context_urls[key] = (url, now + self.settings.presign_seconds / 2)
         return url
 
-    def waiting_reason(self, job: JobView) -> str | None:
-        """Why a queued job is not running, from the machines online now."""
-        if job.state is not JobState.QUEUED:
-            return None
-        why = why_waiting(job.spec.resources, self.store.online_machines())
-        running = job.shards_total - job.shards_queued - job.shards_done
-        if job.shards_total and running:
-            return f"{job.shards_queued} shards wait, {running} running: {why}"
-        return why
-
     def begin_checkpoint(self, job_id: str, token: int, machine_id: str, epoch: int,
                          size: int) -> CheckpointUpload:
+        if session_of(token) is not None:
+            raise InvalidInput("shards do not checkpoint: a lost shard runs again from its start")
         self.store.check_attempt(job_id, token, machine_id, f"checkpoint of epoch {epoch}")
         if not 0 < size <= self.settings.max_checkpoint_bytes or epoch < 0:
             raise InvalidInput(f"checkpoint of epoch {epoch}: size {size} is out of bounds "
@@ -249,3 +358,22 @@ class Coordinator:
             if ".." in path.split("/") or path.startswith("/"):
                 raise InvalidInput(f"dataset {ds.name}: object name {path!r} is not a safe path")
         return files
+
+
+def _waiting_reason(job: JobView, machines: list[MachineView]) -> str | None:
+    if job.state is not JobState.QUEUED:
+        return None
+    why = why_waiting(job.spec.resources, machines)
+    running = job.shards_total - job.shards_queued - job.shards_done
+    if job.shards_total and running:
+        return f"{job.shards_queued} shards wait, {running} running: {why}"
+    return why
+
+
+def _check_result(index: int, result_json: str) -> None:
+    if len(result_json) > MAX_SHARD_RESULT:
+        raise InvalidInput(f"result of shard {index}: larger than {MAX_SHARD_RESULT} bytes")
+    try:
+        json.loads(result_json)
+    except (ValueError, RecursionError) as e:
+        raise InvalidInput(f"result of shard {index}: not JSON") from e

@@ -16,11 +16,11 @@ from __future__ import annotations
 import datetime as dt
 import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
+from campugrid.coordinator.db import Database, job_row
 from campugrid.coordinator.models import (
     MAX_LOG_CHUNK,
     GpuReservation,
@@ -31,20 +31,16 @@ from campugrid.coordinator.models import (
     ShardSession,
     clean,
 )
+from campugrid.coordinator.moves import move_job, move_shards
 from campugrid.coordinator.views import ShardResult, ShardTask, ShardView, session_of
 from campugrid.protocol.errors import IllegalTransition, StaleAttempt
 from campugrid.protocol.spec import JobSpec
-from campugrid.protocol.states import JobState
-
-if TYPE_CHECKING:
-    from campugrid.coordinator.store import Store
-
-QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELLED = "queued", "running", "succeeded", "failed", "cancelled"
+from campugrid.protocol.states import JobState, ShardState
 
 
 def insert_shards(s: Session, job_id: str, spec: JobSpec) -> None:
     s.execute(insert(Shard), [
-        {"job_id": job_id, "idx": i, "state": QUEUED, "cost": sh.cost,
+        {"job_id": job_id, "idx": i, "state": ShardState.QUEUED.value, "cost": sh.cost,
          "payload_json": sh.payload_json, "tries": 0}
         for i, sh in enumerate(spec.shards)])
 
@@ -88,12 +84,18 @@ def _hand_out(s: Session, job_id: str, sid: int, machine_id: str,
     # the lightest, backwards for the heaviest): cheap at 100,000 shards too.
     order = (Shard.cost.desc(), Shard.idx.desc()) if heavy_first else (Shard.cost, Shard.idx)
     q = (select(Shard.idx, Shard.payload_json, Shard.cost)
-         .where(Shard.job_id == job_id, Shard.state == QUEUED).order_by(*order).limit(1))
+         .where(Shard.job_id == job_id, Shard.state == ShardState.QUEUED.value)
+         .order_by(*order).limit(1))
     idx, payload, cost = s.execute(q).one()  # the job's counter said one is queued
-    s.execute(update(Shard).where(Shard.job_id == job_id, Shard.idx == idx, Shard.state == QUEUED)
-              .values(state=RUNNING, session_id=sid, machine_id=machine_id)
-              .execution_options(synchronize_session=False))
+    move_shards(s, job_id, ShardState.RUNNING, where=[Shard.idx == idx], session_id=sid,
+                machine_id=machine_id)
     return ShardTask(int(idx), str(payload), float(cost))
+
+
+def cancel_shards(s: Session, job_id: str, why: str) -> None:
+    """The job has ended: shards not yet ended never will, and no session goes on."""
+    move_shards(s, job_id, ShardState.CANCELLED, expect=None, reason=why)
+    s.execute(update(ShardSession).where(ShardSession.job_id == job_id).values(active=False))
 
 
 def _settle(s: Session, job_id: str) -> None:
@@ -101,7 +103,8 @@ def _settle(s: Session, job_id: str) -> None:
     job = s.execute(select(Job.state, Job.shards_total, Job.shards_queued, Job.shards_done,
                            Job.shards_failed).where(Job.id == job_id)).one()
     state, total, queued, done, failed = job
-    if JobState(state).final:
+    state = JobState(state)
+    if state.final:
         return
     now = dt.datetime.now(dt.UTC)
     if done >= total:
@@ -109,12 +112,13 @@ def _settle(s: Session, job_id: str) -> None:
         reason = None
         if failed:
             first = s.execute(select(Shard.idx, Shard.reason).where(
-                Shard.job_id == job_id, Shard.state == FAILED).order_by(Shard.idx).limit(1)).one()
+                Shard.job_id == job_id, Shard.state == ShardState.FAILED.value)
+                .order_by(Shard.idx).limit(1)).one()
             reason = (f"{failed} of {total} shards failed (first: shard {first[0]}: {first[1]}); "
                       "every shard's result: campugrid shards JOB_ID")
-        s.execute(update(Job).where(Job.id == job_id, Job.state == state).values(
-            state=target.value, reason=reason, result=f"{total - failed} of {total} shards succeeded",
-            exit_code=None, updated_at=now))
+        move_job(s, job_id, target, sharded=True, within={state}, reason=reason,
+                 result=f"{total - failed} of {total} shards succeeded", exit_code=None,
+                 updated_at=now)
         s.execute(update(ShardSession).where(ShardSession.job_id == job_id,
                                              ShardSession.active.is_(True)).values(active=False))
         s.execute(delete(GpuReservation).where(GpuReservation.job_id == job_id))
@@ -122,16 +126,15 @@ def _settle(s: Session, job_id: str) -> None:
                        detail=reason or f"all {total} shards succeeded"))
         return
     target = JobState.QUEUED if queued > 0 else JobState.RUNNING
-    if target.value != state:
-        s.execute(update(Job).where(Job.id == job_id, Job.state == state)
-                  .values(state=target.value, updated_at=now))
+    if target != state:
+        move_job(s, job_id, target, sharded=True, within={state}, updated_at=now)
 
 
 class ShardStore:
     """The shard operations; each is one transaction of the job store."""
 
-    def __init__(self, store: Store) -> None:
-        self.store = store
+    def __init__(self, db: Database) -> None:
+        self.db = db
 
     def _session(self, s: Session, job_id: str, token: int, machine_id: str,
                  what: str, *, ended_ok: bool = False) -> ShardSession:
@@ -151,7 +154,7 @@ class ShardStore:
                    *, heavy_first: bool) -> ShardTask | None:
         """Record the result of the shard the session holds and hand out the next one
         (None: no shard is waiting, or the job has ended)."""
-        with self.store.tx() as s:
+        with self.db.tx() as s:
             session = self._session(s, job_id, token, machine_id, "shard result")
             if done is not None:
                 self._record(s, job_id, session.id, done)
@@ -163,16 +166,14 @@ class ShardStore:
             return task
 
     def _record(self, s: Session, job_id: str, sid: int, done: ShardResult) -> None:
-        now = dt.datetime.now(dt.UTC)
-        res = s.execute(update(Shard).where(
-            Shard.job_id == job_id, Shard.idx == done.index, Shard.session_id == sid,
-            Shard.state == RUNNING).values(
-            state=SUCCEEDED if done.succeeded else FAILED, exit_code=done.exit_code,
-            result_json=clean(done.result_json), reason=clean(done.reason), finished_at=now)
-            .execution_options(synchronize_session=False))
-        if res.rowcount != 1:  # type: ignore[attr-defined]
-            raise StaleAttempt(f"result of shard {done.index} refused: session {sid} "
-                               "does not hold it")
+        move_shards(
+            s, job_id, ShardState.SUCCEEDED if done.succeeded else ShardState.FAILED,
+            where=[Shard.idx == done.index, Shard.session_id == sid,
+                   Shard.state == ShardState.RUNNING.value],
+            refused=lambda: StaleAttempt(f"result of shard {done.index} refused: session {sid} "
+                                         "does not hold it"),
+            exit_code=done.exit_code, result_json=clean(done.result_json),
+            reason=clean(done.reason), finished_at=dt.datetime.now(dt.UTC))
         s.execute(update(Job).where(Job.id == job_id).values(
             shards_done=Job.shards_done + 1,
             shards_failed=Job.shards_failed + (0 if done.succeeded else 1)))
@@ -180,7 +181,7 @@ class ShardStore:
 
     def renew(self, job_id: str, token: int, machine_id: str, lease_s: float) -> None:
         now = dt.datetime.now(dt.UTC)
-        with self.store.tx() as s:
+        with self.db.tx() as s:
             session = self._session(s, job_id, token, machine_id, "renew")
             state = JobState(s.scalar(select(Job.state).where(Job.id == job_id)) or "failed")
             if state.final:
@@ -196,7 +197,7 @@ class ShardStore:
     def end(self, job_id: str, token: int, machine_id: str, *, failure: str | None) -> None:
         """The machine is done with the session. `failure` is the job's own fault (its image
         does not build, the shard runner cannot start): the whole job fails with it."""
-        with self.store.tx() as s:
+        with self.db.tx() as s:
             session = self._session(s, job_id, token, machine_id, "end of session",
                                     ended_ok=failure is None)
             if not session.active:  # the job ended first, which closed it
@@ -204,31 +205,28 @@ class ShardStore:
             self._close(s, session, count_try=False, why="session ended")
             if failure:
                 now = dt.datetime.now(dt.UTC)
-                res = s.execute(update(Job).where(
-                    Job.id == job_id, Job.state.in_([JobState.QUEUED.value, JobState.RUNNING.value]))
-                    .values(state=JobState.FAILED.value, reason=clean(failure), updated_at=now))
-                if res.rowcount == 1:  # type: ignore[attr-defined]
-                    s.execute(update(Shard).where(Shard.job_id == job_id,
-                                                  Shard.state.in_([QUEUED, RUNNING]))
-                              .values(state=CANCELLED, reason="the job failed"))
-                    s.execute(update(ShardSession).where(ShardSession.job_id == job_id)
-                              .values(active=False))
-                    s.execute(delete(GpuReservation).where(GpuReservation.job_id == job_id))
-                    s.add(JobEvent(job_id=job_id, at=now, attempt=session.id, kind="failed",
-                                   detail=clean(failure) or ""))
+                try:
+                    move_job(s, job_id, JobState.FAILED, sharded=True, reason=clean(failure),
+                             updated_at=now)
+                except IllegalTransition:
+                    return  # the job ended meanwhile (closing the session showed it)
+                cancel_shards(s, job_id, "the job failed")
+                s.execute(delete(GpuReservation).where(GpuReservation.job_id == job_id))
+                s.add(JobEvent(job_id=job_id, at=now, attempt=session.id, kind="failed",
+                               detail=clean(failure) or ""))
 
     def release(self, job_id: str, token: int, machine_id: str, reason: str,
                 failed: bool) -> None:
         """Hand the session back: a drain (its shard is queued again as it was) or a
         provider-side failure (counted against the shard's attempts)."""
-        with self.store.tx() as s:
+        with self.db.tx() as s:
             session = self._session(s, job_id, token, machine_id, "release")
             self._close(s, session, count_try=failed,
                         why=f"{'failed on its machine' if failed else 'drained'}: {reason}")
 
     def requeue_expired(self, now: dt.datetime) -> list[str]:
         """Sessions whose lease ran out: their shards go back to the queue."""
-        with self.store.tx() as s:
+        with self.db.tx() as s:
             expired = list(s.scalars(select(ShardSession).where(
                 ShardSession.active.is_(True), ShardSession.lease_expires_at < now)))
             for session in expired:
@@ -244,20 +242,20 @@ class ShardStore:
         job_id = session.job_id
         max_tries = int(s.scalar(select(Job.max_attempts).where(Job.id == job_id)) or 1)
         held = s.execute(select(Shard.idx, Shard.tries).where(
-            Shard.job_id == job_id, Shard.session_id == session.id, Shard.state == RUNNING)).all()
+            Shard.job_id == job_id, Shard.session_id == session.id,
+            Shard.state == ShardState.RUNNING.value)).all()
         requeued = failed = 0
         for idx, tries in held:
             tries += 1 if count_try else 0
             if tries >= max_tries:
-                values: dict[str, Any] = {
-                    "state": FAILED, "tries": tries, "finished_at": dt.datetime.now(dt.UTC),
-                    "reason": f"{why}; all {max_tries} tries used"}
+                move_shards(s, job_id, ShardState.FAILED, where=[Shard.idx == idx], tries=tries,
+                            finished_at=dt.datetime.now(dt.UTC),
+                            reason=f"{why}; all {max_tries} tries used")
                 failed += 1
             else:
-                values = {"state": QUEUED, "tries": tries, "session_id": None, "machine_id": None}
+                move_shards(s, job_id, ShardState.QUEUED, where=[Shard.idx == idx], tries=tries,
+                            session_id=None, machine_id=None)
                 requeued += 1
-            s.execute(update(Shard).where(Shard.job_id == job_id, Shard.idx == idx).values(**values)
-                      .execution_options(synchronize_session=False))
         s.execute(delete(GpuReservation).where(
             GpuReservation.job_id == job_id, GpuReservation.attempt == session.id))
         if held:
@@ -273,7 +271,7 @@ class ShardStore:
 
     def append_logs(self, job_id: str, token: int, machine_id: str, stream: str, seq: int,
                     text: str) -> None:
-        with self.store.tx() as s:
+        with self.db.tx() as s:
             # The last lines may arrive after the job ended (which closed the session); a
             # session that lost its lease sends nothing more.
             session = self._session(s, job_id, token, machine_id, "logs", ended_ok=True)
@@ -287,7 +285,7 @@ class ShardStore:
                                text=(clean(text) or "")[:MAX_LOG_CHUNK]))
 
     def extend_active(self, lease_s: float) -> int:
-        with self.store.tx() as s:
+        with self.db.tx() as s:
             res = s.execute(update(ShardSession).where(ShardSession.active.is_(True)).values(
                 lease_expires_at=dt.datetime.now(dt.UTC) + dt.timedelta(seconds=lease_s)))
             return int(res.rowcount)  # type: ignore[attr-defined]
@@ -297,15 +295,15 @@ class ShardStore:
         q = (select(Shard).where(Shard.job_id == job_id, Shard.idx > after)
              .order_by(Shard.idx).limit(limit))
         if state is not None:
-            q = q.where(Shard.state == state)
-        with self.store.read() as s:
-            self.store.row(s, job_id)
+            q = q.where(Shard.state == ShardState(state).value)
+        with self.db.read() as s:
+            job_row(s, job_id)
             return [ShardView(r.idx, r.state, r.cost, r.tries, r.machine_id, r.exit_code,
                               json.loads(r.result_json) if r.result_json else None, r.reason,
                               r.finished_at) for r in s.scalars(q)]
 
     def counts(self, job_id: str) -> dict[str, int]:
-        with self.store.read() as s:
+        with self.db.read() as s:
             rows = s.execute(select(Shard.state, func.count()).where(Shard.job_id == job_id)
                              .group_by(Shard.state)).all()
         return {str(state): int(n) for state, n in rows}

@@ -7,31 +7,19 @@ Claiming is correct on SQLite (guarded update by id and state); SKIP LOCKED is o
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import datetime as dt
-import hashlib
-import hmac
 import json
-import secrets
-import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import (
-    Engine,
-    create_engine,
-    delete,
-    event,
-    func,
-    select,
-    update,
-)
+from sqlalchemy import Engine, delete, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from campugrid.coordinator.claims import Claimer
+from campugrid.coordinator.db import Database, job_row
+from campugrid.coordinator.machines import Machines
 from campugrid.coordinator.models import (
     MAX_LOG_CHUNK,
     Checkpoint,
@@ -39,16 +27,11 @@ from campugrid.coordinator.models import (
     Job,
     JobEvent,
     LogChunk,
-    Machine,
-    Shard,
-    ShardSession,
     clean,
 )
-from campugrid.coordinator.scheduler import GpuView, MachineView
-from campugrid.coordinator.sharding import (
-    ShardStore,
-    insert_shards,
-)
+from campugrid.coordinator.moves import move_job
+from campugrid.coordinator.scheduler import MachineView
+from campugrid.coordinator.sharding import ShardStore, cancel_shards, insert_shards
 from campugrid.coordinator.views import (
     CheckpointView,
     Claim,
@@ -60,66 +43,23 @@ from campugrid.coordinator.views import (
 from campugrid.protocol.errors import (
     Conflict,
     IllegalTransition,
-    NotFound,
     StaleAttempt,
-    Unauthenticated,
 )
-from campugrid.protocol.spec import ENFORCED, JobSpec, limits_mask
-from campugrid.protocol.states import ACTIVE, JobState, sources_of
-
-READ_ONLY = "campugrid_read_only"
-
-
-def make_engine(url: str) -> Engine:
-    if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
-
-        @event.listens_for(engine, "connect")
-        def _sqlite_setup(dbapi_conn: Any, _record: Any) -> None:
-            dbapi_conn.isolation_level = None  # we issue BEGIN ourselves, below
-            cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA synchronous=FULL")  # acknowledged means on disk
-            cur.execute("PRAGMA foreign_keys=ON")
-            cur.close()
-
-        @event.listens_for(engine, "begin")
-        def _sqlite_begin(conn: Any) -> None:
-            # IMMEDIATE takes the write lock up front: no deadlocked lock upgrades. Reads
-            # (marked read-only) take none, so they never queue behind writers in WAL mode.
-            if conn.get_execution_options().get(READ_ONLY):
-                conn.exec_driver_sql("BEGIN")
-            else:
-                conn.exec_driver_sql("BEGIN IMMEDIATE")
-
-        return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+from campugrid.protocol.spec import JobSpec, limits_mask
+from campugrid.protocol.states import ACTIVE, JobState
 
 
 class Store:
+    """Plain jobs; `shards` and `machines` are the sharded jobs' and the machines' stores,
+    on the same database, and claims go through `claim`."""
+
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._session = sessionmaker(engine, expire_on_commit=False)
-        self._reader = sessionmaker(engine.execution_options(**{READ_ONLY: True}),
-                                    expire_on_commit=False)
-        self.writer: contextlib.AbstractContextManager[Any] = (
-            threading.Lock() if engine.dialect.name == "sqlite" else contextlib.nullcontext())
-        self.shards = ShardStore(self)
-        self._claims = Claimer(self)
-
-    @contextlib.contextmanager
-    def tx(self) -> Iterator[Session]:
-        # SQLite has one writer at a time; waiting for it inside SQLite means its busy
-        # handler's sleeps (up to 100 ms each). Waiting on a lock here hands over at once.
-        # (Other processes on the same file still work, through the busy timeout.)
-        with self.writer, self._session.begin() as s:
-            yield s
-
-    @contextlib.contextmanager
-    def read(self) -> Iterator[Session]:
-        """A transaction that only reads (no write lock on SQLite)."""
-        with self._reader.begin() as s:
-            yield s
+        self.db = Database(engine)
+        self.tx, self.read = self.db.tx, self.db.read
+        self.shards = ShardStore(self.db)
+        self.machines = Machines(self.db)
+        self._claims = Claimer(self.db)
 
     # --- researchers ------------------------------------------------------------------------
 
@@ -159,7 +99,7 @@ class Store:
 
     def get(self, job_id: str) -> JobView:
         with self.read() as s:
-            return JobView.from_row(self.row(s, job_id))
+            return JobView.from_row(job_row(s, job_id))
 
     def list_jobs(self, state: JobState | None = None, limit: int = 100) -> list[JobView]:
         q = select(Job).order_by(Job.created_at.desc(), Job.id).limit(limit)
@@ -170,26 +110,23 @@ class Store:
 
     def events(self, job_id: str) -> list[EventView]:
         with self.read() as s:
-            self.row(s, job_id)
+            job_row(s, job_id)
             rows = s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id))
             return [EventView(r.at, r.attempt, r.kind, r.detail) for r in rows]
 
     def cancel(self, job_id: str) -> JobView:
         with self.tx() as s:
-            row = self.row(s, job_id)
+            row = job_row(s, job_id)
             if JobState(row.state).final:
                 raise IllegalTransition(f"job {job_id} is already {row.state}")
-            self._move(s, row.id, row.attempt, JobState.CANCELLED, reason="cancelled by the user",
-                       machine_id=None, lease_expires_at=None)
+            move_job(s, row.id, JobState.CANCELLED, sharded=bool(row.shards_total),
+                     where=[Job.attempt == row.attempt], reason="cancelled by the user",
+                     machine_id=None, lease_expires_at=None)
             s.add(JobEvent(job_id=job_id, at=utcnow(), attempt=row.attempt, kind="cancelled",
                            detail=f"was {row.state}"))
             self._free_gpus(s, job_id)
             if row.shards_total:
-                s.execute(update(ShardSession).where(ShardSession.job_id == job_id)
-                          .values(active=False))
-                s.execute(update(Shard).where(Shard.job_id == job_id,
-                                              Shard.state.in_(["queued", "running"]))
-                          .values(state="cancelled", reason="the job was cancelled"))
+                cancel_shards(s, job_id, "the job was cancelled")
             s.refresh(row)
             return JobView.from_row(row)
 
@@ -200,39 +137,10 @@ class Store:
         if stream is not None:
             q = q.where(LogChunk.stream == stream)
         with self.read() as s:
-            self.row(s, job_id)
+            job_row(s, job_id)
             return [LogView(r.id, r.attempt, r.stream, r.text) for r in s.scalars(q)]
 
-    # --- agents -----------------------------------------------------------------------------
-
-    def register_machine(self, name: str, capabilities: dict[str, Any]) -> tuple[str, str]:
-        machine_id, secret = str(uuid.uuid4()), secrets.token_urlsafe(32)
-        now = utcnow()
-        with self.tx() as s:
-            s.add(Machine(id=machine_id, name=name[:200], secret_sha256=_digest(secret),
-                          capabilities_json=json.dumps(capabilities), registered_at=now,
-                          last_seen_at=now))
-        return machine_id, secret
-
-    def authenticate(self, machine_id: str, secret: str) -> None:
-        with self.read() as s:
-            m = s.get(Machine, machine_id)
-            # Compare digests in constant time; an unknown id costs the same as a wrong secret.
-            expected = m.secret_sha256 if m is not None else _digest("")
-            if not hmac.compare_digest(expected, _digest(secret)) or m is None:
-                raise Unauthenticated("unknown machine or wrong secret; register again")
-
-    def heartbeat(self, machine_id: str, capabilities: dict[str, Any] | None = None,
-                  offer: MachineView | None = None) -> None:
-        """The machine is alive; with what it reports now (capabilities, GPU snapshot)."""
-        values: dict[str, Any] = {"last_seen_at": utcnow()}
-        if capabilities is not None:
-            values["capabilities_json"] = json.dumps(capabilities)
-        if offer is not None:
-            values["gpus_json"] = json.dumps({"isolation": offer.gpu_isolation, "gpus": [
-                dataclasses.asdict(g) for g in offer.gpus]})
-        with self.tx() as s:
-            s.execute(update(Machine).where(Machine.id == machine_id).values(**values))
+    # --- agents ---------------------------------------------------------------------------
 
     def claim_next(self, machine_id: str, lease_s: float,
                    machine: MachineView | None = None) -> JobView | None:
@@ -250,42 +158,20 @@ class Store:
                 GpuReservation.job_id == job_id, GpuReservation.attempt == attempt)
                 .order_by(GpuReservation.id)))
 
-    def online_machines(self, within_s: float = 30) -> list[MachineView]:
-        """Machines seen recently, with their GPUs minus what is reserved on them."""
-        since = utcnow() - dt.timedelta(seconds=within_s)
-        with self.read() as s:
-            reserved = {(m, g): int(mb) for m, g, mb in s.execute(
-                select(GpuReservation.machine_id, GpuReservation.gpu_uuid,
-                       func.sum(GpuReservation.memory_mb))
-                .group_by(GpuReservation.machine_id, GpuReservation.gpu_uuid))}
-            out = []
-            for m in s.scalars(select(Machine).where(Machine.last_seen_at >= since)):
-                snap = json.loads(m.gpus_json or "{}")
-                snap = snap if isinstance(snap, dict) else {}  # "[]": never reported GPUs
-                gpus = tuple(GpuView(g["uuid"], g["kind"], g["name"], g["free_mb"],
-                                     reserved.get((m.id, g["uuid"]), 0), (g["cc"][0], g["cc"][1]))
-                             for g in snap.get("gpus", []))
-                caps = json.loads(m.capabilities_json or "{}")
-                enforced = frozenset(name for name, how in (caps.get("limits") or {}).items()
-                                     if how == ENFORCED)
-                out.append(MachineView(m.id, m.name, gpus, bool(snap.get("isolation")),
-                                       float(caps.get("speed_gflops") or 0.0), enforced))
-            return out
-
     def renew_lease(self, job_id: str, token: int, machine_id: str, phase: JobState,
                     lease_s: float) -> JobView:
         """Extend the lease of the current attempt; also moves BUILDING -> RUNNING."""
         assert phase in ACTIVE
         now = utcnow()
+        refused: StaleAttempt | IllegalTransition | None = None
         with self.tx() as s:
-            res = s.execute(
-                update(Job)
-                .where(Job.id == job_id, Job.attempt == token, Job.machine_id == machine_id,
-                       Job.state.in_([JobState.BUILDING.value, phase.value]))
-                .values(state=phase.value, lease_expires_at=now + dt.timedelta(seconds=lease_s),
-                        updated_at=now))
-            row = self.row(s, job_id)
-            refused = self._refusal(s, row, token, "renew") if res.rowcount != 1 else None  # type: ignore[attr-defined]
+            try:  # BUILDING -> RUNNING, or the same phase again with a longer lease
+                move_job(s, job_id, phase, stay=True, within=ACTIVE,
+                         where=_held(token, machine_id),
+                         lease_expires_at=now + dt.timedelta(seconds=lease_s), updated_at=now)
+            except IllegalTransition:
+                refused = self._refusal(s, job_row(s, job_id), token, "renew")
+            row = job_row(s, job_id)
         if refused is not None:
             raise refused
         return JobView.from_row(row)
@@ -294,7 +180,7 @@ class Store:
                     text: str) -> None:
         try:
             with self.tx() as s:
-                row = self.row(s, job_id)
+                row = job_row(s, job_id)
                 if row.attempt != token or row.machine_id != machine_id or row.state not in (
                         JobState.BUILDING.value, JobState.RUNNING.value):
                     refused = self._refusal(s, row, token, "logs")
@@ -315,23 +201,20 @@ class Store:
                exit_code: int | None, reason: str | None, result: str | None,
                output_key: str | None, limits: dict[str, str]) -> JobView:
         target = JobState.SUCCEEDED if succeeded else JobState.FAILED
+        refused: StaleAttempt | IllegalTransition | None = None
         with self.tx() as s:
-            res = s.execute(
-                update(Job)
-                .where(Job.id == job_id, Job.attempt == token, Job.machine_id == machine_id,
-                       Job.state.in_([x.value for x in sources_of(target) & ACTIVE]))
-                .values(state=target.value, exit_code=exit_code, reason=clean(reason),
-                        result=clean(result),
-                        output_key=output_key, limits_json=json.dumps(limits),
-                        lease_expires_at=None, updated_at=utcnow()))
-            row = self.row(s, job_id)
-            if res.rowcount != 1:  # type: ignore[attr-defined]
-                refused = self._refusal(s, row, token, "complete")
+            try:
+                move_job(s, job_id, target, within=ACTIVE, where=_held(token, machine_id),
+                         exit_code=exit_code, reason=clean(reason), result=clean(result),
+                         output_key=output_key, limits_json=json.dumps(limits),
+                         lease_expires_at=None)
+            except IllegalTransition:
+                refused = self._refusal(s, job_row(s, job_id), token, "complete")
             else:
-                refused = None
                 s.add(JobEvent(job_id=job_id, at=utcnow(), attempt=token, kind=target.value,
                                detail=clean(reason) or ""))
                 self._free_gpus(s, job_id)
+            row = job_row(s, job_id)
         if refused is not None:
             raise refused
         return JobView.from_row(row)
@@ -351,23 +234,23 @@ class Store:
                 target = JobState.FAILED if out_of_attempts else JobState.QUEUED
                 reason = (f"lease of attempt {attempt} on machine {machine_id} expired"
                           + (f"; all {max_attempts} attempts used" if out_of_attempts else ""))
-                res = s.execute(
-                    update(Job)
-                    .where(Job.id == job_id, Job.attempt == attempt,
-                           Job.state.in_([x.value for x in ACTIVE]), Job.lease_expires_at < now)
-                    .values(state=target.value, machine_id=None, lease_expires_at=None,
-                            reason=reason, updated_at=now))
-                if res.rowcount == 1:  # type: ignore[attr-defined]
-                    s.add(JobEvent(job_id=job_id, at=now, attempt=attempt,
-                                   kind="lease_expired", detail=reason))
-                    self._free_gpus(s, job_id)
-                    moved.append(job_id)
+                try:  # unless it was renewed or finished since the read
+                    move_job(s, job_id, target, within=ACTIVE,
+                             where=[Job.attempt == attempt, Job.lease_expires_at < now],
+                             machine_id=None, lease_expires_at=None, reason=reason,
+                             updated_at=now)
+                except IllegalTransition:
+                    continue
+                s.add(JobEvent(job_id=job_id, at=now, attempt=attempt,
+                               kind="lease_expired", detail=reason))
+                self._free_gpus(s, job_id)
+                moved.append(job_id)
         return moved + self.shards.requeue_expired(now)
 
     def check_attempt(self, job_id: str, token: int, machine_id: str, what: str) -> JobView:
         """The job, if `token` is its current attempt, held by this machine; else refused."""
         with self.tx() as s:
-            row = self.row(s, job_id)
+            row = job_row(s, job_id)
             ok = (row.attempt == token and row.machine_id == machine_id
                   and JobState(row.state) in ACTIVE)
             refused = None if ok else self._refusal(s, row, token, what)
@@ -380,7 +263,7 @@ class Store:
         """Record a verified checkpoint of the current attempt; return the keys that retention
         (the newest `keep` per job) dropped, for the caller to delete from storage."""
         with self.tx() as s:
-            row = self.row(s, job_id)
+            row = job_row(s, job_id)
             if not (row.attempt == token and row.machine_id == machine_id
                     and JobState(row.state) in ACTIVE):
                 refused = self._refusal(s, row, token, f"checkpoint of epoch {epoch}")
@@ -419,7 +302,7 @@ class Store:
         a provider-side failure (`failed`) does, and fails the job when none are left."""
         now = utcnow()
         with self.tx() as s:
-            row = self.row(s, job_id)
+            row = job_row(s, job_id)
             used = row.attempt - row.drained
             exhausted = failed and used >= row.max_attempts
             target = JobState.FAILED if exhausted else JobState.QUEUED
@@ -427,21 +310,18 @@ class Store:
                    else f"drained: {reason}")
             if exhausted:
                 why += f"; all {row.max_attempts} attempts used"
-            res = s.execute(
-                update(Job)
-                .where(Job.id == job_id, Job.attempt == token, Job.machine_id == machine_id,
-                       Job.state.in_([x.value for x in ACTIVE]))
-                .values(state=target.value, drained=Job.drained + (0 if failed else 1),
-                        machine_id=None, lease_expires_at=None, reason=clean(why),
-                        updated_at=now))
-            row = self.row(s, job_id)
-            if res.rowcount != 1:  # type: ignore[attr-defined]
+            refused: StaleAttempt | IllegalTransition | None = None
+            try:
+                move_job(s, job_id, target, within=ACTIVE, where=_held(token, machine_id),
+                         drained=Job.drained + (0 if failed else 1), machine_id=None,
+                         lease_expires_at=None, reason=clean(why), updated_at=now)
+            except IllegalTransition:
                 refused = self._refusal(s, row, token, "release")
             else:
-                refused = None
                 s.add(JobEvent(job_id=job_id, at=now, attempt=token,
                                kind="handed_back" if failed else "drained", detail=clean(reason)))
                 self._free_gpus(s, job_id)
+            row = job_row(s, job_id)
         if refused is not None:
             raise refused
         return JobView.from_row(row)
@@ -458,26 +338,9 @@ class Store:
     # --- helpers ----------------------------------------------------------------------------
 
     @staticmethod
-    def row(s: Session, job_id: str) -> Job:
-        row = s.get(Job, job_id, populate_existing=True)
-        if row is None:
-            raise NotFound(f"no job {job_id}")
-        return row
-
-    @staticmethod
     def _free_gpus(s: Session, job_id: str) -> None:
         """A job holds reservations only while an attempt is active: drop them all."""
         s.execute(delete(GpuReservation).where(GpuReservation.job_id == job_id))
-
-    @staticmethod
-    def _move(s: Session, job_id: str, attempt: int, target: JobState, **values: Any) -> None:
-        res = s.execute(
-            update(Job)
-            .where(Job.id == job_id, Job.attempt == attempt,
-                   Job.state.in_([x.value for x in sources_of(target)]))
-            .values(state=target.value, updated_at=utcnow(), **values))
-        if res.rowcount != 1:  # type: ignore[attr-defined]
-            raise IllegalTransition(f"job {job_id} cannot become {target.value} now")
 
     @staticmethod
     def _refusal(s: Session, row: Job, token: int, what: str) -> StaleAttempt | IllegalTransition:
@@ -490,5 +353,6 @@ class Store:
         return StaleAttempt(detail) if row.attempt != token else IllegalTransition(detail)
 
 
-def _digest(secret: str) -> str:
-    return hashlib.sha256(secret.encode()).hexdigest()
+def _held(token: int, machine_id: str) -> list[Any]:
+    """The guard of every call from an attempt: it is the job's current one, on this machine."""
+    return [Job.attempt == token, Job.machine_id == machine_id]

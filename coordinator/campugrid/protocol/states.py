@@ -18,11 +18,30 @@
 
 SUCCEEDED, FAILED and CANCELLED are final. An attempt is one claim of the job by one machine;
 its number is also its fencing token: a call from any other attempt is refused.
+
+A sharded job is never leased as a whole: its shards are. The job follows its shards'
+counters (SHARDED_TRANSITIONS), each shard its own small table (SHARD_TRANSITIONS):
+
+    sharded job                                   shard
+                  last queued shard handed out
+   QUEUED ----------------------------------> RUNNING        QUEUED --hand out--> RUNNING
+     ^ |  <---------------------------------   |   |           ^  |                 |  |
+     | |    a shard is queued again            |   |           |  |  session lost,  |  | result
+     | |    (its session lost or released)     |   |           |  +- tries left ----+  v
+     | |                                       |   |           |                  SUCCEEDED
+     | +-- a session's build fails --> FAILED <+   |           |                  FAILED (or
+     |     (the job's own fault)        ^          |           |                   out of tries)
+     |                                  +- every shard ended,  |
+     |                                     one failed          +-- job failed/cancelled
+     |                         SUCCEEDED <- every shard ended ok     --> CANCELLED (from both)
+     +-- cancel (from QUEUED or RUNNING) --> CANCELLED
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
+from typing import Any, TypeVar, cast
 
 
 class JobState(enum.StrEnum):
@@ -63,10 +82,51 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
 }
 
 
-def can_move(src: JobState, dst: JobState) -> bool:
-    return dst in TRANSITIONS[src]
+# A sharded job: QUEUED while shards wait, RUNNING once all are handed out, final when
+# every shard has ended (or a session's build failed, or it was cancelled).
+SHARDED_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.QUEUED: frozenset({JobState.RUNNING, JobState.FAILED, JobState.CANCELLED}),
+    JobState.BUILDING: frozenset(),  # never: shards are built per session, on the machine
+    JobState.RUNNING: frozenset(
+        {JobState.QUEUED, JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
+    ),
+    JobState.SUCCEEDED: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
+}
 
 
-def sources_of(dst: JobState) -> frozenset[JobState]:
+class ShardState(enum.StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"  # held by a session
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+SHARD_TRANSITIONS: dict[ShardState, frozenset[ShardState]] = {
+    ShardState.QUEUED: frozenset({ShardState.RUNNING, ShardState.CANCELLED}),
+    ShardState.RUNNING: frozenset(
+        {ShardState.SUCCEEDED, ShardState.FAILED, ShardState.QUEUED, ShardState.CANCELLED}
+    ),
+    ShardState.SUCCEEDED: frozenset(),
+    ShardState.FAILED: frozenset(),
+    ShardState.CANCELLED: frozenset(),
+}
+
+S = TypeVar("S", JobState, ShardState)
+
+
+def can_move(src: S, dst: S, table: Mapping[S, frozenset[S]] | None = None) -> bool:
+    return dst in (table if table is not None else _table_of(src))[src]
+
+
+def sources_of(dst: S, table: Mapping[S, frozenset[S]] | None = None) -> frozenset[S]:
     """The states from which `dst` may be entered: the guard of a conditional update."""
-    return frozenset(s for s, targets in TRANSITIONS.items() if dst in targets)
+    table = table if table is not None else _table_of(dst)
+    return frozenset(s for s, targets in table.items() if dst in targets)
+
+
+def _table_of(state: S) -> Mapping[S, frozenset[S]]:
+    table: Any = SHARD_TRANSITIONS if isinstance(state, ShardState) else TRANSITIONS
+    return cast("Mapping[S, frozenset[S]]", table)
