@@ -47,7 +47,8 @@ class JobFields(logging.Filter):
         if not hasattr(record, "job_id"):
             record.job_id = current[0] if current else None
         if not hasattr(record, "attempt"):
-            record.attempt = current[1] if current and record.job_id == current[0] else None
+            same = current is not None and getattr(record, "job_id", None) == current[0]
+            record.attempt = current[1] if current is not None and same else None
         return True
 
 
