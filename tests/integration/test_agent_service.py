@@ -16,6 +16,7 @@ from campugrid.cli.seaweed import EmbeddedS3, free_port
 from campugrid.coordinator import server
 from campugrid.coordinator.config import Settings
 from campugrid.protocol import agent_pb2 as pb
+from campugrid.protocol import logs
 from campugrid.protocol.spec import JobSpec
 
 pytestmark = pytest.mark.integration
@@ -73,7 +74,9 @@ def test_credentials_are_kept_private_and_reused(coordinator, tmp_path):
     assert again.machine_id == first.machine_id
 
 
-def test_a_late_completion_from_a_lost_attempt_is_refused_and_recorded(coordinator, tmp_path):
+def test_a_late_completion_from_a_lost_attempt_is_refused_and_recorded(coordinator, tmp_path,
+                                                                         caplog):
+    caplog.handler.addFilter(logs.JobFields())
     running, api = coordinator
     job = api.submit(tar_folder(HELLO), JobSpec(client_job_id="fencing-1"))
     lost, fresh = client(running, tmp_path, "lost"), client(running, tmp_path, "fresh")
@@ -88,6 +91,9 @@ def test_a_late_completion_from_a_lost_attempt_is_refused_and_recorded(coordinat
     late = lost.complete(pb.CompleteRequest(job_id=job["id"], fencing_token=1, succeeded=True,
                                             result="from the lost machine"))
     assert not late.accepted and "current attempt is 2" in late.reason
+    # The coordinator's line about it names the job and the attempt, though the line does not.
+    [refused] = [r for r in caplog.records if r.getMessage().startswith("completion refused")]
+    assert (refused.job_id, refused.attempt) == (job["id"], 1)  # type: ignore[attr-defined]
     assert not lost.renew(job["id"], 1, "running", timeout_s=5).keep_going
     assert fresh.renew(job["id"], 2, "running", timeout_s=5).keep_going
     done = fresh.complete(pb.CompleteRequest(job_id=job["id"], fencing_token=2, succeeded=True,

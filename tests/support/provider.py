@@ -23,7 +23,8 @@ def run_as_provider(user: ProviderUser, script: str, timeout: float = 300) -> An
 SANDBOX_SCRIPT = """
 import dataclasses, json, sys, threading, time
 from pathlib import Path
-from campugrid.sandbox.podman_runsc import PodmanRunsc, RunRequest
+from campugrid.sandbox.podman_runsc import PodmanRunsc
+from campugrid.sandbox.runtime import RunRequest
 args = json.loads(sys.argv[1])
 cancel = threading.Event()
 cancel_after = args.pop("cancel_after", None)

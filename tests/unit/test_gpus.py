@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from campugrid.agent.gpus import GpuPolicy, apple_gpu, discover, nvproxy_support
+from campugrid.agent.gpus import GpuPolicy, apple_gpu, discover
 from campugrid.agent.task import _check_gpus_free
 from campugrid.protocol import agent_pb2 as pb
-from campugrid.sandbox.podman_runsc import PodmanRunsc, RunRequest, gpu_devices
+from campugrid.sandbox.podman_runsc import PodmanRunsc, gpu_devices, nvproxy_support
+from campugrid.sandbox.runtime import RunRequest
 
 MB = 1024 * 1024
 

@@ -33,9 +33,9 @@ def captured():
 def test_json_lines_carry_the_job_and_attempt_also_from_its_threads(captured):
     log, out = captured(logs.JsonFormatter())
     log.info("before any job")
+    t = logs.thread(lambda: log.warning("from a helper thread"))  # made before, started in
     with logs.about_job("job-1", 3):
         log.info("building %s", "x")
-        t = logs.thread(lambda: log.warning("from a helper thread"))
         t.start()
         t.join()
     log.info("named itself", extra={"job_id": "job-2", "attempt": 1})
@@ -72,3 +72,19 @@ def test_a_plain_thread_does_not_inherit_the_job(captured):
 def test_configure_refuses_an_unknown_format():
     with pytest.raises(ValueError, match="one of text, json"):
         logs.configure("xml")
+
+
+def test_a_rest_request_about_a_job_logs_as_about_that_job(captured):
+    import asyncio
+
+    from campugrid.coordinator.api import AboutJob
+
+    log, out = captured(logs.JsonFormatter())
+
+    async def app(scope, receive, send):
+        log.info("serving %s", scope["path"])
+
+    for path in ("/v1/jobs/3f2a/cancel", "/v1/jobs", "/healthz"):
+        asyncio.run(AboutJob(app)({"type": "http", "path": path}, None, None))
+    assert [json.loads(line)["job_id"] for line in out.getvalue().splitlines()] == [
+        "3f2a", None, None]

@@ -1,4 +1,6 @@
-"""The builder interface. Implementations: buildah (default), kaniko."""
+"""The builder interface. Implementations: buildah (default), kaniko, and fake (tests: its
+failures come from the Dockerfile). tests/integration/test_builder_contract.py runs them
+all through the same cases."""
 
 from __future__ import annotations
 

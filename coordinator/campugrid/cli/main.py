@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import socket
@@ -16,7 +15,8 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from campugrid.protocol.errors import CampugridError
-from campugrid.protocol.spec import JobSpec
+from campugrid.protocol.logs import configure as configure_logging
+from campugrid.protocol.spec import LIMITS, JobSpec
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 coordinator_app = typer.Typer(no_args_is_help=True, help="Run the coordinator.")
@@ -34,11 +34,18 @@ def _fail(message: str) -> NoReturn:
     raise typer.Exit(2)
 
 
-def _logging(verbose: bool = False) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # Request lines would print presigned URLs (bearer credentials) and drown the job output.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+LogFormat = Annotated[str, typer.Option(
+    "--log-format", envvar="CAMPUGRID_LOG_FORMAT",
+    help="How to log: text, or json (one object per line, for a log system). Lines about a "
+         "job name its id and attempt either way.")]
+
+
+def _logging(fmt: str = "text") -> None:
+    try:
+        configure_logging(fmt)
+    except ValueError as e:
+        _fail(f"--log-format: {e}")
+    os.environ["CAMPUGRID_LOG_FORMAT"] = fmt  # for the processes we start (up's agent)
 
 
 def _api(server: str) -> Any:
@@ -187,12 +194,13 @@ def coordinator_serve(
     state_dir: Annotated[Path, typer.Option(help="Database and local state.")] = Path("./coordinator-state"),
     host: str = "127.0.0.1", http_port: int = 8750, grpc_port: int = 8751,
     lease_seconds: Annotated[float, typer.Option(help="How long a silent agent keeps a task.")] = 12.0,
+    log_format: LogFormat = "text",
 ) -> None:
     """Serve the REST API and the agents' gRPC service (S3 from CAMPUGRID_S3_* variables)."""
     from campugrid.coordinator import server as srv
     from campugrid.coordinator.config import Settings
 
-    _logging()
+    _logging(log_format)
     settings = Settings.from_env(state_dir, http_host=host, grpc_host=host,
                                  http_port=http_port, grpc_port=grpc_port,
                                  lease_seconds=lease_seconds)
@@ -211,7 +219,8 @@ def agent_run(
     state_dir: Annotated[Path, typer.Option(help="Credentials and work folders.")] = Path(
         os.path.expanduser("~/.local/share/campugrid-agent")),
     name: Annotated[str, typer.Option(help="This machine's name.")] = socket.gethostname(),
-    builder: Annotated[str, typer.Option(help="buildah or kaniko")] = "buildah",
+    builder: Annotated[str, typer.Option(help="The image builder: buildah or kaniko.")] = "buildah",
+    runtime: Annotated[str, typer.Option(help="The sandbox runtime.")] = "podman-runsc",
     kaniko_image: Annotated[str, typer.Option(envvar="CAMPUGRID_KANIKO_IMAGE",
                                               help="Kaniko executor image (a local one).")] = "",
     once: Annotated[bool, typer.Option(help="Exit after one task.")] = False,
@@ -223,33 +232,24 @@ def agent_run(
     require_limits: Annotated[str, typer.Option(
         envvar="CAMPUGRID_REQUIRE_LIMITS",
         help="Limits this machine must enforce or the agent does not start, comma-separated "
-             "(memory, cpu, pids, disk, wall_time, build_disk, confinement).")] = "",
+             f"({', '.join(LIMITS)}).")] = "",
+    log_format: LogFormat = "text",
 ) -> None:
     """Run a provider agent as this (unprivileged) user."""
+    from campugrid.agent import backends
     from campugrid.agent.gpus import GpuPolicy
     from campugrid.agent.worker import Agent, AgentSettings
-    from campugrid.builders.base import Builder
-    from campugrid.builders.buildah import BuildahBuilder
-    from campugrid.builders.kaniko import KanikoBuilder
-    from campugrid.sandbox.podman_runsc import PodmanRunsc
 
-    _logging()
-    chosen: Builder
-    if builder == "buildah":
-        chosen = BuildahBuilder()
-    elif builder == "kaniko":
-        if not kaniko_image:
-            _fail("--builder kaniko needs --kaniko-image (no registry: it must be a local image)")
-        chosen = KanikoBuilder(kaniko_image)
-    else:
-        _fail(f"--builder {builder!r}: choose buildah or kaniko")
+    _logging(log_format)
     try:
+        sandbox, chosen = backends.choose(runtime, builder,
+                                          backends.BackendOptions(kaniko_image=kaniko_image))
         policy = GpuPolicy(allow=tuple(x.strip() for x in gpus.split(",")) if gpus else None,
                            reserve_mb=gpu_reserve_mb, protected=tuple(protect or ()))
         required = tuple(x.strip() for x in require_limits.split(",") if x.strip())
         agent = Agent(AgentSettings(coordinator=coordinator, state_dir=state_dir, name=name,
                                     gpu_policy=policy, require_limits=required), chosen,
-                      PodmanRunsc())
+                      sandbox)
     except CampugridError as e:
         _fail(str(e))
     signal.signal(signal.SIGTERM, lambda *_: agent.shutdown())
@@ -263,12 +263,13 @@ def up(
     exit_after_sample: Annotated[bool, typer.Option(help="Shut down once the sample is done.")] = False,
     state_dir: Annotated[Path | None, typer.Option(help="Where everything is kept.")] = None,
     http_port: int = 8750,
+    log_format: LogFormat = "text",
 ) -> None:
     """Bring up S3, the coordinator and a local agent on embedded defaults."""
     from campugrid.cli.platform import Platform, default_state_dir, find_example, have
     from campugrid.cli.rest import Api, tar_folder
 
-    _logging()
+    _logging(log_format)
     missing = have("podman", "buildah", "runsc")
     if missing:
         _fail(f"missing {', '.join(missing)}; run infra/setup.sh first")

@@ -70,7 +70,8 @@ class ProviderUser:
         return Path(f"/run/user/{self.uid}")
 
     def env(self) -> dict[str, str]:
-        keep = {k: v for k, v in os.environ.items() if k in ("LANG", "LC_ALL", "TZ")}
+        keep = {k: v for k, v in os.environ.items()
+                if k in ("LANG", "LC_ALL", "TZ", "CAMPUGRID_LOG_FORMAT")}
         return {**keep, "HOME": str(self.home), "USER": self.name, "LOGNAME": self.name,
                 "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
                 "XDG_RUNTIME_DIR": str(self.runtime_dir), "PYTHONUNBUFFERED": "1"}

@@ -22,6 +22,7 @@ from campugrid.coordinator.service import Coordinator
 from campugrid.coordinator.views import ShardResult, ShardTask
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
+from campugrid.protocol import logs
 from campugrid.protocol.errors import (
     CampugridError,
     IllegalTransition,
@@ -225,3 +226,25 @@ def _shard_pb(task: ShardTask | None) -> pb.ShardTask | None:
     if task is None:
         return None
     return pb.ShardTask(index=task.index, payload_json=task.payload_json, cost=task.cost)
+
+
+class AboutJob(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
+    """Every line logged while serving a call about a job names the job and the attempt
+    (campugrid.protocol.logs), without each handler saying so."""
+
+    def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        inner = handler.unary_unary
+
+        def behaviour(request: Any, context: grpc.ServicerContext) -> Any:
+            job_id = getattr(request, "job_id", "")
+            if not job_id:
+                return inner(request, context)
+            with logs.about_job(job_id, getattr(request, "fencing_token", None) or None):
+                return inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            behaviour, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)

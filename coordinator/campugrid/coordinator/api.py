@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import re
 import uuid
 from typing import Annotated, Any
 
@@ -11,9 +12,11 @@ from fastapi import FastAPI, File, Form, HTTPException, Query, Request, UploadFi
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 from starlette import formparsers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from campugrid.coordinator.service import Coordinator
 from campugrid.coordinator.views import JobView
+from campugrid.protocol import logs
 from campugrid.protocol.errors import (
     CampugridError,
     Conflict,
@@ -133,8 +136,27 @@ def _strict_decode(src: bytes | bytearray, codec: str) -> str:
 formparsers._user_safe_decode = _strict_decode
 
 
+_JOB_PATH = re.compile(r"^/v1/jobs/(?P<id>[^/]+)")
+
+
+class AboutJob:
+    """Every line logged while serving a request about one job names it (protocol.logs)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        m = _JOB_PATH.match(scope.get("path", "")) if scope["type"] == "http" else None
+        if m is None:
+            await self.app(scope, receive, send)
+            return
+        with logs.about_job(m["id"][:64], None):
+            await self.app(scope, receive, send)
+
+
 def create_app(coord: Coordinator) -> FastAPI:
     app = FastAPI(title="campugrid", version="1", summary="Sandboxed GPU jobs on idle machines")
+    app.add_middleware(AboutJob)
 
     @app.exception_handler(CampugridError)
     def _domain_error(_req: Request, exc: CampugridError) -> JSONResponse:

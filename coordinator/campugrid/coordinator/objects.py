@@ -12,6 +12,7 @@ import datetime as dt
 import hashlib
 import io
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, Protocol
 
 from minio import Minio
 from minio.datatypes import Part
@@ -28,6 +29,38 @@ _FAILURES = (MinioException, HTTPError, OSError, ValueError)
 class ObjectInfo:
     key: str
     size: int
+
+
+class ObjectStore(Protocol):
+    """What the coordinator does with object storage (S3Store speaks it over the S3 API;
+    tests/integration/test_objects.py runs it against a real S3 server). The store failing
+    is a StorageError; a bucket, key or upload a user named wrongly is InvalidInput."""
+
+    bucket: str  # the platform's own bucket: contexts, outputs, checkpoints
+
+    def close(self) -> None: ...
+    def ensure_bucket(self) -> None: ...
+    def put_bytes(self, key: str, data: bytes, bucket: str | None = None) -> None: ...
+    def stream(self, key: str, chunk: int = 1024 * 1024) -> Iterator[bytes]: ...
+    def exists(self, key: str) -> bool: ...
+    def list_objects(self, bucket: str, prefix: str, limit: int) -> list[ObjectInfo]:
+        """The objects under `prefix` of `bucket` (a dataset's), recursively; one past
+        `limit` only says there are more."""
+        ...
+
+    def presign_get(self, key: str, ttl: dt.timedelta, bucket: str | None = None) -> str: ...
+    def presign_put(self, key: str, ttl: dt.timedelta) -> str: ...
+    def delete(self, key: str) -> None: ...
+    def begin_multipart(self, key: str) -> str:
+        """A multipart upload of `key` (a checkpoint): its upload id."""
+        ...
+
+    def presign_part(self, key: str, upload_id: str, number: int, ttl: dt.timedelta) -> str: ...
+    def complete_multipart(self, key: str, upload_id: str, etags: list[str]) -> None: ...
+    def abort_multipart(self, key: str, upload_id: str) -> None: ...
+    def digest(self, key: str) -> tuple[int, str]:
+        """(size, sha256 hex) of the stored object, read back."""
+        ...
 
 
 class S3Store:
@@ -169,3 +202,8 @@ class S3Store:
             h.update(chunk)
             size += len(chunk)
         return size, h.hexdigest()
+
+
+if TYPE_CHECKING:  # mypy holds S3Store to the protocol
+    def _conforms(store: S3Store) -> ObjectStore:
+        return store

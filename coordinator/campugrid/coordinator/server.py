@@ -11,7 +11,7 @@ from concurrent import futures
 import grpc
 import uvicorn
 
-from campugrid.coordinator.agent_service import AgentService
+from campugrid.coordinator.agent_service import AboutJob, AgentService
 from campugrid.coordinator.api import create_app
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.db import make_engine, migrate
@@ -68,7 +68,7 @@ def start(settings: Settings) -> Running:
     extended = coord.extend_active_leases()
     if extended:
         log.warning("restarted with %d running jobs: their agents get one lease to reconnect", extended)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), interceptors=[AboutJob()])
     pb_grpc.add_AgentServiceServicer_to_server(AgentService(coord), server)
     port = server.add_insecure_port(f"{settings.grpc_host}:{settings.grpc_port}")
     if port == 0:

@@ -34,9 +34,19 @@ def about_job(job_id: str, attempt: int | None) -> Iterator[None]:
 
 def thread(target: Callable[..., Any], *args: Any, name: str | None = None,
            daemon: bool = True) -> threading.Thread:
-    """A thread that logs about the same job as the code that made it (not started)."""
-    context = contextvars.copy_context()
-    return threading.Thread(target=context.run, args=(target, *args), name=name, daemon=daemon)
+    """A thread (not started) that logs about the same job as the code that starts it."""
+    return _Thread(target=target, args=args, name=name, daemon=daemon)
+
+
+class _Thread(threading.Thread):
+    _context: contextvars.Context
+
+    def start(self) -> None:
+        self._context = contextvars.copy_context()
+        super().start()
+
+    def run(self) -> None:
+        self._context.run(super().run)
 
 
 class JobFields(logging.Filter):

@@ -20,8 +20,9 @@ import grpc
 import httpx
 
 from campugrid import hooks
-from campugrid.agent.client import CoordinatorClient
-from campugrid.protocol import agent_pb2 as pb
+from campugrid.agent.client import CoordinatorApi
+from campugrid.agent.messages import CheckpointRecord, Resume
+from campugrid.protocol import logs
 from campugrid.protocol.errors import CampugridError, InvalidInput
 from campugrid.protocol.tarballs import extract_checkpoint
 from campugrid.sandbox import confine
@@ -33,7 +34,7 @@ CHECKPOINT_LIMITS = confine.Limits(memory_mb=256, cpu_s=900, fsize_mb=64 * 1024,
                                    wall_s=3600)
 
 
-def restore(resume: pb.Resume, folder: Path, scratch: Path) -> None:
+def restore(resume: Resume, folder: Path, scratch: Path) -> None:
     """Download the checkpoint to resume from, check it, and unpack it into `folder`."""
     tarball = scratch / "resume.tar"
     with httpx.Client(timeout=300) as http, http.stream("GET", resume.url) as resp:
@@ -74,7 +75,7 @@ def snapshot(src: Path, dst: Path) -> None:
 class CheckpointUploader:
     """Polls the folder while the job runs; `flush()` does a last pass after it stopped."""
 
-    def __init__(self, client: CoordinatorClient, job_id: str, token: int, folder: Path,
+    def __init__(self, client: CoordinatorApi, job_id: str, token: int, folder: Path,
                  scratch: Path, every_s: float = 1.0) -> None:
         self.client, self.job_id, self.token = client, job_id, token
         self.folder, self.scratch, self.every_s = folder, scratch, every_s
@@ -82,16 +83,21 @@ class CheckpointUploader:
         self.uploaded: list[int] = []
         self.lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"ckpt-{job_id}")
+        self._thread = logs.thread(self._loop, name=f"ckpt-{job_id}")
 
     def start(self) -> CheckpointUploader:
         self._thread.start()
         return self
 
     def flush(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=600)
+        self.stop()
         self.scan()
+
+    def stop(self, wait: bool = True) -> None:
+        """No more polling (the last pass is flush's); `wait` for a pass in progress."""
+        self._stop.set()
+        if wait and self._thread.is_alive():
+            self._thread.join(timeout=600)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.every_s):
@@ -147,9 +153,9 @@ class CheckpointUploader:
                 if "etag" not in resp.headers:
                     raise CampugridError("object storage answered a part upload without an ETag")
                 etags.append(resp.headers["etag"])
-        reply = self.client.record_checkpoint(pb.RecordCheckpointRequest(
-            job_id=self.job_id, fencing_token=self.token, epoch=epoch, key=begin.key,
-            upload_id=begin.upload_id, etags=etags, size=size, sha256=digest))
+        reply = self.client.record_checkpoint(self.job_id, self.token, CheckpointRecord(
+            epoch=epoch, key=begin.key, upload_id=begin.upload_id, etags=tuple(etags),
+            size=size, sha256=digest))
         tarball.unlink()
         if not reply.accepted:
             raise CampugridError(f"checkpoint of epoch {epoch} refused: {reply.reason}")

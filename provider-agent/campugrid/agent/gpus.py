@@ -11,12 +11,10 @@ import dataclasses
 import importlib
 import os
 import platform
-import subprocess
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from campugrid.protocol import agent_pb2 as pb
+from campugrid.agent.messages import Gpu
 
 MB = 1024 * 1024
 
@@ -33,7 +31,7 @@ class GpuPolicy:
 
 @dataclasses.dataclass(frozen=True)
 class Discovery:
-    gpus: tuple[pb.Gpu, ...]
+    gpus: tuple[Gpu, ...]
     note: str  # why there are none, or what was left out
 
 
@@ -68,7 +66,7 @@ def _nvidia(nvml: Any, policy: GpuPolicy) -> Discovery:
             continue
         mem = nvml.nvmlDeviceGetMemoryInfo(h)  # `used` includes every process outside campugrid
         major, minor = nvml.nvmlDeviceGetCudaComputeCapability(h)
-        offered.append(pb.Gpu(
+        offered.append(Gpu(
             uuid=uuid, name=_text(nvml.nvmlDeviceGetName(h)), kind="nvidia",
             memory_total_mb=mem.total // MB,
             memory_free_mb=max(0, mem.free // MB - policy.reserve_mb),
@@ -78,9 +76,9 @@ def _nvidia(nvml: Any, policy: GpuPolicy) -> Discovery:
     return Discovery(tuple(offered), "; ".join(skipped))
 
 
-def apple_gpu(machine: str, memory_mb: int) -> pb.Gpu:
-    return pb.Gpu(uuid=f"apple-{machine}", name=f"Apple {machine} GPU", kind="apple",
-                  memory_total_mb=memory_mb, memory_free_mb=memory_mb, shared_memory=True)
+def apple_gpu(machine: str, memory_mb: int) -> Gpu:
+    return Gpu(uuid=f"apple-{machine}", name=f"Apple {machine} GPU", kind="apple",
+               memory_total_mb=memory_mb, memory_free_mb=memory_mb, shared_memory=True)
 
 
 def _text(value: str | bytes) -> str:
@@ -99,15 +97,3 @@ def _system_memory_mb() -> int:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // MB)
     except (ValueError, OSError):
         return 0
-
-
-def nvproxy_support(runsc: str = "runsc", run: Callable[..., Any] = subprocess.run) -> str:
-    """'' when this runsc can pass NVIDIA GPUs into gVisor (nvproxy), else why not."""
-    try:
-        out = run([runsc, "flags"], capture_output=True, text=True, timeout=10, check=False)
-    except OSError as e:
-        return f"runsc not usable: {e}"
-    text = (out.stdout or "") + (out.stderr or "")
-    if "nvproxy" in text:
-        return ""
-    return "this runsc has no nvproxy: GPUs cannot be isolated under gVisor (a newer runsc can)"

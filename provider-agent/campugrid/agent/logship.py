@@ -7,7 +7,8 @@ import threading
 
 import grpc
 
-from campugrid.agent.client import CoordinatorClient
+from campugrid.agent.client import CoordinatorApi
+from campugrid.protocol import logs
 
 log = logging.getLogger("campugrid.agent")
 MAX_CHUNK = 32 * 1024
@@ -17,7 +18,7 @@ MAX_TASK_LOG_BYTES = 32 * 1024 * 1024  # beyond this, lines are counted, not kep
 class LogShipper:
     """Collects lines from any thread; a background thread sends them every `every_s`."""
 
-    def __init__(self, client: CoordinatorClient, job_id: str, token: int,
+    def __init__(self, client: CoordinatorApi, job_id: str, token: int,
                  every_s: float = 0.5) -> None:
         self.client, self.job_id, self.token = client, job_id, token
         self.every_s = every_s
@@ -27,7 +28,7 @@ class LogShipper:
         self._bytes = 0
         self._dropped = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"logs-{job_id}")
+        self._thread = logs.thread(self._loop, name=f"logs-{job_id}")
         self._thread.start()
 
     def line(self, stream: str, text: str) -> None:

@@ -14,15 +14,16 @@ from collections.abc import Callable
 
 import grpc
 
-from campugrid.agent.client import CoordinatorClient
-from campugrid.protocol import agent_pb2 as pb
+from campugrid.agent.client import CoordinatorApi
+from campugrid.agent.messages import Lease
+from campugrid.protocol import logs
 
 log = logging.getLogger("campugrid.agent")
 FENCE_AT = 0.75  # of a lease: with renewals every quarter, two may fail before fencing
 
 
 class Renewer:
-    def __init__(self, client: CoordinatorClient, lease: pb.LeaseReply,
+    def __init__(self, client: CoordinatorApi, lease: Lease,
                  on_lost: Callable[[str], None]) -> None:
         self.client, self.lease, self.on_lost = client, lease, on_lost
         self.phase = "building"
@@ -32,8 +33,7 @@ class Renewer:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True,
-                                        name=f"renew-{lease.job_id}")
+        self._thread = logs.thread(self._loop, name=f"renew-{lease.job_id}")
 
     def start(self) -> Renewer:
         self._thread.start()

@@ -16,12 +16,12 @@ import threading
 import time
 
 from campugrid.agent import runner_lines
+from campugrid.agent.messages import Outcome, ShardResult, ShardTask
 from campugrid.agent.task import HOOKS_MOUNT, Task, _retry
-from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol.spec import MAX_SHARD_RESULT
 from campugrid.sandbox import confine
-from campugrid.sandbox.podman_runsc import RunRequest
-from campugrid.sandbox.process import Interactive, LogFn
+from campugrid.sandbox.process import LogFn
+from campugrid.sandbox.runtime import RunRequest, Session
 
 log = logging.getLogger("campugrid.agent")
 READY_TIMEOUT_S = 120.0  # sandbox start, with margin for a busy machine
@@ -41,9 +41,9 @@ class ShardSessionTask(Task):
         if self.phase != "running":
             self.stop.set()
 
-    def _execute(self) -> pb.CompleteRequest:
+    def _execute(self) -> Outcome:
         mapped = self._prepare()
-        if isinstance(mapped, pb.CompleteRequest):
+        if isinstance(mapped, Outcome):
             return mapped
         self.phase = "running"
         self.renewer.set_phase("running")
@@ -65,10 +65,10 @@ class ShardSessionTask(Task):
             return failed
         self.shipper.line("run", f"[campugrid] session {lease.fencing_token}: {ran} shards run "
                                  f"in {sandboxes} sandbox{'es' if sandboxes > 1 else ''}")
-        return pb.CompleteRequest(succeeded=True, exit_code=0)
+        return Outcome(succeeded=True, exit_code=0)
 
-    def _sessions(self, request: RunRequest, run_log: LogFn, shard: pb.ShardTask | None
-                  ) -> tuple[pb.ShardTask | None, int, int, pb.CompleteRequest | None]:
+    def _sessions(self, request: RunRequest, run_log: LogFn, shard: ShardTask | None
+                  ) -> tuple[ShardTask | None, int, int, Outcome | None]:
         """Sandboxes one after another until no shard is left (a failure to start the first
         one fails the job)."""
         ran = sandboxes = 0
@@ -81,7 +81,7 @@ class ShardSessionTask(Task):
                     if ran or self.stop.is_set():  # it started before: not the image's fault
                         self.handback = "the shard sandbox did not start again"
                         break
-                    return shard, ran, sandboxes, pb.CompleteRequest(
+                    return shard, ran, sandboxes, Outcome(
                         succeeded=False, exit_code=-1,
                         reason="the shard runner did not start in the sandbox: sharded jobs "
                                f"need python3 in the image (it runs {HOOKS_MOUNT}/campugrid/"
@@ -96,8 +96,8 @@ class ShardSessionTask(Task):
         except confine.ConfinementError as e:
             return {"unreadable": str(e)}
 
-    def _serve(self, box: Interactive, shard: pb.ShardTask | None,
-               ran: int) -> tuple[pb.ShardTask | None, int]:
+    def _serve(self, box: Session, shard: ShardTask | None,
+               ran: int) -> tuple[ShardTask | None, int]:
         """Shards through one sandbox until none is left, the task stops, or the sandbox
         dies (then: the next shard, to run in a new one)."""
         lease = self.lease
@@ -107,7 +107,7 @@ class ShardSessionTask(Task):
             if done is None:
                 if self.stop.is_set():
                     break
-                done = pb.ShardResult(
+                done = ShardResult(
                     index=shard.index, succeeded=False, exit_code=-1,
                     reason="the sandbox stopped during this shard (out of memory? "
                            f"resources.memory_mb is {self.spec.resources.memory_mb}); "
@@ -120,14 +120,14 @@ class ShardSessionTask(Task):
                          reply.reason)
                 self.lost.set()
                 return None, ran
-            shard = reply.shard if reply.has_shard else None
+            shard = reply.shard
             if shard is not None and self.draining:
                 return None, ran  # the shard in hand goes back with the session (Release)
             if died:
                 break
         return shard, ran
 
-    def _wait_ready(self, box: Interactive) -> bool:
+    def _wait_ready(self, box: Session) -> bool:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline and not self.stop.is_set():
             line = box.receive(0.5)
@@ -138,7 +138,7 @@ class ShardSessionTask(Task):
                 return True
         return False
 
-    def _run_one(self, box: Interactive, shard: pb.ShardTask) -> pb.ShardResult | None:
+    def _run_one(self, box: Session, shard: ShardTask) -> ShardResult | None:
         """Send one shard to the runner and wait for its answer (None if none comes)."""
         wall = float(self.spec.resources.wall_time_s)
         if not box.send(json.dumps({"index": shard.index, "payload_json": shard.payload_json,
@@ -148,8 +148,8 @@ class ShardSessionTask(Task):
         deadline = time.monotonic() + wall + 30  # the runner enforces wall; this backs it up
         while not self.stop.is_set():
             if time.monotonic() > deadline:
-                return pb.ShardResult(index=shard.index, succeeded=False, exit_code=-1,
-                                      reason=f"no answer within the wall time of {wall:.0f} s")
+                return ShardResult(index=shard.index, succeeded=False, exit_code=-1,
+                                   reason=f"no answer within the wall time of {wall:.0f} s")
             line = box.receive(0.25)
             if line is None:
                 return None
@@ -157,9 +157,9 @@ class ShardSessionTask(Task):
                 continue
             msg = self._read(line)
             if "unreadable" in msg:
-                return pb.ShardResult(index=shard.index, succeeded=False, exit_code=-1,
-                                      reason=f"the shard runner's answer could not be read: "
-                                             f"{msg['unreadable']}"[:2000])
+                return ShardResult(index=shard.index, succeeded=False, exit_code=-1,
+                                   reason=f"the shard runner's answer could not be read: "
+                                          f"{msg['unreadable']}"[:2000])
             if "log" in msg:
                 run_log(str(msg["log"])[:MAX_SHARD_RESULT])
             elif msg.get("done") == shard.index:
@@ -167,13 +167,13 @@ class ShardSessionTask(Task):
         return None
 
 
-def _result(index: int, msg: dict[str, object]) -> pb.ShardResult:
+def _result(index: int, msg: dict[str, object]) -> ShardResult:
     """A "done" message (already read by runner_lines.parse) as the result to report."""
     result = msg.get("result")
     text = result if isinstance(result, str) else ""
     ok = msg.get("ok") is True and "result_error" not in msg
     reason = str(msg.get("result_error") or msg.get("error") or "")[:2000]
     code = msg.get("exit")
-    return pb.ShardResult(index=index, succeeded=ok,
-                          exit_code=code if isinstance(code, int) and -2**31 <= code < 2**31 else -1,
-                          result_json=text, reason=reason)
+    return ShardResult(index=index, succeeded=ok,
+                       exit_code=code if isinstance(code, int) and -2**31 <= code < 2**31 else -1,
+                       result_json=text, reason=reason)

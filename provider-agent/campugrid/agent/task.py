@@ -10,6 +10,7 @@ and the sandbox.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -26,19 +27,19 @@ import httpx
 
 from campugrid import hooks
 from campugrid.agent import checkpoints, gpus
-from campugrid.agent.client import CoordinatorClient
+from campugrid.agent.client import CoordinatorApi
 from campugrid.agent.gpus import GpuPolicy
 from campugrid.agent.logship import LogShipper
+from campugrid.agent.messages import Gpu, Lease, Outcome
 from campugrid.agent.renewer import Renewer
 from campugrid.builders.base import Builder
-from campugrid.protocol import agent_pb2 as pb
+from campugrid.protocol import logs
 from campugrid.protocol.dockerfiles import allowed_bases
 from campugrid.protocol.errors import BuildFailed, CampugridError, InvalidInput, SandboxError
 from campugrid.protocol.spec import ENFORCED, JobSpec
 from campugrid.protocol.tarballs import extract_context_file
 from campugrid.sandbox import confine, slots
-from campugrid.sandbox import limits as host_limits
-from campugrid.sandbox.podman_runsc import PodmanRunsc, RunRequest
+from campugrid.sandbox.runtime import RunRequest, Runtime
 
 log = logging.getLogger("campugrid.agent")
 MAX_OUTPUT_BYTES = 1024**3
@@ -47,11 +48,12 @@ HOOKS_MOUNT = "/opt/campugrid/hooks"
 CHECKPOINT_MOUNT = "/checkpoints"
 DISK_POLL_S = 0.25
 R = TypeVar("R")
+Mapped = tuple[tuple[str, int], ...]  # (uuid, device minor) per reserved GPU
 
 
 class Task:
-    def __init__(self, client: CoordinatorClient, lease: pb.LeaseReply, work: Path,
-                 builder: Builder, sandbox: PodmanRunsc, gpu_policy: GpuPolicy = GpuPolicy(),
+    def __init__(self, client: CoordinatorApi, lease: Lease, work: Path,
+                 builder: Builder, sandbox: Runtime, gpu_policy: GpuPolicy = GpuPolicy(),
                  slot: slots.Slot | None = None) -> None:
         self.client, self.lease, self.work = client, lease, work
         self.builder, self.sandbox = builder, sandbox
@@ -117,11 +119,11 @@ class Task:
             if used > limit:
                 self.disk_exceeded = True
                 # At once: a clean stop takes a second in which the job goes on writing.
-                host_limits.kill_job(self.sandbox.limits, self.name, self.sandbox.scope)
+                self.sandbox.kill(self.name)
                 self.stop.set()
                 return
 
-    def _check_gpus(self) -> tuple[tuple[str, int], ...]:
+    def _check_gpus(self) -> Mapped:
         """Re-check free memory on the reserved GPUs just before the job starts: something
         outside campugrid may have taken it since the lease. If so, hand the task back."""
         if not self.lease.gpu_uuids:
@@ -134,12 +136,12 @@ class Task:
     def run(self) -> None:
         job_id, token = self.lease.job_id, self.lease.fencing_token
         self.renewer.start()
-        outcome = pb.CompleteRequest(succeeded=False, exit_code=-1)
+        outcome = Outcome(succeeded=False, exit_code=-1)
         failed_here = ""  # the provider failed, not the job: hand back, counting the attempt
         try:
             outcome = self._execute()
         except (BuildFailed, InvalidInput) as e:  # the job's own fault: final
-            outcome = pb.CompleteRequest(succeeded=False, exit_code=-1, reason=str(e))
+            outcome = Outcome(succeeded=False, exit_code=-1, reason=str(e))
         except httpx.HTTPError as e:
             failed_here = _http_failure(e)
         except (OSError, SandboxError, grpc.RpcError) as e:
@@ -162,11 +164,11 @@ class Task:
                 log.info("task %s attempt %d handed back: %s", job_id, token,
                          "accepted" if released.accepted else released.reason)
             else:
-                outcome.job_id, outcome.fencing_token = job_id, token
-                outcome.limits.update(self.sandbox.limits.as_dict())
-                outcome.limits["output"] = (ENFORCED if self.slot is not None else
-                                            f"not enforced exactly: checked every {DISK_POLL_S} s")
-                done = _retry(lambda: self.client.complete(outcome))
+                output = (ENFORCED if self.slot is not None else
+                          f"not enforced exactly: checked every {DISK_POLL_S} s")
+                final = dataclasses.replace(outcome, limits={**self.sandbox.limits.as_dict(),
+                                                             "output": output})
+                done = _retry(lambda: self.client.complete(job_id, token, final))
                 if not done.accepted:
                     log.warning("completion of %s refused: %s", job_id, done.reason)
         finally:
@@ -176,7 +178,7 @@ class Task:
             if self.files != self.work:
                 shutil.rmtree(self.files, ignore_errors=True)
 
-    def _prepare(self) -> pb.CompleteRequest | tuple[tuple[str, int], ...]:
+    def _prepare(self) -> Outcome | Mapped:
         """Download, restore, build and re-check GPUs: the outcome if the task ends here,
         else the GPUs to map."""
         lease, spec, work = self.lease, self.spec, self.work
@@ -199,7 +201,7 @@ class Task:
             archive.unlink()
             if lease.datasets:
                 _fetch_datasets(http, lease, data_dir)
-        if lease.HasField("resume"):
+        if lease.resume is not None:
             try:
                 checkpoints.restore(lease.resume, ckpt_dir, work)
                 self.uploader.done.add(hooks.folder_name(lease.resume.epoch))  # already stored
@@ -220,20 +222,20 @@ class Task:
                                cpus=spec.resources.cpus, disk_mb=spec.resources.disk_mb,
                                bases=info.checked.bases)
         except BuildFailed as e:
-            return pb.CompleteRequest(succeeded=False, exit_code=-1,
-                                      reason=f"{e.reason}; last lines of the build log:\n{e.log_tail}")
+            return Outcome(succeeded=False, exit_code=-1,
+                           reason=f"{e.reason}; last lines of the build log:\n{e.log_tail}")
         if self.stop.is_set():
-            return pb.CompleteRequest(succeeded=False, exit_code=-1, reason="stopped before running")
+            return Outcome(succeeded=False, exit_code=-1, reason="stopped before running")
         mapped = self._check_gpus()
         if self.handback:
-            return pb.CompleteRequest(succeeded=False, exit_code=-1, reason=self.handback)
+            return Outcome(succeeded=False, exit_code=-1, reason=self.handback)
         return mapped
 
-    def _execute(self) -> pb.CompleteRequest:
+    def _execute(self) -> Outcome:
         lease, spec, work = self.lease, self.spec, self.work
         output_dir, ckpt_dir = self.output_dir, self.ckpt_dir
         mapped = self._prepare()
-        if isinstance(mapped, pb.CompleteRequest):
+        if isinstance(mapped, Outcome):
             return mapped
         self.phase = "running"
         self.renewer.set_phase("running")
@@ -248,18 +250,24 @@ class Task:
 
         env = self.job_env()
         self.uploader.start()
-        watch = threading.Thread(target=self._watch_disk, args=((output_dir, ckpt_dir),),
-                                 daemon=True, name=f"disk-{lease.job_id}")
+        watch = logs.thread(self._watch_disk, (output_dir, ckpt_dir), name=f"disk-{lease.job_id}")
         watch.start()
-        result = self.sandbox.run(self.run_request(spec.command, env, mapped), log=on_line,
-                                  cancel=self.stop)
-        self.ran.set()
+        try:
+            result = self.sandbox.run(self.run_request(spec.command, env, mapped), log=on_line,
+                                      cancel=self.stop)
+        except BaseException:  # e.g. SandboxError: nothing ran, no last checkpoint to take
+            self.uploader.stop(wait=False)
+            raise
+        finally:
+            self.ran.set()
         if not self.lost.is_set():
             try:
                 self.uploader.flush()  # the final checkpoint of a drained job, too
             except (grpc.RpcError, httpx.HTTPError, OSError, CampugridError) as e:
                 why = _http_failure(e) if isinstance(e, httpx.HTTPError) else str(e)
                 self.shipper.line("run", f"[campugrid] the last checkpoint was not kept: {why}")
+        else:
+            self.uploader.stop(wait=False)  # the coordinator would refuse what it uploads
         uploaded = False
         if not self.stop.is_set() and not self.draining and not self.disk_exceeded:
             uploaded = _upload_output(lease.output_url, output_dir, work / "output.tar.gz")
@@ -277,7 +285,7 @@ class Task:
             reason = f"the job's command exited with status {result.exit_code}"
         else:
             reason = ""
-        return pb.CompleteRequest(
+        return Outcome(
             succeeded=result.exit_code == 0 and not result.timed_out and not self.disk_exceeded,
             exit_code=result.exit_code,
             reason=reason, result=last_line[0][-4000:] if last_line else "",
@@ -311,9 +319,6 @@ class Task:
             else (hooks_mount,))
 
 
-Mapped = tuple[tuple[str, int], ...]  # (uuid, device minor) per reserved GPU
-
-
 def job_image_prefix(scope: str) -> str:
     """Where this agent's job images are named: what its sweeps may remove."""
     return f"localhost/campugrid-job/{scope or 'agent'}/"
@@ -341,7 +346,7 @@ def _http_failure(e: httpx.HTTPError) -> str:
     return f"{what} failed: {type(e).__name__}"
 
 
-def _check_gpus_free(lease: pb.LeaseReply, found: Sequence[pb.Gpu]) -> tuple[Mapped, str]:
+def _check_gpus_free(lease: Lease, found: Sequence[Gpu]) -> tuple[Mapped, str]:
     """The reserved GPUs as (uuid, minor), or why the reservation no longer fits."""
     by_uuid = {g.uuid: g for g in found}
     mapped = []
@@ -374,7 +379,7 @@ def _download(http: httpx.Client, url: str, to: Path) -> None:
             out.write(chunk)
 
 
-def _fetch_datasets(http: httpx.Client, lease: pb.LeaseReply, data_dir: Path) -> None:
+def _fetch_datasets(http: httpx.Client, lease: Lease, data_dir: Path) -> None:
     for ds in lease.datasets:
         root = (data_dir / ds.name).resolve()
         for f in ds.files:

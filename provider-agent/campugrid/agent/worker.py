@@ -21,18 +21,19 @@ from pathlib import Path
 import grpc
 
 from campugrid.agent import gpus
-from campugrid.agent.client import CoordinatorClient
-from campugrid.agent.gpus import GpuPolicy, nvproxy_support
+from campugrid.agent.client import CoordinatorApi, CoordinatorClient
+from campugrid.agent.gpus import GpuPolicy
+from campugrid.agent.messages import Capabilities, Lease
 from campugrid.agent.shards import ShardSessionTask
 from campugrid.agent.speed import matmul_gflops
 from campugrid.agent.task import Task, job_image_prefix
 from campugrid.builders.base import Builder
-from campugrid.protocol import agent_pb2 as pb
+from campugrid.protocol import logs
 from campugrid.protocol.errors import CampugridError
 from campugrid.protocol.spec import ENFORCED
 from campugrid.sandbox import confine, slots
 from campugrid.sandbox import limits as host_limits
-from campugrid.sandbox.podman_runsc import PodmanRunsc
+from campugrid.sandbox.runtime import Runtime
 
 log = logging.getLogger("campugrid.agent")
 
@@ -50,7 +51,7 @@ class AgentSettings:
 
 
 class Agent:
-    def __init__(self, settings: AgentSettings, builder: Builder, sandbox: PodmanRunsc) -> None:
+    def __init__(self, settings: AgentSettings, builder: Builder, sandbox: Runtime) -> None:
         if os.geteuid() == 0:
             raise CampugridError("the agent never runs as root: start it as an unprivileged "
                                  "user (infra/setup.sh creates 'campugrid')")
@@ -73,11 +74,12 @@ class Agent:
                 raise CampugridError(f"this machine cannot enforce {name} ({how}), which the "
                                      "provider's policy requires (--require-limits)")
         self.enforced = sorted(name for name, how in self.limits.items() if how == ENFORCED)
-        self.client = CoordinatorClient(settings.coordinator, settings.state_dir / "credentials.json")
+        self.client = CoordinatorApi(CoordinatorClient(settings.coordinator,
+                                                       settings.state_dir / "credentials.json"))
         self.work_root = settings.state_dir / "work"
         self.stopping = threading.Event()
         self.task: Task | None = None
-        self.gpu_note = nvproxy_support(sandbox.runsc)
+        self.gpu_note = sandbox.gpu_isolation_note()
         self.gpu_isolation = not self.gpu_note
         self.speed = matmul_gflops(gpu=bool(gpus.discover(settings.gpu_policy).gpus))
         log.info("speed score: %.1f GFLOP/s (matmul)", self.speed)
@@ -93,17 +95,17 @@ class Agent:
                      self.settings.drain_grace_seconds)
             self.task.drain(self.settings.drain_grace_seconds)
 
-    def capabilities(self) -> pb.Capabilities:
+    def capabilities(self) -> Capabilities:
         mem_kb = 0
         with contextlib.suppress(OSError, ValueError, IndexError):
             mem_kb = int(Path("/proc/meminfo").read_text().split("\n")[0].split()[1])
         found = gpus.discover(self.settings.gpu_policy)
         note = "; ".join(n for n in (found.note, self.gpu_note if found.gpus else "") if n)
-        return pb.Capabilities(runtime=self.sandbox.describe(), builder=self.builder.name,
-                               cpus=os.cpu_count() or 1, memory_mb=mem_kb // 1024,
-                               limits=self.limits, gpus=found.gpus,
-                               gpu_isolation=self.gpu_isolation and bool(found.gpus),
-                               gpu_note=note, speed_gflops=self.speed)
+        return Capabilities(runtime=self.sandbox.describe(), builder=self.builder.name,
+                            cpus=os.cpu_count() or 1, memory_mb=mem_kb // 1024,
+                            limits=self.limits, gpus=found.gpus,
+                            gpu_isolation=self.gpu_isolation and bool(found.gpus),
+                            gpu_note=note, speed_gflops=self.speed)
 
     def run(self, *, once: bool = False) -> None:
         caps = self.capabilities()
@@ -132,25 +134,27 @@ class Agent:
                 log.warning("coordinator unreachable (%s)", e.code())
                 self.stopping.wait(2)
                 continue
-            if not lease.has_task:
+            if lease is None:
                 self.stopping.wait(self.settings.poll_seconds)
                 continue
             self.run_task(lease)
             if once:
                 return
 
-    def run_task(self, lease: pb.LeaseReply) -> None:
+    def run_task(self, lease: Lease) -> None:
         log.info("task %s attempt %d leased", lease.job_id, lease.fencing_token)
         work = self.work_root / f"{lease.job_id}-{lease.fencing_token}"
         remove_tree(work)
         work.mkdir(parents=True)
-        kind = ShardSessionTask if lease.HasField("shard") else Task
-        self.task = kind(self.client, lease, work, self.builder, self.sandbox,
-                         self.settings.gpu_policy, self.slot)
+        kind = ShardSessionTask if lease.shard is not None else Task
         try:
-            if self.stopping.is_set():  # a drain arrived between lease and start
-                self.task.drain(0)
-            self.task.run()
+            # Every line the task logs (and its threads, started with logs.thread) names it.
+            with logs.about_job(lease.job_id, lease.fencing_token):
+                self.task = kind(self.client, lease, work, self.builder, self.sandbox,
+                                 self.settings.gpu_policy, self.slot)
+                if self.stopping.is_set():  # a drain arrived between lease and start
+                    self.task.drain(0)
+                self.task.run()
         except grpc.RpcError as e:
             log.warning("task %s: the coordinator did not take the report (%s); its lease will "
                         "expire and the job will run again", lease.job_id, e.code())
@@ -175,7 +179,7 @@ class Agent:
                     path.parent, whose)
 
 
-def enforceable(sandbox: PodmanRunsc, builder: Builder, output: str) -> dict[str, str]:
+def enforceable(sandbox: Runtime, builder: Builder, output: str) -> dict[str, str]:
     """Every limit this machine can or cannot enforce, as reported to the coordinator:
     the sandbox's, the build's disk, the confinement of untrusted bytes, and how /output is
     bounded (`output`, from slots.acquire)."""

@@ -9,59 +9,33 @@ the job's cgroup, which only a process we launch ourselves can do.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from campugrid.protocol.errors import SandboxError
 from campugrid.sandbox import limits as host_limits
 from campugrid.sandbox import profile
-from campugrid.sandbox.process import Interactive, LogFn, run_streaming
+from campugrid.sandbox.process import Finished, Interactive, LogFn, run_streaming
+from campugrid.sandbox.runtime import DATA_MOUNT, OUTPUT_MOUNT, RunRequest, RunResult
 
 RUNSC_FLAGS = ("--runtime-flag", "network=none", "--runtime-flag", "ignore-cgroups")
-OUTPUT_MOUNT = "/output"
-DATA_MOUNT = "/data"
 AGENT_LABEL = "campugrid.agent"
 HOST_PIDS_CEILING = 4096  # gVisor's own threads count on the host: keep it generous
 GUEST_NPROC = 512  # enforced cleanly inside gVisor: fork() gets EAGAIN
-
-
-@dataclasses.dataclass(frozen=True)
-class RunRequest:
-    name: str  # container name, unique per attempt
-    image: str
-    command: tuple[str, ...] | None
-    env: tuple[tuple[str, str], ...]
-    output_dir: Path | None  # the one writable host folder (None: the job writes only /tmp)
-    data_dir: Path | None  # mounted read-only at /data
-    memory_mb: int
-    cpus: float
-    tmp_mb: int
-    wall_time_s: int
-    agent: str = ""  # the agent's machine id, as a label: what to sweep after a crash
-    mounts: tuple[tuple[Path, str, str], ...] = ()  # (host path, container path, "ro"|"rw")
-    gpus: tuple[tuple[str, int], ...] = ()  # reserved GPUs: (uuid, /dev/nvidia<minor>)
-    file_mb: int | None = None  # no file the job writes may be larger (RLIMIT_FSIZE, in gVisor)
-
-
-@dataclasses.dataclass(frozen=True)
-class RunResult:
-    exit_code: int
-    timed_out: bool
-    cancelled: bool
-    oom_killed: bool
-    tail: str
-    limits: dict[str, str]
+PODMAN_OWN_EXITS = (125, 126, 127)  # podman's own failures (also what a job may exit with)
+LOAD_FAILED = "failed to load"  # runsc's words for a command missing from the image
 
 
 class PodmanRunsc:
-    """One verb per step of a task's life: run (blocking, streamed), stop, remove_image."""
+    """The Runtime (campugrid.sandbox.runtime) on rootless Podman with gVisor's runsc."""
 
-    name = "podman+runsc"
+    name = "podman-runsc"
 
     def __init__(self, podman: str = "podman", runsc: str = "runsc", scope: str = "") -> None:
         self.podman = shutil.which(podman) or podman
@@ -78,6 +52,9 @@ class PodmanRunsc:
             raise SandboxError(f"runsc is not installed ({e}); apt-get install runsc") from e
         first = out.splitlines()[0] if out else "runsc"
         return first.replace("runsc version", "runsc").strip()
+
+    def gpu_isolation_note(self) -> str:
+        return nvproxy_support(self.runsc)
 
     def argv(self, req: RunRequest, *, interactive: bool = False) -> list[str]:
         gpu_flags = ["--runtime-flag", "nvproxy=true"] if req.gpus else []
@@ -120,6 +97,7 @@ class PodmanRunsc:
             cancel: threading.Event | None = None) -> RunResult:
         if shutil.which(self.runsc) is None and not Path(self.runsc).exists():
             raise SandboxError("runsc (gVisor) is not installed; jobs never run without it")
+        began = time.time()
         with host_limits.job_cgroup(self.limits, req.name, memory_mb=req.memory_mb,
                                     cpus=req.cpus, pids=HOST_PIDS_CEILING,
                                     scope=self.scope) as cg:
@@ -135,8 +113,33 @@ class PodmanRunsc:
             )
             oom = done.returncode != 0 and cg is not None and cg.oom_killed()
         self.stop(req.name)  # also when podman itself died: nothing of the job may stay
+        failure = self._start_failure(req.name, began, done)
+        if failure is not None:
+            raise failure
         return RunResult(done.returncode, done.timed_out, done.cancelled, oom, done.tail,
                          self.limits.as_dict())
+
+    def _start_failure(self, name: str, since: float, done: Finished) -> SandboxError | None:
+        """Podman's own failure to make or start the sandbox (exit 125-127, as a job's own
+        command may also exit), told apart by whether the container ever started: podman's
+        event log is the evidence. A command missing from the image stays the job's fault."""
+        if done.returncode not in PODMAN_OWN_EXITS or done.timed_out or done.cancelled:
+            return None
+        if LOAD_FAILED in done.tail or self._started(name, since) is not False:
+            return None
+        return SandboxError(f"podman could not start the sandbox (exit {done.returncode})",
+                            exit_code=done.returncode, stderr_tail=done.tail[-2000:])
+
+    def _started(self, name: str, since: float) -> bool | None:
+        """Did container `name` start since `since`? None: podman keeps no event log here."""
+        try:
+            out = subprocess.run([self.podman, "events", "--stream=false",
+                                  "--since", str(int(since) - 1), "--filter", f"container={name}",
+                                  "--filter", "event=start", "--format", "{{.Status}}"],
+                                 capture_output=True, text=True, timeout=30, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return "start" in out.stdout.split() if out.returncode == 0 else None
 
     @contextlib.contextmanager
     def session(self, req: RunRequest, *, log: LogFn) -> Iterator[Interactive]:
@@ -167,6 +170,11 @@ class PodmanRunsc:
 
     def stop(self, name: str) -> None:
         subprocess.run(self.stop_argv(name), capture_output=True, timeout=60, check=False)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL the gVisor sandbox in the job's cgroup (a no-op where there is none: then
+        the caller's stop is what ends it)."""
+        host_limits.kill_job(self.limits, name, self.scope)
 
     def sweep(self, label_value: str) -> list[str]:
         """Remove containers this agent left behind in an earlier life (found by label)."""
@@ -222,3 +230,15 @@ def runtime_dir() -> Path:
 
 def _cgroup_v2() -> bool:
     return (host_limits.CGROUP_ROOT / "cgroup.controllers").exists()
+
+
+def nvproxy_support(runsc: str = "runsc", run: Callable[..., Any] = subprocess.run) -> str:
+    """'' when this runsc can pass NVIDIA GPUs into gVisor (nvproxy), else why not."""
+    try:
+        out = run([runsc, "flags"], capture_output=True, text=True, timeout=10, check=False)
+    except OSError as e:
+        return f"runsc not usable: {e}"
+    text = (out.stdout or "") + (out.stderr or "")
+    if "nvproxy" in text:
+        return ""
+    return "this runsc has no nvproxy: GPUs cannot be isolated under gVisor (a newer runsc can)"

@@ -1,0 +1,150 @@
+"""What the agent and the coordinator tell each other, as frozen values: client.py converts
+them to and from protobuf at the edge, so nothing past it sees a generated type."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    uuid: str
+    name: str = ""
+    kind: str = ""  # "nvidia" or "apple"
+    memory_total_mb: int = 0
+    memory_free_mb: int = 0  # after other processes' memory and the owner's reserve
+    compute_capability: str = ""  # "8.6"; empty for non-NVIDIA
+    temperature_c: int = 0
+    driver_version: str = ""
+    shared_memory: bool = False  # Apple silicon: GPU memory is the system's memory
+    minor: int = 0  # /dev/nvidia<minor>
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    runtime: str
+    builder: str
+    cpus: int = 1
+    memory_mb: int = 0
+    limits: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    gpus: tuple[Gpu, ...] = ()
+    gpu_isolation: bool = False
+    gpu_note: str = ""
+    speed_gflops: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetFile:
+    path: str  # relative to /data/<name>
+    url: str  # presigned GET
+    size: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+    name: str
+    files: tuple[DatasetFile, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """The checkpoint a new attempt starts from."""
+
+    epoch: int
+    url: str  # presigned GET
+    size: int
+    sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardTask:
+    index: int
+    payload_json: str = ""
+    cost: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Lease:
+    """One attempt of a job on this machine (or a shard session: `shard` is its first)."""
+
+    job_id: str
+    attempt: int
+    fencing_token: int
+    spec_json: str
+    lease_seconds: float = 0.0
+    context_url: str = ""  # presigned GET of the build context
+    output_url: str = ""  # presigned PUT of the output tarball
+    datasets: tuple[Dataset, ...] = ()
+    resume: Resume | None = None
+    gpu_uuids: tuple[str, ...] = ()  # reserved for this attempt: map only these
+    gpu_memory_mb: int = 0  # reserved on each of them
+    shard: ShardTask | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """How an attempt ended, for Complete."""
+
+    succeeded: bool
+    exit_code: int
+    reason: str = ""  # why it failed, for the researcher
+    result: str = ""  # the job's last line of output
+    output_uploaded: bool = False
+    limits: Mapping[str, str] = dataclasses.field(default_factory=dict)  # which held
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardResult:
+    index: int
+    succeeded: bool
+    exit_code: int
+    result_json: str = ""
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """The coordinator's answer to a report (Complete, Release, RecordCheckpoint)."""
+
+    accepted: bool
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Renewal:
+    keep_going: bool  # false: stop the task now (cancelled, or no longer the current attempt)
+    reason: str = ""
+    lease_seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class NextShard:
+    accepted: bool  # false: the session is over
+    reason: str = ""
+    shard: ShardTask | None = None  # None: nothing waiting; end the session
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointUpload:
+    """Where to upload one checkpoint: presigned PUT per part, every part but the last
+    exactly `part_size` long."""
+
+    accepted: bool
+    reason: str = ""
+    key: str = ""
+    upload_id: str = ""
+    part_size: int = 0
+    part_urls: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointRecord:
+    """An uploaded checkpoint, for the coordinator to check and record."""
+
+    epoch: int
+    key: str
+    upload_id: str
+    etags: tuple[str, ...]
+    size: int
+    sha256: str
