@@ -12,7 +12,7 @@ import datetime as dt
 import hashlib
 import io
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from minio import Minio
 from minio.datatypes import Part
@@ -202,8 +202,3 @@ class S3Store:
             h.update(chunk)
             size += len(chunk)
         return size, h.hexdigest()
-
-
-if TYPE_CHECKING:  # mypy holds S3Store to the protocol
-    def _conforms(store: S3Store) -> ObjectStore:
-        return store

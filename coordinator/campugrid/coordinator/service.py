@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from campugrid.coordinator.config import Settings
-from campugrid.coordinator.objects import S3Store
+from campugrid.coordinator.objects import ObjectStore
 from campugrid.coordinator.scheduler import MachineView, fast_from, why_waiting
 from campugrid.coordinator.store import Store
 from campugrid.coordinator.views import (
@@ -66,7 +66,7 @@ class CheckpointUpload:
 
 
 class Coordinator:
-    def __init__(self, settings: Settings, store: Store, objects: S3Store) -> None:
+    def __init__(self, settings: Settings, store: Store, objects: ObjectStore) -> None:
         self.settings = settings
         self.store = store
         self.objects = objects
