@@ -1,8 +1,7 @@
-"""The job store: one named operation per transition, each a guarded conditional update.
-
-An update that matches no row raises a domain error instead of silently doing nothing, so an
-illegal transition or a call from a stale attempt cannot slip through, even under races.
-Claiming is correct on SQLite (guarded update by id and state); SKIP LOCKED is only a speed-up.
+"""The store of plain jobs: one named operation per transition, each a guarded move
+(moves.py) with the attempt's own guards; a refused call is recorded in the job's history
+and raised as a domain error after the transaction commits. Claiming (claims.py) is correct
+on SQLite (guarded update by id and state); SKIP LOCKED is only a speed-up.
 """
 
 from __future__ import annotations
