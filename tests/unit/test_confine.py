@@ -24,7 +24,7 @@ import pytest
 
 from campugrid.protocol.errors import BuildFailed, CampugridError, InvalidInput, SandboxError
 from campugrid.protocol.tarballs import extract_files
-from campugrid.sandbox import confine
+from campugrid.sandbox import confine, hardening
 from campugrid.sandbox.confine import ConfinementError, Limits
 
 # --- what the children run -------------------------------------------------------------------
@@ -338,7 +338,7 @@ def test_the_go_dockerfile_parser_works_under_the_default_limits():
 def test_every_listed_syscall_is_known_to_libseccomp():
     import pyseccomp
 
-    for name in confine.KILLED_SYSCALLS:
+    for name in hardening.KILLED_SYSCALLS:
         assert pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, name) >= 0, name
 
 
