@@ -68,14 +68,20 @@ def wait_for(what: str, check, timeout: float = 120, every: float = 0.2):
 
 
 def epochs_by_attempt(api: Api, job_id: str) -> dict[int, list[int]]:
-    seen: dict[int, list[int]] = {}
+    """The epochs each attempt computed: those its log shows, and those it checkpointed (a
+    kill -9 can lose the last log lines an agent had not shipped yet, never a recorded
+    checkpoint)."""
+    seen: dict[int, set[int]] = {}
     for chunk in api.logs(job_id)["chunks"]:
         if chunk["stream"] != "run":
             continue
         for line in chunk["text"].splitlines():
             if line.startswith("epoch "):
-                seen.setdefault(chunk["attempt"], []).append(int(line.split()[1]))
-    return seen
+                seen.setdefault(chunk["attempt"], set()).add(int(line.split()[1]))
+    for e in api.job(job_id)["events"]:
+        if e["kind"] == "checkpoint":
+            seen.setdefault(e["attempt"], set()).add(int(e["detail"].split()[1].rstrip(",")))
+    return {attempt: sorted(epochs) for attempt, epochs in seen.items()}
 
 
 def checkpoints_of(api: Api, job_id: str) -> list[int]:
