@@ -37,8 +37,13 @@ def test_a_task_gets_exactly_its_output_mb_however_it_writes(provider):
     out = run_as_provider(provider, """
         import json, os, threading
         from campugrid.sandbox import slots
+        from campugrid.protocol.errors import SandboxError
         slot, how = slots.acquire()
         results = {"how": how}
+        try:
+            slot.prepare(2**50)
+        except SandboxError as e:
+            results["too_big"] = str(e)
         for mode in ("one-file", "parallel"):
             folder = slot.prepare(8 * 2**20)
             written = [0]
@@ -66,6 +71,7 @@ def test_a_task_gets_exactly_its_output_mb_however_it_writes(provider):
         print(json.dumps(results))
     """)
     assert out["how"] == "enforced"
+    assert "1073741824 MB is more than output slot" in out["too_big"], out
     for mode in ("one-file", "parallel"):
         assert out[mode]["errors"] == ["No space left on device"], out
         used = out[mode]["used"]

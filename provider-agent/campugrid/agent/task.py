@@ -60,20 +60,14 @@ class Task:
         self.spec = JobSpec.from_json(lease.spec_json)
         # /output and /checkpoints: in the agent's output slot, which the kernel bounds to
         # output_mb, where there is one that can hold it; else in the work folder.
-        self.slot, bounded = slot, None
-        try:
-            bounded = slot.prepare(self.spec.resources.output_mb * 1024**2) if slot else None
-            if slot is not None and bounded is None:
-                log.warning("task %s: output_mb %d is more than this agent's output slot holds "
-                            "(%d MB); /output is only checked every %.2f s", lease.job_id,
-                            self.spec.resources.output_mb, slot.capacity() // 1024**2,
-                            DISK_POLL_S)
-        except (SandboxError, OSError) as e:
-            log.warning("task %s: the output slot cannot be used (%s); /output is only "
-                        "checked every %.2f s", lease.job_id, e, DISK_POLL_S)
-        if bounded is None:
-            self.slot = None
-        self.files = bounded or work
+        self.slot: slots.Slot | None = None
+        self.files = work
+        if slot is not None:
+            try:
+                self.files, self.slot = slot.prepare(self.spec.resources.output_mb * 1024**2), slot
+            except (SandboxError, OSError) as e:
+                log.warning("task %s: the output slot cannot be used (%s); /output is only "
+                            "checked every %.2f s", lease.job_id, e, DISK_POLL_S)
         self.output_dir, self.ckpt_dir = self.files / "output", self.files / "checkpoints"
         self.name = f"campugrid-{lease.job_id}-{lease.fencing_token}"
         self.image = f"{job_image_prefix(sandbox.scope)}{lease.job_id}:{lease.fencing_token}"

@@ -35,9 +35,9 @@ class Slot:
     _lock_fd: int
     _start: int = 0  # free bytes when the task began
 
-    def prepare(self, limit_bytes: int) -> Path | None:
+    def prepare(self, limit_bytes: int) -> Path:
         """Leave exactly `limit_bytes` (+ SLACK) free in the slot (emptied by the agent's
-        sweep); the folder for the task's files, or None if the slot is too small."""
+        sweep); the folder for the task's files. SandboxError if the slot cannot."""
         if self.leftovers():  # another job's files must never reach this one
             raise SandboxError(f"output slot {self.path} still holds "
                                f"{', '.join(p.name for p in self.leftovers())}")
@@ -46,7 +46,8 @@ class Slot:
         free = self._free()
         ballast = free - limit_bytes - SLACK
         if ballast < 0:
-            return None
+            raise SandboxError(f"{limit_bytes // 2**20} MB is more than output slot {self.path} "
+                               f"holds ({max(0, free - SLACK) // 2**20} MB)")
         if ballast:
             fd = os.open(self.path / BALLAST, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
@@ -65,15 +66,6 @@ class Slot:
     def leftovers(self) -> list[Path]:
         """Everything in the slot but its own files: what a sweep removes."""
         return [self.path / e for e in sorted(os.listdir(self.path)) if e not in KEEP]
-
-    def capacity(self) -> int:
-        """The most a task may be given: the slot's free space without its ballast."""
-        st = os.statvfs(self.path)
-        try:
-            ballast = os.stat(self.path / BALLAST).st_blocks * 512
-        except FileNotFoundError:
-            ballast = 0
-        return st.f_bavail * st.f_frsize + ballast - SLACK
 
     def _free(self) -> int:
         st = os.statvfs(self.path)
