@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from campugrid.cli.platform import Platform
-from campugrid.cli.rest import Api, tar_folder
 from campugrid.cli.seaweed import free_port
+from campugrid.client import Api, tar_folder
 from campugrid.protocol.spec import JobSpec
 
 REPO = Path(__file__).resolve().parents[1]

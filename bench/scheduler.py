@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import hashlib
 import json
 import os
 import random
@@ -29,17 +28,23 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import grpc
 from sqlalchemy import insert
 
-from campugrid.agent.client import CoordinatorClient
+from campugrid.agent.client import pinned_channel, signed_metadata
 from campugrid.cli.seaweed import EmbeddedS3, free_port
 from campugrid.coordinator import server
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.models import Job, Machine
 from campugrid.protocol import agent_pb2 as pb
+from campugrid.protocol import agent_pb2_grpc as pb_grpc
+from campugrid.protocol import keys
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobState
-from campugrid.protocol.wire import MACHINE_HEADER, SECRET_HEADER
+from campugrid.protocol.wire import MACHINE_HEADER
+
+HEARTBEAT = "/campugrid.v1.AgentService/Heartbeat"
+LEASE = "/campugrid.v1.AgentService/Lease"
 
 BENCH = Path(__file__).resolve().parent
 DEPTHS = (1_000, 10_000, 100_000)
@@ -67,39 +72,57 @@ def seed_jobs(running: server.Running, count: int) -> None:
             raw.close()
 
 
-def seed_machines(running: server.Running, count: int) -> list[tuple[str, str]]:
+# (machine id, its private key as 64 hex digits): approved machines, as if joined.
+Creds = list[tuple[str, str]]
+
+
+def seed_machines(running: server.Running, count: int) -> Creds:
     now = dt.datetime.now(dt.UTC)
-    creds = [(str(uuid.uuid4()), uuid.uuid4().hex) for _ in range(count)]
+    made = [(str(uuid.uuid4()), keys.Ed25519PrivateKey.generate()) for _ in range(count)]
     with running.coord.store.engine.begin() as conn:
         conn.execute(insert(Machine), [
-            {"id": m, "name": f"bench-{i}", "secret_sha256": hashlib.sha256(s.encode()).hexdigest(),
+            {"id": m, "name": f"bench-{i}", "public_key": keys.public_text(k),
+             "fingerprint": keys.key_fingerprint(k), "status": "approved", "address": "",
              "capabilities_json": "{}", "gpus_json": "{}", "registered_at": now,
-             "last_seen_at": now} for i, (m, s) in enumerate(creds)])
-    return creds
+             "last_seen_at": now} for i, (m, k) in enumerate(made)])
+    return [(m, k.private_bytes_raw().hex()) for m, k in made]
 
 
-def join(address: str, creds: list[tuple[str, str]]) -> None:
+def _signed(stub_call, request, method: str, cred: tuple[str, str], **kw):
+    """One call as the machine `cred`, signed as its agent signs (agent.client)."""
+    key = keys.Ed25519PrivateKey.from_private_bytes(bytes.fromhex(cred[1]))
+    md = [(MACHINE_HEADER, cred[0]),
+          *signed_metadata(key, method, request.SerializeToString(), cred[0])]
+    return stub_call(request, metadata=md, **kw)
+
+
+def _stub(address: str, pem: str) -> tuple[grpc.Channel, pb_grpc.AgentServiceStub]:
+    channel = pinned_channel(address, pem)
+    return channel, pb_grpc.AgentServiceStub(channel)
+
+
+def join(address: str, pem: str, creds: Creds) -> None:
     """What every agent does when it starts, and every 10 s after: a heartbeat with its
     capabilities (untimed)."""
-    client = CoordinatorClient(address, Path(os.devnull))
+    channel, stub = _stub(address, pem)
     caps = pb.Capabilities(runtime="runsc", builder="buildah", cpus=8, memory_mb=32_000,
                            speed_gflops=100.0)
 
     def beat(cred: tuple[str, str]) -> None:
-        client.stub.Heartbeat(pb.HeartbeatRequest(capabilities=caps), timeout=30, metadata=(
-            (MACHINE_HEADER, cred[0]), (SECRET_HEADER, cred[1])))
+        _signed(stub.Heartbeat, pb.HeartbeatRequest(capabilities=caps), HEARTBEAT, cred,
+                timeout=30)
 
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(beat, creds))
-    client.close()
+    channel.close()
 
 
-def measure(address: str, creds: list[tuple[str, str]], leases: int, threads: int,
+def measure(address: str, pem: str, creds: Creds, leases: int, threads: int,
             processes: int) -> dict[str, float]:
     """Latency from one client asking in turn (as gpumesh's driver does); throughput from
     `processes` client processes of `threads` threads each, all at once (agents are other
     processes on other machines: client work must not share the coordinator's GIL)."""
-    alone = _client(address, creds, leases // 3, 1)
+    alone = _client(address, pem, creds, leases // 3, 1)
     per_process = max(1, leases // processes)
     procs = [subprocess.Popen([sys.executable, __file__, "--client", address,
                                "--leases", str(per_process), "--threads", str(threads)],
@@ -107,7 +130,7 @@ def measure(address: str, creds: list[tuple[str, str]], leases: int, threads: in
              for _ in range(processes)]
     for p in procs:
         assert p.stdin is not None
-        p.stdin.write(json.dumps(creds) + "\n")
+        p.stdin.write(json.dumps({"pem": pem, "creds": creds}) + "\n")
         p.stdin.flush()
     for p in procs:  # each has warmed up and waits for "go"
         assert p.stdout is not None
@@ -141,20 +164,19 @@ def _cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _client(address: str, creds: list[tuple[str, str]], leases: int, threads: int,
+def _client(address: str, pem: str, creds: Creds, leases: int, threads: int,
             go: threading.Event | None = None) -> dict[str, float]:
     """Leases from `threads` threads over one channel, as random registered machines."""
-    client = CoordinatorClient(address, Path(os.devnull))
+    channel, stub = _stub(address, pem)
     latencies: list[float] = []
     lock = threading.Lock()
     rng = random.Random(os.getpid())
 
     def one(_: int) -> None:
         with lock:
-            client.machine_id, client._secret = rng.choice(creds)
-            md = client._md
-        t = time.perf_counter()
-        reply = client.stub.Lease(pb.LeaseRequest(), metadata=md, timeout=30)
+            cred = rng.choice(creds)
+        t = time.perf_counter()  # the agent's signing counts: it is part of every call
+        reply = _signed(stub.Lease, pb.LeaseRequest(), LEASE, cred, timeout=30)
         took = time.perf_counter() - t
         assert reply.has_task
         with lock:
@@ -169,7 +191,7 @@ def _client(address: str, creds: list[tuple[str, str]], leases: int, threads: in
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(one, range(leases)))
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu
-    client.close()
+    channel.close()
     latencies.sort()
     return {"median_ms": statistics.median(latencies) * 1000,
             "p95_ms": latencies[int(len(latencies) * 0.95) - 1] * 1000, "per_s": leases / wall,
@@ -177,12 +199,13 @@ def _client(address: str, creds: list[tuple[str, str]], leases: int, threads: in
 
 
 def client_process(address: str, leases: int, threads: int) -> None:
-    creds = [tuple(c) for c in json.loads(sys.stdin.readline())]
+    given = json.loads(sys.stdin.readline())
+    pem, creds = given["pem"], [tuple(c) for c in given["creds"]]
     go = threading.Event()
     result: dict[str, object] = {}
 
     def run() -> None:
-        result.update(_client(address, creds, leases, threads, go))  # type: ignore[arg-type]
+        result.update(_client(address, pem, creds, leases, threads, go))  # type: ignore[arg-type]
 
     worker = threading.Thread(target=run)
     worker.start()
@@ -227,9 +250,11 @@ def main() -> None:
     settings = Settings.from_env(root / "coord", s3_endpoint=s3.endpoint, s3_access_key="bench",
                                  s3_secret_key=s3.secret_key, http_port=free_port(),
                                  grpc_port=free_port(), lease_seconds=600,
+                                 admin_identity=root / "admin.json",
                                  **({"database_url": args.database_url} if args.database_url else {}))
     running = server.start(settings)
     address = f"127.0.0.1:{running.grpc_port}"
+    pem = running.certificate.pem.decode()
     rows = []
     try:
         depths = [int(x) for x in args.depths.split(",")]
@@ -241,8 +266,8 @@ def main() -> None:
                       + 30 * (args.processes + 1) * len(counts))
             seeded = depth
             for machines in counts:
-                join(address, creds[:machines])  # agents heartbeat every 10 s: still here
-                r = measure(address, creds[:machines], args.leases, args.threads, args.processes)
+                join(address, pem, creds[:machines])  # agents heartbeat every 10 s: still here
+                r = measure(address, pem, creds[:machines], args.leases, args.threads, args.processes)
                 rows.append((depth, machines, r))
                 print(f"  measured {depth} queued, {machines} machines: {r['median_ms']:.2f} ms",
                       file=sys.stderr)

@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 from campugrid.cli.platform import Platform
-from campugrid.cli.rest import Api
 from campugrid.cli.seaweed import free_port
+from campugrid.client import Api
 from campugrid.protocol.spec import JobSpec
 
 BENCH = Path(__file__).resolve().parent
@@ -46,7 +46,7 @@ def context(root: Path, script: str) -> Path:
 
 
 def run_ours(api: Api, root: Path, mode: str, count: int) -> dict[str, float]:
-    from campugrid.cli.rest import tar_folder
+    from campugrid.client import tar_folder
 
     spec = JobSpec.from_dict({
         "command": ["python3", "/shard.py"], "shard_mode": mode,

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from campugrid.cli.platform import Platform
-from campugrid.cli.rest import Api
 from campugrid.cli.seaweed import free_port
+from campugrid.client import Api
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +18,8 @@ def platform() -> Iterator[Platform]:
     """The whole platform as `campugrid up` starts it, with one agent as the provider user."""
     root = Path(tempfile.mkdtemp(prefix="campugrid-acc-"))
     os.chmod(root, 0o711)
-    p = Platform(root / "state", http_port=free_port(), lease_seconds=4.0).start()
+    p = Platform(root / "state", http_port=free_port(), lease_seconds=4.0,
+                 admin_identity=root / "admin.json").start()
     try:
         p.start_agent("acceptance-agent")
         yield p
@@ -32,5 +33,5 @@ def platform() -> Iterator[Platform]:
 
 @pytest.fixture
 def api(platform: Platform) -> Iterator[Api]:
-    with Api(platform.url) as client:
+    with platform.api() as client:
         yield client

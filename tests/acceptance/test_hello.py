@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from campugrid.cli.platform import ProviderUser
-from campugrid.cli.rest import tar_folder
+from campugrid.client import tar_folder
 from campugrid.protocol.spec import JobSpec
 
 pytestmark = pytest.mark.acceptance
@@ -82,17 +82,17 @@ def test_the_cli_shows_the_job(api, platform):
     api.wait(job["id"], timeout_s=240)
     cli = [sys.executable, "-m", "campugrid.cli"]
     out = subprocess.run([*cli, "status", job["id"], "--server", platform.url],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, env=platform.cli_env(), text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "succeeded" in out.stdout and "cli check" in out.stdout
     logs = subprocess.run([*cli, "logs", job["id"], "--server", platform.url],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, env=platform.cli_env(), text=True, timeout=60)
     assert "build| STEP" in logs.stdout and "hello from campugrid" in logs.stdout
-    listed = subprocess.run([*cli, "jobs", "--server", platform.url], capture_output=True,
+    listed = subprocess.run([*cli, "jobs", "--server", platform.url], capture_output=True, env=platform.cli_env(),
                             text=True, timeout=60)
     assert job["id"] in listed.stdout
     missing = subprocess.run([*cli, "status", "not-a-job", "--server", platform.url],
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, env=platform.cli_env(), text=True, timeout=60)
     assert missing.returncode == 2 and "no job 'not-a-job'" in missing.stderr
 
 
@@ -194,7 +194,7 @@ def test_a_gpu_job_on_a_cpu_only_platform_waits_and_says_why(api, platform):
     assert seen["state"] == "queued"
     assert seen["waiting_reason"] == "no online machine has a GPU (1 CPU-only online)"
     out = subprocess.run([sys.executable, "-m", "campugrid.cli", "status", job["id"], "--server",
-                          platform.url], capture_output=True, text=True, timeout=60)
+                          platform.url], capture_output=True, env=platform.cli_env(), text=True, timeout=60)
     assert "waiting  no online machine has a GPU" in out.stdout
     api.cancel(job["id"])
 

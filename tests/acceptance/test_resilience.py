@@ -20,11 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from campugrid.agent.client import CoordinatorClient
+from campugrid.agent.client import CoordinatorClient, Membership
 from campugrid.cli.platform import AgentHandle, Platform, ProviderUser
-from campugrid.cli.rest import Api, tar_folder
 from campugrid.cli.seaweed import EmbeddedS3, free_port
+from campugrid.client import Api, Identity, tar_folder
 from campugrid.protocol import agent_pb2 as pb
+from campugrid.protocol import pins
 from campugrid.protocol.spec import JobSpec
 
 pytestmark = pytest.mark.acceptance
@@ -42,11 +43,12 @@ def shared_root() -> Path:
 @pytest.fixture
 def two_agents() -> Iterator[tuple[Platform, Api]]:
     root = shared_root()
-    p = Platform(root / "state", http_port=free_port(), lease_seconds=4.0).start()
+    p = Platform(root / "state", http_port=free_port(), lease_seconds=4.0,
+                 admin_identity=root / "admin.json").start()
     try:
         p.start_agent("agent-a")
         p.start_agent("agent-b")
-        with Api(p.url) as api:
+        with p.api() as api:
             yield p, api
     finally:
         p.stop()
@@ -132,10 +134,8 @@ def test_kill_9_of_the_running_agent_resumes_elsewhere_from_the_last_checkpoint(
     kinds = [(e["kind"], e["attempt"]) for e in final["events"]]
     assert ("lease_expired", 1) in kinds and ("leased", 2) in kinds
     # the lost agent's late completion is refused and recorded
-    lost = CoordinatorClient(p.grpc_address, victim.state_dir / "credentials.json")
+    lost = CoordinatorClient(Membership.load(victim.state_dir))  # its own key and id
     try:
-        creds = json.loads((victim.state_dir / "credentials.json").read_text())
-        lost.machine_id, lost._secret = creds["machine_id"], creds["secret"]
         late = lost.complete(pb.CompleteRequest(job_id=job, fencing_token=1, succeeded=True,
                                                 result="late"))
     finally:
@@ -175,13 +175,18 @@ def test_coordinator_kill_9_loses_nothing_and_jobs_finish(tmp_path):
            "CAMPUGRID_S3_ACCESS_KEY": s3.access_key, "CAMPUGRID_S3_SECRET_KEY": s3.secret_key}
     argv = [sys.executable, "-m", "campugrid.cli", "coordinator", "serve", "--state-dir",
             str(root / "coord"), "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-            "--lease-seconds", "8"]
-    api = Api(f"http://127.0.0.1:{http_port}")
+            "--lease-seconds", "8", "--admin-identity", str(root / "admin.json")]
     coord = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     p = Platform(root / "agents-only")  # agents only: the coordinator is the subprocess
+    api = None
     try:
+        wait_for("the coordinator's admin identity", (root / "admin.json").exists, timeout=60)
+        api = Api(f"http://127.0.0.1:{http_port}", Identity.load(root / "admin.json"))
         wait_for("the coordinator", lambda: _up(api), timeout=60)
-        p.start_agent("agent-a", coordinator=f"127.0.0.1:{grpc_port}")
+        pin = pins.certificate_fingerprint((root / "coord" / "tls" / "coordinator.crt").read_text())
+        agent = p.start_agent("agent-a", coordinator=f"127.0.0.1:{grpc_port}", pin=pin,
+                              approve=False)
+        api.approve_machine(agent.machine_id())
         jobs = [api.submit(tar_folder(TRAIN), JobSpec.from_dict(
             {"env": {"EPOCHS": "4", "EPOCH_SECONDS": "1"}, "client_job_id": f"restart-{i}"}))["id"]
             for i in range(3)]
@@ -194,7 +199,8 @@ def test_coordinator_kill_9_loses_nothing_and_jobs_finish(tmp_path):
         finals = [api.wait(j, timeout_s=300) for j in jobs]
         assert [f["state"] for f in finals] == ["succeeded"] * 3, finals
     finally:
-        api.close()
+        if api is not None:
+            api.close()
         p.stop()
         coord.kill()
         coord.wait()
@@ -283,10 +289,8 @@ def test_kill_9_during_a_sharded_job_runs_the_lost_shard_elsewhere_once(two_agen
     assert lost["tries"] == 1 and lost["machine_id"] != victim.machine_id()
     assert "session_lost" in [e["kind"] for e in final["events"]]
     # the lost session's late result is refused
-    client = CoordinatorClient(p.grpc_address, victim.state_dir / "credentials.json")
+    client = CoordinatorClient(Membership.load(victim.state_dir))  # its own key and id
     try:
-        creds = json.loads((victim.state_dir / "credentials.json").read_text())
-        client.machine_id, client._secret = creds["machine_id"], creds["secret"]
         late = client.next_shard(job, (1 << 40) + token, pb.ShardResult(
             index=victim_shard["index"], succeeded=True, result_json='"late"'))
     finally:

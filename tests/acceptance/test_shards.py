@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from campugrid.cli.rest import tar_folder
+from campugrid.client import tar_folder
 from campugrid.protocol.errors import NotFound
 from campugrid.protocol.spec import JobSpec
 
@@ -64,13 +64,13 @@ def test_a_sweep_runs_every_shard_in_one_warm_sandbox(api, platform):
     # through the README's commands: submit --wait, then the shards' results
     cli = [sys.executable, "-m", "campugrid.cli"]
     out = subprocess.run([*cli, "submit", str(SWEEP), "--spec", str(SWEEP / "job.json"), "--wait",
-                          "--server", platform.url], capture_output=True, text=True, timeout=300)
+                          "--server", platform.url], capture_output=True, env=platform.cli_env(), text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     job = {"id": out.stdout.splitlines()[0].strip()}
     n = len(spec.shards)
     assert f"({n} shards: 0 queued, 0 running, {n} succeeded, 0 failed)" in out.stdout
     listed = subprocess.run([*cli, "shards", job["id"], "--server", platform.url],
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, env=platform.cli_env(), text=True, timeout=60)
     assert [json.loads(line)["state"] for line in listed.stdout.splitlines()] == ["succeeded"] * n
     final = api.job(job["id"])
     assert final["state"] == "succeeded", final

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from campugrid.cli.rest import ApiError, tar_folder
+from campugrid.client import ApiError, tar_folder
 from campugrid.protocol.spec import JobSpec
 
 pytestmark = pytest.mark.acceptance

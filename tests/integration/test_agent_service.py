@@ -10,14 +10,16 @@ from pathlib import Path
 import grpc
 import pytest
 
-from campugrid.agent.client import CoordinatorClient
-from campugrid.cli.rest import Api, tar_folder
+from campugrid.agent.client import CoordinatorClient, Membership
 from campugrid.cli.seaweed import EmbeddedS3, free_port
+from campugrid.client import Api, Identity, tar_folder
 from campugrid.coordinator import server
 from campugrid.coordinator.config import Settings
 from campugrid.protocol import agent_pb2 as pb
+from campugrid.protocol import agent_pb2_grpc as pb_grpc
 from campugrid.protocol import logs
 from campugrid.protocol.spec import JobSpec
+from campugrid.protocol.wire import MACHINE_HEADER
 
 pytestmark = pytest.mark.integration
 HELLO = Path(__file__).resolve().parents[2] / "examples" / "hello"
@@ -28,7 +30,8 @@ def coordinator(s3_server: EmbeddedS3, tmp_path: Path) -> Iterator[tuple[server.
     settings = Settings.from_env(
         tmp_path / "coord", s3_endpoint=s3_server.endpoint, s3_access_key=s3_server.access_key,
         s3_secret_key=s3_server.secret_key, s3_bucket=f"c{tmp_path.name[-8:].lower().replace('_', '')}x",
-        http_port=free_port(), grpc_port=free_port(), lease_seconds=1.0)
+        http_port=free_port(), grpc_port=free_port(), lease_seconds=1.0,
+        admin_identity=tmp_path / "admin.json")
     running = server.start(settings)
     import threading
 
@@ -36,7 +39,7 @@ def coordinator(s3_server: EmbeddedS3, tmp_path: Path) -> Iterator[tuple[server.
     t.start()
     while not running.http.started:
         time.sleep(0.05)
-    api = Api(f"http://127.0.0.1:{settings.http_port}")
+    api = Api(running.url, Identity.load(tmp_path / "admin.json"))
     yield running, api
     api.close()
     for c in _clients:
@@ -49,29 +52,43 @@ def coordinator(s3_server: EmbeddedS3, tmp_path: Path) -> Iterator[tuple[server.
 _clients: list[CoordinatorClient] = []
 
 
-def client(running: server.Running, tmp_path: Path, name: str) -> CoordinatorClient:
-    c = CoordinatorClient(f"127.0.0.1:{running.grpc_port}", tmp_path / f"{name}.json")
+def client(running: server.Running, tmp_path: Path, name: str,
+           caps: pb.Capabilities | None = None, approve: bool = True) -> CoordinatorClient:
+    """A machine that joined (pinning the coordinator's certificate) and, unless told
+    otherwise, was approved by its owner."""
+    membership = Membership.join(tmp_path / name, running.grpc_address,
+                                 running.certificate.fingerprint)
+    c = CoordinatorClient(membership)
     _clients.append(c)
-    c.ensure_registered(name, pb.Capabilities(runtime="runsc", builder="buildah"))
+    c.register(name, caps or pb.Capabilities(runtime="runsc", builder="buildah"))
+    if approve:
+        running.coord.approve_machine(c.machine_id)
     return c
 
 
-def test_calls_without_valid_credentials_are_refused(coordinator, tmp_path):
+def test_a_call_on_a_plain_channel_or_unsigned_is_refused(coordinator, tmp_path):
     running, _ = coordinator
-    c = CoordinatorClient(f"127.0.0.1:{running.grpc_port}", tmp_path / "none.json")
-    _clients.append(c)
-    c.machine_id, c._secret = "someone", "guess"
+    plain = grpc.insecure_channel(running.grpc_address)  # no TLS: the handshake fails
     with pytest.raises(grpc.RpcError) as err:
-        c.lease()
+        pb_grpc.AgentServiceStub(plain).Lease(pb.LeaseRequest(), timeout=5)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    plain.close()
+    m = client(running, tmp_path, "m")
+    # The right channel, the right machine id, no signature.
+    with pytest.raises(grpc.RpcError) as err:
+        pb_grpc.AgentServiceStub(m.channel).Lease(
+            pb.LeaseRequest(), metadata=((MACHINE_HEADER, m.machine_id),), timeout=5)
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "not signed" in err.value.details()
 
 
-def test_credentials_are_kept_private_and_reused(coordinator, tmp_path):
+def test_the_machine_key_is_private_and_joining_again_is_the_same_machine(coordinator, tmp_path):
     running, _ = coordinator
     first = client(running, tmp_path, "m")
-    assert (tmp_path / "m.json").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "m" / "machine.key").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "m" / "membership.json").stat().st_mode & 0o777 == 0o600
     again = client(running, tmp_path, "m")
-    assert again.machine_id == first.machine_id
+    assert again.machine_id == first.machine_id and again.fingerprint == first.fingerprint
 
 
 def test_a_late_completion_from_a_lost_attempt_is_refused_and_recorded(coordinator, tmp_path,
@@ -184,9 +201,7 @@ def test_a_job_is_leased_only_to_a_machine_that_enforces_what_it_requires(coordi
     running, api = coordinator
     job = api.submit(tar_folder(HELLO), JobSpec.from_dict(
         {"resources": {"require_limits": ["sandbox_seccomp"]}}))
-    c = CoordinatorClient(f"127.0.0.1:{running.grpc_port}", tmp_path / "old.json")
-    _clients.append(c)
-    c.ensure_registered("old", pb.Capabilities(runtime="runsc", builder="buildah", limits={
+    c = client(running, tmp_path, "old", pb.Capabilities(runtime="runsc", builder="buildah", limits={
         "memory": "enforced", "sandbox_seccomp": "not enforced: no seccomp profile"}))
     assert not c.lease(enforced=["memory"]).has_task
     assert api.job(job["id"])["waiting_reason"] == (
@@ -223,11 +238,8 @@ def sharded_job(api: Api, costs: list[float]) -> str:
 def test_shards_over_grpc_results_checked_and_heavy_ones_to_the_faster_machine(coordinator, tmp_path):
     running, api = coordinator
     job_id = sharded_job(api, [1, 7, 3])
-    slow, fast = (CoordinatorClient(f"127.0.0.1:{running.grpc_port}", tmp_path / f"{n}.json")
-                  for n in ("slow", "fast"))
-    _clients.extend((slow, fast))
-    slow.ensure_registered("slow", pb.Capabilities(runtime="runsc", speed_gflops=10.0))
-    fast.ensure_registered("fast", pb.Capabilities(runtime="runsc", speed_gflops=200.0))
+    slow = client(running, tmp_path, "slow", pb.Capabilities(runtime="runsc", speed_gflops=10.0))
+    fast = client(running, tmp_path, "fast", pb.Capabilities(runtime="runsc", speed_gflops=200.0))
     lease_fast, lease_slow = fast.lease(), slow.lease()
     assert lease_fast.HasField("shard") and lease_slow.HasField("shard")
     assert (lease_fast.shard.cost, lease_slow.shard.cost) == (7, 1)

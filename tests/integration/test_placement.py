@@ -19,6 +19,7 @@ from campugrid.coordinator.store import Store
 from campugrid.coordinator.views import utcnow
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobState
+from tests.support.machines import add_machine
 
 pytestmark = pytest.mark.integration
 GB = 1024
@@ -37,7 +38,7 @@ def rig(machine_id: str, *free_gb: int, isolation: bool = True) -> MachineView:
 
 def test_a_gpu_job_reserves_memory_on_a_specific_gpu(store: Store):
     job = gpu_job(store, 10)
-    m, _ = store.machines.register("rig", {})
+    m = add_machine(store, "rig", {})
     assert store.claim_next(m, 30, rig(m, 24)).id == job
     assert store.reserved_gpus(job, 1) == [f"{m}-gpu0"]
     assert "GPUs" in store.events(job)[-1].detail
@@ -45,14 +46,14 @@ def test_a_gpu_job_reserves_memory_on_a_specific_gpu(store: Store):
 
 def test_cpu_only_machines_never_get_gpu_jobs(store: Store):
     gpu_job(store, 1)
-    cpu, _ = store.machines.register("laptop", {})
+    cpu = add_machine(store, "laptop", {})
     assert store.claim_next(cpu, 30) is None
     assert store.claim_next(cpu, 30, rig(cpu, 24, isolation=False)) is None
 
 
 def test_memory_is_never_promised_twice_under_concurrent_leases(store: Store):
     jobs = [gpu_job(store, 10) for _ in range(6)]
-    m, _ = store.machines.register("rig", {})
+    m = add_machine(store, "rig", {})
     offer = rig(m, 24)  # room for two 10 GB jobs
     barrier = threading.Barrier(6)
 
@@ -74,7 +75,7 @@ def test_memory_is_never_promised_twice_under_concurrent_leases(store: Store):
 @pytest.mark.parametrize("ending", ["cancel", "expire", "release"])
 def test_every_ending_releases_the_reservation(store: Store, ending: str):
     job = gpu_job(store, 20)
-    m, _ = store.machines.register("rig", {})
+    m = add_machine(store, "rig", {})
     store.claim_next(m, 30, rig(m, 24))
     other = gpu_job(store, 20)
     assert store.claim_next(m, 30, rig(m, 24)) is None  # full
@@ -91,12 +92,12 @@ def test_every_ending_releases_the_reservation(store: Store, ending: str):
 
 def test_a_machine_that_reports_less_free_memory_gets_less(store: Store):
     gpu_job(store, 12)
-    m, _ = store.machines.register("desktop", {})
+    m = add_machine(store, "desktop", {})
     assert store.claim_next(m, 30, rig(m, 11)) is None  # a model server holds the rest
 
 
 def test_why_a_job_waits_comes_from_online_machines(store: Store):
-    m, _ = store.machines.register("desktop", {})
+    m = add_machine(store, "desktop", {})
     store.machines.heartbeat(m, offer=rig(m, 2))
     [view] = store.machines.online()
     assert view.name == "desktop" and view.gpus[0].available_mb == 2 * GB
@@ -117,7 +118,7 @@ def test_a_job_goes_only_to_machines_that_enforce_what_it_requires(store: Store,
     sharded = {"command": ["true"], "shards": [{"payload": 1}]} if kind == "sharded" else {}
     strict = store.submit(JobSpec.from_dict({**sharded, "resources": {
         **gpu, "require_limits": ["build_disk"]}}), "contexts/x.tar", "ab" * 32)[0].id
-    m, _ = store.machines.register("kaniko-box", {})
+    m = add_machine(store, "kaniko-box", {})
     lacks = enforcing(m, "memory", "cpu", "pids", "disk", "wall_time", "confinement",
                       "sandbox_seccomp", base=rig(m, 24) if gpu else None)
     assert store.claim_next(m, 30, lacks) is None
@@ -127,7 +128,7 @@ def test_a_job_goes_only_to_machines_that_enforce_what_it_requires(store: Store,
     easy = store.submit(JobSpec.from_dict({"resources": gpu}), "contexts/x.tar", "cd" * 32)[0].id
     got = store.claim_next(m, 30, lacks)
     assert got is not None and got.id == easy
-    other, _ = store.machines.register("buildah-box", {})
+    other = add_machine(store, "buildah-box", {})
     got = store.claim_next(other, 30, enforcing(other, "build_disk", "memory",
                                                 base=rig(other, 24) if gpu else None))
     assert got is not None and got.id == strict
@@ -136,7 +137,7 @@ def test_a_job_goes_only_to_machines_that_enforce_what_it_requires(store: Store,
 
 def test_why_a_job_waits_names_the_limit_no_machine_enforces(store: Store):
     spec = JobSpec.from_dict({"resources": {"require_limits": ["sandbox_seccomp", "build_disk"]}})
-    store.machines.register("old-box", {"limits": {
+    add_machine(store, "old-box", {"limits": {
         "memory": "enforced", "build_disk": "enforced",
         "sandbox_seccomp": "not enforced: no seccomp profile"}})
     [view] = store.machines.online()
@@ -169,7 +170,7 @@ print(json.dumps(got))
 
 def test_two_coordinator_processes_never_double_lease_or_overcommit(store: Store, db_url: str):
     jobs = [gpu_job(store, 10) for _ in range(40)]
-    machines = [store.machines.register(f"m{i}", {})[0] for i in range(8)]
+    machines = [add_machine(store, f"m{i}", {}) for i in range(8)]
     procs = [subprocess.Popen([sys.executable, "-c", SCRIPT, db_url, json.dumps(machines)],
                               stdout=subprocess.PIPE, text=True) for _ in range(2)]
     results = []
@@ -210,7 +211,7 @@ def test_two_coordinator_processes_lease_each_cpu_job_once(store: Store, db_url:
     # The one-statement claim (and on SQLite its DBAPI path), under real contention.
     jobs = [store.submit(JobSpec.from_dict({"command": ["x"]}), "contexts/x", "a" * 64)[0].id
             for _ in range(300)]
-    machines = [store.machines.register(f"m{i}", {})[0] for i in range(8)]
+    machines = [add_machine(store, f"m{i}", {}) for i in range(8)]
     procs = [subprocess.Popen([sys.executable, "-c", CPU_SCRIPT, db_url, json.dumps(machines)],
                               stdout=subprocess.PIPE, text=True) for _ in range(2)]
     results = []

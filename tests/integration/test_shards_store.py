@@ -15,6 +15,7 @@ from campugrid.coordinator.views import ShardResult, session_of, utcnow
 from campugrid.protocol.errors import Conflict, StaleAttempt
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobState
+from tests.support.machines import add_machine
 
 pytestmark = pytest.mark.integration
 
@@ -36,7 +37,7 @@ def test_every_shard_is_a_task_with_its_own_result(store: Store):
     job = sharded(store, [1, 1, 1])
     assert job.state is JobState.QUEUED and job.shards_total == 3 and job.shards_queued == 3
     assert job.spec.shards == ()  # stored apart from the spec
-    m, _ = store.machines.register("m", {})
+    m = add_machine(store, "m", {})
     claim = store.claim(m, 30)
     assert claim is not None and claim.session is not None and claim.shard is not None
     token, first = claim.token, claim.shard
@@ -65,7 +66,7 @@ def test_every_shard_is_a_task_with_its_own_result(store: Store):
 
 def test_a_failed_shard_fails_the_job_but_every_shard_runs(store: Store):
     job = sharded(store, [1, 1])
-    m, _ = store.machines.register("m", {})
+    m = add_machine(store, "m", {})
     claim = store.claim(m, 30)
     assert claim is not None and claim.shard is not None
     nxt = store.shards.next_shard(job.id, claim.token, m,
@@ -81,8 +82,8 @@ def test_a_failed_shard_fails_the_job_but_every_shard_runs(store: Store):
 
 def test_heavy_shards_go_to_fast_machines_and_light_ones_to_slow(store: Store):
     job = sharded(store, [5, 1, 9, 3])
-    fast, _ = store.machines.register("fast", {})
-    slow, _ = store.machines.register("slow", {})
+    fast = add_machine(store, "fast", {})
+    slow = add_machine(store, "slow", {})
     f = store.claim(fast, 30, heavy_first=True)
     s = store.claim(slow, 30, heavy_first=False)
     assert f is not None and s is not None and f.shard is not None and s.shard is not None
@@ -94,8 +95,8 @@ def test_heavy_shards_go_to_fast_machines_and_light_ones_to_slow(store: Store):
 
 def test_a_lost_session_requeues_its_shard_and_its_late_result_is_refused(store: Store):
     job = sharded(store, [1, 1])
-    lost, _ = store.machines.register("lost", {})
-    other, _ = store.machines.register("other", {})
+    lost = add_machine(store, "lost", {})
+    other = add_machine(store, "other", {})
     claim = store.claim(lost, 5)
     assert claim is not None and claim.shard is not None
     held = claim.shard.index
@@ -116,7 +117,7 @@ def test_a_lost_session_requeues_its_shard_and_its_late_result_is_refused(store:
 
 def test_a_shard_lost_max_attempts_times_fails(store: Store):
     job = sharded(store, [1])  # max_attempts 2
-    m, _ = store.machines.register("m", {})
+    m = add_machine(store, "m", {})
     for _ in range(2):
         claim = store.claim(m, 5)
         assert claim is not None
@@ -128,7 +129,7 @@ def test_a_shard_lost_max_attempts_times_fails(store: Store):
 
 def test_a_drained_session_does_not_count_a_try(store: Store):
     job = sharded(store, [1])
-    m, _ = store.machines.register("m", {})
+    m = add_machine(store, "m", {})
     for _ in range(3):  # more than max_attempts
         claim = store.claim(m, 30)
         assert claim is not None
@@ -139,7 +140,7 @@ def test_a_drained_session_does_not_count_a_try(store: Store):
 
 def test_a_failed_session_fails_the_job_with_its_reason(store: Store):
     job = sharded(store, [1, 1, 1])
-    m, _ = store.machines.register("m", {})
+    m = add_machine(store, "m", {})
     claim = store.claim(m, 30)
     assert claim is not None
     store.shards.end(job.id, claim.token, m, failure="the image does not build")
@@ -151,7 +152,7 @@ def test_a_failed_session_fails_the_job_with_its_reason(store: Store):
 
 def test_cancel_ends_sessions(store: Store):
     job = sharded(store, [1, 1])
-    m, _ = store.machines.register("m", {})
+    m = add_machine(store, "m", {})
     claim = store.claim(m, 30)
     assert claim is not None and claim.shard is not None
     store.cancel(job.id)
@@ -172,7 +173,7 @@ def test_resubmitting_with_other_shards_conflicts(store: Store):
 def test_many_machines_never_take_one_shard_twice(store: Store):
     n = 60
     job = sharded(store, [1.0] * n)
-    machines = [store.machines.register(f"m{i}", {})[0] for i in range(6)]
+    machines = [add_machine(store, f"m{i}", {}) for i in range(6)]
     taken: list[int] = []
     lock = threading.Lock()
 
@@ -201,7 +202,7 @@ def test_a_sharded_gpu_job_holds_gpu_memory_per_session_until_the_job_ends(store
     spec = {"command": ["x"], "resources": {"gpus": 1, "gpu_memory_mb": 4096},
             "shards": [{"payload": i} for i in range(2)]}
     job, _ = store.submit(JobSpec.from_dict(spec), "contexts/x.tar", "ab" * 32)
-    m, _ = store.machines.register("gpu-box", {})
+    m = add_machine(store, "gpu-box", {})
     offer = MachineView(m, "gpu-box", (GpuView("GPU-1", "nvidia", "RTX", 10_000, 0, (8, 6)),),
                         gpu_isolation=True)
     claim = store.claim(m, 30, offer)

@@ -9,11 +9,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from campugrid.coordinator.db import make_engine
 from campugrid.coordinator.store import Store
 from campugrid.coordinator.views import utcnow
 from campugrid.protocol.errors import Conflict, IllegalTransition, NotFound, StaleAttempt
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobState
+from tests.support.machines import add_machine
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +29,7 @@ def submit(store: Store, client_id: str | None = None, **spec: object):
 def test_a_job_goes_through_its_whole_life(store: Store):
     job = submit(store)
     assert job.state is JobState.QUEUED and job.attempt == 0
-    m, _ = store.machines.register("m1", {})
+    m = add_machine(store, "m1", {})
     leased = store.claim_next(m, lease_s=30)
     assert leased is not None and leased.id == job.id
     assert leased.state is JobState.BUILDING and leased.attempt == 1 and leased.machine_id == m
@@ -68,7 +70,7 @@ def test_concurrent_retries_of_one_submit_make_one_job(store: Store):
 def test_concurrent_claims_never_lease_one_job_twice(store: Store):
     for _ in range(30):
         submit(store)
-    machines = [store.machines.register(f"m{i}", {})[0] for i in range(8)]
+    machines = [add_machine(store, f"m{i}", {}) for i in range(8)]
     barrier = threading.Barrier(len(machines))
 
     def drain(machine: str) -> list[str]:
@@ -85,8 +87,8 @@ def test_concurrent_claims_never_lease_one_job_twice(store: Store):
 
 def test_a_stale_attempt_is_refused_and_recorded(store: Store):
     job = submit(store, max_attempts=3)
-    m1, _ = store.machines.register("lost", {})
-    m2, _ = store.machines.register("fresh", {})
+    m1 = add_machine(store, "lost", {})
+    m2 = add_machine(store, "fresh", {})
     store.claim_next(m1, lease_s=30)
     assert store.requeue_expired(utcnow() + dt.timedelta(seconds=31)) == [job.id]
     second = store.claim_next(m2, lease_s=30)
@@ -107,7 +109,7 @@ def test_a_stale_attempt_is_refused_and_recorded(store: Store):
 
 def test_expiry_uses_up_attempts_then_fails_with_the_history(store: Store):
     job = submit(store, max_attempts=2)
-    m, _ = store.machines.register("flaky", {})
+    m = add_machine(store, "flaky", {})
     later = utcnow()
     for _ in range(2):
         assert store.claim_next(m, lease_s=1) is not None
@@ -121,7 +123,7 @@ def test_expiry_uses_up_attempts_then_fails_with_the_history(store: Store):
 
 def test_a_live_lease_is_not_expired(store: Store):
     job = submit(store)
-    m, _ = store.machines.register("m", {})
+    m = add_machine(store, "m", {})
     store.claim_next(m, lease_s=30)
     assert store.requeue_expired() == []
     assert store.get(job.id).state is JobState.BUILDING
@@ -129,7 +131,7 @@ def test_a_live_lease_is_not_expired(store: Store):
 
 def test_cancel_stops_renewal_and_refuses_completion(store: Store):
     job = submit(store)
-    m, _ = store.machines.register("m", {})
+    m = add_machine(store, "m", {})
     store.claim_next(m, lease_s=30)
     assert store.cancel(job.id).state is JobState.CANCELLED
     with pytest.raises(IllegalTransition, match="cancelled"):
@@ -143,8 +145,8 @@ def test_cancel_stops_renewal_and_refuses_completion(store: Store):
 
 def test_another_machine_cannot_complete_an_attempt_it_does_not_hold(store: Store):
     job = submit(store)
-    m, _ = store.machines.register("holder", {})
-    thief, _ = store.machines.register("thief", {})
+    m = add_machine(store, "holder", {})
+    thief = add_machine(store, "thief", {})
     store.claim_next(m, lease_s=30)
     store.renew_lease(job.id, 1, m, JobState.RUNNING, 30)
     with pytest.raises(IllegalTransition):
@@ -155,7 +157,7 @@ def test_another_machine_cannot_complete_an_attempt_it_does_not_hold(store: Stor
 
 def test_logs_are_stored_once_per_sequence_number(store: Store):
     job = submit(store)
-    m, _ = store.machines.register("m", {})
+    m = add_machine(store, "m", {})
     store.claim_next(m, lease_s=30)
     store.append_logs(job.id, 1, m, "build", 1, "step 1\n")
     store.append_logs(job.id, 1, m, "build", 1, "step 1\n")  # a retried upload
@@ -165,20 +167,90 @@ def test_logs_are_stored_once_per_sequence_number(store: Store):
     assert store.logs(job.id, after_id=logs[0].id)[0].text == "hello\n"
 
 
-def test_machine_secrets_are_checked_and_never_stored(store: Store, db_url: str):
+def test_machines_are_pending_until_approved_and_keep_only_their_public_key(store: Store):
     from sqlalchemy import text
 
-    from campugrid.protocol.errors import Unauthenticated
+    from campugrid.coordinator.machines import Status
+    from campugrid.protocol import keys
 
-    machine, secret = store.machines.register("m", {"cpus": 2})
-    store.machines.authenticate(machine, secret)
-    with pytest.raises(Unauthenticated):
-        store.machines.authenticate(machine, secret + "x")
-    with pytest.raises(Unauthenticated):
-        store.machines.authenticate("nope", secret)
+    key = keys.Ed25519PrivateKey.generate()
+    record = store.machines.register("m", keys.public_text(key))
+    assert record.status is Status.PENDING
+    assert record.fingerprint == keys.key_fingerprint(key)
+    # The same key again is the same machine (an agent that joins twice), not a second one.
+    assert store.machines.register("m", keys.public_text(key)).id == record.id
+    store.machines.heartbeat(record.id, {})
+    assert store.machines.online() == [] and store.machines.pending_online() == 1
+    store.machines.set_status(record.id, Status.APPROVED)
+    assert [m.id for m in store.machines.online()] == [record.id]
     with store.engine.connect() as conn:
         dump = " ".join(str(v) for row in conn.execute(text("SELECT * FROM machines")) for v in row)
-    assert secret not in dump
+    private = key.private_bytes_raw()
+    import base64
+
+    assert base64.b64encode(private).decode() not in dump and private.hex() not in dump
+
+
+def test_a_revoked_machine_loses_its_lease_at_once_and_cannot_be_approved_again(store: Store):
+    from campugrid.coordinator.machines import Status
+    from campugrid.protocol.errors import Forbidden
+
+    job = submit(store)
+    m = add_machine(store, "m")
+    claim = store.claim(m, 60)
+    assert claim is not None and claim.job.id == job.id
+    store.machines.set_status(m, Status.REVOKED)
+    assert store.requeue_expired() == [job.id]
+    assert store.get(job.id).state is JobState.QUEUED
+    with pytest.raises(Forbidden, match="revoked"):
+        store.machines.set_status(m, Status.APPROVED)
+
+
+def test_jobs_belong_to_their_owner_and_client_ids_are_per_owner(store: Store):
+    spec = JobSpec(client_job_id="sweep-1")
+    a, created_a = store.submit(spec, "contexts/x", "0" * 64, owner="app-a")
+    b, created_b = store.submit(spec, "contexts/x", "0" * 64, owner="app-b")
+    assert created_a and created_b and a.id != b.id  # the same id is another app's own
+    again, created = store.submit(spec, "contexts/x", "0" * 64, owner="app-a")
+    assert again.id == a.id and not created
+    assert store.get(a.id, owner="app-a").id == a.id
+    with pytest.raises(NotFound):
+        store.get(a.id, owner="app-b")
+    with pytest.raises(NotFound):
+        store.cancel(a.id, owner="app-b")
+    assert store.get(a.id).state is JobState.QUEUED  # the refused cancel changed nothing
+    assert [j.id for j in store.list_jobs(owner="app-b")] == [b.id]
+    assert {j.id for j in store.list_jobs()} == {a.id, b.id}  # an admin sees both
+
+
+def test_invites_are_single_use_and_expire(store: Store):
+    from campugrid.protocol import keys
+    from campugrid.protocol.errors import Unauthenticated
+
+    pub = lambda: keys.public_text(keys.Ed25519PrivateKey.generate())  # noqa: E731
+    code, _ = store.apps.invite("alice", "admin-id")
+    app = store.apps.redeem(code, pub())
+    assert app.name == "alice" and not app.admin
+    with pytest.raises(Unauthenticated, match="already used"):
+        store.apps.redeem(code, pub())
+    late, _ = store.apps.invite("bob", "admin-id", ttl_s=-1)
+    with pytest.raises(Unauthenticated, match="expired"):
+        store.apps.redeem(late, pub())
+    with pytest.raises(Unauthenticated, match="unknown invite"):
+        store.apps.redeem("cgi_guessed", pub())
+
+
+def test_a_nonce_is_used_once_per_signer_across_processes(store: Store, db_url: str):
+    from campugrid.coordinator.apps import Nonces
+    from campugrid.coordinator.db import Database
+    from campugrid.protocol.errors import Unauthenticated
+
+    store.nonces.use("app-a", "nonce-0001", 300)
+    store.nonces.use("app-b", "nonce-0001", 300)  # another signer's nonce is its own
+    other = Nonces(Database(make_engine(db_url)))  # a second coordinator on the same database
+    with pytest.raises(Unauthenticated, match="replay"):
+        other.use("app-a", "nonce-0001", 300)
+    other.db.engine.dispose()
 
 
 def test_unknown_job_is_not_found(store: Store):
@@ -188,7 +260,7 @@ def test_unknown_job_is_not_found(store: Store):
 
 def test_checkpoints_are_recorded_for_the_current_attempt_only_and_pruned(store: Store):
     job = submit(store)
-    m, _ = store.machines.register("m", {})
+    m = add_machine(store, "m", {})
     store.claim_next(m, lease_s=30)
     dropped = []
     for epoch in range(5):
@@ -208,7 +280,7 @@ def test_checkpoints_are_recorded_for_the_current_attempt_only_and_pruned(store:
 
 def test_a_drained_attempt_does_not_count_against_max_attempts(store: Store):
     job = submit(store, max_attempts=1)
-    m, _ = store.machines.register("m", {})
+    m = add_machine(store, "m", {})
     store.claim_next(m, lease_s=30)
     released = store.release(job.id, 1, m, "owner needs the GPU")
     assert released.state is JobState.QUEUED and released.attempt == 1
@@ -224,7 +296,7 @@ def test_a_drained_attempt_does_not_count_against_max_attempts(store: Store):
 
 def test_a_drain_does_not_use_up_the_only_attempt(store: Store):
     job = submit(store, max_attempts=2)
-    m, _ = store.machines.register("m", {})
+    m = add_machine(store, "m", {})
     store.claim_next(m, lease_s=30)
     store.release(job.id, 1, m, "drain")
     store.claim_next(m, lease_s=1)
@@ -234,7 +306,7 @@ def test_a_drain_does_not_use_up_the_only_attempt(store: Store):
 
 def test_a_restarted_coordinator_gives_running_jobs_one_more_lease(store: Store):
     job = submit(store)
-    m, _ = store.machines.register("m", {})
+    m = add_machine(store, "m", {})
     store.claim_next(m, lease_s=0.01)
     time.sleep(0.05)
     assert store.extend_active_leases(30) == 1
@@ -244,7 +316,7 @@ def test_a_restarted_coordinator_gives_running_jobs_one_more_lease(store: Store)
 
 def test_nul_bytes_from_agents_are_stored_not_crashed_on(store: Store):
     job = submit(store)
-    m, _ = store.machines.register("m", {})
+    m = add_machine(store, "m", {})
     store.claim_next(m, lease_s=30)
     store.append_logs(job.id, 1, m, "run", 1, "binary\x00junk\n")
     done = store.finish(job.id, 1, m, succeeded=False, exit_code=1, reason="bad\x00reason",
@@ -254,7 +326,7 @@ def test_nul_bytes_from_agents_are_stored_not_crashed_on(store: Store):
 
 def test_a_provider_side_failure_counts_as_an_attempt(store: Store):
     job = submit(store, max_attempts=2)
-    m, _ = store.machines.register("m", {})
+    m = add_machine(store, "m", {})
     for attempt in (1, 2):
         store.claim_next(m, lease_s=30)
         after = store.release(job.id, attempt, m, "disk full", failed=True)
@@ -266,7 +338,7 @@ def test_a_claim_hands_out_the_job_exactly_as_stored(store: Store):
     # On SQLite the common claim runs on the DBAPI cursor (claims._take_next_sqlite): what it
     # hands out must be what the store reads back, dates included.
     job = submit(store, "exact", command=["x"], env={"A": "1"})
-    m, _ = store.machines.register("m", {})
+    m = add_machine(store, "m", {})
     claim = store.claim(m, lease_s=30)
     assert claim is not None and claim.job.id == job.id
     assert claim.job == store.get(job.id)

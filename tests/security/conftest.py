@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from campugrid.cli.platform import AgentHandle, Platform, ProviderUser
-from campugrid.cli.rest import FINAL, Api, tar_folder
 from campugrid.cli.seaweed import free_port
+from campugrid.client import FINAL, Api, tar_folder
 from campugrid.protocol.spec import JobSpec
 from tests.support import hostile
 
@@ -97,10 +97,11 @@ def platform() -> Iterator[Platform]:
     """The whole platform as `campugrid up` starts it, with one agent as the provider user."""
     root = Path(tempfile.mkdtemp(prefix="campugrid-sec-"))
     os.chmod(root, 0o711)
-    p = Platform(root / "state", http_port=free_port(), lease_seconds=4.0).start()
+    p = Platform(root / "state", http_port=free_port(), lease_seconds=4.0,
+                 admin_identity=root / "admin.json").start()
     try:
         p.start_agent("security-agent")
-        with Api(p.url) as api:  # one job first: the agent's cold start is no attack's cost
+        with p.api() as api:  # one job first: the agent's cold start is no attack's cost
             warm = run_job(api, PLAIN, {}, {"command": ["true"]}, timeout=180)
             assert warm["state"] == "succeeded", (warm["reason"], warm)
         yield p
@@ -114,7 +115,7 @@ def platform() -> Iterator[Platform]:
 
 @pytest.fixture(scope="module")
 def api(platform: Platform) -> Iterator[Api]:
-    with Api(platform.url) as client:
+    with platform.api() as client:
         yield client
 
 
@@ -127,8 +128,8 @@ def agent(platform: Platform) -> AgentHandle:
 class Canaries:
     home: hostile.Canary  # in the provider's home
     state: hostile.Canary  # in the agent's state folder, beside its credentials
-    credentials: Path  # the agent's own credentials.json (machine id and secret)
-    machine_secret: str
+    credentials: Path  # the agent's own machine.key (its private key, 0600)
+    machine_secret: str  # the key's base64 line, as a job would print it
 
     def secrets(self) -> list[str]:
         return [self.home.token, self.state.token, self.machine_secret]
@@ -139,8 +140,8 @@ def canaries(agent: AgentHandle, provider: ProviderUser) -> Iterator[Canaries]:
     home = hostile.Canary.plant(provider.home / f".campugrid-security-canary-{uuid.uuid4().hex[:8]}",
                                 provider, label="home")
     state = hostile.Canary.plant(agent.state_dir / "security-canary.txt", provider, label="state")
-    creds = agent.state_dir / "credentials.json"
-    secret = json.loads(creds.read_text())["secret"]
+    creds = agent.state_dir / "machine.key"
+    secret = creds.read_text().splitlines()[1]
     try:
         yield Canaries(home, state, creds, secret)
     finally:

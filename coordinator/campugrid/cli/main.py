@@ -21,12 +21,22 @@ from campugrid.protocol.spec import LIMITS, JobSpec
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 coordinator_app = typer.Typer(no_args_is_help=True, help="Run the coordinator.")
 agent_app = typer.Typer(no_args_is_help=True, help="Run a provider agent.")
+apps_app = typer.Typer(invoke_without_command=True,
+                       help="The apps that may submit jobs (admins only); lists them.")
+machines_app = typer.Typer(invoke_without_command=True,
+                           help="The provider machines (admins only); lists them.")
 app.add_typer(coordinator_app, name="coordinator")
 app.add_typer(agent_app, name="agent")
+app.add_typer(apps_app, name="apps")
+app.add_typer(machines_app, name="machines")
 
-Server = Annotated[str, typer.Option("--server", envvar="CAMPUGRID_SERVER",
-                                     help="The coordinator's REST address.")]
-DEFAULT_SERVER = "http://127.0.0.1:8750"
+Server = Annotated[str | None, typer.Option(
+    "--server", envvar="CAMPUGRID_SERVER",
+    help="The coordinator's REST address (default: the one your identity is for).")]
+DEFAULT_SERVER = None
+
+
+AGENT_DIR = Path(os.path.expanduser("~/.local/share/campugrid-agent"))
 
 
 def _fail(message: str) -> NoReturn:
@@ -48,10 +58,12 @@ def _logging(fmt: str = "text") -> None:
     os.environ["CAMPUGRID_LOG_FORMAT"] = fmt  # for the processes we start (up's agent)
 
 
-def _api(server: str) -> Any:
-    from campugrid.cli.rest import Api
+def _api(server: str | None) -> Any:
+    """The REST API as this user's app (its identity: ~/.config/campugrid/identity.json or
+    $CAMPUGRID_IDENTITY), signing every request."""
+    from campugrid.client import Api
 
-    return Api(server)
+    return Api.from_identity(server=server)
 
 
 def _print_job(job: dict[str, Any]) -> None:
@@ -96,7 +108,7 @@ def submit(
     server: Server = DEFAULT_SERVER,
 ) -> None:
     """Submit a job: build FOLDER's Dockerfile on a provider and run it in gVisor."""
-    from campugrid.cli.rest import tar_folder
+    from campugrid.client import tar_folder
 
     try:
         raw: Any = json.loads(spec_file.read_text()) if spec_file else {}
@@ -194,6 +206,10 @@ def coordinator_serve(
     state_dir: Annotated[Path, typer.Option(help="Database and local state.")] = Path("./coordinator-state"),
     host: str = "127.0.0.1", http_port: int = 8750, grpc_port: int = 8751,
     lease_seconds: Annotated[float, typer.Option(help="How long a silent agent keeps a task.")] = 12.0,
+    admin_identity: Annotated[Path | None, typer.Option(
+        envvar="CAMPUGRID_ADMIN_IDENTITY",
+        help="Where the first start writes the local admin's identity (default: "
+             "~/.config/campugrid/identity.json).")] = None,
     log_format: LogFormat = "text",
 ) -> None:
     """Serve the REST API and the agents' gRPC service (S3 from CAMPUGRID_S3_* variables)."""
@@ -203,7 +219,7 @@ def coordinator_serve(
     _logging(log_format)
     settings = Settings.from_env(state_dir, http_host=host, grpc_host=host,
                                  http_port=http_port, grpc_port=grpc_port,
-                                 lease_seconds=lease_seconds)
+                                 lease_seconds=lease_seconds, admin_identity=admin_identity)
     if not settings.s3_endpoint:
         _fail("set CAMPUGRID_S3_ENDPOINT, CAMPUGRID_S3_ACCESS_KEY and CAMPUGRID_S3_SECRET_KEY "
               "(or use `campugrid up`, which starts an embedded S3 server)")
@@ -215,9 +231,11 @@ def coordinator_serve(
 
 @agent_app.command("run")
 def agent_run(
-    coordinator: Annotated[str, typer.Option(help="The coordinator's gRPC address.")] = "127.0.0.1:8751",
-    state_dir: Annotated[Path, typer.Option(help="Credentials and work folders.")] = Path(
-        os.path.expanduser("~/.local/share/campugrid-agent")),
+    coordinator: Annotated[str | None, typer.Option(
+        help="The coordinator's gRPC address (default: the one this agent joined).")] = None,
+    pin: Annotated[str | None, typer.Option(
+        help="The coordinator certificate's fingerprint: join it now (see `agent join`).")] = None,
+    state_dir: Annotated[Path, typer.Option(help="Key, membership and work folders.")] = AGENT_DIR,
     name: Annotated[str, typer.Option(help="This machine's name.")] = socket.gethostname(),
     builder: Annotated[str, typer.Option(help="The image builder: buildah or kaniko.")] = "buildah",
     runtime: Annotated[str, typer.Option(help="The sandbox runtime.")] = "podman-runsc",
@@ -247,14 +265,146 @@ def agent_run(
         policy = GpuPolicy(allow=tuple(x.strip() for x in gpus.split(",")) if gpus else None,
                            reserve_mb=gpu_reserve_mb, protected=tuple(protect or ()))
         required = tuple(x.strip() for x in require_limits.split(",") if x.strip())
-        agent = Agent(AgentSettings(coordinator=coordinator, state_dir=state_dir, name=name,
-                                    gpu_policy=policy, require_limits=required), chosen,
-                      sandbox)
+        agent = Agent(AgentSettings(coordinator=coordinator or "", state_dir=state_dir, name=name,
+                                    gpu_policy=policy, require_limits=required,
+                                    pin=pin or ""), chosen, sandbox)
     except CampugridError as e:
         _fail(str(e))
     signal.signal(signal.SIGTERM, lambda *_: agent.shutdown())
     signal.signal(signal.SIGINT, lambda *_: agent.shutdown())
     agent.run(once=once)
+    if agent.revoked:
+        raise typer.Exit(3)
+
+
+@agent_app.command("join")
+def agent_join(
+    server: Annotated[str, typer.Argument(help="The coordinator's gRPC address (HOST:PORT).")],
+    pin: Annotated[str, typer.Option(help="The coordinator certificate's fingerprint, as its "
+                                          "operator printed it (SHA256:...).")],
+    state_dir: Annotated[Path, typer.Option(help="Key, membership and work folders.")] = AGENT_DIR,
+    name: Annotated[str, typer.Option(help="This machine's name.")] = socket.gethostname(),
+) -> None:
+    """Join a coordinator: pin its certificate, make this machine's key, register it, and
+    print the fingerprint its owner compares before approving it."""
+    import grpc
+
+    from campugrid.agent.client import CoordinatorClient, Membership
+
+    try:
+        membership = Membership.join(state_dir, server, pin)
+        client = CoordinatorClient(membership)
+        reply = client.register(name)
+        client.close()
+    except CampugridError as e:
+        _fail(str(e))
+    except grpc.RpcError as e:
+        _fail(f"the coordinator refused the registration: {e.details()} ({e.code().name})")
+    typer.echo(f"machine      {reply.machine_id}\nfingerprint  {reply.fingerprint}\n"
+               f"status       {reply.status}")
+    if reply.status == "pending":
+        typer.echo("The coordinator's operator compares this fingerprint and runs:\n"
+                   f"  campugrid machines approve {reply.machine_id}\n"
+                   f"Then start the agent: campugrid agent run --state-dir {state_dir}")
+
+
+# --- identities: login, apps, machines ----------------------------------------------------------
+
+
+@app.command()
+def login(
+    server: Annotated[str, typer.Argument(help="The coordinator's REST address.")],
+    invite: Annotated[str, typer.Option(help="The one-time code from `campugrid apps invite`.")],
+    pin: Annotated[str, typer.Option(help="For https: the certificate fingerprint the invite "
+                                          "names.")] = "",
+) -> None:
+    """Turn an invite into this computer's app key: the key is made here and never leaves."""
+    from campugrid.client.login import login as do_login
+
+    try:
+        identity, path = do_login(server, invite, pin)
+    except CampugridError as e:
+        _fail(str(e))
+    typer.echo(f"logged in to {identity.server} as app {identity.name!r}"
+               f"{' (admin)' if identity.admin else ''}; identity in {path}")
+
+
+@apps_app.callback()
+def apps_list(ctx: typer.Context, server: Server = DEFAULT_SERVER) -> None:
+    if ctx.invoked_subcommand is not None:
+        return
+    try:
+        for a in _api(server).apps():
+            state = f"revoked {a['revoked_at'][:19]}" if a["revoked_at"] else "active"
+            typer.echo(f"{a['name']:<24} {a['fingerprint']}  {'admin' if a['admin'] else 'app':<5}"
+                       f"  {state}")
+    except CampugridError as e:
+        _fail(str(e))
+
+
+@apps_app.command("invite")
+def apps_invite(name: str, admin: Annotated[bool, typer.Option(help="An admin app.")] = False,
+                server: Server = DEFAULT_SERVER) -> None:
+    """Print a one-time invite (valid for a day) for a new app called NAME."""
+    try:
+        inv = _api(server).invite(name, admin)
+    except CampugridError as e:
+        _fail(str(e))
+    typer.echo(f"invite for {inv['name']!r}, single use, until {inv['expires_at'][:19]} UTC:\n"
+               f"  {inv['command']}")
+
+
+@apps_app.command("revoke")
+def apps_revoke(name: str, server: Server = DEFAULT_SERVER) -> None:
+    """Revoke app NAME: every request it signs from now on is refused."""
+    try:
+        a = _api(server).revoke_app(name)
+    except CampugridError as e:
+        _fail(str(e))
+    typer.echo(f"revoked {a['name']} ({a['fingerprint']})")
+
+
+@machines_app.callback()
+def machines_list(ctx: typer.Context, server: Server = DEFAULT_SERVER) -> None:
+    if ctx.invoked_subcommand is not None:
+        return
+    try:
+        for m in _api(server).machines():
+            typer.echo(f"{m['id']}  {m['status']:<8} {m['fingerprint']}  {m['name']}  "
+                       f"(from {m['address'] or '?'}, seen {m['last_seen_at'][:19]})")
+    except CampugridError as e:
+        _fail(str(e))
+
+
+@machines_app.command("invite")
+def machines_invite(server: Server = DEFAULT_SERVER) -> None:
+    """Print the one command a new provider machine runs to join."""
+    try:
+        typer.echo(_api(server).join_command()["command"])
+    except CampugridError as e:
+        _fail(str(e))
+
+
+@machines_app.command("approve")
+def machines_approve(machine: str, server: Server = DEFAULT_SERVER) -> None:
+    """Approve a pending MACHINE (id, id prefix, name or fingerprint) once its fingerprint
+    matches the one its agent printed."""
+    try:
+        m = _api(server).approve_machine(machine)
+    except CampugridError as e:
+        _fail(str(e))
+    typer.echo(f"approved {m['id']} ({m['name']}, {m['fingerprint']})")
+
+
+@machines_app.command("revoke")
+def machines_revoke(machine: str, server: Server = DEFAULT_SERVER) -> None:
+    """Revoke MACHINE: its leases end now, its jobs are queued again, and whatever it still
+    sends is refused."""
+    try:
+        m = _api(server).revoke_machine(machine)
+    except CampugridError as e:
+        _fail(str(e))
+    typer.echo(f"revoked {m['id']} ({m['name']})")
 
 
 @app.command()
@@ -267,7 +417,7 @@ def up(
 ) -> None:
     """Bring up S3, the coordinator and a local agent on embedded defaults."""
     from campugrid.cli.platform import Platform, default_state_dir, find_example, have
-    from campugrid.cli.rest import Api, tar_folder
+    from campugrid.client import tar_folder
 
     _logging(log_format)
     missing = have("podman", "buildah", "runsc")
@@ -289,11 +439,19 @@ def up(
     code = 0
     try:
         platform.start()
-        platform.start_agent(restart=True)
+        assert platform.running is not None
+        if platform.running.admin_identity is not None:
+            typer.echo(f"made an admin identity for you: {platform.running.admin_identity} "
+                       "(the CLI uses it; invite others with `campugrid apps invite NAME`)")
+        agent = platform.start_agent(restart=True)
         typer.echo(f"campugrid is up: REST {platform.url}/v1 (docs at {platform.url}/docs), "
-                   f"agents at {platform.grpc_address}, state in {platform.state_dir}")
+                   f"agents at {platform.grpc_address} (TLS, certificate {platform.pin}), "
+                   f"state in {platform.state_dir}")
+        typer.echo(f"approved the local agent {agent.name} as machine {agent.machine_id()}: "
+                   "same host, same owner. Another machine joins with:\n"
+                   f"  campugrid agent join {platform.grpc_address} --pin {platform.pin}")
         if sample:
-            api = Api(platform.url)
+            api = platform.api()
             folder = find_example("hello")
             job = api.submit(tar_folder(folder), JobSpec(name="hello sample"))
             typer.echo(f"submitted {folder} as job {job['id']}")

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 
 from campugrid.cli.seaweed import EmbeddedS3, end_processes, free_port, guard_group
+from campugrid.client import Api, Identity
+from campugrid.client.identity import default_path as default_identity
 from campugrid.coordinator import server
 from campugrid.coordinator.config import Settings
 from campugrid.protocol.errors import CampugridError
@@ -128,9 +130,10 @@ class AgentHandle:
 
     def machine_id(self) -> str | None:
         try:
-            return str(json.loads((self.state_dir / "credentials.json").read_text())["machine_id"])
+            found = json.loads((self.state_dir / "membership.json").read_text())["machine_id"]
         except (OSError, ValueError, KeyError):
             return None
+        return str(found) or None
 
     def pid(self) -> int:
         """The agent's own Python process (under runuser when started by root)."""
@@ -147,6 +150,9 @@ class Platform:
     http_port: int = 8750
     grpc_port: int = 0
     lease_seconds: float = 12.0
+    # Where the local admin's identity is (made at the first start, or again when missing);
+    # None: the CLI's default (~/.config/campugrid/identity.json), as `campugrid up` uses it.
+    admin_identity: Path | None = None
     s3: EmbeddedS3 | None = None
     running: server.Running | None = None
     agents: list[AgentHandle] = dataclasses.field(default_factory=list)
@@ -164,6 +170,25 @@ class Platform:
         assert self.running is not None
         return f"127.0.0.1:{self.running.grpc_port}"
 
+    @property
+    def pin(self) -> str:
+        assert self.running is not None
+        return self.running.certificate.fingerprint
+
+    @property
+    def identity_path(self) -> Path:
+        return self.admin_identity or default_identity()
+
+    def api(self) -> Api:
+        """The REST API as the local admin."""
+        return Api(self.url, Identity.load(self.identity_path))
+
+    def cli_env(self) -> dict[str, str]:
+        """The environment in which a `campugrid` command talks to this platform as its
+        local admin."""
+        return {**os.environ, "CAMPUGRID_SERVER": self.url,
+                "CAMPUGRID_IDENTITY": str(self.identity_path)}
+
     def start(self) -> Platform:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.state_dir, 0o711)  # noqa: S103 - the agent user must traverse it
@@ -174,7 +199,8 @@ class Platform:
         settings = Settings.from_env(
             self.state_dir / "coordinator", s3_endpoint=self.s3.endpoint, s3_access_key=access,
             s3_secret_key=secret, http_port=self.http_port,
-            grpc_port=self.grpc_port or free_port(), lease_seconds=self.lease_seconds)
+            grpc_port=self.grpc_port or free_port(), lease_seconds=self.lease_seconds,
+            admin_identity=self.identity_path)
         self.running = server.start(settings)
         self._http_thread = threading.Thread(target=self.running.http.run, daemon=True,
                                              name="http")
@@ -188,8 +214,11 @@ class Platform:
 
     def start_agent(self, name: str = "local-agent", log_file: Path | None = None,
                     user: ProviderUser | None = None, coordinator: str | None = None,
-                    restart: bool = False) -> AgentHandle:
-        """Start an agent; with `restart`, start it again (with back-off) whenever it dies."""
+                    restart: bool = False, approve: bool = True,
+                    pin: str | None = None) -> AgentHandle:
+        """Join an agent (`campugrid agent join`, as the provider user) and start it; with
+        `approve`, approve it as its owner (same host, same owner); with `restart`, start it
+        again (with back-off) whenever it dies."""
         user = user or ProviderUser.resolve()
         agent_dir = self.state_dir / "agents" / name
         (self.state_dir / "agents").mkdir(parents=True, exist_ok=True)
@@ -203,10 +232,21 @@ class Platform:
             log.warning("stopping agent processes left running on %s (pid %s)", agent_dir,
                         ", ".join(map(str, stale)))
             end_processes(stale, f"an agent on {agent_dir}")
+        joined = subprocess.run(user.command([
+            sys.executable, "-m", "campugrid.cli", "agent", "join",
+            coordinator or self.grpc_address, "--pin", pin or self.pin, "--state-dir", str(agent_dir),
+            "--name", name]), capture_output=True, text=True, timeout=120, check=False)
+        if joined.returncode != 0:
+            raise CampugridError(f"agent {name} could not join: "
+                                 f"{(joined.stderr or joined.stdout).strip()[-500:]}")
+        machine_id = joined.stdout.split()[1]
+        if approve:
+            assert self.running is not None
+            m = self.running.coord.approve_machine(machine_id)
+            log.info("approved the local agent %s as machine %s (fingerprint %s): same host, "
+                     "same owner", name, m.id, m.fingerprint)
         argv = user.command([sys.executable, "-m", "campugrid.cli", "agent", "run",
-                             "--coordinator", coordinator or self.grpc_address,
-                             "--state-dir", str(agent_dir),
-                             "--name", name])
+                             "--state-dir", str(agent_dir), "--name", name])
         log_file = log_file or agent_dir.with_suffix(".log")
         handle = AgentHandle(name, agent_dir, _spawn(argv, log_file), argv=argv,
                              log_file=log_file, restart=restart)

@@ -7,22 +7,26 @@ callers that are broken or unauthenticated.
 
 from __future__ import annotations
 
+import base64
+import contextvars
 import hashlib
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
+from limits import RateLimitItemPerMinute, storage, strategies
 
+from campugrid.coordinator.apps import Nonces
+from campugrid.coordinator.machines import MachineRecord, Status
 from campugrid.coordinator.scheduler import GpuView, MachineView
 from campugrid.coordinator.service import Coordinator
 from campugrid.coordinator.views import ShardResult, ShardTask
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
-from campugrid.protocol import logs
+from campugrid.protocol import keys, logs
 from campugrid.protocol.errors import (
     CampugridError,
     IllegalTransition,
@@ -32,10 +36,21 @@ from campugrid.protocol.errors import (
     Unauthenticated,
 )
 from campugrid.protocol.states import JobState
-from campugrid.protocol.wire import MACHINE_HEADER, SECRET_HEADER
+from campugrid.protocol.wire import (
+    CALL_WINDOW_S,
+    CREATED_HEADER,
+    KEY_HEADER,
+    MACHINE_HEADER,
+    NONCE_HEADER,
+    SIGNATURE_HEADER,
+    call_base,
+)
 
 log = logging.getLogger("campugrid.coordinator.agents")
-AUTH_CACHE_S = 30.0  # a checked secret is trusted this long without a database read
+REGISTER = "/campugrid.v1.AgentService/Register"
+# The machine whose signature SignedCalls checked, for the handler of this call.
+_CALLER: contextvars.ContextVar[MachineRecord | None] = contextvars.ContextVar(
+    "campugrid_machine", default=None)
 
 R = TypeVar("R")
 
@@ -60,30 +75,35 @@ def _gpus(gpus: Sequence[pb.Gpu]) -> tuple[GpuView, ...]:
     return tuple(out)
 
 
-class AgentService(pb_grpc.AgentServiceServicer):
-    def __init__(self, coord: Coordinator) -> None:
-        self.coord = coord
-        # (machine, sha256 of the secret it showed) -> when to check with the store again
-        self._known: dict[tuple[str, str], float] = {}
-        self._known_lock = threading.Lock()
+def peer_address(context: grpc.ServicerContext) -> str:
+    """`ipv4:1.2.3.4:5678` -> `1.2.3.4` (and likewise for ipv6)."""
+    peer = str(context.peer() or "")
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        host = rest.rpartition(":")[0]
+        return host.strip("[]").replace("%5B", "").replace("%5D", "") or rest
+    return peer[:100]
 
-    def _machine(self, context: grpc.ServicerContext) -> str:
-        md = dict(context.invocation_metadata())
-        machine_id, secret = str(md.get(MACHINE_HEADER, "")), str(md.get(SECRET_HEADER, ""))
-        key = (machine_id, hashlib.sha256(secret.encode()).hexdigest())
-        now = time.monotonic()
-        with self._known_lock:
-            if self._known.get(key, 0.0) > now:
-                return machine_id
-        try:
-            self.coord.authenticate_machine(machine_id, secret)
-        except Unauthenticated as e:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, str(e))
-        with self._known_lock:
-            if len(self._known) > 100_000:
-                self._known.clear()
-            self._known[key] = now + AUTH_CACHE_S
-        return machine_id
+
+class AgentService(pb_grpc.AgentServiceServicer):
+    def __init__(self, coord: Coordinator, register_per_minute: int = 20) -> None:
+        self.coord = coord
+        self._limiter = strategies.MovingWindowRateLimiter(storage.MemoryStorage())
+        self._register_limit = RateLimitItemPerMinute(register_per_minute)
+
+    @staticmethod
+    def _machine(context: grpc.ServicerContext, *, pending_ok: bool = False) -> str:
+        """The calling machine (its signature was checked by SignedCalls); only an approved
+        one gets past here, but for the calls a pending machine may make."""
+        record = _CALLER.get()
+        if record is None:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "this call was not signed")
+        assert record is not None
+        if record.status is Status.PENDING and not pending_ok:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, (
+                f"machine {record.id} is pending: its owner must compare its fingerprint "
+                f"{record.fingerprint} and run `campugrid machines approve {record.id}`"))
+        return record.id
 
     @staticmethod
     def _guard(context: grpc.ServicerContext, fn: Callable[[], R]) -> R:
@@ -100,13 +120,22 @@ class AgentService(pb_grpc.AgentServiceServicer):
         raise AssertionError("unreachable")
 
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
-        machine_id, secret = self._guard(context, lambda: self.coord.register_machine(
-            request.name, _caps(request.capabilities)))
-        log.info("machine registered: %s (%s)", machine_id, request.name)
-        return pb.RegisterReply(machine_id=machine_id, secret=secret)
+        """A machine for the key that signed this call (SignedCalls checked it): pending until
+        its owner approves it. Rate-limited per address."""
+        address = peer_address(context)
+        if not self._limiter.hit(self._register_limit, "register", address):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          "too many registrations from this address; wait a minute")
+        key = str(dict(context.invocation_metadata()).get(KEY_HEADER, ""))
+        record = self._guard(context, lambda: self.coord.register_machine(
+            request.name, key, address))
+        if request.HasField("capabilities"):
+            self.coord.heartbeat(record.id, _caps(request.capabilities), None)
+        return pb.RegisterReply(machine_id=record.id, status=record.status.value,
+                                fingerprint=record.fingerprint)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
-        machine = self._machine(context)
+        machine = self._machine(context, pending_ok=True)
         if request.HasField("capabilities"):
             c = request.capabilities
             self.coord.heartbeat(machine, _caps(c),
@@ -226,6 +255,91 @@ def _shard_pb(task: ShardTask | None) -> pb.ShardTask | None:
     if task is None:
         return None
     return pb.ShardTask(index=task.index, payload_json=task.payload_json, cost=task.cost)
+
+
+class SignedCalls(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
+    """Every call must be signed by a machine's own key, over the method, the SHA-256 of the
+    request's bytes as they came (wrapped around the deserializer, so nothing is
+    re-serialized), the time and a nonce (campugrid.protocol.wire). A revoked machine is
+    refused here, whatever it calls; the handlers see the checked machine in _CALLER."""
+
+    def __init__(self, coord: Coordinator, nonces: Nonces) -> None:
+        self.coord = coord
+        self.nonces = nonces
+
+    def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        inner, deserialize, method = handler.unary_unary, handler.request_deserializer, details.method
+
+        def digested(raw: bytes) -> tuple[str, Any]:
+            return hashlib.sha256(raw).hexdigest(), deserialize(raw)
+
+        def behaviour(call: tuple[str, Any], context: grpc.ServicerContext) -> Any:
+            digest, request = call
+            record = self._check(method, digest, context)
+            token = _CALLER.set(record)
+            try:
+                return inner(request, context)
+            finally:
+                _CALLER.reset(token)
+
+        return grpc.unary_unary_rpc_method_handler(
+            behaviour, request_deserializer=digested,
+            response_serializer=handler.response_serializer)
+
+    def _check(self, method: str, digest: str, context: grpc.ServicerContext) -> MachineRecord | None:
+        md = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
+        address = peer_address(context)
+
+        def refuse(code: grpc.StatusCode, reason: str, who: str = "") -> None:
+            log.warning("refused call %s: %s (machine %s, from %s)", method.rpartition("/")[2],
+                        reason, who or "-", address)
+            context.abort(code, reason)
+
+        record: MachineRecord | None = None
+        if method == REGISTER:
+            key_text = md.get(KEY_HEADER, "")
+            signer = f"key:{key_text}"
+            try:
+                public = keys.parse_public(key_text)
+            except CampugridError as e:
+                refuse(grpc.StatusCode.UNAUTHENTICATED, f"Register: {e} ({KEY_HEADER})")
+        else:
+            machine_id = md.get(MACHINE_HEADER, "")
+            signer = machine_id
+            try:
+                record = self.coord.machine(machine_id)
+            except Unauthenticated as e:
+                refuse(grpc.StatusCode.UNAUTHENTICATED, str(e), machine_id[:40])
+            assert record is not None
+            if record.status is Status.REVOKED:
+                refuse(grpc.StatusCode.PERMISSION_DENIED,
+                       f"machine {record.id} was revoked by its owner: it gets no work, URLs "
+                       "or data; join again with a new key if this is a mistake", record.id)
+            public = keys.parse_public(record.public_key)
+        created_text, nonce = md.get(CREATED_HEADER, ""), md.get(NONCE_HEADER, "")
+        if not created_text.isdigit() or not nonce:
+            refuse(grpc.StatusCode.UNAUTHENTICATED,
+                   f"this call is not signed ({CREATED_HEADER}, {NONCE_HEADER} and "
+                   f"{SIGNATURE_HEADER} are needed; see campugrid.protocol.wire)", signer[:40])
+        if abs(time.time() - int(created_text)) > CALL_WINDOW_S:
+            refuse(grpc.StatusCode.UNAUTHENTICATED,
+                   f"this call was signed at {created_text}, more than {CALL_WINDOW_S} s from "
+                   "the coordinator's clock: check the machine's clock", signer[:40])
+        try:
+            signature = base64.b64decode(md.get(SIGNATURE_HEADER, ""), validate=True)
+            public.verify(signature, call_base(method, digest, int(created_text), nonce, signer))
+        except (ValueError, keys.InvalidSignature):
+            refuse(grpc.StatusCode.UNAUTHENTICATED,
+                   "the call's signature does not verify with this machine's key (another key, "
+                   "or the call was changed after signing)", signer[:40])
+        try:
+            self.nonces.use(signer, nonce, CALL_WINDOW_S)
+        except Unauthenticated as e:
+            refuse(grpc.StatusCode.UNAUTHENTICATED, str(e), signer[:40])
+        return record
 
 
 class AboutJob(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped

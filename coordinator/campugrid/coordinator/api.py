@@ -8,28 +8,35 @@ import re
 import uuid
 from typing import Annotated, Any
 
-from fastapi import FastAPI, File, Form, HTTPException, Query, Request, UploadFile
+from fastapi import Depends, FastAPI, File, Form, HTTPException, Query, Request, UploadFile
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 from starlette import formparsers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from campugrid.coordinator.apps import AppView
+from campugrid.coordinator.auth import Guard, RateLimits, SignedRequests
+from campugrid.coordinator.machines import MachineRecord
 from campugrid.coordinator.service import Coordinator
 from campugrid.coordinator.views import JobView
 from campugrid.protocol import logs
 from campugrid.protocol.errors import (
     CampugridError,
     Conflict,
+    Forbidden,
     IllegalTransition,
     InvalidInput,
     NotFound,
+    RateLimited,
     StorageError,
+    Unauthenticated,
 )
 from campugrid.protocol.spec import MAX_SPEC_BYTES, JobSpec
 from campugrid.protocol.states import JobState
 
 _STATUS: dict[type[CampugridError], int] = {
     InvalidInput: 422, NotFound: 404, Conflict: 409, IllegalTransition: 409, StorageError: 503,
+    Unauthenticated: 401, Forbidden: 403, RateLimited: 429,
 }
 
 
@@ -105,6 +112,60 @@ def _redacted(job: JobView) -> dict[str, Any]:
     return spec
 
 
+class AppOut(BaseModel):
+    id: str
+    name: str
+    fingerprint: str
+    admin: bool
+    created_at: dt.datetime
+    revoked_at: dt.datetime | None
+
+    @classmethod
+    def of(cls, a: AppView) -> AppOut:
+        return cls(id=a.id, name=a.name, fingerprint=a.fingerprint, admin=a.admin,
+                   created_at=a.created_at, revoked_at=a.revoked_at)
+
+
+class InviteIn(BaseModel):
+    name: str
+    admin: bool = False
+
+
+class InviteOut(BaseModel):
+    name: str
+    code: str  # shown once: only its digest is kept
+    expires_at: dt.datetime
+    server: str
+    pin: str  # the coordinator certificate's fingerprint, for https and for agents
+    command: str  # what the new app runs
+
+
+class LoginIn(BaseModel):
+    invite: str
+    public_key: str  # base64 of the new app's 32-byte Ed25519 public key
+
+
+class MachineOut(BaseModel):
+    id: str
+    name: str
+    status: str  # pending, approved, revoked
+    fingerprint: str
+    address: str
+    registered_at: dt.datetime
+    last_seen_at: dt.datetime
+
+    @classmethod
+    def of(cls, m: MachineRecord) -> MachineOut:
+        return cls(id=m.id, name=m.name, status=m.status.value, fingerprint=m.fingerprint,
+                   address=m.address, registered_at=m.registered_at, last_seen_at=m.last_seen_at)
+
+
+class JoinOut(BaseModel):
+    grpc_address: str
+    pin: str
+    command: str
+
+
 class LogChunkOut(BaseModel):
     id: int
     attempt: int
@@ -154,14 +215,47 @@ class AboutJob:
             await self.app(scope, receive, send)
 
 
-def create_app(coord: Coordinator) -> FastAPI:
+def caller(request: Request) -> AppView:
+    """The app that signed this request (auth.SignedRequests checked it before we run)."""
+    who = request.state.caller
+    assert isinstance(who, AppView)
+    return who
+
+
+Caller = Annotated[AppView, Depends(caller)]
+
+
+def owner_of(who: AppView) -> str | None:
+    """Whose jobs a caller sees: its own, or (admins) everyone's."""
+    return None if who.admin else who.id
+
+
+def admin_only(who: Caller) -> AppView:
+    if not who.admin:
+        raise Forbidden(f"app {who.name!r} is not an admin: ask an admin to do this")
+    return who
+
+
+Admin = Annotated[AppView, Depends(admin_only)]
+
+
+def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
+               limits: RateLimits | None = None, pin: str = "", grpc_address: str = "",
+               public_url: str = "") -> FastAPI:
+    """The REST API. `pin` is the coordinator certificate's fingerprint; `grpc_address` and
+    `public_url` are how agents and apps reach it (for the join and login commands)."""
     app = FastAPI(title="campugrid", version="1", summary="Sandboxed GPU jobs on idle machines")
     app.add_middleware(AboutJob)
+    guard = Guard(limits)
+    app.add_middleware(SignedRequests, apps=coord.store.apps, nonces=coord.store.nonces,
+                       guard=guard, allow_unsigned=allow_unsigned)
 
     @app.exception_handler(CampugridError)
     def _domain_error(_req: Request, exc: CampugridError) -> JSONResponse:
         status = next((c for t, c in _STATUS.items() if isinstance(exc, t)), 400)
-        return JSONResponse({"detail": str(exc)}, status_code=status)
+        headers = ({"retry-after": str(exc.retry_after_s)} if isinstance(exc, RateLimited)
+                   else None)
+        return JSONResponse({"detail": str(exc)}, status_code=status, headers=headers)
 
     def job_id_ok(job_id: str) -> str:
         try:
@@ -176,6 +270,7 @@ def create_app(coord: Coordinator) -> FastAPI:
     @app.post("/v1/jobs", status_code=201, response_model=JobOut,
               responses={200: {"model": JobOut, "description": "already submitted"}})
     def submit(
+        who: Caller,
         context: Annotated[UploadFile, File(description="tar or tar.gz with a Dockerfile at its top")],
         spec: Annotated[str | None, Form(description="the job spec as JSON (up to 1 MiB)")] = None,
         spec_file: Annotated[UploadFile | None, File(
@@ -193,27 +288,27 @@ def create_app(coord: Coordinator) -> FastAPI:
         data = context.file.read(limit + 1)
         if len(data) > limit:
             raise InvalidInput(f"context: larger than {limit // 1024**2} MiB")
-        job, created = coord.submit(parsed, data)
+        job, created = coord.submit(parsed, data, who.id)
         return JSONResponse(JobOut.of(job).model_dump(mode="json"),
                             status_code=201 if created else 200)
 
     @app.get("/v1/jobs", response_model=list[JobOut])
-    def list_jobs(state: JobState | None = None,
+    def list_jobs(who: Caller, state: JobState | None = None,
                   limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[JobOut]:
-        jobs = coord.list_jobs(state, limit)
+        jobs = coord.list_jobs(state, limit, owner_of(who))
         return [JobOut.of(j, waiting_reason=why)
                 for j, why in zip(jobs, coord.waiting_reasons(jobs), strict=True)]
 
     @app.get("/v1/jobs/{job_id}", response_model=JobOut)
-    def get_job(job_id: str) -> JobOut:
-        job = coord.get_job(job_id_ok(job_id))
+    def get_job(job_id: str, who: Caller) -> JobOut:
+        job = coord.get_job(job_id_ok(job_id), owner_of(who))
         events = [EventOut(at=e.at, attempt=e.attempt, kind=e.kind, detail=e.detail)
-                  for e in coord.job_events(job.id)]
+                  for e in coord.job_events(job.id, owner_of(who))]
         [why] = coord.waiting_reasons([job])
         return JobOut.of(job, events, why)
 
     @app.get("/v1/jobs/{job_id}/shards", response_model=list[ShardOut])
-    def shards(job_id: str,
+    def shards(job_id: str, who: Caller,
                state: Annotated[str | None,
                                 Query(pattern="^(queued|running|succeeded|failed|cancelled)$")] = None,
                after: Annotated[int, Query(ge=-1, le=2**31)] = -1,
@@ -221,18 +316,18 @@ def create_app(coord: Coordinator) -> FastAPI:
         """A sharded job's shards in index order, with their results; page with `after`
         (the last index seen)."""
         return [ShardOut(**dataclasses.asdict(v)) for v in coord.shards(
-            job_id_ok(job_id), state=state, after=after, limit=limit)]
+            job_id_ok(job_id), state=state, after=after, limit=limit, owner=owner_of(who))]
 
     @app.post("/v1/jobs/{job_id}/cancel", response_model=JobOut)
-    def cancel(job_id: str) -> JobOut:
-        return JobOut.of(coord.cancel(job_id_ok(job_id)))
+    def cancel(job_id: str, who: Caller) -> JobOut:
+        return JobOut.of(coord.cancel(job_id_ok(job_id), owner_of(who)))
 
     @app.get("/v1/jobs/{job_id}/logs", response_model=LogsOut)
-    def logs(job_id: str, after: Annotated[int, Query(ge=0, le=2**62)] = 0,
+    def logs(job_id: str, who: Caller, after: Annotated[int, Query(ge=0, le=2**62)] = 0,
              stream: Annotated[str | None, Query(pattern="^(build|run)$")] = None) -> LogsOut:
-        jid = job_id_ok(job_id)
-        chunks = coord.job_logs(jid, after_id=after, stream=stream)
-        state = coord.get_job(jid).state
+        job, chunks = coord.job_logs(job_id_ok(job_id), after_id=after, stream=stream,
+                                     owner=owner_of(who))
+        state = job.state
         return LogsOut(
             chunks=[LogChunkOut(id=c.id, attempt=c.attempt, stream=c.stream, text=c.text)
                     for c in chunks],
@@ -240,9 +335,63 @@ def create_app(coord: Coordinator) -> FastAPI:
 
     @app.get("/v1/jobs/{job_id}/output", response_class=StreamingResponse,
              responses={200: {"content": {"application/gzip": {}}}})
-    def output(job_id: str) -> StreamingResponse:
-        job, stream = coord.open_output(job_id_ok(job_id))
+    def output(job_id: str, who: Caller) -> StreamingResponse:
+        job, stream = coord.open_output(job_id_ok(job_id), owner_of(who))
         return StreamingResponse(stream, media_type="application/gzip", headers={
             "content-disposition": f'attachment; filename="{job.id}-output.tar.gz"'})
 
+    # --- who may call: apps, invites, machines -------------------------------------------------
+
+    @app.get("/v1/whoami", response_model=AppOut)
+    def whoami(who: Caller) -> AppOut:
+        return AppOut.of(who)
+
+    @app.post("/v1/login", status_code=201, response_model=AppOut)
+    def login(body: LoginIn, request: Request) -> AppOut:
+        """Redeem a one-time invite with a public key made on the new app's side."""
+        address = (request.client.host if request.client else "?")
+        try:
+            return AppOut.of(coord.store.apps.redeem(body.invite.strip(), body.public_key))
+        except Unauthenticated as e:
+            raise guard.failed(address, "", str(e)) from e
+
+    @app.get("/v1/apps", response_model=list[AppOut])
+    def list_apps(_: Admin) -> list[AppOut]:
+        return [AppOut.of(a) for a in coord.store.apps.all()]
+
+    @app.post("/v1/apps/invites", status_code=201, response_model=InviteOut)
+    def invite(body: InviteIn, who: Admin, request: Request) -> InviteOut:
+        code, expires = coord.store.apps.invite(body.name, who.id, admin=body.admin)
+        server = public_url or str(request.base_url).rstrip("/")
+        command = f"campugrid login {server} --invite {code}"
+        if server.startswith("https://"):
+            command += f" --pin {pin}"
+        return InviteOut(name=body.name, code=code, expires_at=expires, server=server, pin=pin,
+                         command=command)
+
+    @app.post("/v1/apps/{name}/revoke", response_model=AppOut)
+    def revoke_app(name: str, who: Admin) -> AppOut:
+        if name == who.name:
+            raise Conflict("an admin cannot revoke its own key (another admin can)")
+        return AppOut.of(coord.store.apps.revoke(name))
+
+    @app.get("/v1/machines", response_model=list[MachineOut])
+    def list_machines(_: Admin) -> list[MachineOut]:
+        return [MachineOut.of(m) for m in coord.machines()]
+
+    @app.get("/v1/machines/join", response_model=JoinOut)
+    def join(_: Admin) -> JoinOut:
+        return JoinOut(grpc_address=grpc_address, pin=pin,
+                       command=f"campugrid agent join {grpc_address} --pin {pin}")
+
+    @app.post("/v1/machines/{ref}/approve", response_model=MachineOut)
+    def approve(ref: str, _: Admin) -> MachineOut:
+        return MachineOut.of(coord.approve_machine(ref))
+
+    @app.post("/v1/machines/{ref}/revoke", response_model=MachineOut)
+    def revoke_machine(ref: str, _: Admin) -> MachineOut:
+        machine, _requeued = coord.revoke_machine(ref)
+        return MachineOut.of(machine)
+
     return app
+

@@ -32,6 +32,23 @@ class Settings:
     # What a job's FROM may name (CAMPUGRID_ALLOWED_BASES): checked at submit, and again by
     # each agent against its own list.
     allowed_bases: tuple[AllowedBase, ...] = dataclasses.field(default_factory=allowed_bases)
+    # Unsigned REST requests act as an admin (CAMPUGRID_ALLOW_UNSIGNED=1): only for a
+    # coordinator on a loopback address, and refused at start anywhere else.
+    allow_unsigned: bool = False
+    # Where the first start writes the local admin's identity (default: the CLI's own,
+    # ~/.config/campugrid/identity.json, unless one is there already for another server).
+    admin_identity: Path | None = None
+    # How others reach this coordinator, for the printed join and login commands
+    # (CAMPUGRID_PUBLIC_URL, CAMPUGRID_PUBLIC_GRPC; default: the addresses it listens on).
+    public_url: str = ""
+    public_grpc: str = ""
+    rest_per_key_per_s: int = 50
+    rest_per_address_per_s: int = 100
+    registrations_per_minute: int = 20  # per address
+
+    @property
+    def tls_dir(self) -> Path:
+        return self.state_dir / "tls"
 
     @classmethod
     def from_env(cls, state_dir: Path, **overrides: object) -> Settings:
@@ -45,6 +62,9 @@ class Settings:
             "s3_bucket": env.get("CAMPUGRID_S3_BUCKET", "campugrid"),
             "s3_secure": env.get("CAMPUGRID_S3_SECURE", "") in ("1", "true", "yes"),
             "allowed_bases": allowed_bases(env.get("CAMPUGRID_ALLOWED_BASES")),
+            "allow_unsigned": env.get("CAMPUGRID_ALLOW_UNSIGNED", "") in ("1", "true", "yes"),
+            "public_url": env.get("CAMPUGRID_PUBLIC_URL", ""),
+            "public_grpc": env.get("CAMPUGRID_PUBLIC_GRPC", ""),
         }
         for key, name, kind in (("lease_seconds", "CAMPUGRID_LEASE_SECONDS", float),
                                 ("keep_checkpoints", "CAMPUGRID_KEEP_CHECKPOINTS", int)):

@@ -1,47 +1,130 @@
-"""Machines: registration, their credentials, heartbeats, and who is online."""
+"""Machines: their keys, their owner's approval, heartbeats, and who is online.
+
+A machine registers with a public key it made itself and waits as **pending** until its owner
+compares the fingerprint and approves it; only **approved** machines get work, URLs or data.
+A **revoked** machine is refused everything from then on. The coordinator keeps no secret of
+any machine: its calls are checked against the public key alone.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import hashlib
-import hmac
+import enum
 import json
-import secrets
 import uuid
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import delete, func, or_, select, update
 
 from campugrid.coordinator.db import Database
-from campugrid.coordinator.models import GpuReservation, Machine
+from campugrid.coordinator.models import GpuReservation, Job, Machine, ShardSession
 from campugrid.coordinator.scheduler import GpuView, MachineView
 from campugrid.coordinator.views import utcnow
-from campugrid.protocol.errors import Unauthenticated
+from campugrid.protocol import keys
+from campugrid.protocol.errors import Forbidden, InvalidInput, NotFound, Unauthenticated
 from campugrid.protocol.spec import ENFORCED
+from campugrid.protocol.states import ACTIVE
+
+PENDING_TTL_S = 7 * 24 * 3600  # a machine nobody approved in a week is forgotten
+
+
+class Status(enum.StrEnum):
+    PENDING = "pending"
+    APPROVED = "approved"
+    REVOKED = "revoked"
+
+
+@dataclasses.dataclass(frozen=True)
+class MachineRecord:
+    id: str
+    name: str
+    fingerprint: str
+    status: Status
+    public_key: str
+    address: str
+    registered_at: dt.datetime
+    last_seen_at: dt.datetime
+
+    @classmethod
+    def from_row(cls, m: Machine) -> MachineRecord:
+        return cls(m.id, m.name, m.fingerprint, Status(m.status), m.public_key, m.address,
+                   m.registered_at, m.last_seen_at)
 
 
 class Machines:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    def register(self, name: str, capabilities: dict[str, Any]) -> tuple[str, str]:
-        """A new machine: its id and its secret (only the secret's digest is kept)."""
-        machine_id, secret = str(uuid.uuid4()), secrets.token_urlsafe(32)
+    def register(self, name: str, public_key: str, address: str = "") -> MachineRecord:
+        """A new pending machine for this key; the same key again is the same machine."""
+        pub = keys.public_text(keys.parse_public(public_key))
         now = utcnow()
         with self.db.tx() as s:
-            s.add(Machine(id=machine_id, name=name[:200], secret_sha256=_digest(secret),
-                          capabilities_json=json.dumps(capabilities), registered_at=now,
-                          last_seen_at=now))
-        return machine_id, secret
+            known = s.scalars(select(Machine).where(Machine.public_key == pub)).one_or_none()
+            if known is not None:
+                return MachineRecord.from_row(known)
+            row = Machine(id=str(uuid.uuid4()), name=name[:200], public_key=pub,
+                          fingerprint=keys.fingerprint(keys.public_raw(keys.parse_public(pub))),
+                          status=Status.PENDING.value, address=address[:100],
+                          capabilities_json="{}", registered_at=now, last_seen_at=now)
+            s.add(row)
+        return MachineRecord.from_row(row)
 
-    def authenticate(self, machine_id: str, secret: str) -> None:
+    def get(self, machine_id: str) -> MachineRecord:
         with self.db.read() as s:
+            m = s.get(Machine, machine_id) if _is_uuid(machine_id) else None
+            if m is None:
+                raise Unauthenticated(f"unknown machine {machine_id[:40]!r}; join again with "
+                                      "`campugrid agent join`")
+            return MachineRecord.from_row(m)
+
+    def find(self, ref: str) -> MachineRecord:
+        """A machine by id, unique id prefix (at least 6), fingerprint or name, for its owner."""
+        ref = ref.strip()
+        with self.db.read() as s:
+            match = [Machine.id == ref, Machine.fingerprint == ref, Machine.name == ref]
+            if len(ref) >= 6:
+                match.append(Machine.id.startswith(ref, autoescape=True))
+            q = select(Machine).where(or_(*match))
+            found = list(s.scalars(q.limit(3)))
+        if not found:
+            raise NotFound(f"no machine {ref!r} (see `campugrid machines`)")
+        if len(found) > 1:
+            raise InvalidInput(f"{ref!r} names {len(found)} machines; give the machine id")
+        return MachineRecord.from_row(found[0])
+
+    def all(self) -> list[MachineRecord]:
+        with self.db.read() as s:
+            return [MachineRecord.from_row(m)
+                    for m in s.scalars(select(Machine).order_by(Machine.registered_at))]
+
+    def set_status(self, machine_id: str, status: Status) -> MachineRecord:
+        with self.db.tx() as s:
             m = s.get(Machine, machine_id)
-            # Compare digests in constant time; an unknown id costs the same as a wrong secret.
-            expected = m.secret_sha256 if m is not None else _digest("")
-            if not hmac.compare_digest(expected, _digest(secret)) or m is None:
-                raise Unauthenticated("unknown machine or wrong secret; register again")
+            if m is None:
+                raise NotFound(f"no machine {machine_id!r}")
+            if m.status == Status.REVOKED.value and status is not Status.REVOKED:
+                raise Forbidden(f"machine {machine_id} was revoked; it can only join again "
+                                "with a new key")
+            m.status = status.value
+            if status is Status.REVOKED:
+                # End its leases now: the reaper (or the caller) requeues them at once.
+                past = utcnow() - dt.timedelta(seconds=1)
+                s.execute(update(Job).where(Job.machine_id == machine_id,
+                                            Job.state.in_([x.value for x in ACTIVE]))
+                          .values(lease_expires_at=past))
+                s.execute(update(ShardSession).where(ShardSession.machine_id == machine_id,
+                                                     ShardSession.active.is_(True))
+                          .values(lease_expires_at=past))
+            return MachineRecord.from_row(m)
+
+    def expire_pending(self, older_than_s: float = PENDING_TTL_S) -> int:
+        since = utcnow() - dt.timedelta(seconds=older_than_s)
+        with self.db.tx() as s:
+            res = s.execute(delete(Machine).where(Machine.status == Status.PENDING.value,
+                                                  Machine.registered_at < since))
+            return int(res.rowcount or 0)  # type: ignore[attr-defined]
 
     def heartbeat(self, machine_id: str, capabilities: dict[str, Any] | None = None,
                   offer: MachineView | None = None) -> None:
@@ -56,7 +139,7 @@ class Machines:
             s.execute(update(Machine).where(Machine.id == machine_id).values(**values))
 
     def online(self, within_s: float = 30) -> list[MachineView]:
-        """Machines seen recently, with their GPUs minus what is reserved on them."""
+        """Approved machines seen recently, with their GPUs minus what is reserved on them."""
         since = utcnow() - dt.timedelta(seconds=within_s)
         with self.db.read() as s:
             reserved = {(m, g): int(mb) for m, g, mb in s.execute(
@@ -64,7 +147,8 @@ class Machines:
                        func.sum(GpuReservation.memory_mb))
                 .group_by(GpuReservation.machine_id, GpuReservation.gpu_uuid))}
             out = []
-            for m in s.scalars(select(Machine).where(Machine.last_seen_at >= since)):
+            for m in s.scalars(select(Machine).where(Machine.last_seen_at >= since,
+                                                     Machine.status == Status.APPROVED.value)):
                 snap = json.loads(m.gpus_json or "{}")
                 snap = snap if isinstance(snap, dict) else {}  # "[]": never reported GPUs
                 gpus = tuple(GpuView(g["uuid"], g["kind"], g["name"], g["free_mb"],
@@ -77,6 +161,16 @@ class Machines:
                                        float(caps.get("speed_gflops") or 0.0), enforced))
             return out
 
+    def pending_online(self, within_s: float = 30) -> int:
+        since = utcnow() - dt.timedelta(seconds=within_s)
+        with self.db.read() as s:
+            return int(s.scalar(select(func.count()).select_from(Machine).where(
+                Machine.last_seen_at >= since, Machine.status == Status.PENDING.value)) or 0)
 
-def _digest(secret: str) -> str:
-    return hashlib.sha256(secret.encode()).hexdigest()
+
+def _is_uuid(text: str) -> bool:
+    try:
+        uuid.UUID(text)
+    except ValueError:
+        return False
+    return True

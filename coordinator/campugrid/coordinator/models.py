@@ -55,7 +55,11 @@ class Job(Base):
     __tablename__ = "jobs"
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
-    client_job_id: Mapped[str | None] = mapped_column(String(128), unique=True)
+    # The app that submitted it: only it (and admins) may see or cancel the job. NULL only
+    # for jobs stored before apps existed (admins see those).
+    owner_id: Mapped[str | None] = mapped_column(String(36), index=True)
+    # Unique per owner: one app's ids say nothing about another's.
+    client_job_id: Mapped[str | None] = mapped_column(String(128))
     name: Mapped[str | None] = mapped_column(String(200))
     state: Mapped[str] = mapped_column(String(16), index=True)
     spec_json: Mapped[str] = mapped_column(Text)
@@ -91,6 +95,7 @@ class Job(Base):
         Index("ix_jobs_state_created", "state", "created_at"),
         # A CPU-only machine's lease looks only at jobs that need no GPU: one index seek.
         Index("ix_jobs_state_gpus_created", "state", "gpus_needed", "created_at"),
+        UniqueConstraint("owner_id", "client_job_id", name="uq_jobs_owner_client_job_id"),
     )
 
 
@@ -128,11 +133,56 @@ class Machine(Base):
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
     name: Mapped[str] = mapped_column(String(200))
-    secret_sha256: Mapped[str] = mapped_column(String(64))  # never the secret itself
+    # The machine's own Ed25519 public key (base64, raw) and its fingerprint; the private
+    # half never leaves the machine.
+    public_key: Mapped[str] = mapped_column(String(64))
+    fingerprint: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16), index=True)  # pending, approved, revoked
+    address: Mapped[str] = mapped_column(String(100), default="", server_default="")
     capabilities_json: Mapped[str] = mapped_column(Text, default="{}")
     gpus_json: Mapped[str] = mapped_column(Text, default="[]", server_default="[]")
     registered_at: Mapped[dt.datetime] = mapped_column()
     last_seen_at: Mapped[dt.datetime] = mapped_column()
+
+    __table_args__ = (UniqueConstraint("public_key", name="uq_machines_public_key"),)
+
+
+class App(Base):
+    """Whoever submits and watches jobs (a researcher's CLI, a service): its public key only."""
+
+    __tablename__ = "apps"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)  # the signatures' keyid
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    public_key: Mapped[str] = mapped_column(String(64), unique=True)
+    fingerprint: Mapped[str] = mapped_column(String(64))
+    admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[dt.datetime] = mapped_column()
+    revoked_at: Mapped[dt.datetime | None] = mapped_column()
+
+
+class Invite(Base):
+    """A one-time code that turns into an app: only its SHA-256 is kept."""
+
+    __tablename__ = "invites"
+
+    code_sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(100))
+    admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_by: Mapped[str] = mapped_column(String(36))
+    expires_at: Mapped[dt.datetime] = mapped_column()
+    used_at: Mapped[dt.datetime | None] = mapped_column()
+
+
+class Nonce(Base):
+    """Nonces of signed requests still inside their time window: a second use is a replay.
+    Shared by every coordinator process on the database (the primary key decides)."""
+
+    __tablename__ = "nonces"
+
+    signer: Mapped[str] = mapped_column(String(80), primary_key=True)
+    nonce: Mapped[str] = mapped_column(String(64), primary_key=True)
+    expires_at: Mapped[dt.datetime] = mapped_column(index=True)
 
 
 class Shard(Base):

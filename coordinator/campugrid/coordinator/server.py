@@ -1,24 +1,38 @@
-"""Run the coordinator: REST (uvicorn) and gRPC in one process, plus the lease reaper."""
+"""Run the coordinator: REST (uvicorn) and gRPC in one process, plus the lease reaper.
+
+gRPC is always TLS, with the coordinator's own certificate (tls.py) that agents pin; REST is
+TLS too unless it listens on a loopback address only. On first start the local user gets an
+admin identity (a key made here, of which the database keeps the public half only).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 import os
+import secrets
+import socket
 import threading
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 import uvicorn
 
-from campugrid.coordinator.agent_service import AboutJob, AgentService
+from campugrid.client.identity import Identity
+from campugrid.client.identity import default_path as default_identity
+from campugrid.coordinator.agent_service import AboutJob, AgentService, SignedCalls
 from campugrid.coordinator.api import create_app
+from campugrid.coordinator.auth import RateLimits
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.db import make_engine, migrate
 from campugrid.coordinator.objects import S3Store
 from campugrid.coordinator.service import Coordinator
 from campugrid.coordinator.store import Store
+from campugrid.coordinator.tls import Certificate, ensure_certificate
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
+from campugrid.protocol import keys
 from campugrid.protocol.errors import CampugridError
 
 log = logging.getLogger("campugrid.coordinator")
@@ -31,6 +45,10 @@ class Running:
     http: uvicorn.Server
     stop_event: threading.Event
     grpc_port: int
+    certificate: Certificate
+    url: str  # the REST address, as apps reach it
+    grpc_address: str  # as agents reach it
+    admin_identity: Path | None = None  # written at this start, if it was
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -52,36 +70,111 @@ def build(settings: Settings) -> Coordinator:
 
 
 def _reap(coord: Coordinator, stop: threading.Event, every_s: float) -> None:
+    rounds = 0
     while not stop.wait(every_s):
+        rounds += 1
         try:
             for job_id in coord.requeue_expired():
                 log.warning("lease expired: job %s", job_id)
+            if rounds % 64 == 0:  # now and then: spent nonces, machines never approved
+                coord.store.nonces.prune()
+                coord.store.machines.expire_pending()
         except CampugridError:
             log.exception("lease reaper")
         except Exception:
             log.exception("lease reaper")
 
 
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def start(settings: Settings) -> Running:
     """Start gRPC and the reaper in the background; the caller runs `http.run()` or a thread."""
+    local_rest = is_loopback(settings.http_host)
+    if settings.allow_unsigned and not local_rest:
+        raise CampugridError(f"CAMPUGRID_ALLOW_UNSIGNED is for a coordinator on a loopback "
+                             f"address only, not {settings.http_host}")
     coord = build(settings)
+    cert = ensure_certificate(settings.tls_dir)
     extended = coord.extend_active_leases()
     if extended:
         log.warning("restarted with %d running jobs: their agents get one lease to reconnect", extended)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), interceptors=[AboutJob()])
-    pb_grpc.add_AgentServiceServicer_to_server(AgentService(coord), server)
-    port = server.add_insecure_port(f"{settings.grpc_host}:{settings.grpc_port}")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32),
+                         interceptors=[SignedCalls(coord, coord.store.nonces), AboutJob()])
+    pb_grpc.add_AgentServiceServicer_to_server(
+        AgentService(coord, settings.registrations_per_minute), server)
+    credentials = grpc.ssl_server_credentials([(cert.key_pem, cert.pem)])
+    port = server.add_secure_port(f"{settings.grpc_host}:{settings.grpc_port}", credentials)
     if port == 0:
         raise CampugridError(f"cannot listen for agents on {settings.grpc_host}:{settings.grpc_port}")
     server.start()
+    scheme = "http" if local_rest else "https"
+    url = settings.public_url or f"{scheme}://{_host(settings.http_host)}:{settings.http_port}"
+    grpc_address = settings.public_grpc or f"{_host(settings.grpc_host)}:{port}"
+    admin = ensure_admin(coord, settings, url, cert.fingerprint)
     stop = threading.Event()
     threading.Thread(target=_reap, args=(coord, stop, max(0.5, settings.lease_seconds / 8)),
                      daemon=True, name="lease-reaper").start()
-    http = uvicorn.Server(uvicorn.Config(create_app(coord), host=settings.http_host,
-                                         port=settings.http_port, log_level="warning"))
-    log.info("coordinator: REST http://%s:%d/v1  gRPC %s:%d", settings.http_host,
-             settings.http_port, settings.grpc_host, port)
-    return Running(coord, server, http, stop, port)
+    app = create_app(coord, allow_unsigned=settings.allow_unsigned, pin=cert.fingerprint,
+                     grpc_address=grpc_address, public_url=url, limits=RateLimits(
+                         per_key_per_s=settings.rest_per_key_per_s,
+                         per_address_per_s=settings.rest_per_address_per_s))
+    tls = {} if local_rest else {"ssl_certfile": str(cert.cert_file),
+                                 "ssl_keyfile": str(cert.key_file)}
+    http = uvicorn.Server(uvicorn.Config(app, host=settings.http_host, port=settings.http_port,
+                                         log_level="warning", **tls))  # type: ignore[arg-type]
+    log.info("coordinator: REST %s/v1  gRPC %s (TLS, certificate %s)", url, grpc_address,
+             cert.fingerprint)
+    return Running(coord, server, http, stop, port, cert, url, grpc_address, admin)
+
+
+def _host(host: str) -> str:
+    if host in ("0.0.0.0", "::", ""):  # noqa: S104 - naming it, not binding it
+        return socket.gethostname()
+    return f"[{host}]" if ":" in host else host
+
+
+def _ours(coord: Coordinator, path: Path) -> bool | None:
+    """Whether the identity at `path` is an active admin here; None when there is none."""
+    try:
+        identity = Identity.load(path)
+    except CampugridError:
+        return None
+    app = coord.store.apps.get(identity.app_id)
+    return app is not None and app.admin and app.revoked_at is None
+
+
+def ensure_admin(coord: Coordinator, settings: Settings, url: str, pin: str) -> Path | None:
+    """Make sure the local user holds an admin identity: made at the first start (its key
+    here, its public half in the database), and again where the settings name a path that
+    holds none (the local operator owns the database anyway). An identity of the user's for
+    another coordinator is never overwritten: the new one goes to the state folder. Returns
+    where a new identity was written, or None."""
+    path = settings.admin_identity or default_identity()
+    found = _ours(coord, path)
+    if found:
+        return None
+    if found is False:  # the user's identity for another coordinator: keep it
+        path = settings.state_dir / "admin-identity.json"
+        if _ours(coord, path):
+            return None
+    elif settings.admin_identity is None and coord.store.apps.any_admin():
+        return None  # not the first start, and nobody asked for an identity there
+    key_file = path.with_name(path.stem + ".key")
+    key = keys.Ed25519PrivateKey.generate()
+    keys.write_private(key_file, key)
+    name = f"admin-{socket.gethostname()}-{secrets.token_hex(3)}".lower()[:60]
+    name = "".join(c if c.isalnum() or c in "._-" else "-" for c in name)
+    app = coord.store.apps.create(name, keys.public_text(key), admin=True)
+    Identity(url, app.id, app.name, key_file, pin if url.startswith("https://") else "",
+             admin=True).save(path)
+    log.warning("admin identity %r made for the local user: key in %s, identity %s; invite "
+                "others with `campugrid apps invite NAME`", app.name, key_file, path)
+    return path
 
 
 def serve(settings: Settings) -> None:

@@ -13,6 +13,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from campugrid.coordinator.config import Settings
+from campugrid.coordinator.machines import MachineRecord
+from campugrid.coordinator.machines import Status as MachineStatus
 from campugrid.coordinator.objects import ObjectStore
 from campugrid.coordinator.scheduler import MachineView, fast_from, why_waiting
 from campugrid.coordinator.store import Store
@@ -77,7 +79,7 @@ class Coordinator:
         self._speeds_at = -SPEEDS_REFRESH_S
         self._context_urls: dict[str, tuple[str, float]] = {}  # key -> (URL, good until)
 
-    def submit(self, spec: JobSpec, context: bytes) -> tuple[JobView, bool]:
+    def submit(self, spec: JobSpec, context: bytes, owner: str = "") -> tuple[JobView, bool]:
         """Validate everything, store the context, then the job; answer only after both."""
         if len(context) > self.settings.max_context_bytes:
             raise InvalidInput(f"context: larger than {self.settings.max_context_bytes // 1024**2} MiB")
@@ -91,53 +93,80 @@ class Coordinator:
         key = f"contexts/{digest}.tar"
         if not self.objects.exists(key):
             self.objects.put_bytes(key, context)
-        job, created = self.store.submit(spec, key, digest)
+        job, created = self.store.submit(spec, key, digest, owner)
         if created:
             log.info("job submitted", extra={"job_id": job.id})
         return job, created
 
-    def get_job(self, job_id: str) -> JobView:
-        return self.store.get(job_id)
+    # Every read or change of a job takes `owner`: the app asking, or None for an admin. A job
+    # of another app is NotFound, as one that does not exist.
 
-    def list_jobs(self, state: JobState | None, limit: int) -> list[JobView]:
-        return self.store.list_jobs(state, limit)
+    def get_job(self, job_id: str, owner: str | None = None) -> JobView:
+        return self.store.get(job_id, owner)
+
+    def list_jobs(self, state: JobState | None, limit: int,
+                  owner: str | None = None) -> list[JobView]:
+        return self.store.list_jobs(state, limit, owner)
 
     def waiting_reasons(self, jobs: Sequence[JobView]) -> list[str | None]:
         """Why each queued job is not running, from the machines online now (read once for
         a whole page: a sweep's jobs are mostly queued)."""
-        machines = (self.store.machines.online()
-                    if any(j.state is JobState.QUEUED for j in jobs) else [])
-        return [_waiting_reason(j, machines) for j in jobs]
+        queued = any(j.state is JobState.QUEUED for j in jobs)
+        machines = self.store.machines.online() if queued else []
+        pending = self.store.machines.pending_online() if queued else 0
+        return [_waiting_reason(j, machines, pending) for j in jobs]
 
-    def job_events(self, job_id: str) -> list[EventView]:
+    def job_events(self, job_id: str, owner: str | None = None) -> list[EventView]:
+        self.store.get(job_id, owner)
         return self.store.events(job_id)
 
-    def job_logs(self, job_id: str, *, after_id: int, stream: str | None) -> list[LogView]:
-        return self.store.logs(job_id, after_id=after_id, stream=stream)
+    def job_logs(self, job_id: str, *, after_id: int, stream: str | None,
+                 owner: str | None = None) -> tuple[JobView, list[LogView]]:
+        job = self.store.get(job_id, owner)
+        return job, self.store.logs(job_id, after_id=after_id, stream=stream)
 
     def shards(self, job_id: str, *, state: str | None, after: int,
-               limit: int) -> list[ShardView]:
+               limit: int, owner: str | None = None) -> list[ShardView]:
+        self.store.get(job_id, owner)
         return self.store.shards.shards(job_id, state=state, after=after, limit=limit)
 
-    def cancel(self, job_id: str) -> JobView:
-        return self.store.cancel(job_id)
+    def cancel(self, job_id: str, owner: str | None = None) -> JobView:
+        return self.store.cancel(job_id, owner)
 
-    def open_output(self, job_id: str) -> tuple[JobView, Iterator[bytes]]:
+    def open_output(self, job_id: str, owner: str | None = None) -> tuple[JobView, Iterator[bytes]]:
         """The job and its output archive, streamed from storage; NotFound where it has none
         (or where the archive is gone from storage)."""
-        job = self.store.get(job_id)
+        job = self.store.get(job_id, owner)
         if job.output_key is None or not self.objects.exists(job.output_key):
             raise NotFound(f"job {job.id} has no output (state {job.state.value})")
         return job, self.objects.stream(job.output_key)
 
-    def register_machine(self, name: str, capabilities: dict[str, Any]) -> tuple[str, str]:
-        """A new machine's id and secret; the secret is shown this once."""
+    # --- machines -----------------------------------------------------------------------------
+
+    def register_machine(self, name: str, public_key: str, address: str = "") -> MachineRecord:
+        """A machine for this key: new ones are pending until their owner approves them."""
         if not name or len(name) > 200:
             raise InvalidInput("name: 1 to 200 characters")
-        return self.store.machines.register(name, capabilities)
+        record = self.store.machines.register(name, public_key, address)
+        log.info("machine %s (%s) registered from %s: %s, fingerprint %s", record.id, name,
+                 address or "?", record.status.value, record.fingerprint)
+        return record
 
-    def authenticate_machine(self, machine_id: str, secret: str) -> None:
-        self.store.machines.authenticate(machine_id, secret)
+    def machine(self, machine_id: str) -> MachineRecord:
+        return self.store.machines.get(machine_id)
+
+    def machines(self) -> list[MachineRecord]:
+        return self.store.machines.all()
+
+    def approve_machine(self, ref: str) -> MachineRecord:
+        m = self.store.machines.find(ref)
+        return self.store.machines.set_status(m.id, MachineStatus.APPROVED)
+
+    def revoke_machine(self, ref: str) -> tuple[MachineRecord, list[str]]:
+        """Revoke now: its leases end and its jobs go back to the queue at once."""
+        m = self.store.machines.set_status(self.store.machines.find(ref).id,
+                                           MachineStatus.REVOKED)
+        return m, self.store.requeue_expired()
 
     def lease(self, machine_id: str, offer: MachineView | None = None) -> Lease | None:
         if offer is not None:
@@ -360,10 +389,13 @@ class Coordinator:
         return files
 
 
-def _waiting_reason(job: JobView, machines: list[MachineView]) -> str | None:
+def _waiting_reason(job: JobView, machines: list[MachineView], pending: int = 0) -> str | None:
     if job.state is not JobState.QUEUED:
         return None
     why = why_waiting(job.spec.resources, machines)
+    if why is not None and pending:
+        why += (f"; {pending} machine(s) online wait for their owner's approval "
+                "(`campugrid machines`)")
     running = job.shards_total - job.shards_queued - job.shards_done
     if job.shards_total and running:
         return f"{job.shards_queued} shards wait, {running} running: {why}"

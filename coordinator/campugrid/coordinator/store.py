@@ -16,6 +16,7 @@ from sqlalchemy import Engine, delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from campugrid.coordinator.apps import Apps, Nonces
 from campugrid.coordinator.claims import Claimer
 from campugrid.coordinator.db import Database, job_row
 from campugrid.coordinator.machines import Machines
@@ -42,6 +43,7 @@ from campugrid.coordinator.views import (
 from campugrid.protocol.errors import (
     Conflict,
     IllegalTransition,
+    NotFound,
     StaleAttempt,
 )
 from campugrid.protocol.spec import JobSpec, limits_mask
@@ -58,16 +60,20 @@ class Store:
         self.tx, self.read = self.db.tx, self.db.read
         self.shards = ShardStore(self.db)
         self.machines = Machines(self.db)
+        self.apps = Apps(self.db)
+        self.nonces = Nonces(self.db)
         self._claims = Claimer(self.db)
 
     # --- researchers ------------------------------------------------------------------------
 
-    def submit(self, spec: JobSpec, context_key: str, context_sha256: str) -> tuple[JobView, bool]:
-        """Store a new job; with a known client_job_id return the stored one (created=False)."""
+    def submit(self, spec: JobSpec, context_key: str, context_sha256: str,
+               owner: str = "") -> tuple[JobView, bool]:
+        """Store a new job for `owner` (an app id; "" for none); with a client_job_id the owner
+        used before, return the stored one (created=False)."""
         now = utcnow()
         spec_text = spec.without_shards().to_json()
         row = Job(
-            id=str(uuid.uuid4()), client_job_id=spec.client_job_id, name=spec.name,
+            id=str(uuid.uuid4()), owner_id=owner, client_job_id=spec.client_job_id, name=spec.name,
             state=JobState.QUEUED.value, spec_json=spec_text, context_key=context_key,
             context_sha256=context_sha256, attempt=0, max_attempts=spec.max_attempts,
             gpus_needed=spec.resources.gpus, limits_needed=limits_mask(spec.resources.require_limits),
@@ -88,7 +94,8 @@ class Store:
             if spec.client_job_id is None:
                 raise
         with self.tx() as s:
-            existing = s.scalars(select(Job).where(Job.client_job_id == spec.client_job_id)).one()
+            existing = s.scalars(select(Job).where(Job.client_job_id == spec.client_job_id,
+                                                   Job.owner_id == owner)).one()
             if (existing.spec_json != spec_text or existing.context_sha256 != context_sha256
                     or existing.shards_sha256 != spec.shards_sha256):
                 raise Conflict(
@@ -96,12 +103,17 @@ class Store:
                     "different spec or context; use a new client_job_id for a new job")
             return JobView.from_row(existing), False
 
-    def get(self, job_id: str) -> JobView:
+    def get(self, job_id: str, owner: str | None = None) -> JobView:
+        """The job; with `owner`, only if that app submitted it (else NotFound, as for a job
+        that does not exist: another app's ids are not confirmed)."""
         with self.read() as s:
-            return JobView.from_row(job_row(s, job_id))
+            return JobView.from_row(_owned(job_row(s, job_id), owner))
 
-    def list_jobs(self, state: JobState | None = None, limit: int = 100) -> list[JobView]:
+    def list_jobs(self, state: JobState | None = None, limit: int = 100,
+                  owner: str | None = None) -> list[JobView]:
         q = select(Job).order_by(Job.created_at.desc(), Job.id).limit(limit)
+        if owner is not None:
+            q = q.where(Job.owner_id == owner)
         if state is not None:
             q = q.where(Job.state == state.value)
         with self.read() as s:
@@ -113,9 +125,9 @@ class Store:
             rows = s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id))
             return [EventView(r.at, r.attempt, r.kind, r.detail) for r in rows]
 
-    def cancel(self, job_id: str) -> JobView:
+    def cancel(self, job_id: str, owner: str | None = None) -> JobView:
         with self.tx() as s:
-            row = job_row(s, job_id)
+            row = _owned(job_row(s, job_id), owner)
             if JobState(row.state).final:
                 raise IllegalTransition(f"job {job_id} is already {row.state}")
             move_job(s, row.id, JobState.CANCELLED, sharded=bool(row.shards_total),
@@ -350,6 +362,12 @@ class Store:
             detail = f"{what} from attempt {token} refused: the job is {row.state}"
         s.add(JobEvent(job_id=row.id, at=utcnow(), attempt=token, kind="refused", detail=detail))
         return StaleAttempt(detail) if row.attempt != token else IllegalTransition(detail)
+
+
+def _owned(row: Job, owner: str | None) -> Job:
+    if owner is not None and row.owner_id != owner:
+        raise NotFound(f"no job {row.id}")
+    return row
 
 
 def _held(token: int, machine_id: str) -> list[Any]:

@@ -68,12 +68,14 @@ class RegisterRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("machine_id", "secret")
+    __slots__ = ("machine_id", "status", "fingerprint")
     MACHINE_ID_FIELD_NUMBER: _ClassVar[int]
-    SECRET_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     machine_id: str
-    secret: str
-    def __init__(self, machine_id: _Optional[str] = ..., secret: _Optional[str] = ...) -> None: ...
+    status: str
+    fingerprint: str
+    def __init__(self, machine_id: _Optional[str] = ..., status: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("capabilities",)

@@ -5,8 +5,10 @@
     │   ├── InvalidInput        (spec, tarball, Dockerfile, dataset reference, form field)
     │   ├── NotFound
     │   └── Conflict
-    ├── AuthError           who is calling was not established
-    │   └── Unauthenticated
+    ├── AuthError           who is calling was not established, or may not do this
+    │   ├── Unauthenticated     (no signature, unknown or revoked key, replay, tampering)
+    │   ├── Forbidden           (known, but not allowed: a pending machine, a non-admin)
+    │   └── RateLimited         (too many requests; retry after `retry_after_s`)
     ├── StateError          the call does not fit the job's state (the state machine refused it)
     │   ├── StaleAttempt        (fencing: not the current attempt)
     │   └── IllegalTransition
@@ -44,6 +46,16 @@ class AuthError(CampugridError):
 
 class Unauthenticated(AuthError):
     pass
+
+
+class Forbidden(AuthError):
+    """The caller is known but may not do this (yet): say what would allow it."""
+
+
+class RateLimited(AuthError):
+    def __init__(self, reason: str, retry_after_s: int) -> None:
+        super().__init__(reason)
+        self.retry_after_s = retry_after_s
 
 
 class StateError(CampugridError):

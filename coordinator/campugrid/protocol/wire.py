@@ -1,4 +1,27 @@
-"""gRPC metadata names shared by the agent and the coordinator."""
+"""What the agent and the coordinator agree on beside the protobuf messages: the metadata of
+a signed call, and the bytes its signature covers.
 
-MACHINE_HEADER = "x-campugrid-machine"
-SECRET_HEADER = "x-campugrid-secret"  # noqa: S105 - a header name, not a secret
+Every gRPC call is signed with the machine's own Ed25519 key over the method, the SHA-256 of
+the serialized request, the time and a nonce (and, for the first `Register`, the public key
+it is registering, in place of a machine id). The channel itself is TLS to a coordinator
+certificate the agent pinned at join.
+"""
+
+from __future__ import annotations
+
+MACHINE_HEADER = "x-campugrid-machine"  # the caller's machine id
+KEY_HEADER = "x-campugrid-key"  # Register only: the public key being registered (base64)
+CREATED_HEADER = "x-campugrid-created"  # Unix seconds
+NONCE_HEADER = "x-campugrid-nonce"
+SIGNATURE_HEADER = "x-campugrid-signature"  # base64 of the Ed25519 signature
+# What the coordinator's TLS certificate is issued for; the agent checks the name (and pins
+# the certificate itself), whatever address it dials.
+TLS_NAME = "campugrid-coordinator"
+CALL_WINDOW_S = 120  # a call signed further from the coordinator's clock is refused
+
+
+def call_base(method: str, body_sha256: str, created: int, nonce: str, signer: str) -> bytes:
+    """The bytes a call's signature covers. `signer` is the machine id, or `key:` and the
+    public key for Register."""
+    return "\n".join(("campugrid-call-v1", method, body_sha256, str(created), nonce,
+                      signer)).encode()

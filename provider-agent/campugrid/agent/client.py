@@ -1,128 +1,254 @@
-"""The agent's side of the gRPC protocol, and its stored machine credentials.
+"""The agent's side of the gRPC protocol, and this machine's identity on its coordinator.
 
 Two layers: CoordinatorClient is the wire (protobuf in and out, as the coordinator's service
 tests use it); CoordinatorApi is what the agent's code talks to, in frozen values
 (campugrid.agent.messages), converted here and nowhere else.
+
+The channel is TLS to the one certificate pinned at join (`Membership`), and every call is
+signed with the machine's own Ed25519 key (campugrid.protocol.wire); no secret is shared.
 """
 
 from __future__ import annotations
 
+import base64
+import collections
+import dataclasses
+import hashlib
 import json
 import os
-from collections.abc import Sequence
+import secrets
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 
 from campugrid.agent import messages as m
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
-from campugrid.protocol.wire import MACHINE_HEADER, SECRET_HEADER
+from campugrid.protocol import keys, pins
+from campugrid.protocol.errors import CampugridError
+from campugrid.protocol.wire import (
+    CREATED_HEADER,
+    KEY_HEADER,
+    MACHINE_HEADER,
+    NONCE_HEADER,
+    SIGNATURE_HEADER,
+    TLS_NAME,
+    call_base,
+)
 
 RPC_TIMEOUT_S = 10.0
+DEFAULT_GRPC_PORT = 8751
+
+
+@dataclasses.dataclass(frozen=True)
+class Membership:
+    """What `campugrid agent join` keeps in the agent's state folder: the coordinator's
+    address, the pinned certificate, this machine's key file and (once registered) its id."""
+
+    state_dir: Path
+    coordinator: str
+    pin: str
+    certificate: str  # PEM, checked against `pin` when it was fetched
+    machine_id: str = ""
+
+    @property
+    def key_file(self) -> Path:
+        return self.state_dir / "machine.key"
+
+    @staticmethod
+    def file(state_dir: Path) -> Path:
+        return state_dir / "membership.json"
+
+    @classmethod
+    def load(cls, state_dir: Path) -> Membership | None:
+        try:
+            raw = json.loads(cls.file(state_dir).read_text())
+            return cls(state_dir, str(raw["coordinator"]), str(raw["pin"]),
+                       str(raw["certificate"]), str(raw.get("machine_id") or ""))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    @classmethod
+    def join(cls, state_dir: Path, coordinator: str, pin: str) -> Membership:
+        """Fetch the coordinator's certificate, check it against `pin`, keep both, and make
+        this machine's key if it has none. Joining the same coordinator again keeps the key."""
+        host, port = pins.split_address(coordinator, DEFAULT_GRPC_PORT)
+        pem = pins.fetch_pinned(host, port, pin)
+        known = cls.load(state_dir)
+        same = known is not None and known.coordinator == coordinator and known.pin == pin.strip()
+        joined = cls(state_dir, coordinator, pin.strip(), pem,
+                     known.machine_id if same and known is not None else "")
+        keys.load_or_create(joined.key_file)
+        joined.save()
+        return joined
+
+    def with_machine(self, machine_id: str) -> Membership:
+        updated = dataclasses.replace(self, machine_id=machine_id)
+        updated.save()
+        return updated
+
+    def save(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = self.file(self.state_dir)
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"coordinator": self.coordinator, "pin": self.pin,
+                       "certificate": self.certificate, "machine_id": self.machine_id}, f)
+        os.replace(tmp, path)
+
+
+def signed_metadata(key: keys.Ed25519PrivateKey, method: str, body: bytes,
+                    signer: str) -> list[tuple[str, str]]:
+    """The time, nonce and signature of one call (campugrid.protocol.wire.call_base)."""
+    created, nonce = int(time.time()), secrets.token_urlsafe(18)
+    digest = hashlib.sha256(body).hexdigest()
+    signature = key.sign(call_base(method, digest, created, nonce, signer))
+    return [(CREATED_HEADER, str(created)), (NONCE_HEADER, nonce),
+            (SIGNATURE_HEADER, base64.b64encode(signature).decode())]
+
+
+def pinned_channel(address: str, certificate: str) -> grpc.Channel:
+    """A TLS channel that trusts only the pinned coordinator certificate."""
+    credentials = grpc.ssl_channel_credentials(root_certificates=certificate.encode())
+    return grpc.secure_channel(address, credentials, options=[
+        ("grpc.ssl_target_name_override", TLS_NAME),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ])
+
+
+class _Details(collections.namedtuple(
+        "_Details", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
+                     "compression")), grpc.ClientCallDetails):  # type: ignore[misc]
+    pass
+
+
+class _SignCalls(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]  # grpc is untyped
+    """Signs every call: method, SHA-256 of the request's bytes, time, nonce, and who signs
+    (the machine id, or for Register the public key being registered)."""
+
+    def __init__(self, key: keys.Ed25519PrivateKey, signer: Callable[[str], tuple[str, str, str]]) -> None:
+        self.key = key
+        self.signer = signer
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        header, value, signer = self.signer(details.method)
+        metadata = [*(details.metadata or ()), (header, value),
+                    *signed_metadata(self.key, details.method, request.SerializeToString(),
+                                     signer)]
+        return continuation(_Details(details.method, details.timeout, metadata,
+                                     details.credentials, details.wait_for_ready,
+                                     details.compression), request)
 
 
 class CoordinatorClient:
-    """The gRPC stub with this machine's credentials: protobuf in and out."""
+    """The gRPC stub, over pinned TLS, signing with this machine's key: protobuf in and out."""
 
-    def __init__(self, address: str, credentials_file: Path) -> None:
-        self.address = address
-        self.credentials_file = credentials_file
-        self.channel = grpc.insecure_channel(address, options=[
-            ("grpc.keepalive_time_ms", 10_000),
-            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-        ])
-        self.stub = pb_grpc.AgentServiceStub(self.channel)
-        self.machine_id = ""
-        self._secret = ""
+    def __init__(self, membership: Membership) -> None:
+        self.membership = membership
+        self.address = membership.coordinator
+        self.key = keys.load_private(membership.key_file)
+        self.public_key = keys.public_text(self.key)
+        self.fingerprint = keys.key_fingerprint(self.key)
+        self.machine_id = membership.machine_id
+        channel = pinned_channel(self.address, membership.certificate)
+        self.channel = channel
+        self.stub = pb_grpc.AgentServiceStub(grpc.intercept_channel(
+            channel, _SignCalls(self.key, self._signer)))
+
+    def _signer(self, method: str) -> tuple[str, str, str]:
+        if method.endswith("/Register"):
+            return KEY_HEADER, self.public_key, f"key:{self.public_key}"
+        return MACHINE_HEADER, self.machine_id, self.machine_id
+
+    def register(self, name: str, caps: pb.Capabilities | None = None) -> pb.RegisterReply:
+        """Register this machine's key (the same key again is the same machine): its id and
+        whether its owner approved it yet."""
+        reply: pb.RegisterReply = self.stub.Register(
+            pb.RegisterRequest(name=name, capabilities=caps), timeout=RPC_TIMEOUT_S)
+        self.machine_id = reply.machine_id
+        if reply.machine_id != self.membership.machine_id:
+            self.membership = self.membership.with_machine(reply.machine_id)
+        return reply
 
     def ensure_registered(self, name: str, caps: pb.Capabilities) -> str:
-        """Reuse stored credentials when the coordinator still knows them, else register."""
-        try:
-            stored = json.loads(self.credentials_file.read_text())
-        except (OSError, ValueError):
-            stored = None  # none yet, or damaged: register afresh
-        usable = (isinstance(stored, dict) and {"machine_id", "secret"} <= stored.keys()
-                  and stored.get("coordinator") == self.address)
-        if usable:
-            self.machine_id, self._secret = str(stored["machine_id"]), str(stored["secret"])
-            try:
-                self.heartbeat(caps)
-                return self.machine_id
-            except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.UNAUTHENTICATED:
-                    raise
-        reply = self.stub.Register(pb.RegisterRequest(name=name, capabilities=caps),
-                                   timeout=RPC_TIMEOUT_S)
-        self.machine_id, self._secret = reply.machine_id, reply.secret
-        self.credentials_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.credentials_file.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"coordinator": self.address, "machine_id": reply.machine_id,
-                       "secret": reply.secret}, f)
-        os.replace(tmp, self.credentials_file)
-        return self.machine_id
-
-    @property
-    def _md(self) -> tuple[tuple[str, str], ...]:
-        return ((MACHINE_HEADER, self.machine_id), (SECRET_HEADER, self._secret))
+        return self.register(name, caps).machine_id
 
     def heartbeat(self, caps: pb.Capabilities | None = None) -> None:
         req = pb.HeartbeatRequest(capabilities=caps) if caps is not None else pb.HeartbeatRequest()
-        self.stub.Heartbeat(req, metadata=self._md, timeout=RPC_TIMEOUT_S)
+        self.stub.Heartbeat(req, timeout=RPC_TIMEOUT_S)
 
     def lease(self, gpus: Sequence[pb.Gpu] = (), gpu_isolation: bool = False,
               enforced: Sequence[str] = ()) -> pb.LeaseReply:
         reply: pb.LeaseReply = self.stub.Lease(
             pb.LeaseRequest(gpus=gpus, gpu_isolation=gpu_isolation, enforced_limits=enforced),
-            metadata=self._md, timeout=RPC_TIMEOUT_S)
+            timeout=RPC_TIMEOUT_S)
         return reply
 
     def renew(self, job_id: str, token: int, phase: str, timeout_s: float) -> pb.RenewReply:
         reply: pb.RenewReply = self.stub.Renew(
             pb.RenewRequest(job_id=job_id, fencing_token=token, phase=phase),
-            metadata=self._md, timeout=timeout_s)
+            timeout=timeout_s)
         return reply
 
     def logs(self, job_id: str, token: int, stream: str, seq: int, text: str) -> bool:
         reply = self.stub.ReportLogs(
             pb.LogsRequest(job_id=job_id, fencing_token=token, stream=stream, seq=seq, text=text),
-            metadata=self._md, timeout=RPC_TIMEOUT_S)
+            timeout=RPC_TIMEOUT_S)
         return bool(reply.accepted)
 
     def complete(self, req: pb.CompleteRequest) -> pb.CompleteReply:
-        reply: pb.CompleteReply = self.stub.Complete(req, metadata=self._md, timeout=RPC_TIMEOUT_S)
+        reply: pb.CompleteReply = self.stub.Complete(req, timeout=RPC_TIMEOUT_S)
         return reply
 
     def begin_checkpoint(self, job_id: str, token: int, epoch: int,
                          size: int) -> pb.BeginCheckpointReply:
         reply: pb.BeginCheckpointReply = self.stub.BeginCheckpoint(
             pb.BeginCheckpointRequest(job_id=job_id, fencing_token=token, epoch=epoch, size=size),
-            metadata=self._md, timeout=RPC_TIMEOUT_S)
+            timeout=RPC_TIMEOUT_S)
         return reply
 
     def record_checkpoint(self, req: pb.RecordCheckpointRequest) -> pb.RecordCheckpointReply:
         # Generous: the coordinator reads the object back to check its digest.
-        reply: pb.RecordCheckpointReply = self.stub.RecordCheckpoint(req, metadata=self._md,
+        reply: pb.RecordCheckpointReply = self.stub.RecordCheckpoint(req,
                                                                      timeout=300)
         return reply
 
     def release(self, job_id: str, token: int, reason: str, failed: bool = False) -> pb.ReleaseReply:
         reply: pb.ReleaseReply = self.stub.Release(
             pb.ReleaseRequest(job_id=job_id, fencing_token=token, reason=reason, failed=failed),
-            metadata=self._md, timeout=RPC_TIMEOUT_S)
+            timeout=RPC_TIMEOUT_S)
         return reply
 
     def next_shard(self, job_id: str, token: int,
                    done: pb.ShardResult | None) -> pb.NextShardReply:
         reply: pb.NextShardReply = self.stub.NextShard(
             pb.NextShardRequest(job_id=job_id, fencing_token=token, done=done),
-            metadata=self._md, timeout=RPC_TIMEOUT_S)
+            timeout=RPC_TIMEOUT_S)
         return reply
 
     def close(self) -> None:
         self.channel.close()
+
+
+def fetch_membership(state_dir: Path, coordinator: str | None, pin: str | None) -> Membership:
+    """The membership an agent runs with: the one `join` stored, or a new join when given a
+    pin (and a coordinator other than the stored one needs its pin)."""
+    known = Membership.load(state_dir)
+    if pin:
+        return Membership.join(state_dir, coordinator or (known.coordinator if known else ""), pin)
+    if known is None:
+        raise CampugridError(f"this agent has not joined a coordinator ({state_dir}): run "
+                             "`campugrid agent join SERVER --pin FINGERPRINT` first (the "
+                             "coordinator's operator prints that command)")
+    if coordinator and coordinator != known.coordinator:
+        raise CampugridError(f"this agent joined {known.coordinator}, not {coordinator}: join "
+                             "the new one with its --pin")
+    return known
 
 
 class CoordinatorApi:

@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 
 from campugrid.agent import gpus
-from campugrid.agent.client import CoordinatorApi, CoordinatorClient
+from campugrid.agent.client import CoordinatorApi, CoordinatorClient, fetch_membership
 from campugrid.agent.gpus import GpuPolicy
 from campugrid.agent.messages import Capabilities, Lease
 from campugrid.agent.shards import ShardSessionTask
@@ -48,6 +48,9 @@ class AgentSettings:
     gpu_policy: GpuPolicy = dataclasses.field(default_factory=GpuPolicy)
     # The provider's policy: limits this machine must enforce, or the agent does not start.
     require_limits: tuple[str, ...] = ()
+    # The coordinator certificate's fingerprint: joins (or re-joins) with it; empty: use the
+    # membership `campugrid agent join` stored in state_dir.
+    pin: str = ""
 
 
 class Agent:
@@ -74,11 +77,12 @@ class Agent:
                 raise CampugridError(f"this machine cannot enforce {name} ({how}), which the "
                                      "provider's policy requires (--require-limits)")
         self.enforced = sorted(name for name, how in self.limits.items() if how == ENFORCED)
-        self.client = CoordinatorApi(CoordinatorClient(settings.coordinator,
-                                                       settings.state_dir / "credentials.json"))
+        self.client = CoordinatorApi(CoordinatorClient(fetch_membership(
+            settings.state_dir, settings.coordinator, settings.pin)))
         self.work_root = settings.state_dir / "work"
         self.stopping = threading.Event()
         self.task: Task | None = None
+        self.revoked = False  # its owner revoked this machine: run() returned for good
         self.gpu_note = sandbox.gpu_isolation_note()
         self.gpu_isolation = not self.gpu_note
         self.speed = matmul_gflops(gpu=bool(gpus.discover(settings.gpu_policy).gpus))
@@ -117,11 +121,12 @@ class Agent:
                 log.warning("cannot reach the coordinator at %s (%s); retrying",
                             self.settings.coordinator, e.code())
                 self.stopping.wait(2)
-        log.info("agent %s registered as %s", self.settings.name, self.client.machine_id)
+        log.info("agent %s registered as %s (key fingerprint %s)", self.settings.name,
+                 self.client.machine_id, self.client.wire.fingerprint)
         for name in self.sandbox.sweep(self.client.machine_id):
             log.warning("removed sandbox %s left from an earlier run of this agent", name)
         self.sweep("an earlier run of this agent", logging.WARNING)
-        last_beat = 0.0
+        last_beat, told_pending = 0.0, 0.0
         while not self.stopping.is_set():
             try:
                 if time.monotonic() - last_beat > 10:
@@ -131,6 +136,16 @@ class Agent:
                 lease = self.client.lease(offer, self.gpu_isolation and bool(offer),
                                           self.enforced)
             except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.PERMISSION_DENIED and "revoked" in str(e.details()):
+                    log.error("%s; the agent stops", e.details())
+                    self.revoked = True
+                    return
+                if e.code() == grpc.StatusCode.PERMISSION_DENIED:
+                    if time.monotonic() - told_pending > 60:
+                        log.warning("waiting for approval: %s", e.details())
+                        told_pending = time.monotonic()
+                    self.stopping.wait(max(2.0, self.settings.poll_seconds))
+                    continue
                 log.warning("coordinator unreachable (%s)", e.code())
                 self.stopping.wait(2)
                 continue

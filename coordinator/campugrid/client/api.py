@@ -1,8 +1,10 @@
-"""A small client of the REST API, for the command line and the tests."""
+"""The REST API's client: what the CLI uses, and what an app imports to submit and watch
+jobs (`from campugrid.client import Api`). Every request is signed with the app's key."""
 
 from __future__ import annotations
 
 import io
+import ssl
 import tarfile
 import time
 import uuid
@@ -12,6 +14,8 @@ from typing import Any
 
 import httpx
 
+from campugrid.client.identity import Identity, Signer
+from campugrid.protocol import pins
 from campugrid.protocol.errors import CampugridError, InvalidInput, NotFound
 from campugrid.protocol.spec import JobSpec
 
@@ -36,9 +40,31 @@ def tar_folder(folder: Path) -> bytes:
 
 
 class Api:
-    def __init__(self, server: str, timeout: float = 60) -> None:
-        self.http = httpx.Client(base_url=server.rstrip("/"), timeout=timeout)
+    """The coordinator at `server`, as the app `identity` (None: unsigned, which only a
+    coordinator that opted in on its loopback address accepts)."""
+
+    def __init__(self, server: str | None = None, identity: Identity | None = None,
+                 timeout: float = 60) -> None:
+        server = server or (identity.server if identity else "")
+        if not server:
+            raise InvalidInput("no coordinator address: give --server or log in first")
+        verify: ssl.SSLContext | bool = True
+        if server.startswith("https://") and identity is not None and identity.pin:
+            host, port = pins.split_address(server.removeprefix("https://").split("/")[0], 443)
+            verify = pins.client_context(pins.fetch_pinned(host, port, identity.pin))
+        auth = Signer(identity.app_id, identity.private_key()) if identity else None
+        self.http = httpx.Client(base_url=server.rstrip("/"), timeout=timeout, auth=auth,
+                                 verify=verify)
         self.server = server
+        self.identity = identity
+
+    @classmethod
+    def from_identity(cls, path: Path | None = None, server: str | None = None,
+                      timeout: float = 60) -> Api:
+        """The app whose identity is at `path` (default: ~/.config/campugrid/identity.json
+        or $CAMPUGRID_IDENTITY)."""
+        identity = Identity.load(path)
+        return cls(server or identity.server, identity, timeout)
 
     def _send(self, method: str, url: str, **kw: Any) -> httpx.Response:
         try:
@@ -140,3 +166,30 @@ class Api:
         if resp.status_code >= 400:
             self._check(resp)
         return resp.content
+
+    # --- apps and machines (admins) --------------------------------------------------------
+
+    def whoami(self) -> dict[str, Any]:
+        return dict(self._check(self._send("GET", "/v1/whoami")))
+
+    def apps(self) -> list[dict[str, Any]]:
+        return list(self._check(self._send("GET", "/v1/apps")))
+
+    def invite(self, name: str, admin: bool = False) -> dict[str, Any]:
+        return dict(self._check(self._send("POST", "/v1/apps/invites",
+                                           json={"name": name, "admin": admin})))
+
+    def revoke_app(self, name: str) -> dict[str, Any]:
+        return dict(self._check(self._send("POST", f"/v1/apps/{name}/revoke")))
+
+    def machines(self) -> list[dict[str, Any]]:
+        return list(self._check(self._send("GET", "/v1/machines")))
+
+    def join_command(self) -> dict[str, Any]:
+        return dict(self._check(self._send("GET", "/v1/machines/join")))
+
+    def approve_machine(self, ref: str) -> dict[str, Any]:
+        return dict(self._check(self._send("POST", f"/v1/machines/{ref}/approve")))
+
+    def revoke_machine(self, ref: str) -> dict[str, Any]:
+        return dict(self._check(self._send("POST", f"/v1/machines/{ref}/revoke")))
