@@ -101,12 +101,14 @@ class Signer(httpx.Auth):
         self._signer = hms.HTTPMessageSigner(signature_algorithm=algorithms.ED25519,
                                              key_resolver=_OneKey(key))
 
-    def sign(self, request: httpx.Request) -> None:
+    def sign(self, request: httpx.Request, *, created: dt.datetime | None = None,
+             nonce: str | None = None) -> None:
         for name in ("signature", "signature-input", "content-digest"):
             request.headers.pop(name, None)
+        request.read()  # the body is signed too (its Content-Digest)
         self._signer.sign(_Message(request.method, str(request.url), request.headers),
-                          key_id=self.app_id, created=dt.datetime.now(dt.UTC),
-                          nonce=secrets.token_urlsafe(18), label="campugrid",
+                          key_id=self.app_id, created=created or dt.datetime.now(dt.UTC),
+                          nonce=nonce or secrets.token_urlsafe(18), label="campugrid",
                           covered_component_ids=COVERED, body=request.content)
 
     def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:

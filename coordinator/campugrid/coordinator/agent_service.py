@@ -29,6 +29,7 @@ from campugrid.protocol import agent_pb2_grpc as pb_grpc
 from campugrid.protocol import keys, logs
 from campugrid.protocol.errors import (
     CampugridError,
+    Forbidden,
     IllegalTransition,
     InvalidInput,
     NotFound,
@@ -115,6 +116,8 @@ class AgentService(pb_grpc.AgentServiceServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except InvalidInput as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Forbidden as e:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         except CampugridError as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         raise AssertionError("unreachable")

@@ -35,7 +35,8 @@ from campugrid.protocol.errors import RateLimited, Unauthenticated
 
 log = logging.getLogger("campugrid.coordinator.auth")
 REQUIRED = ("@method", "@target-uri", "content-digest")
-WINDOW_S = 300  # a signature's `created` may be this far from the coordinator's clock
+WINDOW_S = 300  # a signature is good this long after its `created` time (skew included)
+SKEW_S = 60  # and from this long before it: clocks differ
 SPOOL_BYTES = 1024**2
 CHUNK = 1024**2
 PUBLIC = frozenset({"/v1/health", "/v1/login"})
@@ -52,7 +53,7 @@ class RateLimits:
 
 
 class _Verifier(hms.HTTPMessageVerifier):
-    max_clock_skew = dt.timedelta(seconds=WINDOW_S)
+    max_clock_skew = dt.timedelta(seconds=SKEW_S)
 
 
 class _Keys(hms.HTTPSignatureKeyResolver):
@@ -157,7 +158,7 @@ class SignedRequests:
         found = _Keys(self.apps)
         verifier = _Verifier(signature_algorithm=algorithms.ED25519, key_resolver=found)
         try:
-            [result] = verifier.verify(message, max_age=dt.timedelta(seconds=WINDOW_S),
+            [result] = verifier.verify(message, max_age=dt.timedelta(seconds=WINDOW_S - SKEW_S),
                                        require_components=REQUIRED)
         except (hms.InvalidSignature, hms.HTTPMessageSignaturesException, ValueError) as e:
             raise self.guard.failed(address, found.app.id if found.app else "",

@@ -29,7 +29,7 @@ from campugrid.coordinator.views import (
     ShardView,
     session_of,
 )
-from campugrid.protocol.errors import InvalidInput, NotFound, StorageError
+from campugrid.protocol.errors import Forbidden, InvalidInput, NotFound, StorageError
 from campugrid.protocol.spec import MAX_SHARD_RESULT, DatasetRef, JobSpec
 from campugrid.protocol.states import JobState
 from campugrid.protocol.tarballs import inspect_context
@@ -148,6 +148,9 @@ class Coordinator:
         if not name or len(name) > 200:
             raise InvalidInput("name: 1 to 200 characters")
         record = self.store.machines.register(name, public_key, address)
+        if record.status is MachineStatus.REVOKED:
+            raise Forbidden(f"the key of machine {record.id} was revoked by its owner; join "
+                            "with a new key (a new state folder) if that was a mistake")
         log.info("machine %s (%s) registered from %s: %s, fingerprint %s", record.id, name,
                  address or "?", record.status.value, record.fingerprint)
         return record
