@@ -18,8 +18,10 @@ HELLO = Path(__file__).resolve().parents[2] / "examples" / "hello"
 
 
 def post(platform, context: bytes, spec: str) -> httpx.Response:
-    return httpx.post(f"{platform.url}/v1/jobs", files={"context": ("c.tgz", context)},
-                      data={"spec": spec}, timeout=60)
+    """A raw form post, signed as the local admin (the SDK's signing, not its checks)."""
+    with platform.api() as api:
+        return api.http.post("/v1/jobs", files={"context": ("c.tgz", context)},
+                             data={"spec": spec}, timeout=60)
 
 
 def test_twenty_concurrent_retries_make_one_job(api, platform):
@@ -83,7 +85,7 @@ def test_text_that_is_not_utf8_is_refused_not_stored_as_mojibake(api, platform, 
             files[name] = value
         else:
             files[name] = (None, value)  # a plain form field, sent as raw bytes
-    resp = httpx.post(f"{platform.url}/v1/jobs", files=files, data=data, timeout=60)
+    resp = api.http.post("/v1/jobs", files=files, data=data, timeout=60)
     assert resp.status_code == 422, resp.text
     assert says in resp.json()["detail"]
     assert len(api.jobs(limit=1000)) == before
@@ -108,7 +110,7 @@ def test_only_allowed_base_images_are_built_on(api, tmp_path):
 
 def test_unknown_and_malformed_job_ids_are_404(api, platform):
     for job_id in ("00000000-0000-0000-0000-000000000000", "x' OR 1=1"):
-        resp = httpx.get(f"{platform.url}/v1/jobs/{job_id}", timeout=30)
+        resp = api.http.get(f"/v1/jobs/{job_id}", timeout=30)
         assert resp.status_code == 404 and "no job" in resp.json()["detail"]
 
 
@@ -121,7 +123,7 @@ def test_the_api_documents_itself(platform):
 def test_output_of_a_job_without_output_says_why(api, platform):
     job = api.submit(tar_folder(HELLO), JobSpec.from_dict({"command": ["true"]}))
     api.wait(job["id"], timeout_s=240)
-    resp = httpx.get(f"{platform.url}/v1/jobs/{job['id']}/output", timeout=30)
+    resp = api.http.get(f"/v1/jobs/{job['id']}/output", timeout=30)
     assert resp.status_code == 404 and "has no output" in resp.json()["detail"]
 
 
@@ -135,5 +137,5 @@ def test_env_values_are_not_served_back(api):
 
 def test_a_huge_log_cursor_is_refused_not_crashed(platform, api):
     job = api.submit(tar_folder(HELLO), JobSpec.from_dict({"command": ["true"]}))
-    resp = httpx.get(f"{platform.url}/v1/jobs/{job['id']}/logs", params={"after": 2**70}, timeout=30)
+    resp = api.http.get(f"/v1/jobs/{job['id']}/logs", params={"after": 2**70}, timeout=30)
     assert resp.status_code == 422

@@ -32,5 +32,6 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 def store(db_url: str) -> Iterator[Store]:
     engine = make_engine(db_url)
     migrate(engine)
-    yield Store(engine)
-    engine.dispose()
+    store = Store(engine)
+    yield store
+    store.close()

@@ -191,6 +191,15 @@ def test_machines_are_pending_until_approved_and_keep_only_their_public_key(stor
     assert base64.b64encode(private).decode() not in dump and private.hex() not in dump
 
 
+def test_pending_machines_nobody_approves_are_forgotten(store: Store):
+    waiting = add_machine(store, "never-approved", approve=False)
+    approved = add_machine(store, "approved")
+    assert store.machines.expire_pending(older_than_s=3600) == 0  # not old yet
+    assert store.machines.expire_pending(older_than_s=-1) == 1
+    assert [m.id for m in store.machines.all()] == [approved]
+    assert waiting not in {m.id for m in store.machines.all()}
+
+
 def test_a_revoked_machine_loses_its_lease_at_once_and_cannot_be_approved_again(store: Store):
     from campugrid.coordinator.machines import Status
     from campugrid.protocol.errors import Forbidden
@@ -241,16 +250,14 @@ def test_invites_are_single_use_and_expire(store: Store):
 
 
 def test_a_nonce_is_used_once_per_signer_across_processes(store: Store, db_url: str):
-    from campugrid.coordinator.apps import Nonces
-    from campugrid.coordinator.db import Database
     from campugrid.protocol.errors import Unauthenticated
 
     store.nonces.use("app-a", "nonce-0001", 300)
     store.nonces.use("app-b", "nonce-0001", 300)  # another signer's nonce is its own
-    other = Nonces(Database(make_engine(db_url)))  # a second coordinator on the same database
+    other = Store(make_engine(db_url))  # a second coordinator on the same database
     with pytest.raises(Unauthenticated, match="replay"):
-        other.use("app-a", "nonce-0001", 300)
-    other.db.engine.dispose()
+        other.nonces.use("app-a", "nonce-0001", 300)
+    other.close()
 
 
 def test_unknown_job_is_not_found(store: Store):

@@ -34,10 +34,12 @@ class Up:
     """`campugrid up` as a subprocess, its output collected line by line."""
 
     def __init__(self, state_dir: Path, port: int) -> None:
+        # The admin identity `up` makes goes beside its state, not into root's own config.
+        env = {**os.environ, "CAMPUGRID_IDENTITY": str(state_dir.parent / "identity.json")}
         self.proc = subprocess.Popen(
             [str(CAMPUGRID), "up", "--state-dir", str(state_dir), "--http-port", str(port)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            text=True, cwd=REPO)
+            text=True, cwd=REPO, env=env)
         self.lines: list[str] = []
         assert self.proc.stdout is not None
         out = self.proc.stdout

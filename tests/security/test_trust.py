@@ -225,6 +225,30 @@ def test_unsigned_access_is_refused_off_loopback_even_when_asked_for(s3_server, 
         server.start(settings)
 
 
+def test_rest_over_tls_pins_the_certificate_for_login_and_every_request(s3_server, tmp_path):
+    running, t = start(s3_server, tmp_path, "trust-tls", rest_tls=True)
+    try:
+        assert running.url.startswith("https://")
+        admin_ident = Identity.load(tmp_path / "admin.json")
+        assert admin_ident.pin == running.certificate.fingerprint
+        with Api(running.url, admin_ident) as admin:
+            invite = admin.invite("remote")
+        assert invite["command"].endswith(f"--pin {running.certificate.fingerprint}")
+        with pytest.raises(CampugridError, match="needs --pin"):
+            login(running.url, invite["code"], identity_path=tmp_path / "r0.json")
+        wrong = "SHA256:" + base64.b64encode(b"\1" * 32).decode().rstrip("=")
+        with pytest.raises(pins.PinMismatch):
+            login(running.url, invite["code"], wrong, identity_path=tmp_path / "r1.json")
+        ident, _ = login(running.url, invite["code"], invite["pin"], identity_path=tmp_path / "r.json")
+        with Api(running.url, ident) as remote:
+            assert remote.whoami()["name"] == "remote"
+        with pytest.raises(httpx.HTTPError):  # plain HTTP on the TLS port gets nothing
+            httpx.get(running.url.replace("https://", "http://") + "/v1/health", timeout=5)
+    finally:
+        running.stop()
+        t.join(5)
+
+
 # --- gRPC: machines -----------------------------------------------------------------------------
 
 

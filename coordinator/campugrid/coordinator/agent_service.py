@@ -294,11 +294,10 @@ class SignedCalls(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc is unty
 
     def _check(self, method: str, digest: str, context: grpc.ServicerContext) -> MachineRecord | None:
         md = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
-        address = peer_address(context)
 
         def refuse(code: grpc.StatusCode, reason: str, who: str = "") -> None:
             log.warning("refused call %s: %s (machine %s, from %s)", method.rpartition("/")[2],
-                        reason, who or "-", address)
+                        reason, who or "-", peer_address(context))
             context.abort(code, reason)
 
         record: MachineRecord | None = None

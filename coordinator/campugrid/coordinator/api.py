@@ -351,17 +351,17 @@ def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
         """Redeem a one-time invite with a public key made on the new app's side."""
         address = (request.client.host if request.client else "?")
         try:
-            return AppOut.of(coord.store.apps.redeem(body.invite.strip(), body.public_key))
+            return AppOut.of(coord.redeem_invite(body.invite.strip(), body.public_key))
         except Unauthenticated as e:
             raise guard.failed(address, "", str(e)) from e
 
     @app.get("/v1/apps", response_model=list[AppOut])
     def list_apps(_: Admin) -> list[AppOut]:
-        return [AppOut.of(a) for a in coord.store.apps.all()]
+        return [AppOut.of(a) for a in coord.apps()]
 
     @app.post("/v1/apps/invites", status_code=201, response_model=InviteOut)
     def invite(body: InviteIn, who: Admin, request: Request) -> InviteOut:
-        code, expires = coord.store.apps.invite(body.name, who.id, admin=body.admin)
+        code, expires = coord.invite_app(body.name, who, admin=body.admin)
         server = public_url or str(request.base_url).rstrip("/")
         command = f"campugrid login {server} --invite {code}"
         if server.startswith("https://"):
@@ -371,9 +371,7 @@ def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
 
     @app.post("/v1/apps/{name}/revoke", response_model=AppOut)
     def revoke_app(name: str, who: Admin) -> AppOut:
-        if name == who.name:
-            raise Conflict("an admin cannot revoke its own key (another admin can)")
-        return AppOut.of(coord.store.apps.revoke(name))
+        return AppOut.of(coord.revoke_app(name, who))
 
     @app.get("/v1/machines", response_model=list[MachineOut])
     def list_machines(_: Admin) -> list[MachineOut]:

@@ -42,6 +42,9 @@ class Settings:
     # (CAMPUGRID_PUBLIC_URL, CAMPUGRID_PUBLIC_GRPC; default: the addresses it listens on).
     public_url: str = ""
     public_grpc: str = ""
+    # REST over TLS (the same certificate as gRPC): None serves TLS unless REST listens on a
+    # loopback address only (CAMPUGRID_REST_TLS=1 or 0 decides).
+    rest_tls: bool | None = None
     rest_per_key_per_s: int = 50
     rest_per_address_per_s: int = 100
     registrations_per_minute: int = 20  # per address
@@ -65,6 +68,7 @@ class Settings:
             "allow_unsigned": env.get("CAMPUGRID_ALLOW_UNSIGNED", "") in ("1", "true", "yes"),
             "public_url": env.get("CAMPUGRID_PUBLIC_URL", ""),
             "public_grpc": env.get("CAMPUGRID_PUBLIC_GRPC", ""),
+            "rest_tls": {"1": True, "0": False}.get(env.get("CAMPUGRID_REST_TLS", "")),
         }
         for key, name, kind in (("lease_seconds", "CAMPUGRID_LEASE_SECONDS", float),
                                 ("keep_checkpoints", "CAMPUGRID_KEEP_CHECKPOINTS", int)):

@@ -14,7 +14,7 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from campugrid.coordinator.models import Job
@@ -22,6 +22,9 @@ from campugrid.protocol.errors import NotFound
 
 MIGRATIONS = Path(__file__).with_name("migrations")
 READ_ONLY = "campugrid_read_only"
+# A transaction whose loss in a crash harms nothing (the nonce store): committed without
+# waiting for the disk (SQLite: synchronous=NORMAL for it; PostgreSQL: synchronous_commit off).
+LAZY = "campugrid_lazy_commit"
 
 
 def make_engine(url: str) -> Engine:
@@ -41,13 +44,32 @@ def make_engine(url: str) -> Engine:
         def _sqlite_begin(conn: Any) -> None:
             # IMMEDIATE takes the write lock up front: no deadlocked lock upgrades. Reads
             # (marked read-only) take none, so they never queue behind writers in WAL mode.
-            if conn.get_execution_options().get(READ_ONLY):
+            options = conn.get_execution_options()
+            if options.get(READ_ONLY):
                 conn.exec_driver_sql("BEGIN")
-            else:
-                conn.exec_driver_sql("BEGIN IMMEDIATE")
+                return
+            # Per transaction: the connection goes back to the pool with whatever was set.
+            conn.exec_driver_sql("PRAGMA synchronous=NORMAL" if options.get(LAZY)
+                                 else "PRAGMA synchronous=FULL")
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
     return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+
+
+def side_database(engine: Engine, name: str, *tables: Any) -> Engine:
+    """On SQLite, a file of its own beside the main one for `tables` (created there), so that
+    their writes do not wait for the one writer of the main file; elsewhere the same engine
+    (PostgreSQL locks rows, not the database). Every process on the main file uses the same
+    side file."""
+    if engine.dialect.name != "sqlite" or not engine.url.database or engine.url.database == ":memory:":
+        return engine
+    path = Path(engine.url.database)
+    side = make_engine(f"sqlite:///{path.with_name(f'{path.stem}-{name}{path.suffix}')}")
+    from campugrid.coordinator.models import Base
+
+    Base.metadata.create_all(side, tables=list(tables))
+    return side
 
 
 class Database:
@@ -56,6 +78,8 @@ class Database:
         self._session = sessionmaker(engine, expire_on_commit=False)
         self._reader = sessionmaker(engine.execution_options(**{READ_ONLY: True}),
                                     expire_on_commit=False)
+        self._lazy_engine = engine.execution_options(**{LAZY: True})
+        self._lazy = sessionmaker(self._lazy_engine, expire_on_commit=False)
         # SQLite has one writer at a time; waiting for it inside SQLite means its busy
         # handler's sleeps (up to 100 ms each). Waiting on a lock here hands over at once.
         # (Other processes on the same file still work, through the busy timeout.)
@@ -63,9 +87,12 @@ class Database:
             threading.Lock() if engine.dialect.name == "sqlite" else contextlib.nullcontext())
 
     @contextlib.contextmanager
-    def tx(self) -> Iterator[Session]:
-        """A writing transaction (an ORM session), committed when the block ends."""
-        with self._writer, self._session.begin() as s:
+    def tx(self, *, durable: bool = True) -> Iterator[Session]:
+        """A writing transaction (an ORM session), committed when the block ends; on disk
+        before it returns unless `durable` is False (for what a crash may lose)."""
+        with self._writer, (self._session if durable else self._lazy).begin() as s:
+            if not durable and self.engine.dialect.name == "postgresql":
+                s.execute(text("SET LOCAL synchronous_commit = off"))
             yield s
 
     @contextlib.contextmanager
@@ -75,9 +102,13 @@ class Database:
             yield s
 
     @contextlib.contextmanager
-    def connect(self) -> Iterator[Connection]:
-        """A writing transaction on a Core connection: the claim path's, without the ORM."""
-        with self._writer, self.engine.begin() as conn:
+    def connect(self, *, durable: bool = True) -> Iterator[Connection]:
+        """A writing transaction on a Core connection: the claim path's, without the ORM
+        (`durable` as for tx)."""
+        engine = self.engine if durable else self._lazy_engine
+        with self._writer, engine.begin() as conn:
+            if not durable and self.engine.dialect.name == "postgresql":
+                conn.execute(text("SET LOCAL synchronous_commit = off"))
             yield conn
 
 

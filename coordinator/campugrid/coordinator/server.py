@@ -112,7 +112,8 @@ def start(settings: Settings) -> Running:
     if port == 0:
         raise CampugridError(f"cannot listen for agents on {settings.grpc_host}:{settings.grpc_port}")
     server.start()
-    scheme = "http" if local_rest else "https"
+    rest_tls = not local_rest if settings.rest_tls is None else settings.rest_tls
+    scheme = "https" if rest_tls else "http"
     url = settings.public_url or f"{scheme}://{_host(settings.http_host)}:{settings.http_port}"
     grpc_address = settings.public_grpc or f"{_host(settings.grpc_host)}:{port}"
     admin = ensure_admin(coord, settings, url, cert.fingerprint)
@@ -123,8 +124,7 @@ def start(settings: Settings) -> Running:
                      grpc_address=grpc_address, public_url=url, limits=RateLimits(
                          per_key_per_s=settings.rest_per_key_per_s,
                          per_address_per_s=settings.rest_per_address_per_s))
-    tls = {} if local_rest else {"ssl_certfile": str(cert.cert_file),
-                                 "ssl_keyfile": str(cert.key_file)}
+    tls = {"ssl_certfile": str(cert.cert_file), "ssl_keyfile": str(cert.key_file)} if rest_tls else {}
     http = uvicorn.Server(uvicorn.Config(app, host=settings.http_host, port=settings.http_port,
                                          log_level="warning", **tls))  # type: ignore[arg-type]
     log.info("coordinator: REST %s/v1  gRPC %s (TLS, certificate %s)", url, grpc_address,

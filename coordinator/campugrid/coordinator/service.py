@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from campugrid.coordinator.apps import AppView
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.machines import MachineRecord
 from campugrid.coordinator.machines import Status as MachineStatus
@@ -29,13 +30,14 @@ from campugrid.coordinator.views import (
     ShardView,
     session_of,
 )
-from campugrid.protocol.errors import Forbidden, InvalidInput, NotFound, StorageError
+from campugrid.protocol.errors import Conflict, Forbidden, InvalidInput, NotFound, StorageError
 from campugrid.protocol.spec import MAX_SHARD_RESULT, DatasetRef, JobSpec
 from campugrid.protocol.states import JobState
 from campugrid.protocol.tarballs import inspect_context
 
 log = logging.getLogger("campugrid.coordinator")
 SPEEDS_REFRESH_S = 10.0  # how old the machines' speed ranking may be
+MACHINE_CACHE_S = 1.0  # how old a machine's key and status may be when a call is checked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +80,7 @@ class Coordinator:
         self._fast_from = 0.0  # the speed from which a machine counts as fast
         self._speeds_at = -SPEEDS_REFRESH_S
         self._context_urls: dict[str, tuple[str, float]] = {}  # key -> (URL, good until)
+        self._machines: dict[str, tuple[MachineRecord, float]] = {}  # id -> (record, until)
 
     def submit(self, spec: JobSpec, context: bytes, owner: str = "") -> tuple[JobView, bool]:
         """Validate everything, store the context, then the job; answer only after both."""
@@ -141,6 +144,29 @@ class Coordinator:
             raise NotFound(f"job {job.id} has no output (state {job.state.value})")
         return job, self.objects.stream(job.output_key)
 
+    # --- apps ---------------------------------------------------------------------------------
+
+    def apps(self) -> list[AppView]:
+        return self.store.apps.all()
+
+    def invite_app(self, name: str, by: AppView, *, admin: bool = False) -> tuple[str, dt.datetime]:
+        """A one-time code for a new app; only its digest is kept."""
+        code, expires = self.store.apps.invite(name, by.id, admin=admin)
+        log.info("invite for app %r made by %s (until %s)", name, by.name, f"{expires:%Y-%m-%d %H:%M}")
+        return code, expires
+
+    def redeem_invite(self, code: str, public_key: str) -> AppView:
+        app = self.store.apps.redeem(code, public_key)
+        log.info("app %r joined with key %s", app.name, app.fingerprint)
+        return app
+
+    def revoke_app(self, name: str, by: AppView) -> AppView:
+        if name == by.name:
+            raise Conflict("an admin cannot revoke its own key (another admin can)")
+        app = self.store.apps.revoke(name)
+        log.warning("app %r (%s) revoked by %s", app.name, app.fingerprint, by.name)
+        return app
+
     # --- machines -----------------------------------------------------------------------------
 
     def register_machine(self, name: str, public_key: str, address: str = "") -> MachineRecord:
@@ -156,20 +182,39 @@ class Coordinator:
         return record
 
     def machine(self, machine_id: str) -> MachineRecord:
-        return self.store.machines.get(machine_id)
+        """The machine a call claims to be (its key and status), read at most once a second
+        per machine: approvals and revocations made here apply at once, those made by
+        another coordinator process within MACHINE_CACHE_S (a revoked machine's leases end at
+        the revocation anyway, so its calls are refused as stale)."""
+        now = time.monotonic()
+        hit = self._machines.get(machine_id)
+        if hit is not None and hit[1] > now:
+            return hit[0]
+        record = self.store.machines.get(machine_id)
+        if len(self._machines) > 100_000:
+            self._machines.clear()
+        self._machines[machine_id] = (record, now + MACHINE_CACHE_S)
+        return record
 
     def machines(self) -> list[MachineRecord]:
         return self.store.machines.all()
 
     def approve_machine(self, ref: str) -> MachineRecord:
-        m = self.store.machines.find(ref)
-        return self.store.machines.set_status(m.id, MachineStatus.APPROVED)
+        m = self.store.machines.set_status(self.store.machines.find(ref).id,
+                                           MachineStatus.APPROVED)
+        self._machines.pop(m.id, None)
+        log.info("machine %s (%s, %s) approved", m.id, m.name, m.fingerprint)
+        return m
 
     def revoke_machine(self, ref: str) -> tuple[MachineRecord, list[str]]:
         """Revoke now: its leases end and its jobs go back to the queue at once."""
         m = self.store.machines.set_status(self.store.machines.find(ref).id,
                                            MachineStatus.REVOKED)
-        return m, self.store.requeue_expired()
+        self._machines.pop(m.id, None)
+        requeued = self.store.requeue_expired()
+        log.warning("machine %s (%s) revoked; its jobs %s are queued again", m.id, m.name,
+                    ", ".join(requeued) or "(none)")
+        return m, requeued
 
     def lease(self, machine_id: str, offer: MachineView | None = None) -> Lease | None:
         if offer is not None:
@@ -273,7 +318,7 @@ class Coordinator:
 
     def close(self) -> None:
         self.objects.close()
-        self.store.engine.dispose()
+        self.store.close()
 
     def _note_offer(self, machine_id: str, offer: MachineView) -> None:
         """Keep the machine's GPU snapshot (for why-it-waits) fresh: written when it changes,

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from campugrid.coordinator.apps import Apps, Nonces
 from campugrid.coordinator.claims import Claimer
-from campugrid.coordinator.db import Database, job_row
+from campugrid.coordinator.db import Database, job_row, side_database
 from campugrid.coordinator.machines import Machines
 from campugrid.coordinator.models import (
     MAX_LOG_CHUNK,
@@ -27,6 +27,7 @@ from campugrid.coordinator.models import (
     Job,
     JobEvent,
     LogChunk,
+    Nonce,
     clean,
 )
 from campugrid.coordinator.moves import move_job
@@ -61,8 +62,14 @@ class Store:
         self.shards = ShardStore(self.db)
         self.machines = Machines(self.db)
         self.apps = Apps(self.db)
-        self.nonces = Nonces(self.db)
+        # Every signed call writes a nonce: on SQLite beside the jobs' file, not in its queue.
+        self.nonces = Nonces(Database(side_database(engine, "nonces", Nonce.__table__)))
         self._claims = Claimer(self.db)
+
+    def close(self) -> None:
+        self.engine.dispose()
+        if self.nonces.db.engine is not self.engine:
+            self.nonces.db.engine.dispose()
 
     # --- researchers ------------------------------------------------------------------------
 
