@@ -3,6 +3,7 @@ podman+runsc run -> result, logs and output back through the coordinator."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -151,8 +152,11 @@ def test_a_dataset_is_mounted_read_only(api, platform):
               "info = open('/data/iris/meta/info.txt').read();"
               "w = os.access('/data/iris/part-0.csv', os.W_OK);"
               "print(len(rows), info, 'writable' if w else 'read-only')")
+    sha = {path: hashlib.sha256(data).hexdigest()
+           for path, data in (("part-0.csv", b"5.1,3.5\n4.9,3.0\n"), ("meta/info.txt", b"two rows"))}
     spec = JobSpec.from_dict({"command": ["python3", "-c", reader],
-                              "datasets": [{"name": "iris", "uri": "s3://datasets/iris/"}]})
+                              "datasets": [{"name": "iris", "uri": "s3://datasets/iris/",
+                                            "sha256": sha}]})
     final = api.wait(api.submit(tar_folder(HELLO), spec)["id"], timeout_s=240)
     assert final["state"] == "succeeded", final
     assert final["result"] == "2 two rows read-only"
@@ -205,3 +209,25 @@ def test_writing_past_the_output_limit_stops_the_job(api):
     final = api.wait(api.submit(tar_folder(HELLO), spec)["id"], timeout_s=240)
     assert final["state"] == "failed"
     assert "wrote more than 8 MB to /output and /checkpoints" in final["reason"]
+
+
+def test_a_file_sent_with_the_job_is_mounted_read_only_and_deleted_after(api, platform, tmp_path):
+    data = tmp_path / "weights.bin"
+    data.write_bytes(b"\x00\x01 only on this laptop")
+    reader = ("import os; b = open('/data/w/weights.bin', 'rb').read();"
+              "print(len(b), 'read-only' if not os.access('/data/w/weights.bin', os.W_OK) else 'rw')")
+    out = subprocess.run([sys.executable, "-m", "campugrid.cli", "submit", str(HELLO), "--command",
+                          f"python3 -c \"{reader}\"", "--upload", f"w={data}", "--wait"],
+                         capture_output=True, env=platform.cli_env(), text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    job = api.job(out.stdout.splitlines()[0].strip())
+    assert job["result"] == "23 read-only"
+    [ticket] = [d["ticket"] for d in job["spec"]["datasets"]]
+    assert ("inputs", "w: 1 file by upload ticket, 23 bytes, checked by sha256") in [
+        (e["kind"], e["detail"]) for e in job["events"]]
+    assert platform.running is not None
+    objects = platform.running.coord.objects
+    deadline = time.monotonic() + 60  # the reaper deletes it once the job has ended
+    while objects.exists(f"uploads/{ticket}"):
+        assert time.monotonic() < deadline, "the upload outlived its job"
+        time.sleep(0.5)

@@ -4,6 +4,7 @@ once approved, and stops getting work once revoked."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -16,6 +17,8 @@ import pytest
 
 from campugrid.cli.platform import Platform
 from campugrid.cli.seaweed import free_port
+from campugrid.client import Api, tar_folder
+from campugrid.protocol.spec import JobSpec
 
 pytestmark = pytest.mark.acceptance
 HELLO = Path(__file__).resolve().parents[2] / "examples" / "hello"
@@ -53,7 +56,14 @@ def test_a_laptop_joins_by_invite_and_a_machine_by_approval_until_revoked():
         # A second machine: the one command the admin is given, then pending.
         join = run(admin, "machines", "invite").split()
         assert join[:3] == ["campugrid", "agent", "join"] and join[4] == "--pin"
-        agent = p.start_agent("joiner", coordinator=join[3], pin=join[5], approve=False)
+        shared = root / "pictures"  # a folder its owner shares: readable by the agent's user
+        (shared / "train").mkdir(parents=True)
+        (shared / "train" / "a.csv").write_bytes(b"4,2\n")
+        for d in (shared, shared / "train"):
+            d.chmod(0o755)
+        (shared / "train" / "a.csv").chmod(0o644)
+        agent = p.start_agent("joiner", coordinator=join[3], pin=join[5], approve=False,
+                              args=("--share", f"pics={shared}"))
         machine = wait_until("the machine's id", agent.machine_id)
         listed = run(admin, "machines")
         assert f"{machine}  pending" in listed
@@ -66,6 +76,20 @@ def test_a_laptop_joins_by_invite_and_a_machine_by_approval_until_revoked():
                    timeout=240)
         with p.api() as api:
             assert api.job(job)["machine_id"] == machine
+        # Its shared folder: listed by path inside it and sha256, read by a job in place.
+        with Api.from_identity(root / "laptop" / "identity.json") as lab:
+            digest = hashlib.sha256(b"4,2\n").hexdigest()
+            listed = wait_until("the share's listing", lambda: [
+                f for sh in lab.shares() if sh["name"] == "pics" for f in sh["files"]])
+            assert listed == [{"path": "train/a.csv", "size": 4, "sha256": digest, "machines": 1}]
+            assert str(shared) not in str(lab.shares())
+            reads = lab.submit(tar_folder(HELLO), JobSpec.from_dict({
+                "command": ["cat", "/data/d/train/a.csv"],
+                "datasets": [{"name": "d", "share": "pics", "sha256": {"train/a.csv": digest}}]}))
+            done = lab.wait(reads["id"], timeout_s=240)
+            assert done["state"] == "succeeded" and done["result"] == "4,2", done
+            log = "".join(c["text"] for c in lab.logs(reads["id"])["chunks"])
+            assert "dataset d: 1 file" in log and "from the share 'pics', each checked by sha256" in log
         # The laptop cannot see the admin's jobs, nor manage machines.
         denied = subprocess.run([*CLI, "machines"], capture_output=True, text=True, timeout=60,
                                 env=laptop)

@@ -3,6 +3,7 @@ own client: authentication, leasing, fencing of stale attempts."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -219,7 +220,8 @@ def test_a_job_whose_dataset_vanished_fails_at_lease_instead_of_sticking(coordin
     data.ensure_bucket()
     data.put_bytes("d/x.csv", b"1,2")
     job = api.submit(tar_folder(HELLO), JobSpec.from_dict(
-        {"datasets": [{"name": "d", "uri": "s3://vanishing-data/d/"}]}))
+        {"datasets": [{"name": "d", "uri": "s3://vanishing-data/d/",
+                       "sha256": {"x.csv": hashlib.sha256(b"1,2").hexdigest()}}]}))
     data.delete("d/x.csv")
     data.close()
     c = client(running, tmp_path, "m")

@@ -222,3 +222,39 @@ def test_two_coordinator_processes_lease_each_cpu_job_once(store: Store, db_url:
     assert sorted(job for job, _, _ in results) == sorted(jobs)  # each exactly once
     assert {attempt for _, attempt, _ in results} == {1}
     assert all(store.get(j).state is JobState.BUILDING for j in jobs)
+
+
+def share_job(store: Store, share: str = "imagenet") -> str:
+    spec = JobSpec.from_dict({"datasets": [{"name": "d", "share": share,
+                                            "sha256": {"val/x.jpg": "a" * 64}}]})
+    return store.submit(spec, "contexts/x.tar", "ab" * 32)[0].id
+
+
+def test_a_job_on_shared_files_goes_only_to_a_machine_that_shares_them(store: Store):
+    needs = share_job(store)
+    plain = store.submit(JobSpec(), "contexts/x.tar", "ab" * 32)[0].id
+    other = add_machine(store, "no-share", {})
+    # The share job is older, but this machine does not share it: it gets the plain job.
+    assert store.claim_next(other, 30, MachineView(other, "no-share")).id == plain
+    assert store.claim_next(other, 30, MachineView(other, "no-share", shares=frozenset({"coco"}))) is None
+    holder = add_machine(store, "holder", {})
+    got = store.claim_next(holder, 30, MachineView(holder, "holder",
+                                                   shares=frozenset({"coco", "imagenet"})))
+    assert got is not None and got.id == needs
+
+
+def test_a_machine_that_shares_still_takes_the_oldest_job_it_can(store: Store):
+    plain = store.submit(JobSpec(), "contexts/x.tar", "ab" * 32)[0].id
+    needs = share_job(store)
+    m = add_machine(store, "holder", {})
+    offer = MachineView(m, "holder", shares=frozenset({"imagenet"}))
+    assert [store.claim_next(m, 30, offer).id, store.claim_next(m, 30, offer).id] == [plain, needs]
+
+
+def test_why_a_job_waits_names_the_share_no_machine_has(store: Store):
+    add_machine(store, "box", {"shares": {"coco": [["a.jpg", 3, "b" * 64]]}})
+    [view] = store.machines.online()
+    assert view.shares == {"coco"}
+    assert why_waiting(JobSpec().resources, [view], "imagenet") == (
+        "no online machine shares 'imagenet' (GET /v1/shares lists what is shared)")
+    assert store.machines.shared() == {"coco": {("a.jpg", 3, "b" * 64): 1}}

@@ -19,7 +19,6 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from campugrid.agent.logship import MAX_TASK_LOG_BYTES
@@ -526,8 +525,8 @@ def test_a_hostile_context_is_refused_at_submit_and_nothing_stored(api, guard, p
                                                                    says):
     context = make_tar(members)
     before = {j["id"] for j in api.jobs(limit=1000)}
-    resp = httpx.post(f"{platform.url}/v1/jobs", files={"context": ("c.tgz", context)},
-                      data={"spec": json.dumps({"command": ["true"]})}, timeout=60)
+    resp = api.http.post("/v1/jobs", files={"context": ("c.tgz", context)},  # signed
+                         data={"spec": json.dumps({"command": ["true"]})}, timeout=60)
     try:
         # protocol.tarballs.inspect_context, at the coordinator: without it the job is stored
         # (201) and only the agent would refuse it.

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import hashlib
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -400,3 +402,84 @@ def test_the_database_holds_no_private_key_and_no_plain_secret(coord, admin, tmp
     assert coord.coord.settings.s3_secret_key not in blob
     tls_key = coord.certificate.key_pem.decode().splitlines()[1]
     assert tls_key not in blob
+
+
+# --- files: by content, never by path -----------------------------------------------------------
+
+
+def upload_ticket(api: Api, tmp_path: Path, data: bytes, name: str = "data.bin") -> str:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return api.upload(path)
+
+
+def submit_with(api: Api, datasets: list[dict], **spec) -> httpx.Response:
+    spec_json = JobSpec.from_dict({"datasets": datasets, **spec}).to_json().encode()
+    return api.http.post("/v1/jobs", files={"context": ("c.tar.gz", tar_folder(HELLO)),
+                                            "spec_file": ("s.json", spec_json)})
+
+
+def test_an_upload_ticket_is_for_one_job_and_is_deleted_after_it(coord, alice, tmp_path):
+    ticket = upload_ticket(alice, tmp_path, b"only here\n")
+    first = submit_with(alice, [{"name": "d", "ticket": ticket}])
+    assert first.status_code == 201, first.text
+    job = first.json()
+    again = submit_with(alice, [{"name": "d", "ticket": ticket}])
+    refused(again, 422, "a ticket is for one job")
+    m = machine(coord, tmp_path, "ticket-box")
+    lease = m.lease()
+    assert lease.job_id == job["id"]
+    [ds] = lease.datasets
+    assert ds.name == "d" and [(f.path, f.size) for f in ds.files] == [("data.bin", 10)]
+    assert httpx.get(ds.files[0].url).content == b"only here\n"
+    m.complete(pb.CompleteRequest(job_id=job["id"], fencing_token=lease.fencing_token,
+                                  succeeded=True))
+    m.close()
+    events = [(e["kind"], e["detail"]) for e in alice.job(job["id"])["events"]]
+    assert ("inputs", "d: 1 file by upload ticket, 10 bytes, checked by sha256") in events
+    key = f"uploads/{ticket}"
+    assert coord.coord.objects.exists(key)
+    assert coord.coord.sweep_uploads() >= 1  # what the reaper runs: the job has ended
+    assert not coord.coord.objects.exists(key)
+
+
+def test_a_ticket_for_another_file_another_app_or_too_late_is_refused(coord, alice, admin,
+                                                                      tmp_path, healthy):
+    path = tmp_path / "promised.bin"
+    path.write_bytes(b"the promised bytes")
+    made = alice.http.post("/v1/uploads", json={"filename": "promised.bin", "size": 18,
+                                                "sha256": hashlib.sha256(b"the promised bytes")
+                                                .hexdigest()}).json()
+    httpx.put(made["url"], content=b"other bytes, same!").raise_for_status()  # 18 bytes too
+    refused(submit_with(alice, [{"name": "d", "ticket": made["ticket"]}]), 422,
+            "is not the one ticket")
+    ticket = upload_ticket(alice, tmp_path, b"alice's own")
+    refused(submit_with(admin, [{"name": "d", "ticket": ticket}]), 422, "no upload ticket")
+    late = upload_ticket(alice, tmp_path, b"too late")
+    with coord.coord.store.engine.begin() as conn:  # ten minutes later
+        conn.execute(text("UPDATE uploads SET expires_at = :t WHERE id = :id"),
+                     {"t": dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1), "id": late})
+    refused(submit_with(alice, [{"name": "d", "ticket": late}]), 422, "expired")
+    assert coord.coord.sweep_uploads() >= 1 and not coord.coord.objects.exists(f"uploads/{late}")
+    refused(alice.http.post("/v1/uploads", json={"filename": "../../x", "size": 1,
+                                                 "sha256": "0" * 64}), 422, "filename")
+
+
+def test_datasets_must_name_their_content_and_no_path_outside_the_prefix(coord, alice, healthy):
+    from campugrid.coordinator.objects import S3Store
+
+    s = coord.coord.settings
+    data = S3Store(s.s3_endpoint, s.s3_access_key, s.s3_secret_key, "trust-data")
+    data.ensure_bucket()
+    data.put_bytes("set/a.csv", b"1,2\n")
+    data.close()
+    refused(submit_with(alice, [{"name": "d", "uri": "s3://trust-data/set/"}]), 422,
+            "name its content")
+    for bad in ("../a.csv", "/etc/passwd", "x/../../a.csv"):
+        spec = json.dumps({"datasets": [{"name": "d", "uri": "s3://trust-data/set/",
+                                         "sha256": {bad: "0" * 64}}]})
+        resp = alice.http.post("/v1/jobs", files={"context": ("c.tar.gz", tar_folder(HELLO)),
+                                                  "spec": (None, spec)})
+        refused(resp, 422, "is not a path under the prefix")
+    refused(submit_with(alice, [{"name": "d", "uri": "s3://trust-data/set/",
+                                 "sha256": {"b.csv": "0" * 64}}]), 422, "b.csv not found")

@@ -13,6 +13,21 @@ def test_defaults_and_round_trip():
     assert JobSpec.from_json(spec.to_json()) == spec
 
 
+def test_every_kind_of_dataset_reference_round_trips_and_names_its_content():
+    spec = JobSpec.from_dict({"datasets": [
+        {"name": "one", "uri": "s3://data/w.bin", "sha256": "a" * 64},
+        {"name": "many", "uri": "s3://data/mnist/", "sha256": {"train.csv": "b" * 64,
+                                                                "sub/test.csv": "c" * 64}},
+        {"name": "mine", "ticket": "upl_" + "t" * 32},
+        {"name": "theirs", "share": "imagenet", "sha256": {"val/x.jpg": "d" * 64}},
+        {"name": "old", "uri": "s3://data/legacy/"},  # as stored before contents were pinned
+    ]})
+    assert JobSpec.from_json(spec.to_json()) == spec
+    assert [d.pinned() for d in spec.datasets] == [True, True, True, True, False]
+    assert spec.share == "imagenet"
+    assert dict(spec.datasets[1].sha256) == {"train.csv": "b" * 64, "sub/test.csv": "c" * 64}
+
+
 def test_required_limits_are_kept_in_one_order_and_only_when_set():
     spec = JobSpec.from_dict({"resources": {"require_limits": ["sandbox_seccomp", "memory",
                                                                "memory"]}})
@@ -43,6 +58,23 @@ def test_string_command_runs_through_a_shell():
     ({"datasets": [{"name": "d", "uri": "s3://bkt/a"}, {"name": "d", "uri": "s3://bkt/b"}]},
      "'d' is used twice"),
     ({"datasets": [{"name": "../x", "uri": "s3://bkt/a"}]}, "datasets[0].name"),
+    ({"datasets": [{"name": "d", "uri": "s3://bkt/a", "sha256": "A" * 64}]}, "64 lowercase hex"),
+    ({"datasets": [{"name": "d", "uri": "s3://bkt/a/", "sha256": "a" * 64}]},
+     "for a prefix: an object {path: sha256}"),
+    ({"datasets": [{"name": "d", "uri": "s3://bkt/a/", "sha256": {"x/../../y": "a" * 64}}]},
+     "is not a path under the prefix"),
+    ({"datasets": [{"name": "d", "uri": "s3://bkt/a/", "sha256": {"x//y": "a" * 64}}]},
+     "is not a path under the prefix"),
+    ({"datasets": [{"name": "d", "ticket": "upl_" + "x" * 20, "sha256": "a" * 64}]},
+     "give a ticket alone"),
+    ({"datasets": [{"name": "d", "ticket": "../../etc"}]}, "must be an upload ticket"),
+    ({"datasets": [{"name": "d", "share": "s", "sha256": {"/etc/passwd": "a" * 64}}]},
+     "is not a path under the share"),
+    ({"datasets": [{"name": "d", "share": "../s", "sha256": {"a": "a" * 64}}]},
+     "datasets[0].share"),
+    ({"datasets": [{"name": "d", "share": "s"}]}, "for a share: an object {path: sha256}"),
+    ({"datasets": [{"name": "a", "share": "s", "sha256": {"a": "a" * 64}},
+                   {"name": "b", "share": "t", "sha256": {"a": "a" * 64}}]}, "files of one share only"),
     ({"client_job_id": "has space"}, "client_job_id"),
     ({"resources": {"require_limits": ["memroy"]}},
      "resources.require_limits: no limit 'memroy' (did you mean 'memory'?)"),

@@ -104,6 +104,9 @@ def submit(
     spec_file: Annotated[Path | None, typer.Option("--spec", help="Job spec JSON file.")] = None,
     command: Annotated[str | None, typer.Option(help="Command to run instead of the image's CMD.")] = None,
     client_id: Annotated[str | None, typer.Option(help="Your own id: resubmitting it is safe.")] = None,
+    upload: Annotated[list[str] | None, typer.Option(
+        "--upload", help="[NAME=]FILE: send a file that exists nowhere else (mounted at "
+                         "/data/NAME/; NAME defaults to the file's name). Repeatable.")] = None,
     wait: Annotated[bool, typer.Option("--wait", "--follow", help="Follow logs until done.")] = False,
     server: Server = DEFAULT_SERVER,
 ) -> None:
@@ -118,8 +121,16 @@ def submit(
             raw["command"] = command
         if client_id is not None:
             raw["client_job_id"] = client_id
-        spec = JobSpec.from_dict(raw)
+        JobSpec.from_dict(raw)  # refused here, before any upload, if it is wrong
         api = _api(server)
+        for item in upload or []:
+            name, sep, path = item.partition("=")
+            file = Path(path if sep else item)
+            if not sep:
+                name = "".join(c if c.isalnum() or c in "._-" else "-"
+                               for c in file.name.lower())[:64]
+            raw.setdefault("datasets", []).append({"name": name, "ticket": api.upload(file)})
+        spec = JobSpec.from_dict(raw)
         job = api.submit(tar_folder(folder), spec)
         typer.echo(job["id"])
         if wait:
@@ -247,6 +258,10 @@ def agent_run(
     gpu_reserve_mb: Annotated[int, typer.Option(help="GPU memory to always leave free, per GPU.")] = 0,
     protect: Annotated[list[str] | None, typer.Option(help="A process name whose GPU is never used "
                                                            "while it runs (repeatable).")] = None,
+    share: Annotated[list[str] | None, typer.Option(
+        "--share", help="NAME=/folder: let jobs read the files in this folder (read-only, by "
+                        "path inside it and sha256; the folder's place is never reported). "
+                        "Repeatable.")] = None,
     require_limits: Annotated[str, typer.Option(
         envvar="CAMPUGRID_REQUIRE_LIMITS",
         help="Limits this machine must enforce or the agent does not start, comma-separated "
@@ -254,7 +269,7 @@ def agent_run(
     log_format: LogFormat = "text",
 ) -> None:
     """Run a provider agent as this (unprivileged) user."""
-    from campugrid.agent import backends
+    from campugrid.agent import backends, shares
     from campugrid.agent.gpus import GpuPolicy
     from campugrid.agent.worker import Agent, AgentSettings
 
@@ -267,7 +282,8 @@ def agent_run(
         required = tuple(x.strip() for x in require_limits.split(",") if x.strip())
         agent = Agent(AgentSettings(coordinator=coordinator or "", state_dir=state_dir, name=name,
                                     gpu_policy=policy, require_limits=required,
-                                    pin=pin or ""), chosen, sandbox)
+                                    pin=pin or "", shares=shares.parse(share or [])),
+                      chosen, sandbox)
     except CampugridError as e:
         _fail(str(e))
     signal.signal(signal.SIGTERM, lambda *_: agent.shutdown())

@@ -215,7 +215,7 @@ class Platform:
     def start_agent(self, name: str = "local-agent", log_file: Path | None = None,
                     user: ProviderUser | None = None, coordinator: str | None = None,
                     restart: bool = False, approve: bool = True,
-                    pin: str | None = None) -> AgentHandle:
+                    pin: str | None = None, args: tuple[str, ...] = ()) -> AgentHandle:
         """Join an agent (`campugrid agent join`, as the provider user) and start it; with
         `approve`, approve it as its owner (same host, same owner); with `restart`, start it
         again (with back-off) whenever it dies."""
@@ -246,7 +246,7 @@ class Platform:
             log.info("approved the local agent %s as machine %s (fingerprint %s): same host, "
                      "same owner", name, m.id, m.fingerprint)
         argv = user.command([sys.executable, "-m", "campugrid.cli", "agent", "run",
-                             "--state-dir", str(agent_dir), "--name", name])
+                             "--state-dir", str(agent_dir), "--name", name, *args])
         log_file = log_file or agent_dir.with_suffix(".log")
         handle = AgentHandle(name, agent_dir, _spawn(argv, log_file), argv=argv,
                              log_file=log_file, restart=restart)

@@ -3,6 +3,7 @@ jobs (`from campugrid.client import Api`). Every request is signed with the app'
 
 from __future__ import annotations
 
+import hashlib
 import io
 import ssl
 import tarfile
@@ -166,6 +167,31 @@ class Api:
         if resp.status_code >= 400:
             self._check(resp)
         return resp.content
+
+    def upload(self, path: Path) -> str:
+        """Send a file that exists nowhere else for one job: its ticket, to name in a dataset
+        ({"name": ..., "ticket": ...}); good for about ten minutes, deleted after the job."""
+        digest, size = hashlib.sha256(), 0
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1024 * 1024), b""):
+                digest.update(chunk)
+                size += len(chunk)
+        ticket = dict(self._check(self._send("POST", "/v1/uploads", json={
+            "filename": path.name, "size": size, "sha256": digest.hexdigest()})))
+        with open(path, "rb") as f:
+            try:
+                resp = httpx.put(ticket["url"], content=f, timeout=600,
+                                 headers={"content-length": str(size)})
+            except httpx.TransportError as e:
+                raise CampugridError(f"cannot upload {path} to the coordinator's storage "
+                                     f"({type(e).__name__})") from e
+        if resp.status_code >= 300:
+            raise ApiError(resp.status_code, f"storage refused the upload of {path}")
+        return str(ticket["ticket"])
+
+    def shares(self) -> list[dict[str, Any]]:
+        """What providers online share: folders by name, files by path inside, size, sha256."""
+        return list(self._check(self._send("GET", "/v1/shares")))
 
     # --- apps and machines (admins) --------------------------------------------------------
 

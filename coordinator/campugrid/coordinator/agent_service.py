@@ -56,11 +56,19 @@ _CALLER: contextvars.ContextVar[MachineRecord | None] = contextvars.ContextVar(
 R = TypeVar("R")
 
 
+MAX_SHARES, MAX_SHARED_FILES = 16, 1000
+
+
 def _caps(c: pb.Capabilities) -> dict[str, Any]:
     return {"runtime": c.runtime, "builder": c.builder, "cpus": c.cpus,
             "memory_mb": c.memory_mb, "limits": dict(c.limits),
             "gpu_isolation": c.gpu_isolation, "gpu_note": c.gpu_note,
-            "speed_gflops": c.speed_gflops if math.isfinite(c.speed_gflops) else 0.0}
+            "speed_gflops": c.speed_gflops if math.isfinite(c.speed_gflops) else 0.0,
+            # What a provider says it shares is only a listing: the agent checks every file
+            # by sha256 when a job uses it. Bounded, as everything an agent reports.
+            "shares": {sh.name[:64]: [[f.path[:1000], max(0, f.size), f.sha256[:64]]
+                                      for f in sh.files[:MAX_SHARED_FILES]]
+                       for sh in c.shares[:MAX_SHARES]}}
 
 
 def _gpus(gpus: Sequence[pb.Gpu]) -> tuple[GpuView, ...]:
@@ -150,7 +158,8 @@ class AgentService(pb_grpc.AgentServiceServicer):
     def Lease(self, request: pb.LeaseRequest, context: grpc.ServicerContext) -> pb.LeaseReply:
         machine = self._machine(context)
         offer = MachineView(machine, "", _gpus(request.gpus), request.gpu_isolation,
-                            enforced=frozenset(request.enforced_limits))
+                            enforced=frozenset(request.enforced_limits),
+                            shares=frozenset(x[:64] for x in request.shares[:MAX_SHARES]))
         lease = self._guard(context, lambda: self.coord.lease(machine, offer))
         if lease is None:
             return pb.LeaseReply(has_task=False)
@@ -159,8 +168,9 @@ class AgentService(pb_grpc.AgentServiceServicer):
             has_task=True, job_id=job.id, attempt=job.attempt, fencing_token=lease.token,
             lease_seconds=lease.lease_seconds, spec_json=job.spec_json,
             context_url=lease.context_url, output_url=lease.output_url,
-            datasets=[pb.Dataset(name=name, files=[pb.Dataset.File(path=f.path, url=f.url, size=f.size)
-                                                    for f in files])
+            datasets=[pb.Dataset(name=name, share=lease.shares.get(name, ""),
+                                 files=[pb.Dataset.File(path=f.path, url=f.url, size=f.size,
+                                                        sha256=f.sha256) for f in files])
                       for name, files in lease.datasets.items()],
             resume=(pb.Resume(epoch=lease.resume.epoch, url=lease.resume_url,
                               size=lease.resume.size, sha256=lease.resume.sha256)

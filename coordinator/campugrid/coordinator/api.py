@@ -166,6 +166,30 @@ class JoinOut(BaseModel):
     command: str
 
 
+class UploadIn(BaseModel):
+    filename: str  # it becomes /data/<dataset name>/<filename>
+    size: int
+    sha256: str
+
+
+class UploadOut(BaseModel):
+    ticket: str  # name it in a dataset: {"name": ..., "ticket": ...}
+    url: str  # PUT the file here (presigned, until expires_at)
+    expires_at: dt.datetime
+
+
+class SharedFileOut(BaseModel):
+    path: str  # inside the share
+    size: int
+    sha256: str
+    machines: int  # approved machines online that share this very file
+
+
+class ShareOut(BaseModel):
+    name: str
+    files: list[SharedFileOut]
+
+
 class LogChunkOut(BaseModel):
     id: int
     attempt: int
@@ -339,6 +363,23 @@ def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
         job, stream = coord.open_output(job_id_ok(job_id), owner_of(who))
         return StreamingResponse(stream, media_type="application/gzip", headers={
             "content-disposition": f'attachment; filename="{job.id}-output.tar.gz"'})
+
+    @app.post("/v1/uploads", status_code=201, response_model=UploadOut)
+    def upload(body: UploadIn, who: Caller) -> UploadOut:
+        """A ticket for one file that exists nowhere else: good for that file (its size and
+        sha256), one job and about ten minutes; the file is deleted after the job."""
+        up, url = coord.create_upload(who.id, body.filename, body.size, body.sha256)
+        return UploadOut(ticket=up.ticket, url=url, expires_at=up.expires_at)
+
+    @app.get("/v1/shares", response_model=list[ShareOut])
+    def shares(_: Caller) -> list[ShareOut]:
+        """What approved providers online share: each folder's files by path inside it, size
+        and sha256 (name them in a dataset: {"name": ..., "share": ..., "sha256": {path:
+        sha256}}), and on how many machines each is. Never where they are on a host."""
+        return [ShareOut(name=name, files=[SharedFileOut(path=p, size=size, sha256=sha,
+                                                         machines=n)
+                                           for (p, size, sha), n in sorted(files.items())])
+                for name, files in sorted(coord.shared().items())]
 
     # --- who may call: apps, invites, machines -------------------------------------------------
 

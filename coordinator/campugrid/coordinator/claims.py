@@ -99,7 +99,7 @@ class Claimer:
         ORM only for the rarer sharded case."""
         postgres = conn.dialect.name == "postgresql"
         wants_gpu_jobs = bool(offer.gpus) and offer.gpu_isolation
-        if not wants_gpu_jobs:
+        if not wants_gpu_jobs and not offer.shares:
             # The common case in one statement: take the oldest queued job if it is a plain
             # CPU job. None: the queue is empty, or a sharded job is first (the path below).
             now = utcnow()
@@ -120,6 +120,11 @@ class Claimer:
                 found = self._gpu_candidate(conn, machine_id, offer)
                 if found is not None:
                     candidates.append(found)
+            if offer.shares:
+                candidates += [(created, job_id, attempt, (), 0, shards)
+                               for job_id, attempt, created, shards in conn.execute(
+                                   _next_share_job(offer.shares, postgres),
+                                   {"lacks": offer.lacks_mask})]
             if not candidates:
                 return None
             _, job_id, attempt, gpus, gpu_mb, sharded = min(candidates)
@@ -173,7 +178,8 @@ class Claimer:
         # by the caller on PostgreSQL) keeps two leases from reserving one GPU's memory twice.
         q = (select(Job.id, Job.attempt, Job.created_at, Job.spec_json, Job.shards_total)
              .where(Job.state == _CLAIMABLE.value, Job.gpus_needed > 0,
-                   Job.limits_needed.op("&")(offer.lacks_mask) == 0)
+                   Job.limits_needed.op("&")(offer.lacks_mask) == 0,
+                   Job.share.is_(None) | Job.share.in_(sorted(offer.shares)))
              .order_by(Job.created_at, Job.id).limit(window))
         for job_id, attempt, created, spec_json, shards in s.execute(q):
             need = stored_spec(spec_json).resources
@@ -189,11 +195,21 @@ _JOBS, _CHECKPOINTS = Base.metadata.tables["jobs"], Base.metadata.tables["checkp
 (_CLAIMABLE,) = sources_of(JobState.BUILDING)  # one state, so an equality the index serves
 # A job is for a machine only if it needs no limit the machine lacks (bit masks, spec.LIMITS).
 _SUITS_LIMITS = _JOBS.c.limits_needed.op("&")(bindparam("lacks")) == 0
+# The fast path takes jobs that need no provider share; those come through _share_candidate.
 _NEXT_CPU_JOB = (select(_JOBS.c.id, _JOBS.c.attempt, _JOBS.c.created_at, _JOBS.c.shards_total)
                  .where(_JOBS.c.state == _CLAIMABLE.value, _JOBS.c.gpus_needed == 0,
-                        _SUITS_LIMITS)
+                        _SUITS_LIMITS, _JOBS.c.share.is_(None))
                  .order_by(_JOBS.c.created_at, _JOBS.c.id).limit(1))
 _NEXT_CPU_JOB_PG = _NEXT_CPU_JOB.with_for_update(skip_locked=True)
+
+
+def _next_share_job(shares: frozenset[str], postgres: bool) -> Any:
+    """The oldest queued CPU job that needs one of the folders this machine shares."""
+    q = (select(_JOBS.c.id, _JOBS.c.attempt, _JOBS.c.created_at, _JOBS.c.shards_total)
+         .where(_JOBS.c.state == _CLAIMABLE.value, _JOBS.c.gpus_needed == 0, _SUITS_LIMITS,
+                _JOBS.c.share.in_(sorted(shares)))
+         .order_by(_JOBS.c.created_at, _JOBS.c.id).limit(1))
+    return q.with_for_update(skip_locked=True) if postgres else q
 _LEASE_VALUES = {"state": JobState.BUILDING.value, "attempt": _JOBS.c.attempt + 1,
                  "machine_id": bindparam("machine_id"), "lease_expires_at": bindparam("expires"),
                  "reason": None, "updated_at": bindparam("now")}

@@ -26,6 +26,8 @@ class Settings:
     presign_seconds: int = 6 * 3600
     max_context_bytes: int = 512 * 1024**2
     max_dataset_files: int = 1000
+    max_upload_bytes: int = 4 * 1024**3  # one upload ticket's file
+    upload_ttl_s: float = 600  # how long a ticket waits for its job
     keep_checkpoints: int = 3  # per job; older ones are deleted from storage
     checkpoint_part_bytes: int = 16 * 1024**2
     max_checkpoint_bytes: int = 64 * 1024**3

@@ -157,9 +157,26 @@ class Machines:
                 caps = json.loads(m.capabilities_json or "{}")
                 enforced = frozenset(name for name, how in (caps.get("limits") or {}).items()
                                      if how == ENFORCED)
+                shares = caps.get("shares") or {}
                 out.append(MachineView(m.id, m.name, gpus, bool(snap.get("isolation")),
-                                       float(caps.get("speed_gflops") or 0.0), enforced))
+                                       float(caps.get("speed_gflops") or 0.0), enforced,
+                                       frozenset(shares) if isinstance(shares, dict) else frozenset()))
             return out
+
+    def shared(self, within_s: float = 30) -> dict[str, dict[tuple[str, int, str], int]]:
+        """What approved machines online share: share -> (path, size, sha256) -> how many
+        machines have that file. Paths are inside the share; host paths are never reported."""
+        since = utcnow() - dt.timedelta(seconds=within_s)
+        out: dict[str, dict[tuple[str, int, str], int]] = {}
+        with self.db.read() as s:
+            for caps_json in s.scalars(select(Machine.capabilities_json).where(
+                    Machine.last_seen_at >= since, Machine.status == Status.APPROVED.value)):
+                shares = (json.loads(caps_json or "{}").get("shares") or {})
+                for name, files in (shares.items() if isinstance(shares, dict) else ()):
+                    seen = out.setdefault(name, {})
+                    for path, size, sha in files:
+                        seen[(path, size, sha)] = seen.get((path, size, sha), 0) + 1
+        return out
 
     def pending_online(self, within_s: float = 30) -> int:
         since = utcnow() - dt.timedelta(seconds=within_s)

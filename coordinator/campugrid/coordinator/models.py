@@ -74,6 +74,9 @@ class Job(Base):
     # resources.require_limits as a bit mask over protocol.spec.LIMITS: a claim takes the job
     # only if the machine enforces every one (limits_needed & what it lacks = 0).
     limits_needed: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # The provider share the job's files come from (spec.share): only a machine sharing it
+    # takes the job. NULL for almost every job, which keeps the claim's fast path.
+    share: Mapped[str | None] = mapped_column(String(64))
     # Sharded jobs (shards_total > 0): the job stays QUEUED while shards wait for a machine,
     # is RUNNING once the last one is handed out, and ends when every shard has ended.
     shards_total: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
@@ -183,6 +186,23 @@ class Nonce(Base):
     signer: Mapped[str] = mapped_column(String(80), primary_key=True)
     nonce: Mapped[str] = mapped_column(String(64), primary_key=True)
     expires_at: Mapped[dt.datetime] = mapped_column(index=True)
+
+
+class Upload(Base):
+    """A file an app uploaded for one job (an upload ticket): bound to its size and sha256,
+    good for about ten minutes until a job takes it, deleted once that job has ended."""
+
+    __tablename__ = "uploads"
+
+    id: Mapped[str] = mapped_column(String(80), primary_key=True)  # the ticket
+    owner_id: Mapped[str] = mapped_column(String(36))
+    filename: Mapped[str] = mapped_column(String(200))
+    size: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    key: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[dt.datetime] = mapped_column()
+    expires_at: Mapped[dt.datetime] = mapped_column()
+    job_id: Mapped[str | None] = mapped_column(String(36), index=True)  # the one job that used it
 
 
 class Shard(Base):

@@ -35,6 +35,7 @@ class MachineView:
     gpu_isolation: bool = False  # runsc can pass GPUs through (nvproxy)
     speed: float = 0.0  # GFLOP/s of the matmul benchmark the agent ran when it joined
     enforced: frozenset[str] = frozenset()  # the limits (spec.LIMITS) that hold on it
+    shares: frozenset[str] = frozenset()  # the folders its owner shares (agent run --share)
 
     @property
     def lacks_mask(self) -> int:
@@ -67,10 +68,14 @@ def fast_from(online: Sequence[float]) -> float:
     return ranked[len(ranked) // 2] if ranked else 0.0
 
 
-def why_waiting(need: Resources, machines: Sequence[MachineView]) -> str:
+def why_waiting(need: Resources, machines: Sequence[MachineView], share: str | None = None) -> str:
     """Why no online machine can take this job now, in words a researcher can act on."""
     if not machines:
         return "no approved machine online"
+    if share is not None:
+        machines = [m for m in machines if share in m.shares]
+        if not machines:
+            return f"no online machine shares {share!r} (GET /v1/shares lists what is shared)"
     if need.require_limits:
         able = [m for m in machines if set(need.require_limits) <= m.enforced]
         if not able:

@@ -76,6 +76,8 @@ def _reap(coord: Coordinator, stop: threading.Event, every_s: float) -> None:
         try:
             for job_id in coord.requeue_expired():
                 log.warning("lease expired: job %s", job_id)
+            if rounds % 8 == 0:  # the uploads of ended jobs, and expired tickets
+                coord.sweep_uploads()
             if rounds % 64 == 0:  # now and then: spent nonces, machines never approved
                 coord.store.nonces.prune()
                 coord.store.machines.expire_pending()

@@ -19,6 +19,7 @@ from campugrid.coordinator.machines import Status as MachineStatus
 from campugrid.coordinator.objects import ObjectStore
 from campugrid.coordinator.scheduler import MachineView, fast_from, why_waiting
 from campugrid.coordinator.store import Store
+from campugrid.coordinator.uploads import UploadView
 from campugrid.coordinator.views import (
     CheckpointView,
     Claim,
@@ -29,6 +30,7 @@ from campugrid.coordinator.views import (
     ShardTask,
     ShardView,
     session_of,
+    utcnow,
 )
 from campugrid.protocol.errors import Conflict, Forbidden, InvalidInput, NotFound, StorageError
 from campugrid.protocol.spec import MAX_SHARD_RESULT, DatasetRef, JobSpec
@@ -45,6 +47,7 @@ class DatasetFile:
     path: str
     url: str
     size: int
+    sha256: str = ""  # what the agent checks the file against before the job starts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +62,7 @@ class Lease:
     gpu_uuids: list[str]
     token: int  # the fencing token: the attempt, or a sharded job's session
     shard: ShardTask | None = None  # sharded job: the session's first shard
+    shares: dict[str, str] = dataclasses.field(default_factory=dict)  # dataset -> share
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,16 +91,28 @@ class Coordinator:
         if len(context) > self.settings.max_context_bytes:
             raise InvalidInput(f"context: larger than {self.settings.max_context_bytes // 1024**2} MiB")
         inspect_context(context, self.settings.allowed_bases)
+        tickets = []
         for ds in spec.datasets:
+            if ds.ticket:
+                self._check_upload(ds, owner, spec.client_job_id)
+                tickets.append(ds.ticket)
+                continue
+            if ds.share:  # on a provider's machine: its agent checks each file by sha256
+                continue
             if ds.bucket in (self.settings.s3_bucket, "campugrid-ready-probe"):
                 raise InvalidInput(f"dataset {ds.name}: bucket {ds.bucket!r} holds the platform's "
                                    "own data (other jobs' contexts, outputs and checkpoints)")
-            self._dataset_files(ds)  # refuses unknown buckets and empty references now
+            if not ds.pinned():
+                raise InvalidInput(
+                    f"dataset {ds.name}: name its content, not only where it is: give the "
+                    "object's sha256 (for a prefix: \"sha256\": {path: sha256} of the files the "
+                    "job reads), or upload the file with a ticket (`submit --upload`)")
+            self._dataset_files(ds)  # refuses unknown buckets and missing files now
         digest = hashlib.sha256(context).hexdigest()
         key = f"contexts/{digest}.tar"
         if not self.objects.exists(key):
             self.objects.put_bytes(key, context)
-        job, created = self.store.submit(spec, key, digest, owner)
+        job, created = self.store.submit(spec, key, digest, owner, tickets)
         if created:
             log.info("job submitted", extra={"job_id": job.id})
         return job, created
@@ -196,6 +212,9 @@ class Coordinator:
         self._machines[machine_id] = (record, now + MACHINE_CACHE_S)
         return record
 
+    def shared(self) -> dict[str, dict[tuple[str, int, str], int]]:
+        return self.store.machines.shared()
+
     def machines(self) -> list[MachineRecord]:
         return self.store.machines.all()
 
@@ -225,7 +244,10 @@ class Coordinator:
             return None
         job, sharded = claim.job, claim.session is not None
         try:
-            return self._lease_for(claim)
+            lease = self._lease_for(claim)
+            if lease.datasets:
+                self.store.note(job.id, job.attempt, "inputs", _how_inputs_move(job, lease))
+            return lease
         except InvalidInput as e:  # e.g. a dataset was deleted since submit: it cannot run
             if sharded:
                 self.store.shards.end(job.id, claim.token, machine_id, failure=f"cannot start: {e}")
@@ -353,8 +375,9 @@ class Coordinator:
             context_url=self._context_url(job.context_key),
             output_url=output_url,
             datasets={
-                ds.name: [DatasetFile(path, self.objects.presign_get(key, ttl, ds.bucket), size)
-                          for path, key, size in self._dataset_files(ds)]
+                ds.name: [DatasetFile(path, self.objects.presign_get(key, ttl, bucket) if key else "",
+                                      size, sha)
+                          for path, key, size, sha, bucket in self._dataset_files(ds)]
                 for ds in job.spec.datasets
             },
             resume=resume,
@@ -362,6 +385,7 @@ class Coordinator:
             gpu_uuids=list(claim.gpu_uuids),
             token=claim.token,
             shard=claim.shard,
+            shares={ds.name: ds.share for ds in job.spec.datasets if ds.share},
         )
 
     def _context_url(self, key: str) -> str:
@@ -418,29 +442,109 @@ class Coordinator:
     def output_key(job_id: str, attempt: int) -> str:
         return f"outputs/{job_id}/attempt-{attempt}.tar.gz"
 
-    def _dataset_files(self, ds: DatasetRef) -> list[tuple[str, str, int]]:
-        """(path under /data/<name>, key, size) for a dataset reference."""
+    def _check_upload(self, ds: DatasetRef, owner: str, client_job_id: str | None) -> None:
+        """The ticket is the owner's, unused (or used by this very submission, retried),
+        unexpired, and its object is the file it names: size and sha256 read back."""
+        up = self.store.uploads.get(ds.ticket, owner)
+        if up.job_id is not None:
+            used_by = self.store.get(up.job_id)
+            if client_job_id is None or used_by.client_job_id != client_job_id:
+                raise InvalidInput(f"dataset {ds.name}: upload ticket {ds.ticket[:40]!r} was "
+                                   f"used by job {up.job_id} already; a ticket is for one job")
+            return
+        if up.expires_at < utcnow():
+            raise InvalidInput(f"dataset {ds.name}: upload ticket {ds.ticket[:40]!r} expired at "
+                               f"{up.expires_at:%H:%M:%S} UTC; upload the file again")
+        if not self.objects.exists(up.key):
+            raise InvalidInput(f"dataset {ds.name}: nothing was uploaded with ticket "
+                               f"{ds.ticket[:40]!r} (PUT the file to its url first)")
+        size, sha256 = self.objects.digest(up.key)
+        if (size, sha256) != (up.size, up.sha256):
+            raise InvalidInput(
+                f"dataset {ds.name}: the uploaded file is not the one ticket {ds.ticket[:40]!r} "
+                f"is for ({size} bytes, sha256 {sha256[:12]}…; the ticket names {up.size} bytes, "
+                f"sha256 {up.sha256[:12]}…)")
+
+    def create_upload(self, owner: str, filename: str, size: int,
+                      sha256: str) -> tuple[UploadView, str]:
+        """An upload ticket and the presigned URL to PUT its file to."""
+        up = self.store.uploads.create(owner, filename, size, sha256,
+                                       max_bytes=self.settings.max_upload_bytes,
+                                       ttl_s=self.settings.upload_ttl_s)
+        url = self.objects.presign_put(up.key, dt.timedelta(seconds=self.settings.upload_ttl_s))
+        return up, url
+
+    def sweep_uploads(self) -> int:
+        """Delete the uploads whose job has ended, and those whose ticket expired unused."""
+        gone = 0
+        for up in self.store.uploads.ended():
+            try:
+                self.objects.delete(up.key)
+            except StorageError:
+                log.warning("upload %s could not be deleted yet", up.ticket)
+                continue
+            self.store.uploads.forget(up.ticket)
+            gone += 1
+        return gone
+
+    def _dataset_files(self, ds: DatasetRef) -> list[tuple[str, str, int, str, str | None]]:
+        """(path under /data/<name>, key, size, sha256, bucket) for each file of a dataset
+        reference; the sha256 is what the agent checks the file against before the job."""
+        if ds.ticket:
+            up = self.store.uploads.get(ds.ticket)
+            return [(up.filename, up.key, up.size, up.sha256, None)]
+        if ds.share:  # no URL: the machine that shares it has the files
+            assert isinstance(ds.sha256, tuple)
+            return [(path, "", 0, sha, None) for path, sha in ds.sha256]
         limit = self.settings.max_dataset_files
         found = self.objects.list_objects(ds.bucket, ds.key, limit)
         if len(found) > limit:
             raise InvalidInput(f"dataset {ds.name}: more than {limit} objects under {ds.uri}")
-        exact = [o for o in found if o.key == ds.key]
-        if exact:  # one object: /data/<name>/<its file name>
-            return [(ds.key.rsplit("/", 1)[-1], ds.key, exact[0].size)]
-        prefix = ds.key if ds.key.endswith("/") or not ds.key else ds.key + "/"
-        files = [(o.key[len(prefix):], o.key, o.size) for o in found if o.key.startswith(prefix)]
-        if not files:
+        if not ds.is_prefix:  # one object: /data/<name>/<its file name>
+            exact = [o for o in found if o.key == ds.key]
+            if not exact:
+                raise InvalidInput(f"dataset {ds.name}: nothing found at {ds.uri}")
+            sha = ds.sha256 if isinstance(ds.sha256, str) else ""
+            return [(ds.key.rsplit("/", 1)[-1], ds.key, exact[0].size, sha, ds.bucket)]
+        sizes = {o.key[len(ds.key):]: o.size for o in found}
+        if isinstance(ds.sha256, tuple):  # the files the job named, each by its digest
+            missing = [path for path, _ in ds.sha256 if path not in sizes]
+            if missing:
+                raise InvalidInput(f"dataset {ds.name}: {', '.join(missing[:5])} not found "
+                                   f"under {ds.uri}")
+            return [(path, ds.key + path, sizes[path], sha, ds.bucket) for path, sha in ds.sha256]
+        files: list[tuple[str, str, int, str, str | None]] = [
+            (path, ds.key + path, size, "", ds.bucket) for path, size in sizes.items()]
+        if not files:  # a spec stored before contents were pinned: what is there, unchecked
             raise InvalidInput(f"dataset {ds.name}: nothing found at {ds.uri}")
-        for path, _, _ in files:
+        for path, *_ in files:
             if ".." in path.split("/") or path.startswith("/"):
                 raise InvalidInput(f"dataset {ds.name}: object name {path!r} is not a safe path")
         return files
 
 
+def _how_inputs_move(job: JobView, lease: Lease) -> str:
+    """Per input of the job's record: how it reaches the machine, and how many bytes."""
+    parts = []
+    for ds in job.spec.datasets:
+        files = lease.datasets.get(ds.name, [])
+        size = sum(f.size for f in files)
+        plural = "s" if len(files) != 1 else ""
+        if ds.share:
+            parts.append(f"{ds.name}: {len(files)} file{plural} from the machine's share "
+                         f"{ds.share!r} (linked in place, or copied), checked by sha256")
+            continue
+        how = "by upload ticket" if ds.ticket else "from S3"
+        parts.append(f"{ds.name}: {len(files)} file{plural} {how}, "
+                     f"{size} bytes" + (", checked by sha256" if all(f.sha256 for f in files)
+                                        else ", not pinned"))
+    return "; ".join(parts)
+
+
 def _waiting_reason(job: JobView, machines: list[MachineView], pending: int = 0) -> str | None:
     if job.state is not JobState.QUEUED:
         return None
-    why = why_waiting(job.spec.resources, machines)
+    why = why_waiting(job.spec.resources, machines, job.spec.share)
     if why is not None and pending:
         why += (f"; {pending} machine(s) online wait for their owner's approval "
                 "(`campugrid machines`)")

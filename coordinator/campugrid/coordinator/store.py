@@ -33,6 +33,8 @@ from campugrid.coordinator.models import (
 from campugrid.coordinator.moves import move_job
 from campugrid.coordinator.scheduler import MachineView
 from campugrid.coordinator.sharding import ShardStore, cancel_shards, insert_shards
+from campugrid.coordinator.uploads import Uploads
+from campugrid.coordinator.uploads import take as take_uploads
 from campugrid.coordinator.views import (
     CheckpointView,
     Claim,
@@ -62,6 +64,7 @@ class Store:
         self.shards = ShardStore(self.db)
         self.machines = Machines(self.db)
         self.apps = Apps(self.db)
+        self.uploads = Uploads(self.db)
         # Every signed call writes a nonce: on SQLite beside the jobs' file, not in its queue.
         self.nonces = Nonces(Database(side_database(engine, "nonces", Nonce.__table__)))
         self._claims = Claimer(self.db)
@@ -74,9 +77,10 @@ class Store:
     # --- researchers ------------------------------------------------------------------------
 
     def submit(self, spec: JobSpec, context_key: str, context_sha256: str,
-               owner: str = "") -> tuple[JobView, bool]:
-        """Store a new job for `owner` (an app id; "" for none); with a client_job_id the owner
-        used before, return the stored one (created=False)."""
+               owner: str = "", tickets: Sequence[str] = ()) -> tuple[JobView, bool]:
+        """Store a new job for `owner` (an app id; "" for none), taking its upload `tickets`
+        in the same transaction; with a client_job_id the owner used before, return the stored
+        one (created=False)."""
         now = utcnow()
         spec_text = spec.without_shards().to_json()
         row = Job(
@@ -84,6 +88,7 @@ class Store:
             state=JobState.QUEUED.value, spec_json=spec_text, context_key=context_key,
             context_sha256=context_sha256, attempt=0, max_attempts=spec.max_attempts,
             gpus_needed=spec.resources.gpus, limits_needed=limits_mask(spec.resources.require_limits),
+            share=spec.share,
             created_at=now, updated_at=now,
             shards_total=len(spec.shards), shards_queued=len(spec.shards), shards_done=0,
             shards_failed=0, shards_sha256=spec.shards_sha256,
@@ -92,6 +97,7 @@ class Store:
             with self.tx() as s:
                 s.add(row)
                 s.flush()
+                take_uploads(s, list(tickets), owner, row.id)
                 if spec.shards:
                     insert_shards(s, row.id, spec)
                 s.add(JobEvent(job_id=row.id, at=now, attempt=0, kind="submitted",
@@ -109,6 +115,12 @@ class Store:
                     f"client_job_id {spec.client_job_id!r} is already job {existing.id} with a "
                     "different spec or context; use a new client_job_id for a new job")
             return JobView.from_row(existing), False
+
+    def note(self, job_id: str, attempt: int, kind: str, detail: str) -> None:
+        """A line in the job's history that changes nothing else (e.g. how its inputs move)."""
+        with self.tx() as s:
+            s.add(JobEvent(job_id=job_id, at=utcnow(), attempt=attempt, kind=kind,
+                           detail=detail[:4000]))
 
     def get(self, job_id: str, owner: str | None = None) -> JobView:
         """The job; with `owner`, only if that app submitted it (else NotFound, as for a job

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Capabilities(_message.Message):
-    __slots__ = ("runtime", "builder", "cpus", "memory_mb", "limits", "gpus", "gpu_isolation", "gpu_note", "speed_gflops")
+    __slots__ = ("runtime", "builder", "cpus", "memory_mb", "limits", "gpus", "gpu_isolation", "gpu_note", "speed_gflops", "shares")
     class LimitsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class Capabilities(_message.Message):
     GPU_ISOLATION_FIELD_NUMBER: _ClassVar[int]
     GPU_NOTE_FIELD_NUMBER: _ClassVar[int]
     SPEED_GFLOPS_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
     runtime: str
     builder: str
     cpus: int
@@ -33,7 +34,25 @@ class Capabilities(_message.Message):
     gpu_isolation: bool
     gpu_note: str
     speed_gflops: float
-    def __init__(self, runtime: _Optional[str] = ..., builder: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_mb: _Optional[int] = ..., limits: _Optional[_Mapping[str, str]] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_isolation: _Optional[bool] = ..., gpu_note: _Optional[str] = ..., speed_gflops: _Optional[float] = ...) -> None: ...
+    shares: _containers.RepeatedCompositeFieldContainer[Share]
+    def __init__(self, runtime: _Optional[str] = ..., builder: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_mb: _Optional[int] = ..., limits: _Optional[_Mapping[str, str]] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_isolation: _Optional[bool] = ..., gpu_note: _Optional[str] = ..., speed_gflops: _Optional[float] = ..., shares: _Optional[_Iterable[_Union[Share, _Mapping]]] = ...) -> None: ...
+
+class Share(_message.Message):
+    __slots__ = ("name", "files")
+    class File(_message.Message):
+        __slots__ = ("path", "size", "sha256")
+        PATH_FIELD_NUMBER: _ClassVar[int]
+        SIZE_FIELD_NUMBER: _ClassVar[int]
+        SHA256_FIELD_NUMBER: _ClassVar[int]
+        path: str
+        size: int
+        sha256: str
+        def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    files: _containers.RepeatedCompositeFieldContainer[Share.File]
+    def __init__(self, name: _Optional[str] = ..., files: _Optional[_Iterable[_Union[Share.File, _Mapping]]] = ...) -> None: ...
 
 class Gpu(_message.Message):
     __slots__ = ("uuid", "name", "kind", "memory_total_mb", "memory_free_mb", "compute_capability", "temperature_c", "driver_version", "shared_memory", "minor")
@@ -88,31 +107,37 @@ class HeartbeatReply(_message.Message):
     def __init__(self) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("gpus", "gpu_isolation", "enforced_limits")
+    __slots__ = ("gpus", "gpu_isolation", "enforced_limits", "shares")
     GPUS_FIELD_NUMBER: _ClassVar[int]
     GPU_ISOLATION_FIELD_NUMBER: _ClassVar[int]
     ENFORCED_LIMITS_FIELD_NUMBER: _ClassVar[int]
+    SHARES_FIELD_NUMBER: _ClassVar[int]
     gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
     gpu_isolation: bool
     enforced_limits: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_isolation: _Optional[bool] = ..., enforced_limits: _Optional[_Iterable[str]] = ...) -> None: ...
+    shares: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_isolation: _Optional[bool] = ..., enforced_limits: _Optional[_Iterable[str]] = ..., shares: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Dataset(_message.Message):
-    __slots__ = ("name", "files")
+    __slots__ = ("name", "share", "files")
     class File(_message.Message):
-        __slots__ = ("path", "url", "size")
+        __slots__ = ("path", "url", "size", "sha256")
         PATH_FIELD_NUMBER: _ClassVar[int]
         URL_FIELD_NUMBER: _ClassVar[int]
         SIZE_FIELD_NUMBER: _ClassVar[int]
+        SHA256_FIELD_NUMBER: _ClassVar[int]
         path: str
         url: str
         size: int
-        def __init__(self, path: _Optional[str] = ..., url: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+        sha256: str
+        def __init__(self, path: _Optional[str] = ..., url: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
+    SHARE_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     name: str
+    share: str
     files: _containers.RepeatedCompositeFieldContainer[Dataset.File]
-    def __init__(self, name: _Optional[str] = ..., files: _Optional[_Iterable[_Union[Dataset.File, _Mapping]]] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., share: _Optional[str] = ..., files: _Optional[_Iterable[_Union[Dataset.File, _Mapping]]] = ...) -> None: ...
 
 class LeaseReply(_message.Message):
     __slots__ = ("has_task", "job_id", "attempt", "fencing_token", "lease_seconds", "spec_json", "context_url", "output_url", "datasets", "resume", "gpu_uuids", "gpu_memory_mb", "shard")

@@ -63,8 +63,39 @@ class Resources:
 
 @dataclasses.dataclass(frozen=True)
 class DatasetRef:
-    name: str  # mounted read-only at /data/<name>
-    uri: str  # s3://bucket/key (one object) or s3://bucket/prefix/ (every object under it)
+    """Files a job reads, by content: an S3 object with its sha256, the files under an S3
+    prefix that `sha256` lists (path -> digest), an upload ticket (which binds one file's
+    size and sha256), or files a provider's owner shares on their machine (`agent run --share
+    NAME=/path`), named by their path in that share and their sha256. Never a host path.
+    Mounted read-only at /data/<name>/."""
+
+    name: str
+    uri: str = ""  # s3://bucket/key (one object) or s3://bucket/prefix/ (the files listed)
+    sha256: str | tuple[tuple[str, str], ...] = ""  # one object's digest, or (path, digest) pairs
+    ticket: str = ""  # an upload ticket (POST /v1/uploads), instead of `uri`
+    share: str = ""  # a provider's shared folder, instead of `uri`: `sha256` lists its files
+
+    @property
+    def is_prefix(self) -> bool:
+        return self.uri.endswith("/")
+
+    def pinned(self) -> bool:
+        """Whether the content is named (every stored spec since issue 11 is)."""
+        return bool(self.ticket or self.sha256)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name}
+        if self.ticket:
+            out["ticket"] = self.ticket
+        elif self.share:
+            out["share"] = self.share
+        else:
+            out["uri"] = self.uri
+        if isinstance(self.sha256, tuple):
+            out["sha256"] = dict(self.sha256)
+        elif self.sha256:
+            out["sha256"] = self.sha256
+        return out
 
     @property
     def bucket(self) -> str:
@@ -177,21 +208,18 @@ class JobSpec:
         seen: set[str] = set()
         for i, d in enumerate(raw_ds):
             where = f"datasets[{i}]"
-            _require(isinstance(d, Mapping), where, "must be an object {name, uri}")
+            _require(isinstance(d, Mapping), where, "must be an object {name, uri, sha256} "
+                                                    "or {name, ticket}")
             _no_unknown(d, DatasetRef, where)
-            name, uri = d.get("name"), d.get("uri")
+            name = d.get("name")
             _require(isinstance(name, str) and bool(DATASET_NAME_RE.match(name)), f"{where}.name",
                      "must be 1-64 of a-z 0-9 _ . - (it becomes /data/<name>)")
             _require(name not in seen, f"{where}.name", f"'{name}' is used twice")
             seen.add(name)
-            m = S3_URI_RE.match(uri) if isinstance(uri, str) else None
-            _require(m is not None, f"{where}.uri",
-                     "must be s3://bucket/key or s3://bucket/prefix/ (bucket: 3-63 of a-z 0-9 . -)")
-            assert m is not None
-            key = m["key"]
-            _require(not key.startswith("/") and ".." not in key.split("/"), f"{where}.uri",
-                     "the key may not start with / or contain a .. segment")
-            datasets.append(DatasetRef(name=name, uri=uri))
+            datasets.append(_dataset(d, where))
+        shares = {ds.share for ds in datasets if ds.share}
+        _require(len(shares) <= 1, "datasets", "files of one share only: a job runs on one "
+                 f"machine, and each machine shares its own folders (got {sorted(shares)})")
 
         client_job_id = data.get("client_job_id")
         if client_job_id is not None:
@@ -222,6 +250,11 @@ class JobSpec:
             shard_mode=str(shard_mode),
         )
 
+    @property
+    def share(self) -> str | None:
+        """The provider share this job's files come from: only machines sharing it fit."""
+        return next((ds.share for ds in self.datasets if ds.share), None)
+
     def without_shards(self) -> JobSpec:
         """The spec as stored on the job row and sent to agents: shards live in their own
         table and reach agents one at a time."""
@@ -246,7 +279,7 @@ class JobSpec:
             "command": list(self.command) if self.command is not None else None,
             "env": dict(self.env),
             "resources": resources,
-            "datasets": [dataclasses.asdict(d) for d in self.datasets],
+            "datasets": [d.to_dict() for d in self.datasets],
             "max_attempts": self.max_attempts,
         }
         if self.client_job_id is not None:
@@ -326,6 +359,64 @@ def limits_mask(names: Iterable[str]) -> int:
 def _require(ok: bool, field: str, what: str) -> None:
     if not ok:
         raise InvalidInput(f"{field}: {what}")
+
+
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+TICKET_RE = re.compile(r"^upl_[A-Za-z0-9_-]{16,64}$")
+MAX_DATASET_FILES = 1000
+
+
+def _files(digest: Any, where: str, what: str) -> tuple[tuple[str, str], ...]:
+    _require(isinstance(digest, Mapping) and 0 < len(digest) <= MAX_DATASET_FILES,
+             f"{where}.sha256", f"for a {what}: an object {{path: sha256}} of 1 to "
+             f"{MAX_DATASET_FILES} files")
+    for path, value in digest.items():
+        _require(isinstance(path, str) and _safe_path(path), f"{where}.sha256",
+                 f"{str(path)[:80]!r} is not a path under the {what} (no /, .., or empty "
+                 "parts)")
+        _require(isinstance(value, str) and bool(SHA256_RE.match(value)),
+                 f"{where}.sha256[{path!r}]", "must be 64 lowercase hex digits")
+    return tuple(sorted(digest.items()))
+
+
+def _dataset(d: Mapping[str, Any], where: str) -> DatasetRef:
+    name, uri, ticket, digest = d["name"], d.get("uri"), d.get("ticket"), d.get("sha256")
+    share = d.get("share")
+    if share is not None:
+        _require(uri is None and ticket is None, where, "give a share or a uri or a ticket")
+        _require(isinstance(share, str) and bool(DATASET_NAME_RE.match(share)), f"{where}.share",
+                 "must be the name of a provider's shared folder (1-64 of a-z 0-9 _ . -; "
+                 "see GET /v1/shares)")
+        return DatasetRef(name=name, share=share, sha256=_files(digest, where, "share"))
+    if ticket is not None:
+        _require(uri is None and digest is None, where,
+                 "give a ticket alone: it names its file's size and sha256 itself")
+        _require(isinstance(ticket, str) and bool(TICKET_RE.match(ticket)), f"{where}.ticket",
+                 "must be an upload ticket (upl_..., from POST /v1/uploads or `submit --upload`)")
+        return DatasetRef(name=name, ticket=ticket)
+    m = S3_URI_RE.match(uri) if isinstance(uri, str) else None
+    _require(m is not None, f"{where}.uri",
+             "must be s3://bucket/key or s3://bucket/prefix/ (bucket: 3-63 of a-z 0-9 . -)")
+    assert m is not None and isinstance(uri, str)
+    _require(_safe_path(m["key"].rstrip("/"), empty_ok=True), f"{where}.uri",
+             "the key may not start with / or contain a .. segment")
+    pinned: str | tuple[tuple[str, str], ...] = ""
+    if uri.endswith("/"):
+        if digest is not None:
+            pinned = _files(digest, where, "prefix")
+    elif digest is not None:
+        _require(isinstance(digest, str) and bool(SHA256_RE.match(digest)), f"{where}.sha256",
+                 "must be the object's sha256: 64 lowercase hex digits")
+        pinned = str(digest)
+    return DatasetRef(name=name, uri=uri, sha256=pinned)
+
+
+def _safe_path(path: str, empty_ok: bool = False) -> bool:
+    if not path:
+        return empty_ok
+    parts = path.split("/")
+    return not path.startswith("/") and all(p not in ("", ".", "..") for p in parts) \
+        and "\x00" not in path and "\\" not in path
 
 
 def _no_unknown(data: Mapping[str, Any], cls: type, where: str) -> None:

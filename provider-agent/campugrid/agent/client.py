@@ -183,9 +183,10 @@ class CoordinatorClient:
         self.stub.Heartbeat(req, timeout=RPC_TIMEOUT_S)
 
     def lease(self, gpus: Sequence[pb.Gpu] = (), gpu_isolation: bool = False,
-              enforced: Sequence[str] = ()) -> pb.LeaseReply:
+              enforced: Sequence[str] = (), shares: Sequence[str] = ()) -> pb.LeaseReply:
         reply: pb.LeaseReply = self.stub.Lease(
-            pb.LeaseRequest(gpus=gpus, gpu_isolation=gpu_isolation, enforced_limits=enforced),
+            pb.LeaseRequest(gpus=gpus, gpu_isolation=gpu_isolation, enforced_limits=enforced,
+                            shares=shares),
             timeout=RPC_TIMEOUT_S)
         return reply
 
@@ -268,9 +269,9 @@ class CoordinatorApi:
         self.wire.heartbeat(capabilities_pb(caps) if caps is not None else None)
 
     def lease(self, gpus: Sequence[m.Gpu] = (), gpu_isolation: bool = False,
-              enforced: Sequence[str] = ()) -> m.Lease | None:
+              enforced: Sequence[str] = (), shares: Sequence[str] = ()) -> m.Lease | None:
         """The next task for this machine, or None when none is queued for it."""
-        reply = self.wire.lease([gpu_pb(g) for g in gpus], gpu_isolation, enforced)
+        reply = self.wire.lease([gpu_pb(g) for g in gpus], gpu_isolation, enforced, shares)
         return lease_from_pb(reply) if reply.has_task else None
 
     def renew(self, job_id: str, token: int, phase: str, timeout_s: float) -> m.Renewal:
@@ -326,7 +327,10 @@ def capabilities_pb(c: m.Capabilities) -> pb.Capabilities:
     return pb.Capabilities(runtime=c.runtime, builder=c.builder, cpus=c.cpus,
                            memory_mb=c.memory_mb, limits=dict(c.limits),
                            gpus=[gpu_pb(g) for g in c.gpus], gpu_isolation=c.gpu_isolation,
-                           gpu_note=c.gpu_note, speed_gflops=c.speed_gflops)
+                           gpu_note=c.gpu_note, speed_gflops=c.speed_gflops,
+                           shares=[pb.Share(name=name, files=[
+                               pb.Share.File(path=f.path, size=f.size, sha256=f.sha256)
+                               for f in files]) for name, files in sorted(c.shares.items())])
 
 
 def shard_from_pb(s: pb.ShardTask) -> m.ShardTask:
@@ -338,8 +342,8 @@ def lease_from_pb(r: pb.LeaseReply) -> m.Lease:
         job_id=r.job_id, attempt=r.attempt, fencing_token=r.fencing_token,
         spec_json=r.spec_json, lease_seconds=r.lease_seconds, context_url=r.context_url,
         output_url=r.output_url,
-        datasets=tuple(m.Dataset(d.name, tuple(m.DatasetFile(f.path, f.url, f.size)
-                                               for f in d.files)) for d in r.datasets),
+        datasets=tuple(m.Dataset(d.name, tuple(m.DatasetFile(f.path, f.url, f.size, f.sha256)
+                                               for f in d.files), d.share) for d in r.datasets),
         resume=(m.Resume(r.resume.epoch, r.resume.url, r.resume.size, r.resume.sha256)
                 if r.HasField("resume") else None),
         gpu_uuids=tuple(r.gpu_uuids), gpu_memory_mb=r.gpu_memory_mb,

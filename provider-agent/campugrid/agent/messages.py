@@ -32,6 +32,16 @@ class Capabilities:
     gpu_isolation: bool = False
     gpu_note: str = ""
     speed_gflops: float = 0.0
+    shares: Mapping[str, tuple[SharedFile, ...]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedFile:
+    """A file in a folder the owner shares: its path inside the folder, never on the host."""
+
+    path: str
+    size: int
+    sha256: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,12 +49,14 @@ class DatasetFile:
     path: str  # relative to /data/<name>
     url: str  # presigned GET
     size: int = 0
+    sha256: str = ""  # checked before the job starts ("": a spec from before contents were pinned)
 
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
     name: str
     files: tuple[DatasetFile, ...] = ()
+    share: str = ""  # the files are in this machine's share of that name (no URLs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,7 @@ and the sandbox.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import shutil
@@ -32,6 +33,7 @@ from campugrid.agent.gpus import GpuPolicy
 from campugrid.agent.logship import LogShipper
 from campugrid.agent.messages import Gpu, Lease, Outcome
 from campugrid.agent.renewer import Renewer
+from campugrid.agent.shares import Shares
 from campugrid.builders.base import Builder
 from campugrid.protocol import logs
 from campugrid.protocol.dockerfiles import allowed_bases
@@ -54,8 +56,9 @@ Mapped = tuple[tuple[str, int], ...]  # (uuid, device minor) per reserved GPU
 class Task:
     def __init__(self, client: CoordinatorApi, lease: Lease, work: Path,
                  builder: Builder, sandbox: Runtime, gpu_policy: GpuPolicy = GpuPolicy(),
-                 slot: slots.Slot | None = None) -> None:
+                 slot: slots.Slot | None = None, shares: Shares | None = None) -> None:
         self.client, self.lease, self.work = client, lease, work
+        self.shares = shares or Shares({})
         self.builder, self.sandbox = builder, sandbox
         self.spec = JobSpec.from_json(lease.spec_json)
         # /output and /checkpoints: in the agent's output slot, which the kernel bounds to
@@ -194,7 +197,8 @@ class Task:
                 raise InvalidInput(f"context: unpacking it was stopped ({e})") from e
             archive.unlink()
             if lease.datasets:
-                _fetch_datasets(http, lease, data_dir)
+                for note in _fetch_datasets(http, lease, data_dir, self.shares):
+                    self.shipper.line("run", f"[campugrid] {note}")
         if lease.resume is not None:
             try:
                 checkpoints.restore(lease.resume, ckpt_dir, work)
@@ -373,18 +377,46 @@ def _download(http: httpx.Client, url: str, to: Path) -> None:
             out.write(chunk)
 
 
-def _fetch_datasets(http: httpx.Client, lease: Lease, data_dir: Path) -> None:
+def _fetch_datasets(http: httpx.Client, lease: Lease, data_dir: Path,
+                    shares: Shares | None = None) -> list[str]:
+    """Every input, fetched (or found in this machine's share) and checked by size and sha256
+    before the job starts: a file that changed since the job named it fails the job, with
+    which file and how. Returns, per dataset, how its files moved (for the job's log)."""
+    notes = []
     for ds in lease.datasets:
+        moved: dict[str, int] = {}
         root = (data_dir / ds.name).resolve()
         for f in ds.files:
             target = (root / f.path).resolve()
             if not target.is_relative_to(root):
                 raise InvalidInput(f"dataset {ds.name}: unsafe path {f.path!r}")
+            if ds.share:
+                how = (shares or Shares({})).place(ds.share, f.path, f.sha256, target)
+                moved[how] = moved.get(how, 0) + 1
+                continue
             target.parent.mkdir(parents=True, exist_ok=True)
+            digest, size = hashlib.sha256(), 0
             with http.stream("GET", f.url) as resp, open(target, "wb") as out:
                 resp.raise_for_status()
                 for chunk in resp.iter_bytes(1024 * 1024):
                     out.write(chunk)
+                    digest.update(chunk)
+                    size += len(chunk)
+                    if f.size and size > f.size:
+                        break
+            if f.sha256 and (size != f.size or digest.hexdigest() != f.sha256):
+                raise InvalidInput(
+                    f"dataset {ds.name}: {f.path} is not the file the job names: "
+                    + (f"{size}{'+' if size > f.size else ''} bytes, not {f.size}"
+                       if size != f.size else
+                       f"sha256 {digest.hexdigest()[:16]}…, not {f.sha256[:16]}…")
+                    + "; it changed after the job was submitted")
+            moved["downloaded"] = moved.get("downloaded", 0) + 1
+        notes.append(f"dataset {ds.name}: " + ", ".join(
+            f"{n} file{'s' if n != 1 else ''} {how}" for how, n in sorted(moved.items()))
+            + (f" from the share {ds.share!r}" if ds.share else "")
+            + ", each checked by sha256" * all(f.sha256 for f in ds.files))
+    return notes
 
 
 def _upload_output(url: str, output_dir: Path, tarball: Path) -> bool:

@@ -25,6 +25,7 @@ from campugrid.agent.client import CoordinatorApi, CoordinatorClient, fetch_memb
 from campugrid.agent.gpus import GpuPolicy
 from campugrid.agent.messages import Capabilities, Lease
 from campugrid.agent.shards import ShardSessionTask
+from campugrid.agent.shares import Shares
 from campugrid.agent.speed import matmul_gflops
 from campugrid.agent.task import Task, job_image_prefix
 from campugrid.builders.base import Builder
@@ -51,6 +52,8 @@ class AgentSettings:
     # The coordinator certificate's fingerprint: joins (or re-joins) with it; empty: use the
     # membership `campugrid agent join` stored in state_dir.
     pin: str = ""
+    # Folders the owner shares with jobs (`--share NAME=/path`): name -> folder.
+    shares: dict[str, Path] = dataclasses.field(default_factory=dict)
 
 
 class Agent:
@@ -80,6 +83,7 @@ class Agent:
         self.client = CoordinatorApi(CoordinatorClient(fetch_membership(
             settings.state_dir, settings.coordinator, settings.pin)))
         self.work_root = settings.state_dir / "work"
+        self.shares = Shares(settings.shares)
         self.stopping = threading.Event()
         self.task: Task | None = None
         self.revoked = False  # its owner revoked this machine: run() returned for good
@@ -109,7 +113,8 @@ class Agent:
                             cpus=os.cpu_count() or 1, memory_mb=mem_kb // 1024,
                             limits=self.limits, gpus=found.gpus,
                             gpu_isolation=self.gpu_isolation and bool(found.gpus),
-                            gpu_note=note, speed_gflops=self.speed)
+                            gpu_note=note, speed_gflops=self.speed,
+                            shares=self.shares.listing())
 
     def run(self, *, once: bool = False) -> None:
         caps = self.capabilities()
@@ -134,7 +139,7 @@ class Agent:
                     last_beat = time.monotonic()
                 offer = gpus.discover(self.settings.gpu_policy).gpus
                 lease = self.client.lease(offer, self.gpu_isolation and bool(offer),
-                                          self.enforced)
+                                          self.enforced, self.shares.names())
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.PERMISSION_DENIED and "revoked" in str(e.details()):
                     log.error("%s; the agent stops", e.details())
@@ -166,7 +171,7 @@ class Agent:
             # Every line the task logs (and its threads, started with logs.thread) names it.
             with logs.about_job(lease.job_id, lease.fencing_token):
                 self.task = kind(self.client, lease, work, self.builder, self.sandbox,
-                                 self.settings.gpu_policy, self.slot)
+                                 self.settings.gpu_policy, self.slot, self.shares)
                 if self.stopping.is_set():  # a drain arrived between lease and start
                     self.task.drain(0)
                 self.task.run()
