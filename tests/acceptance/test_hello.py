@@ -221,9 +221,9 @@ def test_a_file_sent_with_the_job_is_mounted_read_only_and_deleted_after(api, pl
                          capture_output=True, env=platform.cli_env(), text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     job = api.job(out.stdout.splitlines()[0].strip())
-    assert job["result"] == "23 read-only"
+    assert job["result"] == "22 read-only"
     [ticket] = [d["ticket"] for d in job["spec"]["datasets"]]
-    assert ("inputs", "w: 1 file by upload ticket, 23 bytes, checked by sha256") in [
+    assert ("inputs", "w: 1 file by upload ticket, 22 bytes, checked by sha256") in [
         (e["kind"], e["detail"]) for e in job["events"]]
     assert platform.running is not None
     objects = platform.running.coord.objects
