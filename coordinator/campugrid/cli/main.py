@@ -433,6 +433,7 @@ def up(
 ) -> None:
     """Bring up S3, the coordinator and a local agent on embedded defaults."""
     from campugrid.cli.platform import Platform, default_state_dir, find_example, have
+    from campugrid.cli.seaweed import free_port
     from campugrid.client import tar_folder
 
     _logging(log_format)
@@ -451,7 +452,10 @@ def up(
     # From the start: a signal during start-up or the sample must still stop what runs.
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    platform = Platform(state_dir or default_state_dir(), http_port=http_port)
+    # The agents' port stays the same from one start to the next where it can, so that the
+    # join command machines were given keeps working.
+    platform = Platform(state_dir or default_state_dir(), http_port=http_port,
+                        grpc_port=free_port(http_port + 1))
     code = 0
     try:
         platform.start()

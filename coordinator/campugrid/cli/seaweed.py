@@ -64,9 +64,13 @@ def guard_group(pgid: int) -> subprocess.Popen[bytes]:
     return guard(pgid, ())
 
 
-def free_port() -> int:
+def free_port(preferred: int = 0) -> int:
+    """`preferred` if nothing listens on it, else any free port."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        try:
+            s.bind(("127.0.0.1", preferred))
+        except OSError:
+            s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
