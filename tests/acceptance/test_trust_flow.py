@@ -89,7 +89,8 @@ def test_a_laptop_joins_by_invite_and_a_machine_by_approval_until_revoked():
             done = lab.wait(reads["id"], timeout_s=240)
             assert done["state"] == "succeeded" and done["result"] == "4,2", done
             log = "".join(c["text"] for c in lab.logs(reads["id"])["chunks"])
-            assert "dataset d: 1 file" in log and "from the share 'pics', each checked by sha256" in log
+            assert "dataset d: 1 file" in log
+            assert "from the share 'pics', 4 bytes, each checked by sha256" in log
         # The laptop cannot see the admin's jobs, nor manage machines.
         denied = subprocess.run([*CLI, "machines"], capture_output=True, text=True, timeout=60,
                                 env=laptop)

@@ -385,6 +385,7 @@ def _fetch_datasets(http: httpx.Client, lease: Lease, data_dir: Path,
     notes = []
     for ds in lease.datasets:
         moved: dict[str, int] = {}
+        total = 0
         root = (data_dir / ds.name).resolve()
         for f in ds.files:
             target = (root / f.path).resolve()
@@ -393,6 +394,7 @@ def _fetch_datasets(http: httpx.Client, lease: Lease, data_dir: Path,
             if ds.share:
                 how = (shares or Shares({})).place(ds.share, f.path, f.sha256, target)
                 moved[how] = moved.get(how, 0) + 1
+                total += target.stat().st_size
                 continue
             target.parent.mkdir(parents=True, exist_ok=True)
             digest, size = hashlib.sha256(), 0
@@ -412,10 +414,11 @@ def _fetch_datasets(http: httpx.Client, lease: Lease, data_dir: Path,
                        f"sha256 {digest.hexdigest()[:16]}…, not {f.sha256[:16]}…")
                     + "; it changed after the job was submitted")
             moved["downloaded"] = moved.get("downloaded", 0) + 1
+            total += size
+        checked = ", each checked by sha256" if all(f.sha256 for f in ds.files) else ""
         notes.append(f"dataset {ds.name}: " + ", ".join(
             f"{n} file{'s' if n != 1 else ''} {how}" for how, n in sorted(moved.items()))
-            + (f" from the share {ds.share!r}" if ds.share else "")
-            + ", each checked by sha256" * all(f.sha256 for f in ds.files))
+            + (f" from the share {ds.share!r}" if ds.share else "") + f", {total} bytes{checked}")
     return notes
 
 
