@@ -103,6 +103,10 @@ def healthy(coord, admin) -> Iterator[None]:
 
 def test_an_unsigned_request_is_refused(coord, healthy):
     refused(httpx.get(f"{coord.url}/v1/jobs"), 401, "not signed")
+    for spelling in ("//v1/jobs", "/v1//jobs", "/%76%31/jobs", "/V1/jobs", "/v1/jobs/",
+                     "/nothing-here"):
+        refused(httpx.get(f"{coord.url}{spelling}"), 401, "not signed")
+    assert httpx.get(f"{coord.url}/openapi.json").status_code == 200  # the docs are public
     spec = JobSpec().to_json().encode()
     resp = httpx.post(f"{coord.url}/v1/jobs", files={"context": ("c.tar.gz", tar_folder(HELLO)),
                                                      "spec_file": ("s.json", spec)})
