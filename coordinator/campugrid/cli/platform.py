@@ -129,11 +129,7 @@ class AgentHandle:
     restart_at: float | None = dataclasses.field(default=None, init=False)
 
     def machine_id(self) -> str | None:
-        try:
-            found = json.loads((self.state_dir / "membership.json").read_text())["machine_id"]
-        except (OSError, ValueError, KeyError):
-            return None
-        return str(found) or None
+        return joined_machine(self.state_dir)
 
     def pid(self) -> int:
         """The agent's own Python process (under runuser when started by root)."""
@@ -239,7 +235,9 @@ class Platform:
         if joined.returncode != 0:
             raise CampugridError(f"agent {name} could not join: "
                                  f"{(joined.stderr or joined.stdout).strip()[-500:]}")
-        machine_id = joined.stdout.split()[1]
+        machine_id = joined_machine(agent_dir)
+        if machine_id is None:
+            raise CampugridError(f"agent {name} joined but kept no machine id in {agent_dir}")
         if approve:
             assert self.running is not None
             m = self.running.coord.approve_machine(machine_id)
@@ -324,6 +322,15 @@ class Platform:
                 self._http_thread.join(timeout=10)
         if self.s3 is not None:
             self.s3.stop()
+
+
+def joined_machine(agent_dir: Path) -> str | None:
+    """The machine id `campugrid agent join` kept in an agent's state folder, if any."""
+    try:
+        found = json.loads((agent_dir / "membership.json").read_text())["machine_id"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return str(found) or None
 
 
 def _spawn(argv: list[str], log_file: Path) -> subprocess.Popen[bytes]:

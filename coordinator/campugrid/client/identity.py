@@ -77,7 +77,9 @@ class Identity:
 
 
 @dataclasses.dataclass
-class _Message:
+class HttpMessage:
+    """A request as http-message-signatures reads it, on either side of the wire."""
+
     method: str
     url: str
     headers: Any
@@ -106,7 +108,7 @@ class Signer(httpx.Auth):
         for name in ("signature", "signature-input", "content-digest"):
             request.headers.pop(name, None)
         request.read()  # the body is signed too (its Content-Digest)
-        self._signer.sign(_Message(request.method, str(request.url), request.headers),
+        self._signer.sign(HttpMessage(request.method, str(request.url), request.headers),
                           key_id=self.app_id, created=created or dt.datetime.now(dt.UTC),
                           nonce=nonce or secrets.token_urlsafe(18), label="campugrid",
                           covered_component_ids=COVERED, body=request.content)

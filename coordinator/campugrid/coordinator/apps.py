@@ -72,13 +72,6 @@ class Apps:
             row = s.get(App, app_id)
             return AppView.from_row(row) if row is not None else None
 
-    def by_name(self, name: str) -> AppView:
-        with self.db.read() as s:
-            row = s.scalars(select(App).where(App.name == name)).one_or_none()
-            if row is None:
-                raise NotFound(f"no app named {name!r} (see `campugrid apps`)")
-            return AppView.from_row(row)
-
     def all(self) -> list[AppView]:
         with self.db.read() as s:
             return [AppView.from_row(r) for r in s.scalars(select(App).order_by(App.created_at))]

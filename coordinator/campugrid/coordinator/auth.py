@@ -29,6 +29,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from campugrid.client.identity import HttpMessage
 from campugrid.coordinator.apps import Apps, AppView, Nonces
 from campugrid.protocol import keys
 from campugrid.protocol.errors import RateLimited, Unauthenticated
@@ -79,13 +80,6 @@ class _Keys(hms.HTTPSignatureKeyResolver):
                             f"{app.revoked_at:%Y-%m-%d %H:%M} UTC; ask an admin for a new invite")
             return None
         return keys.parse_public(app.public_key)
-
-
-@dataclasses.dataclass
-class _Message:
-    method: str
-    url: str
-    headers: Any
 
 
 class Guard:
@@ -157,7 +151,7 @@ class SignedRequests:
             raise self.guard.failed(address, "", (
                 "the request is not signed: sign it with your app's key (RFC 9421; "
                 "`campugrid.client` and the CLI do it for you; `campugrid login` makes a key)"))
-        message = _Message(scope["method"], _target_uri(scope, headers), headers)
+        message = HttpMessage(scope["method"], _target_uri(scope, headers), headers)
         found = _Keys(self.apps)
         verifier = _Verifier(signature_algorithm=algorithms.ED25519, key_resolver=found)
         try:

@@ -58,14 +58,15 @@ class Machines:
 
     def register(self, name: str, public_key: str, address: str = "") -> MachineRecord:
         """A new pending machine for this key; the same key again is the same machine."""
-        pub = keys.public_text(keys.parse_public(public_key))
+        key = keys.parse_public(public_key)
+        pub = keys.public_text(key)
         now = utcnow()
         with self.db.tx() as s:
             known = s.scalars(select(Machine).where(Machine.public_key == pub)).one_or_none()
             if known is not None:
                 return MachineRecord.from_row(known)
             row = Machine(id=str(uuid.uuid4()), name=name[:200], public_key=pub,
-                          fingerprint=keys.fingerprint(keys.public_raw(keys.parse_public(pub))),
+                          fingerprint=keys.key_fingerprint(key),
                           status=Status.PENDING.value, address=address[:100],
                           capabilities_json="{}", registered_at=now, last_seen_at=now)
             s.add(row)

@@ -382,6 +382,7 @@ def _fetch_datasets(http: httpx.Client, lease: Lease, data_dir: Path,
     """Every input, fetched (or found in this machine's share) and checked by size and sha256
     before the job starts: a file that changed since the job named it fails the job, with
     which file and how. Returns, per dataset, how its files moved (for the job's log)."""
+    shares = shares or Shares({})
     notes = []
     for ds in lease.datasets:
         moved: dict[str, int] = {}
@@ -392,7 +393,7 @@ def _fetch_datasets(http: httpx.Client, lease: Lease, data_dir: Path,
             if not target.is_relative_to(root):
                 raise InvalidInput(f"dataset {ds.name}: unsafe path {f.path!r}")
             if ds.share:
-                how = (shares or Shares({})).place(ds.share, f.path, f.sha256, target)
+                how = shares.place(ds.share, f.path, f.sha256, target)
                 moved[how] = moved.get(how, 0) + 1
                 total += target.stat().st_size
                 continue
