@@ -308,3 +308,20 @@ def test_a_lost_session_is_requeued_and_its_late_result_refused(coordinator, tmp
     assert not lost.renew(job_id, first.fencing_token, "running", 5).keep_going
     kinds = [e["kind"] for e in api.job(job_id)["events"]]
     assert "session_lost" in kinds
+
+
+def test_a_machine_its_owner_holds_is_listed_so_and_queued_jobs_say_why(coordinator, tmp_path):
+    running, api = coordinator
+    job = api.submit(tar_folder(HELLO), JobSpec())
+    c = client(running, tmp_path, "gamer-pc")
+    held = "its owner's program steam started\x00\x1b[31m" + "x" * 1000
+    c.heartbeat(pb.Capabilities(runtime="runsc", builder="buildah", held=held))
+    why = api.job(job["id"])["waiting_reason"]
+    assert why.startswith("every approved machine online (1) is held by its owner now: "
+                          "its owner's program steam started")
+    assert "\x00" not in why and "\x1b" not in why and len(why) < 500  # the agent's words, bounded
+    [m] = [m for m in api.machines() if m["id"] == c.machine_id]
+    assert m["held"].startswith("its owner's program steam started")
+    c.heartbeat(pb.Capabilities(runtime="runsc", builder="buildah"))  # the game is closed
+    assert api.job(job["id"])["waiting_reason"] == "waiting for a free machine (every online machine is busy)"
+    assert [m["held"] for m in api.machines() if m["id"] == c.machine_id] == [""]

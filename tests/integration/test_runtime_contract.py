@@ -137,3 +137,22 @@ def test_a_sandbox_that_cannot_start_raises_sandbox_error(runtime, provider, sha
     assert res["error"]["exit_code"] == 125
     assert "image not known" in res["error"]["stderr_tail"]
     assert not res["still_exists"]
+
+
+def test_a_sandbox_names_its_host_processes_and_none_other(runtime, provider, shared_tmp):
+    """What NVML shows using a job's GPU is told apart by these: the owner-first watch
+    drains the job for any other process. The real sandbox is conmon and runsc below it; the
+    fake's runs in the test's own process, so it has none. Either way: never the agent."""
+    kind, run = runtime
+    case = Case("processes", ("sh", "-c", WAITS), fake.env(stdout=READY, run_for=300), {})
+    res = run(request(case, "t-contract-processes", output_folder(shared_tmp, provider)),
+              "processes", 0.0)
+    assert res["error"] is None and res["fired"], res
+    pids = {pid for pid, _ in res["processes"]}
+    assert res["driver_pid"] not in pids
+    if kind == "podman-runsc":
+        names = [name for _, name in res["processes"]]
+        assert "conmon" in names and len(names) >= 2, res["processes"]
+    else:
+        assert pids == set()
+    assert res["processes_after"] == [] and not res["still_exists"]

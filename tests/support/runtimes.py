@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -21,13 +22,18 @@ READY = "ready"  # a case's job prints this once it is up: the action comes afte
 
 
 def drive(runtime: Runtime, req: RunRequest, action: str = "", after_s: float = 0.0) -> dict[str, Any]:
-    """Run `req`; `action` (cancel, stop, kill, term) comes `after_s` after the job says READY."""
+    """Run `req`; `action` (cancel, stop, kill, term, processes) comes `after_s` after the job
+    says READY. `processes` notes the sandbox's host processes (pid, name), then cancels."""
     cancel = threading.Event()
     lines: list[str] = []
     fired = threading.Event()
+    seen: list[tuple[int, str]] = []
 
     def act() -> None:
         if action == "cancel":
+            cancel.set()
+        elif action == "processes":
+            seen[:] = [(pid, _name(pid)) for pid in sorted(runtime.processes(req.name))]
             cancel.set()
         elif action == "term":
             runtime.signal(req.name, "TERM")
@@ -51,7 +57,16 @@ def drive(runtime: Runtime, req: RunRequest, action: str = "", after_s: float = 
     if action == "kill":
         runtime.stop(req.name)  # as the agent's task does after a kill
     return out | {"lines": lines, "seconds": time.monotonic() - t0,
-                  "still_exists": runtime.exists(req.name), "fired": fired.is_set()}
+                  "still_exists": runtime.exists(req.name), "fired": fired.is_set(),
+                  "processes": seen, "processes_after": sorted(runtime.processes(req.name)),
+                  "driver_pid": os.getpid()}
+
+
+def _name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
 
 
 def request_from_json(args: dict[str, Any]) -> RunRequest:

@@ -107,3 +107,14 @@ def test_the_faster_half_takes_heavy_shards():
     assert fast_from([10.0, 50.0, 200.0]) == 50.0  # odd count: the middle one is fast
     assert fast_from([5.0]) <= 5.0  # alone: the fastest there is
     assert fast_from([]) == 0.0
+
+
+def test_machines_their_owners_hold_are_not_counted_as_free():
+    paused = MachineView("m1", "gamer-pc", held="its owner paused the machine (campugrid provider pause)")
+    playing = MachineView("m2", "studio", held="its owner's program blender started")
+    assert why_waiting(Resources(), [paused, playing]) == (
+        "every approved machine online (2) is held by its owner now: its owner paused the machine "
+        "(campugrid provider pause); its owner's program blender started")
+    # one machine that takes work: the reason is about that one
+    assert why_waiting(Resources(), [paused, MachineView("m3", "nas")]).startswith("waiting for a free machine")
+    assert why_waiting(need(gb=1), [paused, MachineView("m3", "nas")]).startswith("no online machine has a GPU (1 ")

@@ -14,6 +14,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
+from campugrid.cli.provider import AGENT_DIR, provider_app
 from campugrid.protocol.errors import CampugridError
 from campugrid.protocol.logs import configure as configure_logging
 from campugrid.protocol.spec import LIMITS, JobSpec
@@ -29,14 +30,13 @@ app.add_typer(coordinator_app, name="coordinator")
 app.add_typer(agent_app, name="agent")
 app.add_typer(apps_app, name="apps")
 app.add_typer(machines_app, name="machines")
+app.add_typer(provider_app, name="provider")
 
 Server = Annotated[str | None, typer.Option(
     "--server", envvar="CAMPUGRID_SERVER",
     help="The coordinator's REST address (default: the one your identity is for).")]
 DEFAULT_SERVER = None
 
-
-AGENT_DIR = Path(os.path.expanduser("~/.local/share/campugrid-agent"))
 
 
 def _fail(message: str) -> NoReturn:
@@ -256,8 +256,13 @@ def agent_run(
     gpus: Annotated[str | None, typer.Option(help="GPUs to offer: indexes or UUIDs, comma-separated "
                                                   "(default: all).")] = None,
     gpu_reserve_mb: Annotated[int, typer.Option(help="GPU memory to always leave free, per GPU.")] = 0,
-    protect: Annotated[list[str] | None, typer.Option(help="A process name whose GPU is never used "
-                                                           "while it runs (repeatable).")] = None,
+    protect: Annotated[list[str] | None, typer.Option(
+        help="A program that takes the machine back (a game, a renderer: steam, blender): "
+             "while it runs the job here is handed back after a final checkpoint and no work "
+             "is taken. Repeatable.")] = None,
+    hours: Annotated[str | None, typer.Option(
+        help="When this machine takes new work, local time: HH:MM-HH:MM, comma-separated "
+             "(e.g. 22:00-07:00). Default: any time.")] = None,
     share: Annotated[list[str] | None, typer.Option(
         "--share", help="NAME=/folder: let jobs read the files in this folder (read-only, by "
                         "path inside it and sha256; the folder's place is never reported). "
@@ -271,6 +276,7 @@ def agent_run(
     """Run a provider agent as this (unprivileged) user."""
     from campugrid.agent import backends, shares
     from campugrid.agent.gpus import GpuPolicy
+    from campugrid.agent.owner import Hours, OwnerPolicy
     from campugrid.agent.worker import Agent, AgentSettings
 
     _logging(log_format)
@@ -280,9 +286,11 @@ def agent_run(
         policy = GpuPolicy(allow=tuple(x.strip() for x in gpus.split(",")) if gpus else None,
                            reserve_mb=gpu_reserve_mb, protected=tuple(protect or ()))
         required = tuple(x.strip() for x in require_limits.split(",") if x.strip())
+        owner = OwnerPolicy(hours=Hours.parse(hours) if hours else None,
+                            programs=tuple(protect or ()))
         agent = Agent(AgentSettings(coordinator=coordinator or "", state_dir=state_dir, name=name,
                                     gpu_policy=policy, require_limits=required,
-                                    pin=pin or "", shares=shares.parse(share or [])),
+                                    pin=pin or "", shares=shares.parse(share or []), owner=owner),
                       chosen, sandbox)
     except CampugridError as e:
         _fail(str(e))
@@ -387,7 +395,8 @@ def machines_list(ctx: typer.Context, server: Server = DEFAULT_SERVER) -> None:
     try:
         for m in _api(server).machines():
             typer.echo(f"{m['id']}  {m['status']:<8} {m['fingerprint']}  {m['name']}  "
-                       f"(from {m['address'] or '?'}, seen {m['last_seen_at'][:19]})")
+                       f"(from {m['address'] or '?'}, seen {m['last_seen_at'][:19]})"
+                       + (f"\n    held by its owner: {m['held']}" if m.get("held") else ""))
     except CampugridError as e:
         _fail(str(e))
 

@@ -57,6 +57,7 @@ R = TypeVar("R")
 
 
 MAX_SHARES, MAX_SHARED_FILES = 16, 1000
+MAX_HELD = 300  # why an owner holds the machine: shown to researchers, so short and printable
 
 
 def _caps(c: pb.Capabilities) -> dict[str, Any]:
@@ -64,6 +65,7 @@ def _caps(c: pb.Capabilities) -> dict[str, Any]:
             "memory_mb": c.memory_mb, "limits": dict(c.limits),
             "gpu_isolation": c.gpu_isolation, "gpu_note": c.gpu_note,
             "speed_gflops": c.speed_gflops if math.isfinite(c.speed_gflops) else 0.0,
+            "held": "".join(ch if ch.isprintable() else " " for ch in c.held[:MAX_HELD]),
             # What a provider says it shares is only a listing: the agent checks every file
             # by sha256 when a job uses it. Bounded, as everything an agent reports.
             "shares": {sh.name[:64]: [[f.path[:1000], max(0, f.size), f.sha256[:64]]

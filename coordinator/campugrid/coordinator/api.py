@@ -153,11 +153,13 @@ class MachineOut(BaseModel):
     address: str
     registered_at: dt.datetime
     last_seen_at: dt.datetime
+    held: str  # why its owner holds it now (paused, a listed program runs); "" takes work
 
     @classmethod
     def of(cls, m: MachineRecord) -> MachineOut:
         return cls(id=m.id, name=m.name, status=m.status.value, fingerprint=m.fingerprint,
-                   address=m.address, registered_at=m.registered_at, last_seen_at=m.last_seen_at)
+                   address=m.address, registered_at=m.registered_at, last_seen_at=m.last_seen_at,
+                   held=m.held)
 
 
 class JoinOut(BaseModel):

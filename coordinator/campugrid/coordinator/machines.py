@@ -45,11 +45,14 @@ class MachineRecord:
     address: str
     registered_at: dt.datetime
     last_seen_at: dt.datetime
+    held: str = ""  # why its owner holds it now, as its last heartbeat said
 
     @classmethod
     def from_row(cls, m: Machine) -> MachineRecord:
+        caps = json.loads(m.capabilities_json or "{}")
         return cls(m.id, m.name, m.fingerprint, Status(m.status), m.public_key, m.address,
-                   m.registered_at, m.last_seen_at)
+                   m.registered_at, m.last_seen_at,
+                   str(caps.get("held") or "") if isinstance(caps, dict) else "")
 
 
 class Machines:
@@ -161,7 +164,8 @@ class Machines:
                 shares = caps.get("shares") or {}
                 out.append(MachineView(m.id, m.name, gpus, bool(snap.get("isolation")),
                                        float(caps.get("speed_gflops") or 0.0), enforced,
-                                       frozenset(shares) if isinstance(shares, dict) else frozenset()))
+                                       frozenset(shares) if isinstance(shares, dict) else frozenset(),
+                                       str(caps.get("held") or "")))
             return out
 
     def shared(self, within_s: float = 30) -> dict[str, dict[tuple[str, int, str], int]]:

@@ -36,6 +36,7 @@ class MachineView:
     speed: float = 0.0  # GFLOP/s of the matmul benchmark the agent ran when it joined
     enforced: frozenset[str] = frozenset()  # the limits (spec.LIMITS) that hold on it
     shares: frozenset[str] = frozenset()  # the folders its owner shares (agent run --share)
+    held: str = ""  # why its owner holds it (paused, a listed program runs); "" takes work
 
     @property
     def lacks_mask(self) -> int:
@@ -72,6 +73,12 @@ def why_waiting(need: Resources, machines: Sequence[MachineView], share: str | N
     """Why no online machine can take this job now, in words a researcher can act on."""
     if not machines:
         return "no approved machine online"
+    free = [m for m in machines if not m.held]
+    if not free:
+        whys = sorted({m.held for m in machines})
+        return (f"every approved machine online ({len(machines)}) is held by its owner now: "
+                + "; ".join(whys[:3]) + ("; …" if len(whys) > 3 else ""))
+    machines = free
     if share is not None:
         machines = [m for m in machines if share in m.shares]
         if not machines:

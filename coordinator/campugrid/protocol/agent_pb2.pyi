@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Capabilities(_message.Message):
-    __slots__ = ("runtime", "builder", "cpus", "memory_mb", "limits", "gpus", "gpu_isolation", "gpu_note", "speed_gflops", "shares")
+    __slots__ = ("runtime", "builder", "cpus", "memory_mb", "limits", "gpus", "gpu_isolation", "gpu_note", "speed_gflops", "shares", "held")
     class LimitsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class Capabilities(_message.Message):
     GPU_NOTE_FIELD_NUMBER: _ClassVar[int]
     SPEED_GFLOPS_FIELD_NUMBER: _ClassVar[int]
     SHARES_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     runtime: str
     builder: str
     cpus: int
@@ -35,7 +36,8 @@ class Capabilities(_message.Message):
     gpu_note: str
     speed_gflops: float
     shares: _containers.RepeatedCompositeFieldContainer[Share]
-    def __init__(self, runtime: _Optional[str] = ..., builder: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_mb: _Optional[int] = ..., limits: _Optional[_Mapping[str, str]] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_isolation: _Optional[bool] = ..., gpu_note: _Optional[str] = ..., speed_gflops: _Optional[float] = ..., shares: _Optional[_Iterable[_Union[Share, _Mapping]]] = ...) -> None: ...
+    held: str
+    def __init__(self, runtime: _Optional[str] = ..., builder: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_mb: _Optional[int] = ..., limits: _Optional[_Mapping[str, str]] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_isolation: _Optional[bool] = ..., gpu_note: _Optional[str] = ..., speed_gflops: _Optional[float] = ..., shares: _Optional[_Iterable[_Union[Share, _Mapping]]] = ..., held: _Optional[str] = ...) -> None: ...
 
 class Share(_message.Message):
     __slots__ = ("name", "files")

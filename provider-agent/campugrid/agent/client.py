@@ -327,7 +327,7 @@ def capabilities_pb(c: m.Capabilities) -> pb.Capabilities:
     return pb.Capabilities(runtime=c.runtime, builder=c.builder, cpus=c.cpus,
                            memory_mb=c.memory_mb, limits=dict(c.limits),
                            gpus=[gpu_pb(g) for g in c.gpus], gpu_isolation=c.gpu_isolation,
-                           gpu_note=c.gpu_note, speed_gflops=c.speed_gflops,
+                           gpu_note=c.gpu_note, speed_gflops=c.speed_gflops, held=c.held,
                            shares=[pb.Share(name=name, files=[
                                pb.Share.File(path=f.path, size=f.size, sha256=f.sha256)
                                for f in files]) for name, files in sorted(c.shares.items())])

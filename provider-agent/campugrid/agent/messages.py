@@ -33,6 +33,7 @@ class Capabilities:
     gpu_note: str = ""
     speed_gflops: float = 0.0
     shares: Mapping[str, tuple[SharedFile, ...]] = dataclasses.field(default_factory=dict)
+    held: str = ""  # why the owner holds the machine now (campugrid.agent.owner); "" takes work
 
 
 @dataclasses.dataclass(frozen=True)

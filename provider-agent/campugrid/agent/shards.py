@@ -32,9 +32,9 @@ READER_LIMITS = confine.Limits(memory_mb=256, cpu_s=600, fsize_mb=1, nofile=16, 
 class ShardSessionTask(Task):
     """Task's download/build/report, with a warm sandbox serving shards in between."""
 
-    def drain(self, grace_s: float) -> None:
+    def drain(self, grace_s: float, why: str = "the provider is shutting down") -> None:
         """Finish the shard in hand within the grace period, take no new one."""
-        self.draining = True
+        self.draining, self.drain_reason = True, why
         timer = threading.Timer(grace_s, self.stop.set)
         timer.daemon = True
         timer.start()

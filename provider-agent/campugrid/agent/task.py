@@ -77,7 +77,9 @@ class Task:
         self.stop = threading.Event()  # stop building/running now
         self.lost = threading.Event()  # the lease is gone: report nothing
         self.draining = False
+        self.drain_reason = ""  # why it is drained, as the coordinator records the hand-over
         self.handback = ""  # why the task is handed back unrun (e.g. its GPU filled up)
+        self.ended = "running"  # how it ended, in words (for the owner's provider status)
         self.disk_exceeded = False
         self.ran = threading.Event()  # the sandbox has exited
         self.gpu_policy = gpu_policy
@@ -91,9 +93,10 @@ class Task:
         self.lost.set()
         self.stop.set()
 
-    def drain(self, grace_s: float) -> None:
-        """Ask the job to stop (SIGTERM inside the sandbox); kill it after the grace period."""
-        self.draining = True
+    def drain(self, grace_s: float, why: str = "the provider is shutting down") -> None:
+        """Ask the job to stop (SIGTERM inside the sandbox); kill it after the grace period.
+        The task is then handed back, `why`, without costing the job an attempt."""
+        self.draining, self.drain_reason = True, why
         if self.phase != "running":
             self.stop.set()
             return
@@ -151,15 +154,18 @@ class Task:
         try:
             if self.lost.is_set():
                 log.info("task %s attempt %d stopped: %s", job_id, token, self.renewer.reason)
+                self.ended = f"stopped: {self.renewer.reason}"
             elif failed_here:
                 log.warning("task %s attempt %d failed on this machine: %s", job_id, token,
                             failed_here)
                 _retry(lambda: self.client.release(job_id, token, failed_here, failed=True))
+                self.ended = f"failed on this machine: {failed_here}"
             elif self.draining or self.handback:
-                why = self.handback or "the provider is shutting down"
+                why = self.handback or self.drain_reason
                 released = _retry(lambda: self.client.release(job_id, token, why))
                 log.info("task %s attempt %d handed back: %s", job_id, token,
                          "accepted" if released.accepted else released.reason)
+                self.ended = f"handed back: {why}"
             else:
                 output = (ENFORCED if self.slot is not None else
                           f"not enforced exactly: checked every {DISK_POLL_S} s")
@@ -168,6 +174,8 @@ class Task:
                 done = _retry(lambda: self.client.complete(job_id, token, final))
                 if not done.accepted:
                     log.warning("completion of %s refused: %s", job_id, done.reason)
+                self.ended = ("succeeded" if final.succeeded else f"failed: {final.reason}"
+                              if done.accepted else f"refused: {done.reason}")
         finally:
             self.renewer.stop()
             self.sandbox.remove_image(self.image)

@@ -2,7 +2,8 @@
 
 SIGTERM drains: the running job gets SIGTERM inside its sandbox and a grace period to take
 a final checkpoint, which is uploaded before the task is handed back (not counted as a
-failed attempt). A second signal stops it at once.
+failed attempt). A second signal stops it at once. The owner drains the same way, without
+stopping the agent (campugrid.agent.owner): the machine is theirs first.
 """
 
 from __future__ import annotations
@@ -10,13 +11,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib
 import logging
 import os
 import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -24,9 +28,11 @@ from campugrid.agent import gpus
 from campugrid.agent.client import CoordinatorApi, CoordinatorClient, fetch_membership
 from campugrid.agent.gpus import GpuPolicy
 from campugrid.agent.messages import Capabilities, Lease
+from campugrid.agent.owner import Owner, OwnerPolicy
 from campugrid.agent.shards import ShardSessionTask
 from campugrid.agent.shares import Shares
 from campugrid.agent.speed import matmul_gflops
+from campugrid.agent.status import StatusFile
 from campugrid.agent.task import Task, job_image_prefix
 from campugrid.builders.base import Builder
 from campugrid.protocol import logs
@@ -37,6 +43,7 @@ from campugrid.sandbox import limits as host_limits
 from campugrid.sandbox.runtime import Runtime
 
 log = logging.getLogger("campugrid.agent")
+OWNER_POLL_S = 0.5  # how often the owner's say is checked: drains start within this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +61,8 @@ class AgentSettings:
     pin: str = ""
     # Folders the owner shares with jobs (`--share NAME=/path`): name -> folder.
     shares: dict[str, Path] = dataclasses.field(default_factory=dict)
+    # When work is allowed and which programs take the machine back (campugrid.agent.owner).
+    owner: OwnerPolicy = dataclasses.field(default_factory=OwnerPolicy)
 
 
 class Agent:
@@ -91,6 +100,13 @@ class Agent:
         self.gpu_isolation = not self.gpu_note
         self.speed = matmul_gflops(gpu=bool(gpus.discover(settings.gpu_policy).gpus))
         log.info("speed score: %.1f GFLOP/s (matmul)", self.speed)
+        self.owner = Owner(settings.state_dir, settings.owner, nvml=_nvml())
+        self.held = ""  # why the owner holds the machine now; "" while it takes work
+        self.status = StatusFile(settings.state_dir, name=settings.name,
+                                 coordinator=self.client.wire.membership.coordinator,
+                                 fingerprint=self.client.wire.fingerprint,
+                                 limits=self.limits, hours=str(settings.owner.hours or ""),
+                                 programs=list(settings.owner.programs))
 
     def shutdown(self) -> None:
         """First call: drain the running task. Second call: stop it now."""
@@ -114,7 +130,7 @@ class Agent:
                             limits=self.limits, gpus=found.gpus,
                             gpu_isolation=self.gpu_isolation and bool(found.gpus),
                             gpu_note=note, speed_gflops=self.speed,
-                            shares=self.shares.listing())
+                            shares=self.shares.listing(), held=self.held)
 
     def run(self, *, once: bool = False) -> None:
         caps = self.capabilities()
@@ -128,15 +144,26 @@ class Agent:
                 self.stopping.wait(2)
         log.info("agent %s registered as %s (key fingerprint %s)", self.settings.name,
                  self.client.machine_id, self.client.wire.fingerprint)
+        self.status.update(machine_id=self.client.machine_id)
+        logs.thread(self._watch_owner, name="owner").start()
         for name in self.sandbox.sweep(self.client.machine_id):
             log.warning("removed sandbox %s left from an earlier run of this agent", name)
         self.sweep("an earlier run of this agent", logging.WARNING)
         last_beat, told_pending = 0.0, 0.0
         while not self.stopping.is_set():
+            held = self.owner.hold()
+            if held != self.held:
+                log.info("the owner holds this machine: %s", held or "no more; taking work again")
+                self.held = held
+                self.status.update(held=held)
+                last_beat = 0.0  # the coordinator hears of it now, not in 10 s
             try:
                 if time.monotonic() - last_beat > 10:
                     self.client.heartbeat(self.capabilities())
                     last_beat = time.monotonic()
+                if held:
+                    self.stopping.wait(OWNER_POLL_S)
+                    continue
                 offer = gpus.discover(self.settings.gpu_policy).gpus
                 lease = self.client.lease(offer, self.gpu_isolation and bool(offer),
                                           self.enforced, self.shares.names())
@@ -161,6 +188,18 @@ class Agent:
             if once:
                 return
 
+    def _watch_owner(self) -> None:
+        """Drain the running task as soon as the owner wants the machine back."""
+        while not self.stopping.wait(OWNER_POLL_S):
+            task = self.task
+            if task is None or task.draining:
+                continue
+            why = self.owner.drain_reason(task.lease.gpu_uuids, _members(self.sandbox, task.name))
+            if why and self.task is task:
+                log.info("%s: handing task %s back (grace %.0f s)", why, task.lease.job_id,
+                         self.settings.owner.grace_seconds)
+                task.drain(self.settings.owner.grace_seconds, why)
+
     def run_task(self, lease: Lease) -> None:
         log.info("task %s attempt %d leased", lease.job_id, lease.fencing_token)
         work = self.work_root / f"{lease.job_id}-{lease.fencing_token}"
@@ -172,6 +211,7 @@ class Agent:
             with logs.about_job(lease.job_id, lease.fencing_token):
                 self.task = kind(self.client, lease, work, self.builder, self.sandbox,
                                  self.settings.gpu_policy, self.slot, self.shares)
+                self.status.task_started(lease.job_id, lease.fencing_token)
                 if self.stopping.is_set():  # a drain arrived between lease and start
                     self.task.drain(0)
                 self.task.run()
@@ -179,7 +219,9 @@ class Agent:
             log.warning("task %s: the coordinator did not take the report (%s); its lease will "
                         "expire and the job will run again", lease.job_id, e.code())
         finally:
+            ended = self.task.ended if self.task is not None else "not started"
             self.task = None
+            self.status.task_ended(ended)
             self.sweep(f"task {lease.job_id}", logging.INFO)
 
     def sweep(self, whose: str, level: int) -> None:
@@ -223,3 +265,26 @@ def remove_tree(path: Path) -> None:
     if path.exists():
         subprocess.run(["podman", "unshare", "rm", "-rf", "--", str(path)], capture_output=True,
                        timeout=120, check=False)
+
+
+def _members(sandbox: Runtime, name: str) -> Callable[[int], bool]:
+    """Whether a pid is one of the sandbox's host processes: the runtime is asked once, and
+    only if something (NVML showing a process on the job's GPUs) needs to know."""
+    found: list[frozenset[int]] = []
+
+    def ours(pid: int) -> bool:
+        if not found:
+            found.append(sandbox.processes(name))
+        return pid in found[0]
+    return ours
+
+
+def _nvml() -> Any:
+    """NVML (nvidia-ml-py) where a driver answers, for the owner's watch over lent GPUs."""
+    try:
+        nvml = importlib.import_module("pynvml")
+        nvml.nvmlInit()
+        nvml.nvmlShutdown()
+    except Exception:  # no driver, no library: no GPU to watch
+        return None
+    return nvml

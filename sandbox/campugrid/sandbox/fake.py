@@ -218,6 +218,10 @@ class FakeRuntime:
     def exists(self, name: str) -> bool:
         return self._box(name) is not None
 
+    def processes(self, name: str) -> frozenset[int]:
+        """The fake sandbox runs in this process: none of the host's processes are its."""
+        return frozenset()
+
     def sweep(self, label_value: str) -> list[str]:
         with self._lock:
             names = [n for n, b in self._boxes.items() if b.req.agent == label_value]

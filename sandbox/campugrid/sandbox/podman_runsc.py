@@ -20,6 +20,7 @@ from typing import Any
 
 from campugrid.protocol.errors import SandboxError
 from campugrid.sandbox import limits as host_limits
+from campugrid.sandbox import process as procs
 from campugrid.sandbox import profile
 from campugrid.sandbox.process import Finished, Interactive, LogFn, run_streaming
 from campugrid.sandbox.runtime import DATA_MOUNT, OUTPUT_MOUNT, RunRequest, RunResult
@@ -175,6 +176,17 @@ class PodmanRunsc:
         """SIGKILL the gVisor sandbox in the job's cgroup (a no-op where there is none: then
         the caller's stop is what ends it)."""
         host_limits.kill_job(self.limits, name, self.scope)
+
+    def processes(self, name: str) -> frozenset[int]:
+        """conmon (a child subreaper) and everything below it: runsc, its gofer and the
+        sandbox that opens the GPUs through nvproxy."""
+        out = subprocess.run([self.podman, "inspect", "--format", "{{.State.ConmonPid}}", name],
+                             capture_output=True, text=True, timeout=60, check=False)
+        try:
+            conmon = int(out.stdout.strip() or 0)
+        except ValueError:
+            return frozenset()
+        return procs.descendants({conmon}, procs.process_table()) if conmon > 0 else frozenset()
 
     def sweep(self, label_value: str) -> list[str]:
         """Remove containers this agent left behind in an earlier life (found by label)."""

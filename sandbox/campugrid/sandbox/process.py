@@ -15,7 +15,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 LogFn = Callable[[str], None]
@@ -210,3 +210,43 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+# --- host processes -----------------------------------------------------------------------------
+
+
+def process_table(proc: Path = Path("/proc")) -> dict[int, tuple[int, str, str]]:
+    """pid -> (parent pid, name, argv[0]) of every process this user may see."""
+    out: dict[int, tuple[int, str, str]] = {}
+    for entry in proc.iterdir() if proc.is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            argv0 = (entry / "cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
+        except OSError:  # gone since the listing
+            continue
+        # "pid (comm) state ppid ...": the name may hold spaces and parentheses
+        head, _, rest = stat.rpartition(")")
+        comm = head.split("(", 1)[1] if "(" in head else ""
+        try:
+            ppid = int(rest.split()[1])
+        except (IndexError, ValueError):
+            continue
+        out[int(entry.name)] = (ppid, comm, argv0)
+    return out
+
+
+def descendants(roots: Collection[int], table: dict[int, tuple[int, str, str]]) -> frozenset[int]:
+    """`roots` and every process below them, from a process_table."""
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    seen: set[int] = set()
+    todo = [r for r in roots if r > 0]
+    while todo:
+        pid = todo.pop()
+        if pid not in seen:
+            seen.add(pid)
+            todo += children.get(pid, [])
+    return frozenset(seen)

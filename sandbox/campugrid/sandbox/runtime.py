@@ -119,6 +119,11 @@ class Runtime(Protocol):
 
     def exists(self, name: str) -> bool: ...
 
+    def processes(self, name: str) -> frozenset[int]:
+        """The host processes that make up the job's sandbox (what NVML may show using its
+        GPUs); empty once it is gone."""
+        ...
+
     def sweep(self, label_value: str) -> list[str]:
         """Remove sandboxes this agent (RunRequest.agent) left in an earlier life."""
         ...
