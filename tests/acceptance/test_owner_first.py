@@ -17,10 +17,9 @@ from collections.abc import Iterator
 import pytest
 
 from campugrid.cli.platform import AgentHandle, Platform, ProviderUser
-from campugrid.cli.seaweed import free_port
 from campugrid.client import Api, tar_folder
 from campugrid.protocol.spec import JobSpec
-from tests.acceptance.test_resilience import TRAIN, epochs_by_attempt, holder, shared_root, wait_for
+from tests.acceptance.test_resilience import TRAIN, epochs_by_attempt, holder, platform_with, wait_for
 
 pytestmark = pytest.mark.acceptance
 EPOCHS = 14
@@ -30,21 +29,8 @@ GAMES = {"agent-a": "cg-game-a", "agent-b": "cg-game-b"}  # one host: each agent
 
 @pytest.fixture
 def owned_agents() -> Iterator[tuple[Platform, Api]]:
-    root = shared_root()
-    p = Platform(root / "state", http_port=free_port(), lease_seconds=4.0,
-                 admin_identity=root / "admin.json").start()
-    try:
-        for name, game in GAMES.items():
-            p.start_agent(name, args=("--protect", game))
-        with p.api() as api:
-            yield p, api
-    finally:
-        p.stop()
-        for a in p.agents:
-            log = a.state_dir.with_suffix(".log")
-            if log.exists():
-                print(f"--- {a.name} ---\n" + "\n".join(log.read_text().splitlines()[-25:]))
-        shutil.rmtree(root, ignore_errors=True)
+    with platform_with({name: ("--protect", game) for name, game in GAMES.items()}) as running:
+        yield running
 
 
 def provider(agent: AgentHandle, *args: str) -> dict:

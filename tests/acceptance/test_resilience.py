@@ -7,6 +7,7 @@ SIGTERM (drain) of an agent, kill -9 of the coordinator.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -40,14 +41,16 @@ def shared_root() -> Path:
     return root
 
 
-@pytest.fixture
-def two_agents() -> Iterator[tuple[Platform, Api]]:
+@contextlib.contextmanager
+def platform_with(agents: dict[str, tuple[str, ...]]) -> Iterator[tuple[Platform, Api]]:
+    """A platform of its own with these agents (name -> `agent run` arguments); their logs'
+    last lines are printed when it stops."""
     root = shared_root()
     p = Platform(root / "state", http_port=free_port(), lease_seconds=4.0,
                  admin_identity=root / "admin.json").start()
     try:
-        p.start_agent("agent-a")
-        p.start_agent("agent-b")
+        for name, args in agents.items():
+            p.start_agent(name, args=args)
         with p.api() as api:
             yield p, api
     finally:
@@ -57,6 +60,12 @@ def two_agents() -> Iterator[tuple[Platform, Api]]:
             if log.exists():
                 print(f"--- {a.name} ---\n" + "\n".join(log.read_text().splitlines()[-25:]))
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def two_agents() -> Iterator[tuple[Platform, Api]]:
+    with platform_with({"agent-a": (), "agent-b": ()}) as running:
+        yield running
 
 
 def wait_for(what: str, check, timeout: float = 120, every: float = 0.2):

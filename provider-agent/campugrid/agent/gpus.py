@@ -50,11 +50,11 @@ def discover(policy: GpuPolicy = GpuPolicy(), nvml: Any = None) -> Discovery:
 
 
 def _nvidia(nvml: Any, policy: GpuPolicy) -> Discovery:
-    driver = _text(nvml.nvmlSystemGetDriverVersion())
+    driver = nvml_text(nvml.nvmlSystemGetDriverVersion())
     offered, skipped = [], []
     for index in range(nvml.nvmlDeviceGetCount()):
         h = nvml.nvmlDeviceGetHandleByIndex(index)
-        uuid = _text(nvml.nvmlDeviceGetUUID(h))
+        uuid = nvml_text(nvml.nvmlDeviceGetUUID(h))
         if policy.allow is not None and str(index) not in policy.allow and uuid not in policy.allow:
             skipped.append(f"GPU {index} not offered by the owner")
             continue
@@ -67,7 +67,7 @@ def _nvidia(nvml: Any, policy: GpuPolicy) -> Discovery:
         mem = nvml.nvmlDeviceGetMemoryInfo(h)  # `used` includes every process outside campugrid
         major, minor = nvml.nvmlDeviceGetCudaComputeCapability(h)
         offered.append(Gpu(
-            uuid=uuid, name=_text(nvml.nvmlDeviceGetName(h)), kind="nvidia",
+            uuid=uuid, name=nvml_text(nvml.nvmlDeviceGetName(h)), kind="nvidia",
             memory_total_mb=mem.total // MB,
             memory_free_mb=max(0, mem.free // MB - policy.reserve_mb),
             compute_capability=f"{major}.{minor}",
@@ -81,7 +81,8 @@ def apple_gpu(machine: str, memory_mb: int) -> Gpu:
                memory_total_mb=memory_mb, memory_free_mb=memory_mb, shared_memory=True)
 
 
-def _text(value: str | bytes) -> str:
+def nvml_text(value: str | bytes) -> str:
+    """NVML's strings: str, or bytes from older bindings."""
     return value.decode() if isinstance(value, bytes) else value
 
 

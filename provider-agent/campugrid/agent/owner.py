@@ -19,6 +19,7 @@ from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any
 
+from campugrid.agent.gpus import nvml_text
 from campugrid.protocol.errors import InvalidInput
 from campugrid.sandbox.process import descendants, process_table
 
@@ -149,7 +150,7 @@ def foreign_gpu_users(nvml: Any, uuids: Collection[str], ours: Callable[[int], b
     out: list[str] = []
     for index in range(nvml.nvmlDeviceGetCount()):
         h = nvml.nvmlDeviceGetHandleByIndex(index)
-        uuid = _text(nvml.nvmlDeviceGetUUID(h))
+        uuid = nvml_text(nvml.nvmlDeviceGetUUID(h))
         if uuid not in uuids:
             continue
         users: dict[int, str] = {}
@@ -179,10 +180,6 @@ def _utilisation(nvml: Any, h: Any) -> Iterable[Any]:
         return list(nvml.nvmlDeviceGetProcessUtilization(h, since_us))
     except nvml.NVMLError:  # not supported, or no samples yet
         return []
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _process_name(pid: int, proc: Path = Path("/proc")) -> str:

@@ -219,9 +219,9 @@ class Agent:
             log.warning("task %s: the coordinator did not take the report (%s); its lease will "
                         "expire and the job will run again", lease.job_id, e.code())
         finally:
-            ended = self.task.ended if self.task is not None else "not started"
+            if self.task is not None:  # None: it failed before it was made, and never started
+                self.status.task_ended(self.task.ended)
             self.task = None
-            self.status.task_ended(ended)
             self.sweep(f"task {lease.job_id}", logging.INFO)
 
     def sweep(self, whose: str, level: int) -> None:
