@@ -53,3 +53,75 @@ def test_a_bad_spec_file_is_refused_before_anything_is_sent(tmp_path):
                              timeout=60, env=identity(tmp_path))
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
         assert out.stderr.startswith("error: ")
+
+
+# --- shell completion -----------------------------------------------------------------------
+
+SCRIPT = Path(sys.executable).parent / "campugrid"  # the console script, as users run it
+
+
+def complete(words: str, cword: int) -> list[str]:
+    env = {**os.environ, "_CAMPUGRID_COMPLETE": "complete_bash", "COMP_WORDS": words,
+           "COMP_CWORD": str(cword)}
+    out = subprocess.run([str(SCRIPT)], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+def test_completion_offers_commands_subcommands_and_options():
+    assert complete("campugrid ma", 1) == ["machines"]
+    assert complete("campugrid machines ap", 2) == ["approve"]
+    assert "--spec" in complete("campugrid submit --sp", 2)
+    assert "--json" in complete("campugrid status --j", 2)
+
+
+def test_the_bash_script_it_installs_completes_in_a_real_bash():
+    script = ('eval "$(campugrid --show-completion bash)"; COMP_WORDS=(campugrid ma); COMP_CWORD=1; '
+              '_campugrid_completion campugrid; printf "%s\\n" "${COMPREPLY[@]}"')
+    env = {**os.environ, "PATH": f"{SCRIPT.parent}:{os.environ['PATH']}"}
+    out = subprocess.run(["bash", "--norc", "-c", script], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.returncode == 0 and out.stdout.split() == ["machines"], out
+
+
+def test_help_offers_to_install_completion():
+    out = subprocess.run([*CLI, "--help"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "COLUMNS": "120"})
+    assert out.returncode == 0
+    assert "--install-completion" in out.stdout and "--show-completion" in out.stdout
+
+
+# --- --json ---------------------------------------------------------------------------------
+
+JSON_COMMANDS = (["submit", "."], ["status", "j"], ["logs", "j"], ["shards", "j"], ["cancel", "j"],
+                 ["jobs"], ["output", "j", "-o", "out.tgz"], ["login", "http://x", "--invite", "c"],
+                 ["apps"], ["apps", "invite", "n"], ["apps", "revoke", "n"], ["machines"],
+                 ["machines", "invite"], ["machines", "approve", "m"], ["machines", "revoke", "m"],
+                 ["agent", "join", "h:1", "--pin", "p"], ["provider", "status"])
+
+
+def test_every_command_that_prints_takes_json():
+    from typer.testing import CliRunner
+
+    from campugrid.cli.main import app
+
+    runner = CliRunner()
+    for command in JSON_COMMANDS:
+        out = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "200"})
+        assert out.exit_code == 0 and "--json" in out.output, (command, out.output)
+
+
+def test_with_json_an_error_is_still_an_error_on_stderr_and_nothing_on_stdout(tmp_path):
+    for command in (["jobs"], ["status", "j"], ["output", "j", "-o", str(tmp_path / "o.tgz")],
+                    ["logs", "j", "--follow"]):
+        out = subprocess.run([*CLI, *command, "--json", "--server", f"http://127.0.0.1:{free_port()}"],
+                             capture_output=True, text=True, timeout=60, env=identity(tmp_path))
+        assert out.returncode == 2 and out.stdout == "", (command, out)
+        assert out.stderr.startswith("error: ") and "cannot reach the coordinator" in out.stderr
+
+
+def test_output_to_a_folder_that_is_not_there_says_what_to_do(tmp_path):
+    out = subprocess.run([*CLI, "output", "j", "-o", str(tmp_path / "no" / "o.tgz"), "--server",
+                          f"http://127.0.0.1:{free_port()}"], capture_output=True, text=True,
+                         timeout=60, env=identity(tmp_path))
+    assert out.returncode == 2 and "does not exist; create it or save elsewhere" in out.stderr

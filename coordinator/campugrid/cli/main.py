@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -14,12 +15,16 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
+from campugrid.cli import specfile
+from campugrid.cli.output import Json, Transfers, emit, emit_array, emit_line, interactive, phase
 from campugrid.cli.provider import AGENT_DIR, provider_app
+from campugrid.cli.users import users_app
 from campugrid.protocol.errors import CampugridError
 from campugrid.protocol.logs import configure as configure_logging
 from campugrid.protocol.spec import LIMITS, JobSpec
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+# Completion: `campugrid --install-completion` (bash, zsh, fish, PowerShell).
+app = typer.Typer(no_args_is_help=True, add_completion=True, help=__doc__)
 coordinator_app = typer.Typer(no_args_is_help=True, help="Run the coordinator.")
 agent_app = typer.Typer(no_args_is_help=True, help="Run a provider agent.")
 apps_app = typer.Typer(invoke_without_command=True,
@@ -31,12 +36,14 @@ app.add_typer(agent_app, name="agent")
 app.add_typer(apps_app, name="apps")
 app.add_typer(machines_app, name="machines")
 app.add_typer(provider_app, name="provider")
+app.add_typer(users_app, name="users")
 
 Server = Annotated[str | None, typer.Option(
     "--server", envvar="CAMPUGRID_SERVER",
     help="The coordinator's REST address (default: the one your identity is for).")]
 DEFAULT_SERVER = None
-
+PHASES = {"queued": "waiting for a machine", "building": "building its image",
+          "running": "running"}
 
 
 def _fail(message: str) -> NoReturn:
@@ -66,42 +73,71 @@ def _api(server: str | None) -> Any:
     return Api.from_identity(server=server)
 
 
-def _print_job(job: dict[str, Any]) -> None:
-    typer.echo(f"job      {job['id']}" + (f"  ({job['name']})" if job.get("name") else ""))
+def _job_text(job: dict[str, Any]) -> str:
+    lines = [f"job      {job['id']}" + (f"  ({job['name']})" if job.get("name") else "")]
     shards = job.get("shards")
     if shards:
-        typer.echo(f"state    {job['state']}  ({shards['total']} shards: {shards['queued']} "
-                   f"queued, {shards['running']} running, {shards['done'] - shards['failed']} "
-                   f"succeeded, {shards['failed']} failed)")
+        lines.append(f"state    {job['state']}  ({shards['total']} shards: {shards['queued']} "
+                     f"queued, {shards['running']} running, {shards['done'] - shards['failed']} "
+                     f"succeeded, {shards['failed']} failed)")
     else:
-        typer.echo(f"state    {job['state']}  (attempt {job['attempt']} of {job['max_attempts']})")
+        lines.append(f"state    {job['state']}  (attempt {job['attempt']} of {job['max_attempts']})")
     if job.get("waiting_reason"):
-        typer.echo(f"waiting  {job['waiting_reason']}")
+        lines.append(f"waiting  {job['waiting_reason']}")
     if job.get("reason"):
-        typer.echo(f"reason   {job['reason']}")
+        lines.append(f"reason   {job['reason']}")
     if job.get("exit_code") is not None:
-        typer.echo(f"exit     {job['exit_code']}")
+        lines.append(f"exit     {job['exit_code']}")
     if job.get("result"):
-        typer.echo(f"result   {job['result']}")
+        lines.append(f"result   {job['result']}")
     for limit, how in (job.get("limits") or {}).items():
         if how != "enforced":
-            typer.echo(f"limit    {limit}: {how}")
+            lines.append(f"limit    {limit}: {how}")
     for ev in job.get("events") or []:
-        typer.echo(f"  {ev['at'][:19]}  #{ev['attempt']}  {ev['kind']:<14} {ev['detail']}")
+        lines.append(f"  {ev['at'][:19]}  #{ev['attempt']}  {ev['kind']:<14} {ev['detail']}")
+    return "\n".join(lines)
 
 
-def _follow(api: Any, job_id: str) -> dict[str, Any]:
-    for chunk in api.follow_logs(job_id):
-        prefix = "build| " if chunk["stream"] == "build" else ""
-        for line in chunk["text"].splitlines():
-            typer.echo(f"{prefix}{line}")
-    return dict(api.wait(job_id))
+def _print_job(job: dict[str, Any]) -> None:
+    typer.echo(_job_text(job))
+
+
+def _log_text(chunk: dict[str, Any]) -> str:
+    prefix = "build| " if chunk["stream"] == "build" else ""
+    return "\n".join(f"{prefix}{line}" for line in chunk["text"].splitlines())
+
+
+def _follow(api: Any, job_id: str, as_json: bool = False) -> dict[str, Any]:
+    """Print the job's logs as they come (JSON Lines: {"event": "state"|"log", ...}) until it
+    is final, with its phase on a spinner line where a person watches; the final job."""
+    seen = ""
+    with phase(interactive(as_json)) as now:
+        def on_state(state: str) -> None:
+            nonlocal seen
+            if state != seen:
+                emit_line(as_json, {"event": "state", "job_id": job_id, "state": state}, "")
+                seen = state
+            now.show(f"job {job_id[:8]}: {PHASES.get(state, state)}")
+
+        for chunk in api.follow_logs(job_id, on_state=on_state):
+            if as_json:
+                emit_line(True, {"event": "log", "job_id": job_id, **chunk}, "")
+            elif text := _log_text(chunk):
+                now.echo(text)
+        return dict(api.wait(job_id))
+
+
+def _finish(job: dict[str, Any], as_json: bool) -> NoReturn:
+    """After following a job: print it, and exit 0 if it succeeded, else 1."""
+    emit_line(as_json, {"event": "final", "job": job}, _job_text(job))
+    raise typer.Exit(0 if job["state"] == "succeeded" else 1)
 
 
 @app.command()
 def submit(
     folder: Annotated[Path, typer.Argument(help="Folder with a Dockerfile (the build context).")],
-    spec_file: Annotated[Path | None, typer.Option("--spec", help="Job spec JSON file.")] = None,
+    spec_file: Annotated[Path | None, typer.Option(
+        "--spec", help="Job spec file: YAML (.yaml, .yml) or JSON.")] = None,
     command: Annotated[str | None, typer.Option(help="Command to run instead of the image's CMD.")] = None,
     client_id: Annotated[str | None, typer.Option(help="Your own id: resubmitting it is safe.")] = None,
     upload: Annotated[list[str] | None, typer.Option(
@@ -109,71 +145,90 @@ def submit(
                          "/data/NAME/; NAME defaults to the file's name). Repeatable.")] = None,
     wait: Annotated[bool, typer.Option("--wait", "--follow", help="Follow logs until done.")] = False,
     server: Server = DEFAULT_SERVER,
+    as_json: Json = False,
 ) -> None:
-    """Submit a job: build FOLDER's Dockerfile on a provider and run it in gVisor."""
-    from campugrid.client import tar_folder
+    """Submit a job: build FOLDER's Dockerfile on a provider and run it in gVisor.
+
+    Prints the job's id (--json: the job; with --wait, JSON Lines of states and logs, then the job)."""
+    from campugrid.client import pack_folder
 
     try:
-        raw: Any = json.loads(spec_file.read_text()) if spec_file else {}
-        if not isinstance(raw, dict):
-            _fail(f"{spec_file}: the spec must be a JSON object")
+        raw = specfile.load(spec_file) if spec_file else {}
         if command is not None:
             raw["command"] = command
         if client_id is not None:
             raw["client_job_id"] = client_id
         JobSpec.from_dict(raw)  # refused here, before any upload, if it is wrong
         api = _api(server)
-        for item in upload or []:
-            name, sep, path = item.partition("=")
-            file = Path(path if sep else item)
-            if not sep:
-                name = "".join(c if c.isalnum() or c in "._-" else "-"
-                               for c in file.name.lower())[:64]
-            raw.setdefault("datasets", []).append({"name": name, "ticket": api.upload(file)})
-        spec = JobSpec.from_dict(raw)
-        job = api.submit(tar_folder(folder), spec)
-        typer.echo(job["id"])
-        if wait:
-            job = _follow(api, job["id"])
-            _print_job(job)
-            raise typer.Exit(0 if job["state"] == "succeeded" else 1)
-    except (CampugridError, OSError, ValueError) as e:  # ValueError: JSON, UTF-8
+        with Transfers(interactive(as_json)) as bars:
+            for item in upload or []:
+                name, sep, path = item.partition("=")
+                file = Path(path if sep else item)
+                if not sep:
+                    name = "".join(c if c.isalnum() or c in "._-" else "-"
+                                   for c in file.name.lower())[:64]
+                ticket = api.upload(file, progress=bars.bar(f"file {name}"))
+                raw.setdefault("datasets", []).append({"name": name, "ticket": ticket})
+            spec = JobSpec.from_dict(raw)
+            # The context goes through a temporary file, never memory, however big it is.
+            with tempfile.TemporaryFile(prefix="campugrid-context-") as context:
+                pack_folder(folder, context, bars.bar("packing"))
+                context.seek(0)
+                job = api.submit(context, spec, progress=bars.bar("uploading"))
+        if not wait:
+            emit(as_json, job, job["id"])
+            return
+        emit_line(as_json, {"event": "submitted", "job": job}, job["id"])
+        job = _follow(api, job["id"], as_json)
+    except (CampugridError, OSError, ValueError) as e:  # ValueError: UTF-8
         _fail(str(e))
+    _finish(job, as_json)
 
 
 @app.command()
-def status(job_id: str, server: Server = DEFAULT_SERVER) -> None:
+def status(job_id: str, server: Server = DEFAULT_SERVER, as_json: Json = False) -> None:
     """Show a job's state, reason, result and history."""
     try:
-        _print_job(_api(server).job(job_id))
+        job = _api(server).job(job_id)
     except CampugridError as e:
         _fail(str(e))
+    emit(as_json, job, _job_text(job))
 
 
 @app.command()
-def logs(job_id: str, follow: Annotated[bool, typer.Option("--follow", "-f")] = False,
-         server: Server = DEFAULT_SERVER) -> None:
-    """Print a job's build and run logs."""
+def logs(job_id: str, follow: Annotated[bool, typer.Option(
+             "--follow", "-f", help="Until the job ends (--json: JSON Lines, then the job).")] = False,
+         server: Server = DEFAULT_SERVER, as_json: Json = False) -> None:
+    """Print a job's build and run logs.
+
+    --json: {"chunks": [...], "state": ...}; with --follow, JSON Lines."""
     try:
         api = _api(server)
         if follow:
-            _follow(api, job_id)
+            job = _follow(api, job_id, as_json)
+            if as_json:
+                emit_line(True, {"event": "final", "job": job}, "")
             return
-        for chunk in api.logs(job_id)["chunks"]:
-            prefix = "build| " if chunk["stream"] == "build" else ""
-            for line in chunk["text"].splitlines():
-                typer.echo(f"{prefix}{line}")
+        page = api.logs(job_id)
     except CampugridError as e:
         _fail(str(e))
+    emit(as_json, {"job_id": job_id, **page},
+         "\n".join(filter(None, (_log_text(c) for c in page["chunks"]))))
 
 
 @app.command()
 def shards(job_id: str,
            state: Annotated[str | None, typer.Option(help="Only shards in this state.")] = None,
-           server: Server = DEFAULT_SERVER) -> None:
-    """Print a sharded job's shards, one JSON object per line: index, state, result, reason."""
+           server: Server = DEFAULT_SERVER, as_json: Json = False) -> None:
+    """Print a sharded job's shards, one JSON object per line: index, state, result, reason.
+
+    --json: one JSON array of the shards, with every field."""
     try:
-        for sh in _api(server).shards(job_id, state):
+        found = _api(server).shards(job_id, state)
+        if as_json:
+            emit_array(found)
+            return
+        for sh in found:
             typer.echo(json.dumps({k: sh[k] for k in ("index", "state", "result", "reason",
                                                       "exit_code", "cost", "machine_id")}))
     except CampugridError as e:
@@ -181,35 +236,45 @@ def shards(job_id: str,
 
 
 @app.command()
-def cancel(job_id: str, server: Server = DEFAULT_SERVER) -> None:
+def cancel(job_id: str, server: Server = DEFAULT_SERVER, as_json: Json = False) -> None:
     """Cancel a job; a running sandbox is stopped within a lease renewal."""
     try:
-        _print_job(_api(server).cancel(job_id))
+        job = _api(server).cancel(job_id)
     except CampugridError as e:
         _fail(str(e))
+    emit(as_json, job, _job_text(job))
 
 
 @app.command()
 def jobs(state: Annotated[str | None, typer.Option(help="Only jobs in this state.")] = None,
-         limit: int = 50, server: Server = DEFAULT_SERVER) -> None:
+         limit: int = 50, server: Server = DEFAULT_SERVER, as_json: Json = False) -> None:
     """List recent jobs."""
     try:
-        for j in _api(server).jobs(state, limit):
-            why = f"  ({j['waiting_reason']})" if j.get("waiting_reason") else ""
-            typer.echo(f"{j['id']}  {j['state']:<10} {j['created_at'][:19]}  {j.get('name') or ''}{why}")
+        found = _api(server).jobs(state, limit)
     except CampugridError as e:
         _fail(str(e))
+    emit(as_json, found, "\n".join(
+        f"{j['id']}  {j['state']:<10} {j['created_at'][:19]}  {j.get('name') or ''}"
+        + (f"  ({j['waiting_reason']})" if j.get("waiting_reason") else "") for j in found))
 
 
 @app.command()
 def output(job_id: str, to: Annotated[Path, typer.Option("-o", help="Where to save the tar.gz.")],
-           server: Server = DEFAULT_SERVER) -> None:
-    """Download a job's /output folder as a tar.gz."""
+           server: Server = DEFAULT_SERVER, as_json: Json = False) -> None:
+    """Download a job's /output folder as a tar.gz, streamed to the file.
+
+    Prints its path (--json: path, size and sha256)."""
+    if not to.parent.is_dir():
+        _fail(f"-o {to}: the folder {to.parent} does not exist; create it or save elsewhere")
+    if to.is_dir():
+        _fail(f"-o {to}: that is a folder; name the file to save, e.g. -o {to / (job_id + '.tar.gz')}")
     try:
-        to.write_bytes(_api(server).output(job_id))
-        typer.echo(str(to))
+        with Transfers(interactive(as_json)) as bars:
+            got = _api(server).download_output(job_id, to, progress=bars.bar("downloading"))
     except (CampugridError, OSError) as e:
         _fail(str(e))
+    emit(as_json, {"job_id": job_id, "path": str(got.path), "size": got.size,
+                   "sha256": got.sha256}, str(to))
 
 
 @coordinator_app.command("serve")
@@ -308,6 +373,7 @@ def agent_join(
                                           "operator printed it (SHA256:...).")],
     state_dir: Annotated[Path, typer.Option(help="Key, membership and work folders.")] = AGENT_DIR,
     name: Annotated[str, typer.Option(help="This machine's name.")] = socket.gethostname(),
+    as_json: Json = False,
 ) -> None:
     """Join a coordinator: pin its certificate, make this machine's key, register it, and
     print the fingerprint its owner compares before approving it."""
@@ -324,12 +390,14 @@ def agent_join(
         _fail(str(e))
     except grpc.RpcError as e:
         _fail(f"the coordinator refused the registration: {e.details()} ({e.code().name})")
-    typer.echo(f"machine      {reply.machine_id}\nfingerprint  {reply.fingerprint}\n"
-               f"status       {reply.status}")
+    text = (f"machine      {reply.machine_id}\nfingerprint  {reply.fingerprint}\n"
+            f"status       {reply.status}")
     if reply.status == "pending":
-        typer.echo("The coordinator's operator compares this fingerprint and runs:\n"
-                   f"  campugrid machines approve {reply.machine_id}\n"
-                   f"Then start the agent: campugrid agent run --state-dir {state_dir}")
+        text += ("\nThe coordinator's operator compares this fingerprint and runs:\n"
+                 f"  campugrid machines approve {reply.machine_id}\n"
+                 f"Then start the agent: campugrid agent run --state-dir {state_dir}")
+    emit(as_json, {"machine_id": reply.machine_id, "fingerprint": reply.fingerprint,
+                   "status": reply.status, "state_dir": str(state_dir)}, text)
 
 
 # --- identities: login, apps, machines ----------------------------------------------------------
@@ -341,6 +409,7 @@ def login(
     invite: Annotated[str, typer.Option(help="The one-time code from `campugrid apps invite`.")],
     pin: Annotated[str, typer.Option(help="For https: the certificate fingerprint the invite "
                                           "names.")] = "",
+    as_json: Json = False,
 ) -> None:
     """Turn an invite into this computer's app key: the key is made here and never leaves."""
     from campugrid.client.login import login as do_login
@@ -349,87 +418,92 @@ def login(
         identity, path = do_login(server, invite, pin)
     except CampugridError as e:
         _fail(str(e))
-    typer.echo(f"logged in to {identity.server} as app {identity.name!r}"
-               f"{' (admin)' if identity.admin else ''}; identity in {path}")
+    emit(as_json, {"server": identity.server, "app_id": identity.app_id, "name": identity.name,
+                   "admin": identity.admin, "identity": str(path)},
+         f"logged in to {identity.server} as app {identity.name!r}"
+         f"{' (admin)' if identity.admin else ''}; identity in {path}")
 
 
 @apps_app.callback()
-def apps_list(ctx: typer.Context, server: Server = DEFAULT_SERVER) -> None:
+def apps_list(ctx: typer.Context, server: Server = DEFAULT_SERVER, as_json: Json = False) -> None:
     if ctx.invoked_subcommand is not None:
         return
     try:
-        for a in _api(server).apps():
-            state = f"revoked {a['revoked_at'][:19]}" if a["revoked_at"] else "active"
-            typer.echo(f"{a['name']:<24} {a['fingerprint']}  {'admin' if a['admin'] else 'app':<5}"
-                       f"  {state}")
+        found = _api(server).apps()
     except CampugridError as e:
         _fail(str(e))
+    emit(as_json, found, "\n".join(
+        f"{a['name']:<24} {a['fingerprint']}  {'admin' if a['admin'] else 'app':<5}  "
+        + (f"revoked {a['revoked_at'][:19]}" if a["revoked_at"] else "active") for a in found))
 
 
 @apps_app.command("invite")
 def apps_invite(name: str, admin: Annotated[bool, typer.Option(help="An admin app.")] = False,
-                server: Server = DEFAULT_SERVER) -> None:
+                server: Server = DEFAULT_SERVER, as_json: Json = False) -> None:
     """Print a one-time invite (valid for a day) for a new app called NAME."""
     try:
         inv = _api(server).invite(name, admin)
     except CampugridError as e:
         _fail(str(e))
-    typer.echo(f"invite for {inv['name']!r}, single use, until {inv['expires_at'][:19]} UTC:\n"
-               f"  {inv['command']}")
+    emit(as_json, inv, f"invite for {inv['name']!r}, single use, until {inv['expires_at'][:19]} "
+                       f"UTC:\n  {inv['command']}")
 
 
 @apps_app.command("revoke")
-def apps_revoke(name: str, server: Server = DEFAULT_SERVER) -> None:
+def apps_revoke(name: str, server: Server = DEFAULT_SERVER, as_json: Json = False) -> None:
     """Revoke app NAME: every request it signs from now on is refused."""
     try:
         a = _api(server).revoke_app(name)
     except CampugridError as e:
         _fail(str(e))
-    typer.echo(f"revoked {a['name']} ({a['fingerprint']})")
+    emit(as_json, a, f"revoked {a['name']} ({a['fingerprint']})")
 
 
 @machines_app.callback()
-def machines_list(ctx: typer.Context, server: Server = DEFAULT_SERVER) -> None:
+def machines_list(ctx: typer.Context, server: Server = DEFAULT_SERVER,
+                  as_json: Json = False) -> None:
     if ctx.invoked_subcommand is not None:
         return
     try:
-        for m in _api(server).machines():
-            typer.echo(f"{m['id']}  {m['status']:<8} {m['fingerprint']}  {m['name']}  "
-                       f"(from {m['address'] or '?'}, seen {m['last_seen_at'][:19]})"
-                       + (f"\n    held by its owner: {m['held']}" if m.get("held") else ""))
+        found = _api(server).machines()
     except CampugridError as e:
         _fail(str(e))
+    emit(as_json, found, "\n".join(
+        f"{m['id']}  {m['status']:<8} {m['fingerprint']}  {m['name']}  "
+        f"(from {m['address'] or '?'}, seen {m['last_seen_at'][:19]})"
+        + (f"\n    held by its owner: {m['held']}" if m.get("held") else "") for m in found))
 
 
 @machines_app.command("invite")
-def machines_invite(server: Server = DEFAULT_SERVER) -> None:
+def machines_invite(server: Server = DEFAULT_SERVER, as_json: Json = False) -> None:
     """Print the one command a new provider machine runs to join."""
     try:
-        typer.echo(_api(server).join_command()["command"])
+        join = _api(server).join_command()
     except CampugridError as e:
         _fail(str(e))
+    emit(as_json, join, join["command"])
 
 
 @machines_app.command("approve")
-def machines_approve(machine: str, server: Server = DEFAULT_SERVER) -> None:
+def machines_approve(machine: str, server: Server = DEFAULT_SERVER, as_json: Json = False) -> None:
     """Approve a pending MACHINE (id, id prefix, name or fingerprint) once its fingerprint
     matches the one its agent printed."""
     try:
         m = _api(server).approve_machine(machine)
     except CampugridError as e:
         _fail(str(e))
-    typer.echo(f"approved {m['id']} ({m['name']}, {m['fingerprint']})")
+    emit(as_json, m, f"approved {m['id']} ({m['name']}, {m['fingerprint']})")
 
 
 @machines_app.command("revoke")
-def machines_revoke(machine: str, server: Server = DEFAULT_SERVER) -> None:
+def machines_revoke(machine: str, server: Server = DEFAULT_SERVER, as_json: Json = False) -> None:
     """Revoke MACHINE: its leases end now, its jobs are queued again, and whatever it still
     sends is refused."""
     try:
         m = _api(server).revoke_machine(machine)
     except CampugridError as e:
         _fail(str(e))
-    typer.echo(f"revoked {m['id']} ({m['name']})")
+    emit(as_json, m, f"revoked {m['id']} ({m['name']})")
 
 
 @app.command()
@@ -474,8 +548,9 @@ def up(
                        "(the CLI uses it; invite others with `campugrid apps invite NAME`)")
         agent = platform.start_agent(restart=True)
         typer.echo(f"campugrid is up: REST {platform.url}/v1 (docs at {platform.url}/docs), "
-                   f"agents at {platform.grpc_address} (TLS, certificate {platform.pin}), "
-                   f"state in {platform.state_dir}")
+                   f"web console {platform.url}/console (add people with `campugrid users "
+                   f"add NAME`), agents at {platform.grpc_address} (TLS, certificate "
+                   f"{platform.pin}), state in {platform.state_dir}")
         typer.echo(f"approved the local agent {agent.name} as machine {agent.machine_id()}: "
                    "same host, same owner. Another machine joins with:\n"
                    f"  campugrid agent join {platform.grpc_address} --pin {platform.pin}")

@@ -1,26 +1,35 @@
 """The REST API's client: what the CLI uses, and what an app imports to submit and watch
-jobs (`from campugrid.client import Api`). Every request is signed with the app's key."""
+jobs (`from campugrid.client import Api`). Every request is signed with the app's key.
+Build contexts and outputs go through files in chunks: a tarball is never held whole."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import io
+import os
+import secrets
 import ssl
+import stat
 import tarfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import httpx
 
-from campugrid.client.identity import Identity, Signer
+from campugrid.client.identity import Identity, Signer, StreamedBody
 from campugrid.protocol import pins
 from campugrid.protocol.errors import CampugridError, InvalidInput, NotFound
 from campugrid.protocol.spec import JobSpec
 
 FINAL = {"succeeded", "failed", "cancelled"}
+CHUNK = 1024 * 1024
+# Told of a transfer as it goes: bytes done so far, of how many (None: not known yet).
+Progress = Callable[[int, int | None], None]
 
 
 class ApiError(CampugridError):
@@ -30,14 +39,102 @@ class ApiError(CampugridError):
         self.detail = detail
 
 
-def tar_folder(folder: Path) -> bytes:
+class _Counted:
+    """A member's file as tarfile reads it, its bytes counted on the way."""
+
+    def __init__(self, f: BinaryIO, count: Callable[[int], None]) -> None:
+        self.f = f
+        self.count = count
+
+    def read(self, n: int = -1) -> bytes:
+        chunk = self.f.read(n)
+        self.count(len(chunk))
+        return chunk
+
+
+def pack_folder(folder: Path, out: BinaryIO, progress: Progress | None = None) -> int:
+    """Write `folder` as a tar.gz build context to `out` (a file: a temporary one for a big
+    folder), one file at a time; `progress` counts the folder's bytes packed. Returns the
+    tar.gz's size."""
     if not (folder / "Dockerfile").is_file():
         raise InvalidInput(f"{folder}: no Dockerfile in this folder")
+    paths = sorted(folder.rglob("*"))
+    total = sum(st.st_size for st in map(os.lstat, paths) if stat.S_ISREG(st.st_mode))
+    done = 0
+
+    def count(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(done, total)
+
+    start = out.tell()
+    with tarfile.open(fileobj=out, mode="w:gz") as tar:
+        for p in paths:  # as tar.add(p, recursive=False) does, with the bytes counted
+            info = tar.gettarinfo(p, arcname=str(p.relative_to(folder)))
+            if info is None:
+                continue  # a socket or the like: nothing a build can use
+            if info.isreg():
+                with open(p, "rb") as f:
+                    tar.addfile(info, _Counted(f, count))
+            else:
+                tar.addfile(info)
+    return out.tell() - start
+
+
+def tar_folder(folder: Path) -> bytes:
+    """The build context in memory, for small folders; `pack_folder` writes it to a file."""
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for p in sorted(folder.rglob("*")):
-            tar.add(p, arcname=str(p.relative_to(folder)), recursive=False)
+    pack_folder(folder, buf)
     return buf.getvalue()
+
+
+class _SubmitBody(StreamedBody):
+    """POST /v1/jobs as multipart/form-data: the context read from its file as it is sent
+    (twice: once for the signature's digest, once onto the wire), then the spec."""
+
+    def __init__(self, context: BinaryIO, spec: bytes, progress: Progress | None) -> None:
+        boundary = secrets.token_hex(16)
+        self.head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"context\"; "
+                     'filename="context.tar.gz"\r\nContent-Type: application/gzip\r\n\r\n').encode()
+        self.tail = (f"\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"spec_file\"; "
+                     'filename="spec.json"\r\nContent-Type: application/json\r\n\r\n').encode() \
+            + spec + f"\r\n--{boundary}--\r\n".encode()
+        self.context = context
+        self.start = context.tell()
+        self.size = context.seek(0, io.SEEK_END) - self.start
+        self.length = len(self.head) + self.size + len(self.tail)
+        self.headers = {"content-type": f"multipart/form-data; boundary={boundary}",
+                        "content-length": str(self.length)}
+        self.progress = progress
+
+    def chunks(self) -> Iterator[bytes]:
+        self.context.seek(self.start)
+        yield self.head
+        left = self.size
+        while left > 0:
+            chunk = self.context.read(min(CHUNK, left))
+            if not chunk:
+                raise CampugridError("the build context file shrank while it was sent; "
+                                     "submit again")
+            left -= len(chunk)
+            yield chunk
+        yield self.tail
+
+    def __iter__(self) -> Iterator[bytes]:
+        sent = 0
+        for chunk in self.chunks():
+            sent += len(chunk)
+            yield chunk
+            if self.progress is not None:
+                self.progress(sent, self.length)
+
+
+@dataclasses.dataclass(frozen=True)
+class Download:
+    path: Path
+    size: int
+    sha256: str
 
 
 class Api:
@@ -95,22 +192,33 @@ class Api:
             raise ApiError(resp.status_code, str(detail))
         return resp.json()
 
-    def submit(self, context: bytes, spec: JobSpec, retries: int = 5) -> dict[str, Any]:
-        """Submit; retried on transport errors with the same client_job_id, so never twice."""
+    def submit(self, context: bytes | BinaryIO | Path, spec: JobSpec, retries: int = 5,
+               progress: Progress | None = None) -> dict[str, Any]:
+        """Submit; retried on transport errors with the same client_job_id, so never twice.
+        `context` is the tar.gz: bytes, an open file (from its position) or a path; a file
+        is streamed, never read whole. `progress` counts the request's bytes sent."""
         if spec.client_job_id is None:
-            import dataclasses
             spec = dataclasses.replace(spec, client_job_id=f"cli-{uuid.uuid4()}")
         last: Exception | None = None
-        for attempt in range(retries):
-            try:
-                resp = self.http.post("/v1/jobs", files={
-                    "context": ("context.tar.gz", context),
-                    "spec_file": ("spec.json", spec.to_json().encode(), "application/json")})
-            except httpx.TransportError as e:
-                last = e
-                time.sleep(min(8, 0.5 * 2**attempt))
-                continue
-            return dict(self._check(resp))
+        with contextlib.ExitStack() as stack:
+            if isinstance(context, bytes):
+                file: BinaryIO = io.BytesIO(context)
+            elif isinstance(context, Path):
+                file = stack.enter_context(open(context, "rb"))
+            else:
+                file = context
+            body = _SubmitBody(file, spec.to_json().encode(), progress)
+            for attempt in range(retries):
+                built = self.http.build_request("POST", "/v1/jobs", headers=body.headers)
+                request = httpx.Request("POST", built.url, headers=built.headers, stream=body,
+                                        extensions=built.extensions)
+                try:
+                    resp = self.http.send(request)
+                except httpx.TransportError as e:
+                    last = e
+                    time.sleep(min(8, 0.5 * 2**attempt))
+                    continue
+                return dict(self._check(resp))
         raise CampugridError(f"cannot reach the coordinator at {self.server} "
                              f"({type(last).__name__}); is it running?")
 
@@ -142,11 +250,15 @@ class Api:
     def logs(self, job_id: str, after: int = 0) -> dict[str, Any]:
         return dict(self._check(self._send("GET", f"/v1/jobs/{job_id}/logs", params={"after": after})))
 
-    def follow_logs(self, job_id: str, poll_s: float = 0.5) -> Iterator[dict[str, Any]]:
-        """Yield log chunks as they arrive until the job is final and nothing is left."""
+    def follow_logs(self, job_id: str, poll_s: float = 0.5,
+                    on_state: Callable[[str], None] | None = None) -> Iterator[dict[str, Any]]:
+        """Yield log chunks as they arrive until the job is final and nothing is left;
+        `on_state` hears the job's state with every page."""
         after = 0
         while True:
             page = self.logs(job_id, after)
+            if on_state is not None:
+                on_state(page["state"])
             yield from page["chunks"]
             after = page["next_after"]
             if page["state"] in FINAL and not page["chunks"]:
@@ -163,14 +275,51 @@ class Api:
             time.sleep(poll_s)
 
     def output(self, job_id: str) -> bytes:
+        """The job's /output folder as a tar.gz, in memory: `download_output` for a big one."""
         resp = self._send("GET", f"/v1/jobs/{job_id}/output")
         if resp.status_code >= 400:
             self._check(resp)
         return resp.content
 
-    def upload(self, path: Path) -> str:
+    def download_output(self, job_id: str, path: Path,
+                        progress: Progress | None = None) -> Download:
+        """Stream the job's /output tar.gz to `path`, through `path`.part beside it: a broken
+        download leaves nothing under the name."""
+        part = path.with_name(path.name + ".part")
+        digest, size, answered = hashlib.sha256(), 0, False
+        try:
+            with self.http.stream("GET", f"/v1/jobs/{job_id}/output") as resp:
+                answered = True
+                if resp.status_code >= 400:
+                    resp.read()
+                    self._check(resp)
+                length = resp.headers.get("content-length")
+                total = int(length) if length and length.isdigit() else None
+                with open(part, "wb") as f:
+                    for chunk in resp.iter_bytes(CHUNK):
+                        f.write(chunk)
+                        digest.update(chunk)
+                        size += len(chunk)
+                        if progress is not None:
+                            progress(size, total)
+                if progress is not None:
+                    progress(size, size)  # the total is known now, if it was not before
+            os.replace(part, path)
+        except httpx.TransportError as e:
+            if not answered:
+                raise CampugridError(f"cannot reach the coordinator at {self.server} "
+                                     f"({type(e).__name__}); is it running?") from e
+            raise CampugridError(
+                f"the download from {self.server} broke off after {size} bytes "
+                f"({type(e).__name__}); run it again") from e
+        finally:
+            part.unlink(missing_ok=True)
+        return Download(path, size, digest.hexdigest())
+
+    def upload(self, path: Path, progress: Progress | None = None) -> str:
         """Send a file that exists nowhere else for one job: its ticket, to name in a dataset
-        ({"name": ..., "ticket": ...}); good for about ten minutes, deleted after the job."""
+        ({"name": ..., "ticket": ...}); good for about ten minutes, deleted after the job.
+        The file is streamed; `progress` counts its bytes sent."""
         digest, size = hashlib.sha256(), 0
         with open(path, "rb") as f:
             for chunk in iter(lambda: f.read(1024 * 1024), b""):
@@ -178,9 +327,17 @@ class Api:
                 size += len(chunk)
         ticket = dict(self._check(self._send("POST", "/v1/uploads", json={
             "filename": path.name, "size": size, "sha256": digest.hexdigest()})))
+        def chunks(f: BinaryIO) -> Iterator[bytes]:
+            sent = 0
+            for chunk in iter(lambda: f.read(CHUNK), b""):
+                yield chunk
+                sent += len(chunk)
+                if progress is not None:
+                    progress(sent, size)
+
         with open(path, "rb") as f:
             try:
-                resp = httpx.put(ticket["url"], content=f, timeout=600,
+                resp = httpx.put(ticket["url"], content=chunks(f), timeout=600,
                                  headers={"content-length": str(size)})
             except httpx.TransportError as e:
                 raise CampugridError(f"cannot upload {path} to the coordinator's storage "
@@ -219,3 +376,11 @@ class Api:
 
     def revoke_machine(self, ref: str) -> dict[str, Any]:
         return dict(self._check(self._send("POST", f"/v1/machines/{ref}/revoke")))
+
+    def users(self) -> list[dict[str, Any]]:
+        return list(self._check(self._send("GET", "/v1/users")))
+
+    def add_user(self, name: str, app: str | None = None, admin: bool = False) -> dict[str, Any]:
+        """A console user and their one-time enrolment link (`link`)."""
+        return dict(self._check(self._send("POST", "/v1/users",
+                                           json={"name": name, "app": app, "admin": admin})))

@@ -3,17 +3,20 @@
 Kept as `identity.json` (with the key beside it, 0600) under ~/.config/campugrid, or where
 CAMPUGRID_IDENTITY points. `Signer` signs every request with it (RFC 9421 over `@method`,
 `@target-uri` and `content-digest`, with `created`, a fresh `nonce` and the app id as
-`keyid`), through the maintained `http-message-signatures` library.
+`keyid`), through the maintained `http-message-signatures` library. A body too big to hold
+(`StreamedBody`: a build context) is digested in a pass of its own, then streamed.
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import datetime as dt
+import hashlib
 import json
 import os
 import secrets
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -93,10 +96,24 @@ class _OneKey(hms.HTTPSignatureKeyResolver):
         return self.key
 
 
+class StreamedBody(httpx.SyncByteStream):
+    """A request body that is read from a file as it is sent, never held whole: the Signer
+    digests `chunks()` in a first pass, and httpx sends `__iter__` (the same bytes) after."""
+
+    headers: dict[str, str]  # its Content-Type and Content-Length
+
+    def chunks(self) -> Iterator[bytes]:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self.chunks()
+
+
 class Signer(httpx.Auth):
     """httpx authentication that signs each request (its body included) with the app key."""
 
-    requires_request_body = True
+    # Not httpx's own read: a StreamedBody is digested without being read into memory.
+    requires_request_body = False
 
     def __init__(self, app_id: str, key: keys.Ed25519PrivateKey) -> None:
         self.app_id = app_id
@@ -107,11 +124,21 @@ class Signer(httpx.Auth):
              nonce: str | None = None) -> None:
         for name in ("signature", "signature-input", "content-digest"):
             request.headers.pop(name, None)
-        request.read()  # the body is signed too (its Content-Digest)
+        body: bytes | None = None
+        if isinstance(request.stream, StreamedBody):
+            digest = hashlib.sha256()
+            for chunk in request.stream.chunks():
+                digest.update(chunk)
+            # RFC 9530's field, as the library writes it for a body it holds.
+            request.headers["content-digest"] = (
+                f"sha-256=:{base64.b64encode(digest.digest()).decode('ascii')}:")
+        else:
+            body = request.read()  # the body is signed too (its Content-Digest)
         self._signer.sign(HttpMessage(request.method, str(request.url), request.headers),
                           key_id=self.app_id, created=created or dt.datetime.now(dt.UTC),
                           nonce=nonce or secrets.token_urlsafe(18), label="campugrid",
-                          covered_component_ids=COVERED, body=request.content)
+                          covered_component_ids=COVERED, body=body,
+                          use_existing_digest=body is None)
 
     def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
         self.sign(request)
