@@ -9,6 +9,10 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 user=${CAMPUGRID_AGENT_USER:-campugrid}
 packages=(podman buildah runsc crun runc uidmap slirp4netns fuse-overlayfs debootstrap skopeo
           python3 python3-venv python3-dev gcc postgresql busybox-static iproute2 procps)
+# infra/test adds what only the tests need: the browser the console's tests drive.
+if [ "${CAMPUGRID_TEST_TOOLS:-}" = 1 ]; then
+  packages+=(chromium fonts-dejavu-core)
+fi
 
 say() { printf 'setup: %s\n' "$*"; }
 

@@ -61,3 +61,13 @@ def shared_tmp() -> Iterator[Path]:
     path = _shared_tmp("campugrid-test-")
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Marks a test whose body failed (`item.failed`), for fixtures that keep evidence then
+    (the console's browser screenshots)."""
+    report = yield
+    if report.when == "call" and report.failed:
+        item.failed = True  # type: ignore[attr-defined]
+    return report

@@ -325,3 +325,33 @@ def test_a_machine_its_owner_holds_is_listed_so_and_queued_jobs_say_why(coordina
     c.heartbeat(pb.Capabilities(runtime="runsc", builder="buildah"))  # the game is closed
     assert api.job(job["id"])["waiting_reason"] == "waiting for a free machine (every online machine is busy)"
     assert [m["held"] for m in api.machines() if m["id"] == c.machine_id] == [""]
+
+
+def test_gpu_memory_reported_by_heartbeats_is_kept_by_the_minute_and_charted_to_one_scale(
+        coordinator, tmp_path):
+    from campugrid.console import charts
+
+    running, _ = coordinator
+    c = client(running, tmp_path, "rig")
+    gpus = [pb.Gpu(uuid="GPU-big", name="RTX 4090", kind="nvidia", memory_total_mb=24_000,
+                   memory_free_mb=18_000, compute_capability="8.9"),
+            pb.Gpu(uuid="GPU-small", name="RTX 3060", kind="nvidia", memory_total_mb=12_000,
+                   memory_free_mb=12_000, compute_capability="8.6"),
+            pb.Gpu(uuid="apple", name="M2 Max", kind="apple", memory_total_mb=64_000,
+                   memory_free_mb=40_000, shared_memory=True)]
+    c.heartbeat(pb.Capabilities(runtime="runsc", builder="buildah", gpus=gpus))
+    gpus[0].memory_free_mb = 1  # later in the same minute: one row per minute stands
+    c.heartbeat(pb.Capabilities(runtime="runsc", builder="buildah", gpus=gpus))
+    found = {h.uuid: h for h in running.coord.store.gpu_history.since(60)
+             if h.machine_id == c.machine_id}
+    assert set(found) == {"GPU-big", "GPU-small", "apple"}
+    [big] = found["GPU-big"].samples
+    assert (big.total_mb, big.free_mb, big.outside_mb) == (24_000, 18_000, 6_000)
+    assert found["apple"].shared and not found["GPU-big"].shared
+    drawn = {ch.name: ch for ch in charts.charts(list(found.values()))}
+    assert charts.scale_mb(list(found.values())) == 24_000  # unified memory is not counted
+    height = {n: float(str(ch.svg).split('height="', 1)[1].split('"')[0]) for n, ch in drawn.items()}
+    assert height["RTX 4090"] == 2 * height["RTX 3060"]  # one scale for every GPU
+    assert 'class="mem shared"' in str(drawn["M2 Max"].svg)
+    assert 'data-mb="6000"' in str(drawn["RTX 4090"].svg)
+    assert running.coord.store.gpu_history.prune(keep_minutes=-1) == 3

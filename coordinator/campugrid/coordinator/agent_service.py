@@ -20,6 +20,7 @@ import grpc
 from limits import RateLimitItemPerMinute, storage, strategies
 
 from campugrid.coordinator.apps import Nonces
+from campugrid.coordinator.gpu_history import GpuMemory
 from campugrid.coordinator.machines import MachineRecord, Status
 from campugrid.coordinator.scheduler import GpuView, MachineView
 from campugrid.coordinator.service import Coordinator
@@ -84,6 +85,12 @@ def _gpus(gpus: Sequence[pb.Gpu]) -> tuple[GpuView, ...]:
         out.append(GpuView(g.uuid[:100], g.kind or "nvidia", g.name[:200],
                            max(0, int(g.memory_free_mb)), 0, cc))
     return tuple(out)
+
+
+def _memory(gpus: Sequence[pb.Gpu]) -> list[GpuMemory]:
+    return [GpuMemory(g.uuid[:100], g.name[:200], g.shared_memory or g.kind == "apple",
+                      max(0, int(g.memory_total_mb)), max(0, int(g.memory_free_mb)))
+            for g in gpus]
 
 
 def peer_address(context: grpc.ServicerContext) -> str:
@@ -153,6 +160,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
             c = request.capabilities
             self.coord.heartbeat(machine, _caps(c),
                                  MachineView(machine, "", _gpus(c.gpus), c.gpu_isolation))
+            self.coord.note_memory(machine, _memory(c.gpus))
         else:
             self.coord.heartbeat(machine, None, None)
         return pb.HeartbeatReply()
@@ -162,6 +170,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
         offer = MachineView(machine, "", _gpus(request.gpus), request.gpu_isolation,
                             enforced=frozenset(request.enforced_limits),
                             shares=frozenset(x[:64] for x in request.shares[:MAX_SHARES]))
+        self.coord.note_memory(machine, _memory(request.gpus))
         lease = self._guard(context, lambda: self.coord.lease(machine, offer))
         if lease is None:
             return pb.LeaseReply(has_task=False)

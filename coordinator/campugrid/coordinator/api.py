@@ -14,10 +14,12 @@ from pydantic import BaseModel
 from starlette import formparsers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from campugrid.console.app import create_console
 from campugrid.coordinator.apps import AppView
 from campugrid.coordinator.auth import Guard, RateLimits, SignedRequests
 from campugrid.coordinator.machines import MachineRecord
 from campugrid.coordinator.service import Coordinator
+from campugrid.coordinator.users import UserView
 from campugrid.coordinator.views import JobView
 from campugrid.protocol import logs
 from campugrid.protocol.errors import (
@@ -166,6 +168,30 @@ class JoinOut(BaseModel):
     grpc_address: str
     pin: str
     command: str
+
+
+class UserIn(BaseModel):
+    name: str
+    app: str | None = None  # the app they act as (default: a new app of their own name)
+    admin: bool = False  # for a new app: is it an admin
+
+
+class UserOut(BaseModel):
+    name: str
+    app: str
+    admin: bool
+    enrolled: bool
+    locked_until: dt.datetime | None
+
+    @classmethod
+    def of(cls, u: UserView) -> UserOut:
+        return cls(name=u.name, app=u.app_name, admin=u.admin, enrolled=u.enrolled,
+                   locked_until=u.locked_until)
+
+
+class NewUserOut(UserOut):
+    link: str  # the one-time enrolment page (shown once: only its digest is kept)
+    expires_at: dt.datetime
 
 
 class UploadIn(BaseModel):
@@ -434,5 +460,19 @@ def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
         machine, _requeued = coord.revoke_machine(ref)
         return MachineOut.of(machine)
 
+    @app.get("/v1/users", response_model=list[UserOut])
+    def list_users(_: Admin) -> list[UserOut]:
+        return [UserOut.of(u) for u in coord.users.all()]
+
+    @app.post("/v1/users", status_code=201, response_model=NewUserOut)
+    def add_user(body: UserIn, _: Admin, request: Request) -> NewUserOut:
+        """A person for the web console, with a one-time enrolment link (password and TOTP
+        are chosen there)."""
+        user, token, expires = coord.users.add(body.name, body.app, admin=body.admin)
+        server = public_url or str(request.base_url).rstrip("/")
+        return NewUserOut(**UserOut.of(user).model_dump(), expires_at=expires,
+                          link=f"{server}/console/enrol?token={token}")
+
+    app.mount("/console", create_console(coord))
     return app
 

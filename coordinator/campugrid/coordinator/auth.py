@@ -1,12 +1,13 @@
 """Who is calling the REST API: RFC 9421 HTTP Message Signatures with the app's Ed25519 key,
 and per-key and per-address rate limits.
 
-Every request (but the health check, the invite redemption and the API's own docs) must be
-signed over `@method`, `@target-uri` and `content-digest` (RFC 9530), with `created`, `nonce`
-and the app's id as `keyid`. The body is read (spooled to disk past 1 MiB) and checked against its
-signed digest before the application sees a byte of it. The library `http-message-signatures`
-builds the signature base and parses the fields; this module adds the policy: which
-components, which window, the nonce store, and a reason for every refusal.
+Every request (but the health check, the invite redemption, the API's own docs and the web
+console, which has its own sign-in) must be signed over `@method`, `@target-uri` and
+`content-digest` (RFC 9530), with `created`, `nonce` and the app's id as `keyid`. The body is
+read (spooled to disk past 1 MiB) and checked against its signed digest before the
+application sees a byte of it. The library `http-message-signatures` builds the signature
+base and parses the fields; this module adds the policy: which components, which window, the
+nonce store, and a reason for every refusal.
 """
 
 from __future__ import annotations
@@ -44,6 +45,14 @@ CHUNK = 1024**2
 # be signed (a route added later is covered without a word here).
 PUBLIC = frozenset({"/v1/health", "/v1/login", "/docs", "/docs/oauth2-redirect",
                     "/openapi.json", "/redoc"})
+# The web console signs people in with its own sessions (console.gate), on every path under it.
+CONSOLE = "/console"
+
+
+def in_console(path: str) -> bool:
+    return path == CONSOLE or path.startswith(CONSOLE + "/")
+
+
 # What an opted-in unsigned local caller acts as (CAMPUGRID_ALLOW_UNSIGNED, loopback only).
 LOCAL_UNSIGNED = AppView("unsigned-local", "unsigned-local", "", True,
                          dt.datetime(2026, 1, 1, tzinfo=dt.UTC), None)
@@ -123,7 +132,7 @@ class SignedRequests:
         limits = self.guard.limits
         try:
             self.guard.limit("address", address, RateLimitItemPerSecond(limits.per_address_per_s))
-            if scope["path"] in PUBLIC:
+            if scope["path"] in PUBLIC or in_console(scope["path"]):
                 await self.app(scope, receive, send)
                 return
             body, replay = await _spool(receive)

@@ -276,3 +276,52 @@ class GpuReservation(Base):
     memory_mb: Mapped[int] = mapped_column(BigInteger)
 
     __table_args__ = (Index("ix_gpu_reservations_machine", "machine_id", "gpu_uuid"),)
+
+
+class User(Base):
+    """A person signing in to the web console: an argon2id password hash and a TOTP secret
+    (encrypted with a key kept outside the database). Their jobs are those of their app."""
+
+    __tablename__ = "users"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    app_id: Mapped[str] = mapped_column(ForeignKey("apps.id"))
+    password_hash: Mapped[str] = mapped_column(String(200), default="")  # "" until enrolled
+    totp_secret: Mapped[str] = mapped_column(Text, default="")  # encrypted; "" until enrolment
+    totp_last_step: Mapped[int] = mapped_column(BigInteger, default=0)  # a code works once
+    enrol_sha256: Mapped[str | None] = mapped_column(String(64), unique=True)
+    enrol_expires_at: Mapped[dt.datetime | None] = mapped_column()
+    enrolled_at: Mapped[dt.datetime | None] = mapped_column()
+    failed_logins: Mapped[int] = mapped_column(Integer, default=0)
+    locked_until: Mapped[dt.datetime | None] = mapped_column()
+    # When they acknowledged that providers can read everything a job holds.
+    acknowledged_at: Mapped[dt.datetime | None] = mapped_column()
+    created_at: Mapped[dt.datetime] = mapped_column()
+
+
+class ConsoleSession(Base):
+    """A signed-in browser: only the SHA-256 of its cookie is kept."""
+
+    __tablename__ = "console_sessions"
+
+    id_sha256: Mapped[str] = mapped_column(String(64), primary_key=True)
+    user_id: Mapped[str] = mapped_column(ForeignKey("users.id"), index=True)
+    created_at: Mapped[dt.datetime] = mapped_column()
+    expires_at: Mapped[dt.datetime] = mapped_column(index=True)
+
+
+class GpuSample(Base):
+    """One GPU's memory in one minute, as its agent last reported it then, with what the
+    platform had reserved on it: the console's memory chart. Kept for a day."""
+
+    __tablename__ = "gpu_samples"
+
+    machine_id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    gpu_uuid: Mapped[str] = mapped_column(String(100), primary_key=True)
+    minute: Mapped[int] = mapped_column(BigInteger, primary_key=True, index=True)  # Unix minutes
+    name: Mapped[str] = mapped_column(String(200))
+    shared: Mapped[bool] = mapped_column(Boolean)  # Apple unified memory: the system's own
+    total_mb: Mapped[int] = mapped_column(BigInteger)
+    free_mb: Mapped[int] = mapped_column(BigInteger)  # after other processes and the owner's reserve
+    reserved_mb: Mapped[int] = mapped_column(BigInteger)  # promised to the platform's jobs

@@ -81,6 +81,8 @@ def _reap(coord: Coordinator, stop: threading.Event, every_s: float) -> None:
             if rounds % 64 == 0:  # now and then: spent nonces, machines never approved
                 coord.store.nonces.prune()
                 coord.store.machines.expire_pending()
+                coord.store.gpu_history.prune()
+                coord.users.prune_sessions()
         except CampugridError:
             log.exception("lease reaper")
         except Exception:
@@ -129,8 +131,8 @@ def start(settings: Settings) -> Running:
     tls = {"ssl_certfile": str(cert.cert_file), "ssl_keyfile": str(cert.key_file)} if rest_tls else {}
     http = uvicorn.Server(uvicorn.Config(app, host=settings.http_host, port=settings.http_port,
                                          log_level="warning", **tls))  # type: ignore[arg-type]
-    log.info("coordinator: REST %s/v1  gRPC %s (TLS, certificate %s)", url, grpc_address,
-             cert.fingerprint)
+    log.info("coordinator: REST %s/v1  console %s/console  gRPC %s (TLS, certificate %s)", url,
+             url, grpc_address, cert.fingerprint)
     return Running(coord, server, http, stop, port, cert, url, grpc_address, admin)
 
 

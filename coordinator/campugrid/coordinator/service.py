@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 import hashlib
 import json
 import logging
@@ -14,12 +15,14 @@ from typing import Any
 
 from campugrid.coordinator.apps import AppView
 from campugrid.coordinator.config import Settings
+from campugrid.coordinator.gpu_history import GpuMemory, this_minute
 from campugrid.coordinator.machines import MachineRecord
 from campugrid.coordinator.machines import Status as MachineStatus
 from campugrid.coordinator.objects import ObjectStore
 from campugrid.coordinator.scheduler import MachineView, fast_from, why_waiting
 from campugrid.coordinator.store import Store
 from campugrid.coordinator.uploads import UploadView
+from campugrid.coordinator.users import SecretBox, Users
 from campugrid.coordinator.views import (
     CheckpointView,
     Claim,
@@ -85,6 +88,13 @@ class Coordinator:
         self._speeds_at = -SPEEDS_REFRESH_S
         self._context_urls: dict[str, tuple[str, float]] = {}  # key -> (URL, good until)
         self._machines: dict[str, tuple[MachineRecord, float]] = {}  # id -> (record, until)
+        self._sampled: dict[str, int] = {}  # machine id -> the minute of its last GPU sample
+
+    @functools.cached_property
+    def users(self) -> Users:
+        """The console's people; their TOTP secrets are sealed with console.key, a file in
+        the state folder (never in the database)."""
+        return Users(self.store.db, SecretBox.at(self.settings.state_dir / "console.key"))
 
     def submit(self, spec: JobSpec, context: bytes, owner: str = "") -> tuple[JobView, bool]:
         """Validate everything, store the context, then the job; answer only after both."""
@@ -353,6 +363,15 @@ class Coordinator:
         self.store.machines.heartbeat(machine_id, capabilities, offer)
         if offer is not None:
             self._remember_offer(machine_id, offer)
+
+    def note_memory(self, machine_id: str, gpus: Sequence[GpuMemory]) -> None:
+        """Keep the first report of each minute for the console's memory chart (one write per
+        machine and minute, whatever the agent's pace)."""
+        minute = this_minute()
+        if not gpus or self._sampled.get(machine_id) == minute:
+            return
+        self._sampled[machine_id] = minute
+        self.store.gpu_history.record(machine_id, gpus, minute)
 
     def _remember_offer(self, machine_id: str, offer: MachineView) -> bool:
         """Note what is stored now; False if it was stored already."""

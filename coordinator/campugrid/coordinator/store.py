@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 from campugrid.coordinator.apps import Apps, Nonces
 from campugrid.coordinator.claims import Claimer
 from campugrid.coordinator.db import Database, job_row, side_database
+from campugrid.coordinator.gpu_history import GpuHistories
 from campugrid.coordinator.machines import Machines
 from campugrid.coordinator.models import (
     MAX_LOG_CHUNK,
@@ -65,6 +66,7 @@ class Store:
         self.machines = Machines(self.db)
         self.apps = Apps(self.db)
         self.uploads = Uploads(self.db)
+        self.gpu_history = GpuHistories(self.db)
         # Every signed call writes a nonce: on SQLite beside the jobs' file, not in its queue.
         self.nonces = Nonces(Database(side_database(engine, "nonces", Nonce.__table__)))
         self._claims = Claimer(self.db)
