@@ -15,9 +15,10 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
+from campugrid.agent.install import AGENT_DIR
 from campugrid.cli import specfile
 from campugrid.cli.output import Json, Transfers, emit, emit_array, emit_line, interactive, phase
-from campugrid.cli.provider import AGENT_DIR, provider_app
+from campugrid.cli.provider import provider_app
 from campugrid.cli.users import users_app
 from campugrid.protocol.errors import CampugridError
 from campugrid.protocol.logs import configure as configure_logging
@@ -311,8 +312,13 @@ def agent_run(
         help="The coordinator's gRPC address (default: the one this agent joined).")] = None,
     pin: Annotated[str | None, typer.Option(
         help="The coordinator certificate's fingerprint: join it now (see `agent join`).")] = None,
-    state_dir: Annotated[Path, typer.Option(help="Key, membership and work folders.")] = AGENT_DIR,
-    name: Annotated[str, typer.Option(help="This machine's name.")] = socket.gethostname(),
+    config: Annotated[Path | None, typer.Option(
+        help="The agent's configuration file (`provider install` writes one); options given "
+             "here win over it.")] = None,
+    state_dir: Annotated[Path | None, typer.Option(
+        help=f"Key, membership and work folders (default: {AGENT_DIR}).")] = None,
+    name: Annotated[str | None, typer.Option(help="This machine's name (default: its host "
+                                                  "name).")] = None,
     builder: Annotated[str, typer.Option(help="The image builder: buildah or kaniko.")] = "buildah",
     runtime: Annotated[str, typer.Option(help="The sandbox runtime.")] = "podman-runsc",
     kaniko_image: Annotated[str, typer.Option(envvar="CAMPUGRID_KANIKO_IMAGE",
@@ -320,7 +326,8 @@ def agent_run(
     once: Annotated[bool, typer.Option(help="Exit after one task.")] = False,
     gpus: Annotated[str | None, typer.Option(help="GPUs to offer: indexes or UUIDs, comma-separated "
                                                   "(default: all).")] = None,
-    gpu_reserve_mb: Annotated[int, typer.Option(help="GPU memory to always leave free, per GPU.")] = 0,
+    gpu_reserve_mb: Annotated[int | None, typer.Option(
+        help="GPU memory to always leave free, per GPU.")] = None,
     protect: Annotated[list[str] | None, typer.Option(
         help="A program that takes the machine back (a game, a renderer: steam, blender): "
              "while it runs the job here is handed back after a final checkpoint and no work "
@@ -341,11 +348,20 @@ def agent_run(
     """Run a provider agent as this (unprivileged) user."""
     from campugrid.agent import backends, shares
     from campugrid.agent.gpus import GpuPolicy
+    from campugrid.agent.install import AgentConfig
     from campugrid.agent.owner import Hours, OwnerPolicy
     from campugrid.agent.worker import Agent, AgentSettings
 
     _logging(log_format)
     try:
+        cfg = AgentConfig.load(config) if config else AgentConfig(state_dir=AGENT_DIR)
+        state_dir = state_dir or (cfg.state_dir if cfg.state_dir != Path() else AGENT_DIR)
+        name = name or cfg.name
+        gpus = gpus if gpus is not None else (",".join(cfg.gpus) if cfg.gpus else None)
+        gpu_reserve_mb = cfg.keep_free_mb if gpu_reserve_mb is None else gpu_reserve_mb
+        protect = protect if protect else list(cfg.protect)
+        hours = hours if hours is not None else (cfg.hours or None)
+        share = share if share else [f"{k}={v}" for k, v in cfg.shares.items()]
         sandbox, chosen = backends.choose(runtime, builder,
                                           backends.BackendOptions(kaniko_image=kaniko_image))
         policy = GpuPolicy(allow=tuple(x.strip() for x in gpus.split(",")) if gpus else None,

@@ -14,12 +14,16 @@ from typing import Annotated, Any
 import typer
 
 from campugrid.agent import owner, status
+from campugrid.agent.install import AGENT_DIR
+from campugrid.cli.install import install, prepare, uninstall
 
-AGENT_DIR = Path("~/.local/share/campugrid-agent").expanduser()
 PAUSE_WAIT_S = 15.0  # the agent hands its job back within 10 s of a pause
 
 provider_app = typer.Typer(no_args_is_help=True,
-                           help="Control the provider agent on this machine (as its owner).")
+                           help="Lend this machine and control its agent (as its owner).")
+provider_app.command("install")(install)
+provider_app.command("uninstall")(uninstall)
+provider_app.command("prepare")(prepare)
 
 StateDir = Annotated[Path, typer.Option(help="The agent's state folder.")]
 Json = Annotated[bool, typer.Option("--json", help="Print JSON, for scripts.")]

@@ -49,6 +49,7 @@ from campugrid.protocol.states import FINAL, JobState
 HERE = Path(__file__).parent
 STREAM_POLL_S = 0.5
 CHART_MINUTES = 60
+LOG_PAGE_CHARS = 512 * 1024  # per log on a job's page
 KEEPALIVE_S = 15.0
 STATES = [s.value for s in JobState]
 SIGN_INS_PER_ADDRESS = RateLimitItemPerMinute(30)
@@ -195,8 +196,8 @@ def create_console(coord: Coordinator) -> FastAPI:
         return page(request, "job.html", job=found, why=why, final=final,
                     events=coord.job_events(found.id, owner(user)),
                     checkpoints=coord.store.checkpoints(found.id), shards=shards,
-                    build_log="".join(c.text for c in chunks if c.stream == "build"),
-                    run_log="".join(c.text for c in chunks if c.stream != "build"),
+                    build_log=_tail("".join(c.text for c in chunks if c.stream == "build")),
+                    run_log=_tail("".join(c.text for c in chunks if c.stream != "build")),
                     last_log=chunks[-1].id if chunks else 0,
                     spec=json.dumps(_shown_spec(found.spec.to_dict()), indent=2))
 
@@ -271,18 +272,23 @@ def create_console(coord: Coordinator) -> FastAPI:
         if not user.acknowledged and form.get("acknowledge") != "yes":
             errors["acknowledge"] = ("tick this to go on: providers can read everything a job "
                                      "holds")
+        context = None
         try:
             spec = forms.spec_of(form)
             context = forms.context_of(form, coord.settings.max_context_bytes)
         except forms.FormErrors as e:
             errors.update(e.fields)
-        if errors:
+        if errors or context is None:
+            if context is not None:
+                context.close()
             return page(request, "submit.html", 422, errors=errors, values=values)
         try:
             found, _created = await run_in_threadpool(coord.submit, spec, context, user.app_id)
         except InvalidInput as e:
             return page(request, "submit.html", 422, errors={forms.field_of(str(e)): str(e)},
                         values=values)
+        finally:
+            context.close()
         if not user.acknowledged:
             await run_in_threadpool(users.acknowledge, user)
         return RedirectResponse(f"{request.scope.get('root_path', '')}/jobs/{found.id}", 303)
@@ -333,6 +339,14 @@ def _safe_next(target: str, request: Request) -> str:
             and "://" not in target:
         return target
     return root + "/"
+
+
+def _tail(text: str) -> str:
+    """What a page shows of a long log: its end (the whole log: `campugrid logs JOB`)."""
+    if len(text) <= LOG_PAGE_CHARS:
+        return text
+    return f"[... the first {len(text) - LOG_PAGE_CHARS:,} characters: campugrid logs JOB ...]\n" \
+        + text[-LOG_PAGE_CHARS:]
 
 
 def _sse(event: str, data: dict[str, Any], event_id: int) -> str:

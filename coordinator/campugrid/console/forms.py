@@ -8,9 +8,10 @@ import io
 import json
 import re
 import tarfile
+import tempfile
 from collections.abc import Sequence
 from pathlib import PurePosixPath
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 from starlette.datastructures import FormData, UploadFile
 
@@ -21,6 +22,7 @@ NUMBERS = {"cpus": float, "memory_mb": int, "gpus": int, "gpu_memory_mb": int,
            "wall_time_s": int, "max_attempts": int}
 TEXT_FIELDS = ("name", "command", "dockerfile", "datasets", "shards", "client_job_id", *NUMBERS)
 MAX_FILES = 10_000
+SPOOL_BYTES = 8 * 1024**2  # a folder's tarball is on disk past this
 
 
 @dataclasses.dataclass
@@ -99,9 +101,10 @@ def _member_path(name: str) -> str:
     return "/".join(parts)
 
 
-def context_of(form: FormData, limit: int) -> bytes:
-    """The build context: the tarball as sent, or a tar.gz of the folder's files and the typed
-    Dockerfile (which replaces the folder's own)."""
+def context_of(form: FormData, limit: int) -> BinaryIO:
+    """The build context, as a file (never whole in memory): the tarball as sent, or a tar.gz
+    of the folder's files and the typed Dockerfile (which replaces the folder's own). The
+    caller closes it."""
     dockerfile = str(form.get("dockerfile") or "").replace("\r\n", "\n")
     tarball = form.get("context")
     files = [f for f in form.getlist("folder") if isinstance(f, UploadFile) and f.filename]
@@ -109,17 +112,16 @@ def context_of(form: FormData, limit: int) -> bytes:
         if files or dockerfile.strip():
             raise FormErrors({"context": "give the context once: a tarball (with its own "
                                          "Dockerfile), or a folder and/or a typed Dockerfile"})
-        data = tarball.file.read(limit + 1)
-        if len(data) > limit:
+        if tarball.file.seek(0, io.SEEK_END) > limit:
             raise FormErrors({"context": f"larger than {limit // 1024**2} MiB"})
-        return data
+        return tarball.file  # (closing it twice, here and with the form, is harmless)
     if not files and not dockerfile.strip():
         raise FormErrors({"dockerfile": "type a Dockerfile, or choose a folder or a tarball "
                                         "that holds one"})
     return _tar(files, dockerfile, limit)
 
 
-def _tar(files: Sequence[UploadFile], dockerfile: str, limit: int) -> bytes:
+def _tar(files: Sequence[UploadFile], dockerfile: str, limit: int) -> BinaryIO:
     if len(files) > MAX_FILES:
         raise FormErrors({"context": f"more than {MAX_FILES} files in the folder"})
     paths = [_member_path(f.filename or "") for f in files]
@@ -127,22 +129,24 @@ def _tar(files: Sequence[UploadFile], dockerfile: str, limit: int) -> bytes:
     tops = {p.split("/", 1)[0] for p in paths}
     if len(tops) == 1 and all("/" in p for p in paths):
         paths = [p.split("/", 1)[1] for p in paths]
-    buf = io.BytesIO()
+    buf = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)  # noqa: SIM115 - returned
     total = 0
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
         for path, f in zip(paths, files, strict=True):
             if dockerfile.strip() and path == "Dockerfile":
                 continue
-            data = f.file.read(limit + 1)
-            total += len(data)
+            size = f.file.seek(0, io.SEEK_END)
+            total += size
             if total > limit:
+                buf.close()
                 raise FormErrors({"context": f"larger than {limit // 1024**2} MiB"})
+            f.file.seek(0)
             info = tarfile.TarInfo(path)
-            info.size, info.mode = len(data), 0o644
-            tar.addfile(info, io.BytesIO(data))
+            info.size, info.mode = size, 0o644
+            tar.addfile(info, f.file)
         if dockerfile.strip():
             data = dockerfile.encode()
             info = tarfile.TarInfo("Dockerfile")
             info.size, info.mode = len(data), 0o644
             tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
+    return cast(BinaryIO, buf)

@@ -336,11 +336,8 @@ def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
             parsed = JobSpec.from_json(text)
         else:
             parsed = JobSpec.from_json(spec or "{}")
-        limit = coord.settings.max_context_bytes
-        data = context.file.read(limit + 1)
-        if len(data) > limit:
-            raise InvalidInput(f"context: larger than {limit // 1024**2} MiB")
-        job, created = coord.submit(parsed, data, who.id)
+        # The upload is spooled to disk by the multipart parser: checked and stored from there.
+        job, created = coord.submit(parsed, context.file, who.id)
         return JSONResponse(JobOut.of(job).model_dump(mode="json"),
                             status_code=201 if created else 200)
 

@@ -12,7 +12,7 @@ import datetime as dt
 import hashlib
 import io
 from collections.abc import Iterator
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 from minio import Minio
 from minio.datatypes import Part
@@ -23,6 +23,7 @@ from campugrid.coordinator.presign import Presigner
 from campugrid.protocol.errors import InvalidInput, StorageError
 
 _FAILURES = (MinioException, HTTPError, OSError, ValueError)
+PART_BYTES = 5 * 1024**2  # a streamed upload goes in parts of this size (S3's least)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,9 @@ class ObjectStore(Protocol):
     def close(self) -> None: ...
     def ensure_bucket(self) -> None: ...
     def put_bytes(self, key: str, data: bytes, bucket: str | None = None) -> None: ...
+    def put_file(self, key: str, data: BinaryIO, size: int) -> None:
+        """`size` bytes from the file's start, streamed."""
+        ...
     def stream(self, key: str, chunk: int = 1024 * 1024) -> Iterator[bytes]: ...
     def exists(self, key: str) -> bool: ...
     def list_objects(self, bucket: str, prefix: str, limit: int) -> list[ObjectInfo]:
@@ -87,6 +91,14 @@ class S3Store:
     def put_bytes(self, key: str, data: bytes, bucket: str | None = None) -> None:
         try:
             self.client.put_object(bucket or self.bucket, key, io.BytesIO(data), len(data))
+        except _FAILURES as e:
+            raise StorageError(f"cannot store {key}: {e}") from e
+
+    def put_file(self, key: str, data: BinaryIO, size: int) -> None:
+        data.seek(0)
+        try:
+            self.client.put_object(self.bucket, key, data, size, part_size=PART_BYTES,
+                                   num_parallel_uploads=1)
         except _FAILURES as e:
             raise StorageError(f"cannot store {key}: {e}") from e
 

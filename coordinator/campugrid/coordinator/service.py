@@ -6,12 +6,13 @@ import dataclasses
 import datetime as dt
 import functools
 import hashlib
+import io
 import json
 import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, BinaryIO
 
 from campugrid.coordinator.apps import AppView
 from campugrid.coordinator.config import Settings
@@ -96,9 +97,12 @@ class Coordinator:
         the state folder (never in the database)."""
         return Users(self.store.db, SecretBox.at(self.settings.state_dir / "console.key"))
 
-    def submit(self, spec: JobSpec, context: bytes, owner: str = "") -> tuple[JobView, bool]:
-        """Validate everything, store the context, then the job; answer only after both."""
-        if len(context) > self.settings.max_context_bytes:
+    def submit(self, spec: JobSpec, context: bytes | BinaryIO,
+               owner: str = "") -> tuple[JobView, bool]:
+        """Validate everything, store the context, then the job; answer only after both. The
+        context is its bytes or a seekable file of them (never read into memory whole)."""
+        size = len(context) if isinstance(context, bytes) else context.seek(0, io.SEEK_END)
+        if size > self.settings.max_context_bytes:
             raise InvalidInput(f"context: larger than {self.settings.max_context_bytes // 1024**2} MiB")
         inspect_context(context, self.settings.allowed_bases)
         tickets = []
@@ -118,10 +122,13 @@ class Coordinator:
                     "object's sha256 (for a prefix: \"sha256\": {path: sha256} of the files the "
                     "job reads), or upload the file with a ticket (`submit --upload`)")
             self._dataset_files(ds)  # refuses unknown buckets and missing files now
-        digest = hashlib.sha256(context).hexdigest()
+        digest = _sha256(context)
         key = f"contexts/{digest}.tar"
         if not self.objects.exists(key):
-            self.objects.put_bytes(key, context)
+            if isinstance(context, bytes):
+                self.objects.put_bytes(key, context)
+            else:
+                self.objects.put_file(key, context, size)
         job, created = self.store.submit(spec, key, digest, owner, tickets)
         if created:
             log.info("job submitted", extra={"job_id": job.id})
@@ -558,6 +565,16 @@ def _how_inputs_move(job: JobView, lease: Lease) -> str:
                      f"{size} bytes" + (", checked by sha256" if all(f.sha256 for f in files)
                                         else ", not pinned"))
     return "; ".join(parts)
+
+
+def _sha256(data: bytes | BinaryIO) -> str:
+    if isinstance(data, bytes):
+        return hashlib.sha256(data).hexdigest()
+    data.seek(0)
+    h = hashlib.sha256()
+    while chunk := data.read(1024**2):
+        h.update(chunk)
+    return h.hexdigest()
 
 
 def _waiting_reason(job: JobView, machines: list[MachineView], pending: int = 0) -> str | None:

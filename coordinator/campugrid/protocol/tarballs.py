@@ -19,6 +19,7 @@ import tarfile
 import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 from campugrid import hooks
 from campugrid.protocol.dockerfiles import AllowedBase, CheckedDockerfile, check_dockerfile
@@ -50,14 +51,16 @@ def _archive_errors(what: str) -> Iterator[None]:
         raise InvalidInput(f"{what}: damaged archive ({type(e).__name__}: {e})") from e
 
 
-def inspect_context(data: bytes, allowed: Sequence[AllowedBase] | None = None) -> ContextInfo:
-    """Check an uploaded context without unpacking it; raise InvalidInput with the reason.
-    `allowed`: the base images a build may start from (default: from configuration)."""
+def inspect_context(data: bytes | BinaryIO,
+                    allowed: Sequence[AllowedBase] | None = None) -> ContextInfo:
+    """Check an uploaded context (its bytes, or a seekable file of them) without unpacking
+    it; raise InvalidInput with the reason. `allowed`: the base images a build may start from
+    (default: from configuration)."""
     with _archive_errors("context"):
         return _inspect(data, allowed)
 
 
-def _inspect(data: bytes, allowed: Sequence[AllowedBase] | None) -> ContextInfo:
+def _inspect(data: bytes | BinaryIO, allowed: Sequence[AllowedBase] | None) -> ContextInfo:
     total = 0
     count = 0
     dockerfile: bytes | None = None
@@ -231,9 +234,12 @@ def _resolve(path: str, links: dict[str, str]) -> str | None:
     return "/".join(resolved)
 
 
-def _open(data: bytes) -> tarfile.TarFile:
+def _open(data: bytes | BinaryIO) -> tarfile.TarFile:
     try:
-        return tarfile.open(fileobj=io.BytesIO(data), mode="r:*")
+        if isinstance(data, bytes):
+            return tarfile.open(fileobj=io.BytesIO(data), mode="r:*")
+        data.seek(0)
+        return tarfile.open(fileobj=data, mode="r:*")
     except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
         raise InvalidInput(f"context: not a tar or tar.gz archive ({e})") from e
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import importlib
 import logging
 import os
@@ -27,6 +26,7 @@ import grpc
 from campugrid.agent import gpus
 from campugrid.agent.client import CoordinatorApi, CoordinatorClient, fetch_membership
 from campugrid.agent.gpus import GpuPolicy
+from campugrid.agent.install import scope_of
 from campugrid.agent.messages import Capabilities, Lease
 from campugrid.agent.owner import Owner, OwnerPolicy
 from campugrid.agent.shards import ShardSessionTask
@@ -75,7 +75,7 @@ class Agent:
         self.sandbox = sandbox
         # Everything this agent makes (job cgroups, job images) is named under its scope, so
         # its sweeps remove its own leftovers and never another agent's of the same user.
-        self.scope = "a-" + hashlib.sha256(str(settings.state_dir.resolve()).encode()).hexdigest()[:12]
+        self.scope = scope_of(settings.state_dir)
         self.sandbox.scope = self.builder.scope = self.scope
         # The output slot is this agent's for its lifetime (released when it exits).
         self.slot, output = slots.acquire()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import pwd
 import shutil
 import signal
 import threading
@@ -23,6 +24,14 @@ from campugrid.protocol.spec import ENFORCED
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 DELEGATED = "campugrid"  # the subtree infra/setup.sh hands to the provider user
+
+
+def delegated_subtree(user: str | None = None) -> str:
+    """The cgroup v1 folder root hands to one provider user: `campugrid` for the user of
+    that name (infra/setup.sh), `campugrid-USER` for any other (`provider prepare`), so that
+    several users may lend the same machine."""
+    user = user or pwd.getpwuid(os.geteuid()).pw_name
+    return DELEGATED if user == DELEGATED else f"{DELEGATED}-{user}"
 CONTROLLERS = ("memory", "cpu", "pids")
 
 
@@ -36,21 +45,25 @@ class HostLimits:
     disk: str = ENFORCED  # /tmp is a size-bounded tmpfs and the root is read-only
     wall_time: str = ENFORCED
     v1_delegated: Path | None = None  # e.g. /sys/fs/cgroup (with memory/campugrid etc. ours)
+    subtree: str = DELEGATED  # under v1_delegated/<controller>/
 
     def as_dict(self) -> dict[str, str]:
         return {"memory": self.memory, "cpu": self.cpu, "pids": self.pids,
                 "disk": self.disk, "wall_time": self.wall_time}
 
 
-def detect(root: Path = CGROUP_ROOT) -> HostLimits:
+def detect(root: Path = CGROUP_ROOT, subtree: str | None = None) -> HostLimits:
     if (root / "cgroup.controllers").exists():
         why = ("not enforced: cgroup v2 host; podman is asked for the limit but "
                "campugrid has not verified delegation here")
         return HostLimits(memory=why, cpu=why, pids=why)
-    if all(_writable(root / c / DELEGATED) for c in CONTROLLERS):
-        return HostLimits(memory=ENFORCED, cpu=ENFORCED, pids=ENFORCED, v1_delegated=root)
+    subtree = subtree or delegated_subtree()
+    if all(_writable(root / c / subtree) for c in CONTROLLERS):
+        return HostLimits(memory=ENFORCED, cpu=ENFORCED, pids=ENFORCED, v1_delegated=root,
+                          subtree=subtree)
     why = ("not enforced: rootless Podman on cgroup v1 ignores it and no cgroup subtree is "
-           f"delegated to this user (run infra/setup.sh as root to delegate {DELEGATED}/)")
+           f"delegated to this user (as root: `campugrid provider prepare --user USER` "
+           f"delegates {subtree}/)")
     return HostLimits(memory=why, cpu=why, pids=why)
 
 
@@ -91,7 +104,7 @@ def job_cgroup(limits: HostLimits, name: str, *, memory_mb: int, cpus: float,
     made: list[Path] = []
     try:
         for ctrl in CONTROLLERS:
-            parent = limits.v1_delegated / ctrl / DELEGATED
+            parent = limits.v1_delegated / ctrl / limits.subtree
             if scope:
                 parent = parent / scope
                 parent.mkdir(exist_ok=True)
@@ -153,8 +166,8 @@ def kill_job(limits: HostLimits, name: str, scope: str) -> None:
     conmon and podman stay to see it exit and clean up, as after an OOM kill."""
     if limits.v1_delegated is None:
         return
-    paths = [limits.v1_delegated / ctrl / DELEGATED / scope / name if scope else
-             limits.v1_delegated / ctrl / DELEGATED / name for ctrl in CONTROLLERS]
+    paths = [limits.v1_delegated / ctrl / limits.subtree / scope / name if scope else
+             limits.v1_delegated / ctrl / limits.subtree / name for ctrl in CONTROLLERS]
     for pid in _members(paths):
         with contextlib.suppress(OSError):
             if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"runsc-sandbox"):
@@ -166,7 +179,7 @@ def sweep(limits: HostLimits, scope: str) -> list[str]:
     task that has ended). Returns the names removed."""
     if limits.v1_delegated is None or not scope:
         return []
-    folders = [limits.v1_delegated / ctrl / DELEGATED / scope for ctrl in CONTROLLERS]
+    folders = [limits.v1_delegated / ctrl / limits.subtree / scope for ctrl in CONTROLLERS]
     names = sorted({child.name for folder in folders for child in _children(folder)})
     for name in names:
         kill_all([folder / name for folder in folders])

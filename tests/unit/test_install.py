@@ -1,0 +1,166 @@
+"""The provider installer's parts: each prerequisite check against a host described as files
+and command answers, the consented root step, the configuration file, and the systemd unit
+(checked by systemd's own verifier)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from campugrid.agent import prereqs
+from campugrid.agent.install import AgentConfig, scope_of, unit_text
+from campugrid.protocol.errors import InvalidInput
+
+
+class Answers:
+    """What each command prints on this imagined host."""
+
+    def __init__(self, **by_command: tuple[int, str]) -> None:
+        self.by_command = by_command
+
+    def __call__(self, argv, **_):
+        code, text = self.by_command.get(" ".join(argv[:3]), (127, "not found"))
+        return SimpleNamespace(returncode=code, stdout=text, stderr="")
+
+
+def host(tmp_path: Path, *, tools=("podman", "runsc"), subids=65536, v2=False,
+         delegated=(), answers=None, systemd=True) -> prereqs.Host:
+    (tmp_path / "subuid").write_text(f"someone:100000:65536\nada:200000:{subids}\n")
+    (tmp_path / "subgid").write_text(f"ada:200000:{subids}\n")
+    cg = tmp_path / "cgroup"
+    cg.mkdir()
+    if v2:
+        (cg / "cgroup.controllers").write_text("cpu io memory pids\n")
+    for c in delegated:
+        (cg / c / "campugrid-ada").mkdir(parents=True)
+    (tmp_path / "systemd").mkdir()
+    return prereqs.Host(
+        "ada", tmp_path / "home", cgroup=cg, subuid=tmp_path / "subuid",
+        subgid=tmp_path / "subgid", linger=tmp_path / "linger",
+        systemd=tmp_path / ("systemd" if systemd else "none"),
+        run=answers or Answers(**{"podman --version": (0, "podman version 4.3.1"),
+                                  "runsc --version": (0, "runsc version 0.0~2022"),
+                                  "podman info --format": (0, "overlay\n")}),
+        which=lambda t: f"/usr/bin/{t}" if t in tools else None)
+
+
+def test_a_ready_host_passes_and_needs_no_root_step(tmp_path, monkeypatch):
+    h = host(tmp_path, delegated=("memory", "cpu", "pids"))
+    monkeypatch.setattr(prereqs, "_uid_or", lambda _h: (tmp_path / "cgroup").stat().st_uid)
+    (tmp_path / "linger").mkdir()
+    (tmp_path / "linger" / "ada").touch()
+    checks = prereqs.check_all(h, tmp_path, nvml=_NoNvml())
+    assert all(c.ok for c in checks if c.name != "free disk"), [c.line for c in checks]
+    assert prereqs.root_step("ada", checks) == ""
+
+
+def test_each_missing_piece_is_explained_with_its_fix_and_root_fixes_go_in_one_script(tmp_path):
+    h = host(tmp_path, tools=(), subids=1000)
+    checks = {c.name: c for c in prereqs.check_all(h, tmp_path, nvml=_NoNvml())}
+    assert not checks["podman"].ok and checks["podman"].root and "apt-get install" in checks["podman"].fix
+    assert not checks["runsc (gVisor)"].ok and "inside gVisor" in checks["runsc (gVisor)"].found
+    assert not checks["subuid range"].ok and "1000 subordinate ids" in checks["subuid range"].found
+    assert not checks["cgroup limits"].ok and not checks["cgroup limits"].blocking
+    assert not checks["lingering"].ok and checks["lingering"].fix == "loginctl enable-linger ada"
+    script = prereqs.root_step("ada", list(checks.values()), cgroup=tmp_path / "cgroup")
+    assert script.startswith("set -eu\napt-get install -y podman runsc")
+    assert "usermod --add-subuids 100000-165535 ada" in script
+    assert f"mkdir -p {tmp_path}/cgroup/memory/campugrid-ada" in script
+    assert f"chown -R ada: {tmp_path}/cgroup/pids/campugrid-ada" in script
+    assert script.rstrip().endswith("loginctl enable-linger ada")
+
+
+def test_cgroup_v2_needs_systemd_delegation_and_no_systemd_needs_no_lingering(tmp_path):
+    h = host(tmp_path, v2=True, systemd=False)
+    checks = {c.name: c for c in prereqs.check_all(h, tmp_path, nvml=_NoNvml())}
+    assert "cgroup v2 without" in checks["cgroup limits"].found
+    assert checks["lingering"].ok and "foreground" in checks["lingering"].found
+    script = prereqs.root_step("ada", list(checks.values()), cgroup=tmp_path / "cgroup")
+    assert "Delegate=cpu cpuset io memory pids" in script and "linger" not in script
+
+
+def test_a_slow_storage_driver_is_said_with_its_fix(tmp_path):
+    h = host(tmp_path, answers=Answers(**{"podman --version": (0, "podman version 4"),
+                                          "podman info --format": (0, "vfs\n")}))
+    check = prereqs.storage(h)
+    assert not check.ok and not check.blocking and "vfs" in check.found
+    assert 'driver = "overlay"' in check.fix and "podman system reset" in check.fix
+
+
+class _NoNvml:
+    def nvmlInit(self):
+        raise RuntimeError("NVMLError_LibraryNotFound")
+
+
+class _Nvml:
+    def __init__(self, driver: str) -> None:
+        self.driver = driver
+
+    def nvmlInit(self): ...
+    def nvmlShutdown(self): ...
+    def nvmlSystemGetDriverVersion(self): return self.driver
+    def nvmlDeviceGetCount(self): return 1
+
+
+def test_gpus_need_a_runsc_with_nvproxy_that_lists_this_exact_driver(tmp_path):
+    (tmp_path / "a").mkdir()
+    old = host(tmp_path / "a", answers=Answers(**{"runsc flags": (0, "-debug\n-network\n")}))
+    [_, no_nvproxy] = prereqs.gpus(old, _Nvml("550.90.12"))
+    assert not no_nvproxy.ok and "no nvproxy" in no_nvproxy.found
+    (tmp_path / "b").mkdir()
+    listed = Answers(**{"runsc flags": (0, "-nvproxy\n"),
+                        "runsc nvproxy list-supported-drivers": (0, "535.161.07\n550.90.12\n")})
+    new = host(tmp_path / "b", answers=listed)
+    [found, fine] = prereqs.gpus(new, _Nvml("550.90.12"))
+    assert found.ok and "driver 550.90.12" in found.found and fine.ok
+    [_, unknown] = prereqs.gpus(new, _Nvml("595.71.05"))
+    assert not unknown.ok and "does not support driver 595.71.05" in unknown.found
+    assert "'EOF'" in unknown.found
+    [none] = prereqs.gpus(new, _NoNvml())
+    assert none.ok and "CPU jobs only" in none.found
+
+
+def test_the_configuration_file_round_trips_and_refuses_what_it_does_not_know(tmp_path):
+    cfg = AgentConfig(state_dir=tmp_path / "state", name='pc "one"', shares={"pics": "/srv/p"},
+                      gpus=("0", "GPU-x"), keep_free_mb=2048, protect=("steam", "blender"),
+                      hours="22:00-07:00")
+    path = tmp_path / "agent.toml"
+    cfg.write(path)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert AgentConfig.load(path) == cfg
+    assert AgentConfig.load(_write(tmp_path, 'gpus = "all"\n')).gpus is None
+    for text, words in (('protet = ["steam"]\n', "did you mean 'protect'"),
+                        ("keep_free_mb = -1\n", "0 or more"),
+                        ('shares = "x"\n', "table of NAME"),
+                        ("name = [\n", "not valid TOML")):
+        with pytest.raises(InvalidInput, match=words):
+            AgentConfig.load(_write(tmp_path, text))
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "other.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze here")
+def test_the_unit_passes_systemds_own_verifier(tmp_path):
+    unit = tmp_path / "campugrid-agent.service"
+    unit.write_text(unit_text(tmp_path / "agent.toml", sys.executable))
+    out = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    broken = tmp_path / "broken.service"
+    broken.write_text(unit_text(tmp_path / "agent.toml", "/nonexistent/python"))
+    bad = subprocess.run(["systemd-analyze", "verify", str(broken)], capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert bad.returncode != 0  # the verifier really checks the ExecStart
+
+
+def test_the_scope_is_the_state_folders(tmp_path):
+    assert scope_of(tmp_path) == scope_of(tmp_path / ".") != scope_of(tmp_path / "x")
