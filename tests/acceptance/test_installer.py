@@ -1,6 +1,7 @@
-"""Issue 12's provider installer in a fresh user account: the consented root step, one
-install command, the machine pending until approved, a job run by the agent it configured,
-and an uninstall that leaves nothing behind (files, unit, containers, images, cgroups)."""
+"""Issue 12's provider installer in a fresh user account, from `pip install` of this
+repository's wheel: the consented root step, one install command, the machine pending until
+approved, a job run by the agent it configured, and an uninstall that leaves nothing behind
+(files, unit, containers, images, cgroups)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ from campugrid.protocol.spec import JobSpec
 pytestmark = pytest.mark.acceptance
 REPO = Path(__file__).resolve().parents[2]
 HELLO = REPO / "examples" / "hello"
-CLI = [sys.executable, "-m", "campugrid.cli"]
 CGROUP = Path("/sys/fs/cgroup")
 
 
@@ -52,6 +52,15 @@ class Account:
         return subprocess.run(self.argv(*args), capture_output=True, text=True, timeout=timeout,
                               check=False)
 
+    def install_wheel(self, wheel: Path) -> Path:
+        """`pip install 'campugrid[agent]'` into a virtual environment of the user's own."""
+        venv = self.home / "venv"
+        for argv in (["/usr/bin/python3", "-m", "venv", str(venv)],
+                     [str(venv / "bin/pip"), "install", "--quiet", f"{wheel}[agent]"]):
+            done = self.run(*argv, timeout=600)
+            assert done.returncode == 0, done.stderr[-3000:]
+        return venv / "bin/campugrid"
+
     def remove(self) -> None:
         subprocess.run(["pkill", "-KILL", "-u", self.name], check=False)
         time.sleep(0.5)
@@ -73,18 +82,26 @@ def test_a_provider_installs_runs_a_job_and_uninstalls_leaving_nothing():
                  admin_identity=root / "admin.json").start()
     agent: subprocess.Popen[str] | None = None
     try:
+        # What the provider has: the package from a wheel, not this checkout.
+        wheels = root / "wheels"
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w",
+                        str(wheels), str(REPO)], check=True, capture_output=True, timeout=300)
+        [wheel] = wheels.glob("campugrid-*.whl")
+        os.chmod(wheels, 0o755)
+        campugrid = str(account.install_wheel(wheel))
+
         # The one root step, for this user (what `install --yes` runs through sudo).
-        prepared = subprocess.run([*CLI, "provider", "prepare", "--user", account.name, "--yes",
-                                   "--json"], capture_output=True, text=True, timeout=120)
+        prepared = subprocess.run([campugrid, "provider", "prepare", "--user", account.name,
+                                   "--yes", "--json"], capture_output=True, text=True, timeout=120)
         done = cli_json(prepared)
         subtree = f"campugrid-{account.name}"
         assert done["ran"] and f"/memory/{subtree}" in done["script"]
         assert "set -eu" in done["script"]  # printed for review, before it ran
         for c in ("memory", "cpu", "pids"):
             assert (CGROUP / c / subtree).stat().st_uid == account.uid
-        again = cli_json(subprocess.run([*CLI, "provider", "prepare", "--user", account.name,
-                                         "--yes", "--json"], capture_output=True, text=True,
-                                        timeout=120))
+        again = cli_json(subprocess.run([campugrid, "provider", "prepare", "--user",
+                                         account.name, "--yes", "--json"], capture_output=True,
+                                        text=True, timeout=120))
         assert again == {"ran": False, "script": ""}  # twice is harmless
 
         # What the storage check's fix says, then the jobs' base image (no registry here).
@@ -97,44 +114,47 @@ def test_a_provider_installs_runs_a_job_and_uninstalls_leaving_nothing():
 
         # One command, as the user: checks, configuration, key, registration, unit.
         share = account.home / "pictures"
-        installed = account.run(sys.executable, "-m", "campugrid.cli", "provider", "install",
+        installed = account.run(campugrid, "provider", "install",
                                 "--join", p.grpc_address, "--pin", p.pin, "--name", "inst-pc",
                                 "--protect", "steam", "--keep-free-mb", "512",
                                 "--share", f"pics={share}", "--json")
         assert installed.returncode == 2 and "is not a folder" in installed.stderr  # no share yet
         account.run("mkdir", str(share))
-        info = cli_json(account.run(sys.executable, "-m", "campugrid.cli", "provider", "install",
+        info = cli_json(account.run(campugrid, "provider", "install",
                                     "--join", p.grpc_address, "--pin", p.pin, "--name",
                                     "inst-pc", "--protect", "steam", "--keep-free-mb", "512",
                                     "--share", f"pics={share}", "--json"))
         assert info["status"] == "pending" and not info["started"]  # no systemd on this machine
-        again = cli_json(account.run(sys.executable, "-m", "campugrid.cli", "provider", "install",
+        again = cli_json(account.run(campugrid, "provider", "install",
                                      "--join", p.grpc_address, "--pin", p.pin, "--name",
                                      "inst-pc", "--protect", "steam", "--keep-free-mb", "512",
                                      "--share", f"pics={share}", "--json"))
         assert again["machine_id"] == info["machine_id"]  # the same key: the same machine
         config, unit = Path(info["config"]), Path(info["unit"])
         assert 'protect = ["steam"]' in config.read_text() and "keep_free_mb = 512" in config.read_text()
-        assert f"agent run --config {config}" in unit.read_text()
+        [exec_start] = [line for line in unit.read_text().splitlines()
+                        if line.startswith("ExecStart=")]
+        assert exec_start.startswith(f"ExecStart={Path(campugrid).parent}/python")  # the venv's
+        assert exec_start.endswith(f" -m campugrid.cli agent run --config {config}")
         with p.api() as api:
             [m] = [m for m in api.machines() if m["id"] == info["machine_id"]]
             assert m["status"] == "pending" and m["fingerprint"] == info["fingerprint"]
             api.approve_machine(info["machine_id"])
 
             # The agent, in the foreground as install said (there is no systemd here).
-            agent = subprocess.Popen(account.argv(sys.executable, "-m", "campugrid.cli", "agent",
-                                                  "run", "--config", str(config)),
+            agent = subprocess.Popen(account.argv(campugrid, "agent", "run", "--config",
+                                                  str(config)),
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             job = api.submit(tar_folder(HELLO), JobSpec())
             done = api.wait(job["id"], timeout_s=240)
             assert done["state"] == "succeeded" and done["machine_id"] == info["machine_id"], done
-        status = cli_json(account.run(sys.executable, "-m", "campugrid.cli", "provider", "status",
+        status = cli_json(account.run(campugrid, "provider", "status",
                                       "--state-dir", info["state_dir"], "--json"))
         assert status["agent"]["limits"]["memory"] == "enforced"  # the delegated cgroups
         assert status["agent"]["programs"] == ["steam"]
 
         # Uninstall: the running agent stops, and nothing it made remains.
-        gone = cli_json(account.run(sys.executable, "-m", "campugrid.cli", "provider",
+        gone = cli_json(account.run(campugrid, "provider",
                                     "uninstall", "--state-dir", info["state_dir"], "--json"))
         assert "the running agent" in gone["removed"]
         assert agent.wait(timeout=60) is not None
@@ -146,12 +166,12 @@ def test_a_provider_installs_runs_a_job_and_uninstalls_leaving_nothing():
         assert [i for i in images if "campugrid-job" in i] == []
         for c in ("memory", "cpu", "pids"):
             assert [d.name for d in (CGROUP / c / subtree).iterdir() if d.is_dir()] == []
-        twice = cli_json(account.run(sys.executable, "-m", "campugrid.cli", "provider",
+        twice = cli_json(account.run(campugrid, "provider",
                                      "uninstall", "--state-dir", info["state_dir"], "--json"))
         assert twice["removed"] == []
-        undone = cli_json(subprocess.run([*CLI, "provider", "prepare", "--user", account.name,
-                                          "--undo", "--yes", "--json"], capture_output=True,
-                                         text=True, timeout=120))
+        undone = cli_json(subprocess.run([campugrid, "provider", "prepare", "--user",
+                                          account.name, "--undo", "--yes", "--json"],
+                                         capture_output=True, text=True, timeout=120))
         assert undone["ran"]
         assert not any((CGROUP / c / subtree).exists() for c in ("memory", "cpu", "pids"))
     finally:
