@@ -162,6 +162,20 @@ def test_from_nothing_to_a_finished_job_in_the_console(page):
         expect(machines.locator("section.gpus[data-machine='rig']")).to_contain_text(
             "6,000 MB outside, 0 MB reserved, 18,000 MB free of 24,000 MB")
 
+        # Every field of every form has a label, and a phone's width needs no sideways scroll.
+        for path in ("/console/submit", "/console/machines", "/console/"):
+            page.goto(f"{p.url}{path}")
+            unlabelled = page.evaluate(
+                "() => [...document.querySelectorAll('input:not([type=hidden]), select, textarea')]"
+                ".filter(e => e.labels.length === 0 && !e.getAttribute('aria-label'))"
+                ".map(e => e.name || e.id)")
+            assert unlabelled == [], (path, unlabelled)
+        page.set_viewport_size({"width": 390, "height": 844})
+        for path in ("/console/", f"/console/jobs/{job_id}", "/console/submit"):
+            page.goto(f"{p.url}{path}")
+            assert page.evaluate("() => document.documentElement.scrollWidth <= window.innerWidth"), path
+        page.set_viewport_size({"width": 1280, "height": 800})
+
         # The jobs list shows it, filtered by state and name.
         page.goto(f"{p.url}/console/?state=succeeded&name=ticks")
         expect(page.locator(f"a[href$='/jobs/{job_id}']")).to_have_text("console-ticks")

@@ -143,3 +143,24 @@ def test_the_key_file_must_be_private(tmp_path: Path):
     (tmp_path / "k").chmod(0o644)
     with pytest.raises(StorageError, match="chmod 600"):
         SecretBox.at(tmp_path / "k")
+
+
+def test_a_reset_ends_the_old_sign_in_and_a_removed_person_cannot_sign_in(users: Users):
+    _, totp = enrolled(users)
+    user = users.login("ada", PASSWORD, totp.now())
+    session, _ = users.open_session(user)
+    again, token, _ = users.reset("ada")
+    assert not again.enrolled and users.session(session) is None
+    later = utcnow() + dt.timedelta(seconds=90)
+    with pytest.raises(Unauthenticated, match="wrong"):
+        users.login("ada", PASSWORD, totp.at(later), now=later)
+    _, secret, _ = users.enrolment(token)
+    assert secret != totp.secret  # a new authenticator entry
+    fresh = pyotp.TOTP(secret)
+    users.enrol(token, PASSWORD, fresh.now())
+    user = users.login("ada", PASSWORD, fresh.at(later), now=later)
+    session, _ = users.open_session(user)
+    assert users.remove("ada") and not users.remove("ada")
+    assert users.session(session) is None and users.all() == []
+    with pytest.raises(NotFound):
+        users.reset("ada")

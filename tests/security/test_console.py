@@ -217,11 +217,18 @@ def test_the_submit_form_refuses_bad_input_by_field_and_stores_nothing(coord, ad
     assert len(admin.jobs()) == before
 
 
-def test_an_enrolment_link_works_once(coord, admin):
+def test_an_enrolment_link_works_once_and_a_reset_gives_a_new_one(coord, admin):
     link = add(admin, "eli")
     with Person(coord, link):
         pass
     with httpx.Client(base_url=coord.url) as again:
         r = again.get(link.removeprefix(coord.url))
         assert r.status_code == 401 and "used already" in r.text
+    assert httpx.post(f"{coord.url}/v1/users/eli/reset").status_code == 401  # signed only
+    reset = admin.reset_user("eli")
+    assert reset["link"] != link and not reset["enrolled"]
+    with Person(coord, reset["link"]) as eli:
+        assert eli.sign_in("eli", eli.totp.at(time.time() + 30)).status_code == 303
+        assert admin.remove_user("eli") == {"removed": True}
+        assert eli.http.get("/console/").status_code == 303  # signed out everywhere
 

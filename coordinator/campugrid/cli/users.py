@@ -65,3 +65,29 @@ def users_add(
     emit(as_json, made, f"user {made['name']} (app {made['app']}"
                         f"{', admin' if made['admin'] else ''}): send them this link, once, "
                         f"good until {made['expires_at'][:16]} UTC:\n{made['link']}")
+
+
+@users_app.command("reset")
+def users_reset(name: str, server: Server = None, as_json: Json = False) -> None:
+    """A new enrolment link for NAME (a lost password or phone): their old password, code and
+    sessions stop working now."""
+    try:
+        with _api(server) as api:
+            made = api.reset_user(name)
+    except CampugridError as e:
+        _fail(str(e))
+    emit(as_json, made, f"user {made['name']}: their old sign-in no longer works; send them "
+                        f"this link, once, good until {made['expires_at'][:16]} UTC:\n"
+                        f"{made['link']}")
+
+
+@users_app.command("remove")
+def users_remove(name: str, server: Server = None, as_json: Json = False) -> None:
+    """NAME can no longer sign in to the console (their app and its jobs stay)."""
+    try:
+        with _api(server) as api:
+            done = api.remove_user(name)
+    except CampugridError as e:
+        _fail(str(e))
+    emit(as_json, {"name": name, **done}, f"removed user {name}" if done["removed"]
+         else f"no user named {name}; nothing changed")

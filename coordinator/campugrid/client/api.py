@@ -380,6 +380,12 @@ class Api:
     def users(self) -> list[dict[str, Any]]:
         return list(self._check(self._send("GET", "/v1/users")))
 
+    def reset_user(self, name: str) -> dict[str, Any]:
+        return dict(self._check(self._send("POST", f"/v1/users/{name}/reset")))
+
+    def remove_user(self, name: str) -> dict[str, Any]:
+        return dict(self._check(self._send("DELETE", f"/v1/users/{name}")))
+
     def add_user(self, name: str, app: str | None = None, admin: bool = False) -> dict[str, Any]:
         """A console user and their one-time enrolment link (`link`)."""
         return dict(self._check(self._send("POST", "/v1/users",

@@ -470,6 +470,19 @@ def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
         return NewUserOut(**UserOut.of(user).model_dump(), expires_at=expires,
                           link=f"{server}/console/enrol?token={token}")
 
+    @app.post("/v1/users/{name}/reset", response_model=NewUserOut)
+    def reset_user(name: str, _: Admin, request: Request) -> NewUserOut:
+        """A new enrolment link (lost password or authenticator): the old ones stop now."""
+        user, token, expires = coord.users.reset(name)
+        server = public_url or str(request.base_url).rstrip("/")
+        return NewUserOut(**UserOut.of(user).model_dump(), expires_at=expires,
+                          link=f"{server}/console/enrol?token={token}")
+
+    @app.delete("/v1/users/{name}")
+    def remove_user(name: str, _: Admin) -> dict[str, bool]:
+        """The person cannot sign in any more; their app and its jobs stay."""
+        return {"removed": coord.users.remove(name)}
+
     app.mount("/console", create_console(coord))
     return app
 

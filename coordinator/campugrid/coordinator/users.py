@@ -158,6 +158,34 @@ class Users:
         except IntegrityError as e:
             raise Conflict(f"a user or app named {name!r} exists already") from e
 
+    def reset(self, name: str, *, ttl_s: int = ENROL_TTL_S) -> tuple[UserView, str, dt.datetime]:
+        """A new enrolment link for a person who lost their password or authenticator: the
+        old password, secret and sessions stop working now."""
+        token = "cge_" + secrets.token_urlsafe(24)
+        expires = utcnow() + dt.timedelta(seconds=ttl_s)
+        with self.db.tx() as s:
+            row = s.scalars(select(User).where(User.name == name)).one_or_none()
+            if row is None:
+                raise NotFound(f"no user named {name!r} (see `campugrid users`)")
+            row.password_hash, row.totp_secret, row.enrolled_at = "", "", None
+            row.enrol_sha256, row.enrol_expires_at = _digest(token), expires
+            row.failed_logins, row.locked_until = 0, None
+            s.execute(delete(ConsoleSession).where(ConsoleSession.user_id == row.id))
+            app = s.get(App, row.app_id)
+            assert app is not None
+            return self._view(row, app), token, expires
+
+    def remove(self, name: str) -> bool:
+        """The person can no longer sign in (their app and its jobs stay). False if there was
+        no such person."""
+        with self.db.tx() as s:
+            row = s.scalars(select(User).where(User.name == name)).one_or_none()
+            if row is None:
+                return False
+            s.execute(delete(ConsoleSession).where(ConsoleSession.user_id == row.id))
+            s.delete(row)
+            return True
+
     def all(self) -> list[UserView]:
         with self.db.read() as s:
             return [self._view(u, a) for u, a in s.execute(
