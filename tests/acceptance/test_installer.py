@@ -114,21 +114,23 @@ def test_a_provider_installs_runs_a_job_and_uninstalls_leaving_nothing():
 
         # One command, as the user: checks, configuration, key, registration, unit.
         share = account.home / "pictures"
+        lent = str(account.home / "lent")  # not the default folder: uninstall must find it
         installed = account.run(campugrid, "provider", "install",
                                 "--join", p.grpc_address, "--pin", p.pin, "--name", "inst-pc",
                                 "--protect", "steam", "--keep-free-mb", "512",
-                                "--share", f"pics={share}", "--json")
+                                "--share", f"pics={share}", "--state-dir", lent, "--json")
         assert installed.returncode == 2 and "is not a folder" in installed.stderr  # no share yet
         account.run("mkdir", str(share))
         info = cli_json(account.run(campugrid, "provider", "install",
                                     "--join", p.grpc_address, "--pin", p.pin, "--name",
                                     "inst-pc", "--protect", "steam", "--keep-free-mb", "512",
-                                    "--share", f"pics={share}", "--json"))
+                                    "--share", f"pics={share}", "--state-dir", lent, "--json"))
         assert info["status"] == "pending" and not info["started"]  # no systemd on this machine
+        assert info["state_dir"] == lent
         again = cli_json(account.run(campugrid, "provider", "install",
                                      "--join", p.grpc_address, "--pin", p.pin, "--name",
                                      "inst-pc", "--protect", "steam", "--keep-free-mb", "512",
-                                     "--share", f"pics={share}", "--json"))
+                                     "--share", f"pics={share}", "--state-dir", lent, "--json"))
         assert again["machine_id"] == info["machine_id"]  # the same key: the same machine
         config, unit = Path(info["config"]), Path(info["unit"])
         assert 'protect = ["steam"]' in config.read_text() and "keep_free_mb = 512" in config.read_text()
@@ -154,8 +156,8 @@ def test_a_provider_installs_runs_a_job_and_uninstalls_leaving_nothing():
         assert status["agent"]["programs"] == ["steam"]
 
         # Uninstall: the running agent stops, and nothing it made remains.
-        gone = cli_json(account.run(campugrid, "provider",
-                                    "uninstall", "--state-dir", info["state_dir"], "--json"))
+        gone = cli_json(account.run(campugrid, "provider", "uninstall", "--json"))  # its config
+        #                                                         names the state folder
         assert "the running agent" in gone["removed"]
         assert agent.wait(timeout=60) is not None
         for path in (config, unit, Path(info["state_dir"])):
@@ -166,8 +168,7 @@ def test_a_provider_installs_runs_a_job_and_uninstalls_leaving_nothing():
         assert [i for i in images if "campugrid-job" in i] == []
         for c in ("memory", "cpu", "pids"):
             assert [d.name for d in (CGROUP / c / subtree).iterdir() if d.is_dir()] == []
-        twice = cli_json(account.run(campugrid, "provider",
-                                     "uninstall", "--state-dir", info["state_dir"], "--json"))
+        twice = cli_json(account.run(campugrid, "provider", "uninstall", "--json"))
         assert twice["removed"] == []
         undone = cli_json(subprocess.run([campugrid, "provider", "prepare", "--user",
                                           account.name, "--undo", "--yes", "--json"],

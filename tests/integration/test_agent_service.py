@@ -355,3 +355,8 @@ def test_gpu_memory_reported_by_heartbeats_is_kept_by_the_minute_and_charted_to_
     assert 'class="mem shared"' in str(drawn["M2 Max"].svg)
     assert 'data-mb="6000"' in str(drawn["RTX 4090"].svg)
     assert running.coord.store.gpu_history.prune(keep_minutes=-1) == 3
+    stranger = client(running, tmp_path, "stranger", approve=False)  # pending: not charted
+    stranger.heartbeat(pb.Capabilities(runtime="runsc", builder="buildah", gpus=[
+        pb.Gpu(uuid="GPU-huge", name="x", kind="nvidia", memory_total_mb=2**62)]))
+    assert [h for h in running.coord.store.gpu_history.since(60)
+            if h.machine_id == stranger.machine_id] == []

@@ -164,3 +164,32 @@ def test_a_reset_ends_the_old_sign_in_and_a_removed_person_cannot_sign_in(users:
     assert users.session(session) is None and users.all() == []
     with pytest.raises(NotFound):
         users.reset("ada")
+
+
+def test_parallel_wrong_guesses_all_count(users: Users):
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, totp = enrolled(users)
+
+    def guess(_: int) -> str:
+        try:
+            users.login("ada", "wrong password entirely", totp.now())
+        except RateLimited:
+            return "locked"
+        except Unauthenticated:
+            return "wrong"
+        return "in"
+
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(guess, range(2 * MAX_FAILURES)))
+    assert "in" not in outcomes and "locked" in outcomes, outcomes
+    with pytest.raises(RateLimited, match="locked until"):
+        users.login("ada", PASSWORD, totp.now())
+
+
+def test_a_name_nobody_has_locks_like_a_real_one(users: Users):
+    for _ in range(MAX_FAILURES - 1):
+        with pytest.raises(Unauthenticated, match="wrong user name, password or code"):
+            users.login("nobody", "wrong password entirely", "123456")
+    with pytest.raises(RateLimited, match="locked until"):
+        users.login("nobody", "wrong password entirely", "123456")

@@ -75,8 +75,8 @@ class Person:
         return self.post("/console/login", page.text, name=name, password=PASSWORD, code=code)
 
 
-def add(admin: Api, name: str, **body: object) -> str:
-    made = admin.http.post("/v1/users", json={"name": name, **body})
+def add(api: Api, name: str, **body: object) -> str:
+    made = api.http.post("/v1/users", json={"name": name, **body})
     assert made.status_code == 201, made.text
     return str(made.json()["link"])
 
@@ -132,7 +132,7 @@ def test_every_state_changing_route_refuses_without_the_csrf_token(coord, bea):
     for path in posts:
         url = "/console" + path.replace("{job_id}", "00000000-0000-0000-0000-000000000000") \
             .replace("{ref}", "nothing")
-        missing = bea.http.post(url, data={}, headers={"origin": coord.url})
+        missing = bea.http.post(url, data={"other": "1"}, headers={"origin": coord.url})
         assert missing.status_code == 403 and "reload the page" in missing.text, (path, missing.text)
         wrong = bea.http.post(url, data={"csrf": "0" * 64}, headers={"origin": coord.url})
         assert wrong.status_code == 403, path
@@ -173,7 +173,33 @@ def _lockout(person: Person) -> None:
     right = person.sign_in("dan", person.totp.at(time.time() + 30))
     assert right.status_code == 429 and "locked until" in right.text
     unknown = person.sign_in("nobody-here", wrong)
-    assert unknown.status_code == 401 and "locked" not in unknown.text
+    assert unknown.status_code == 401 and "wrong user name, password or code" in unknown.text
+
+
+def test_forms_before_sign_in_are_short_and_carry_no_files(coord):
+    with httpx.Client(base_url=coord.url, follow_redirects=False) as anon:
+        files = anon.post("/console/login", files={"f": ("x.bin", b"0" * 1000)},
+                          headers={"origin": coord.url})
+        assert files.status_code == 415
+        big = anon.post("/console/login", content=b"name=" + b"a" * 70_000,
+                        headers={"origin": coord.url,
+                                 "content-type": "application/x-www-form-urlencoded"})
+        assert big.status_code == 413
+
+
+def test_a_deep_link_returns_to_its_page_after_sign_in(coord, admin):
+    job = admin.submit(tar_folder(HELLO), JobSpec.from_dict({"name": "deep"}))
+    with Person(coord, add(admin, "gus", admin=True)) as gus:
+        to = gus.http.get(f"/console/jobs/{job['id']}")
+        assert to.status_code == 303
+        login = gus.http.get(to.headers["location"])
+        assert f'value="/console/jobs/{job["id"]}"' in login.text
+        signed_in = gus.post("/console/login", login.text, name="gus", password=PASSWORD,
+                             code=gus.totp.at(time.time() + 30), next=f"/console/jobs/{job['id']}")
+        assert signed_in.headers["location"] == f"/console/jobs/{job['id']}"
+        for evil in ("https://evil.example/", "//evil.example/", "/v1/jobs", "/console\\x"):
+            page = gus.http.get("/console/login", params={"next": evil})
+            assert 'name="next" value="/console/"' in page.text, evil
 
 
 def test_a_person_sees_only_their_own_apps_jobs(coord, admin, bea):

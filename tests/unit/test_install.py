@@ -67,9 +67,12 @@ def test_each_missing_piece_is_explained_with_its_fix_and_root_fixes_go_in_one_s
     assert not checks["subuid range"].ok and "1000 subordinate ids" in checks["subuid range"].found
     assert not checks["cgroup limits"].ok and not checks["cgroup limits"].blocking
     assert not checks["lingering"].ok and checks["lingering"].fix == "loginctl enable-linger ada"
-    script = prereqs.root_step("ada", list(checks.values()), cgroup=tmp_path / "cgroup")
+    script = prereqs.root_step("ada", list(checks.values()), cgroup=tmp_path / "cgroup",
+                               subuid=tmp_path / "subuid", subgid=tmp_path / "subgid")
     assert script.startswith("set -eu\napt-get install -y podman runsc")
-    assert "usermod --add-subuids 100000-165535 ada" in script
+    # the first range that overlaps nobody's (someone: 100000+65536, ada's own 200000+1000)
+    assert "usermod --add-subuids 231072-296607 ada" in script
+    assert "usermod --add-subgids 231072-296607 ada" in script
     assert f"mkdir -p {tmp_path}/cgroup/memory/campugrid-ada" in script
     assert f"chown -R ada: {tmp_path}/cgroup/pids/campugrid-ada" in script
     assert script.rstrip().endswith("loginctl enable-linger ada")
@@ -164,3 +167,24 @@ def test_the_unit_passes_systemds_own_verifier(tmp_path):
 
 def test_the_scope_is_the_state_folders(tmp_path):
     assert scope_of(tmp_path) == scope_of(tmp_path / ".") != scope_of(tmp_path / "x")
+
+
+def test_the_root_step_names_only_plain_user_names_and_quotes_paths(tmp_path):
+    fail = [prereqs.Check("lingering", False, "off", root=True)]
+    for name in ("ada; rm -rf /", "$(id)", "a b", "Ada", ""):
+        with pytest.raises(ValueError, match="the root step handles names"):
+            prereqs.root_step(name, fail)
+    weird = tmp_path / "cg roups"
+    weird.mkdir()
+    script = prereqs.root_step("ada", [prereqs.Check("cgroup limits", False, "", root=True)],
+                               cgroup=weird)
+    assert f"mkdir -p '{weird}/memory/campugrid-ada'" in script
+    undo = prereqs.undo_root_step("ada", cgroup=weird)
+    assert f"find '{weird}/pids/campugrid-ada' -depth -type d -exec rmdir" in undo
+
+
+def test_a_free_range_overlaps_no_one(tmp_path):
+    (tmp_path / "u").write_text("a:100000:65536\nb:165536:65536\nbad line\n")
+    (tmp_path / "g").write_text("c:300000:10\n")
+    assert prereqs.free_range(tmp_path / "u", tmp_path / "g") == 231072
+    assert prereqs.free_range(tmp_path / "none") == 100000

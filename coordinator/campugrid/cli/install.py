@@ -107,7 +107,10 @@ def install(
     host = prereqs.Host.this_user()
     checks = prereqs.check_all(host, state_dir)
     _say(as_json, "\n".join(c.line for c in checks))
-    script = prereqs.root_step(host.user, checks)
+    try:
+        script = prereqs.root_step(host.user, checks)
+    except ValueError as e:
+        _fail(f"{e}; do the root step by hand: {'; '.join(c.fix for c in checks if c.root and not c.ok)}")
     if script and _run_root_step(script, host.user, yes, as_json):
         checks = prereqs.check_all(host, state_dir)
         _say(as_json, "\nafter the root step:\n" + "\n".join(c.line for c in checks))
@@ -158,7 +161,8 @@ def install(
 
 
 def uninstall(
-    state_dir: Annotated[Path, typer.Option(help="The agent's key, membership and work.")] = AGENT_DIR,
+    state_dir: Annotated[Path | None, typer.Option(
+        help="The agent's key, membership and work (default: the configuration's).")] = None,
     config: Annotated[Path | None, typer.Option(help="Its configuration file.")] = None,
     as_json: Json = False,
 ) -> None:
@@ -171,6 +175,12 @@ def uninstall(
     from campugrid.sandbox.podman_runsc import PodmanRunsc
 
     config = config or default_config()
+    if state_dir is None:
+        try:
+            found = AgentConfig.load(config).state_dir if config.exists() else Path()
+        except CampugridError as e:
+            _fail(f"{e}; say which agent to remove with --state-dir")
+        state_dir = found if found != Path() else AGENT_DIR
     removed: list[str] = []
     unit = unit_path()
     if has_user_systemd() and unit.exists():
@@ -215,7 +225,9 @@ def prepare(
         _fail("this is the root step: run it as root (sudo campugrid provider prepare --user "
               f"{user})")
     try:
-        host = prereqs.Host.of(user)
+        host = prereqs.Host.of(prereqs.check_user(user))
+    except ValueError as e:
+        _fail(str(e))
     except KeyError:
         _fail(f"no user {user!r} on this machine (make one first: useradd --create-home {user})")
     if undo:

@@ -29,6 +29,11 @@ def _api(server: str | None) -> Any:
     return Api.from_identity(server=server)
 
 
+def _link(as_json: bool, made: dict[str, Any], who: str) -> None:
+    emit(as_json, made, f"{who}; send them this link, once, good until "
+                        f"{made['expires_at'][:16]} UTC:\n{made['link']}")
+
+
 @users_app.callback()
 def users_list(ctx: typer.Context, server: Server = None, as_json: Json = False) -> None:
     if ctx.invoked_subcommand is not None:
@@ -62,9 +67,8 @@ def users_add(
             made = api.add_user(name, app=app, admin=admin)
     except CampugridError as e:
         _fail(str(e))
-    emit(as_json, made, f"user {made['name']} (app {made['app']}"
-                        f"{', admin' if made['admin'] else ''}): send them this link, once, "
-                        f"good until {made['expires_at'][:16]} UTC:\n{made['link']}")
+    _link(as_json, made, f"user {made['name']} (app {made['app']}"
+                         f"{', admin' if made['admin'] else ''})")
 
 
 @users_app.command("reset")
@@ -76,9 +80,7 @@ def users_reset(name: str, server: Server = None, as_json: Json = False) -> None
             made = api.reset_user(name)
     except CampugridError as e:
         _fail(str(e))
-    emit(as_json, made, f"user {made['name']}: their old sign-in no longer works; send them "
-                        f"this link, once, good until {made['expires_at'][:16]} UTC:\n"
-                        f"{made['link']}")
+    _link(as_json, made, f"user {made['name']}: their old sign-in no longer works")
 
 
 @users_app.command("remove")

@@ -50,6 +50,8 @@ HERE = Path(__file__).parent
 STREAM_POLL_S = 0.5
 CHART_MINUTES = 60
 LOG_PAGE_CHARS = 512 * 1024  # per log on a job's page
+FORM_MARGIN_BYTES = 16 * 1024**2  # the submit form's fields and multipart framing
+SESSION_RECHECK_S = 10.0  # an open log stream ends this soon after its session does
 KEEPALIVE_S = 15.0
 STATES = [s.value for s in JobState]
 SIGN_INS_PER_ADDRESS = RateLimitItemPerMinute(30)
@@ -62,7 +64,8 @@ def create_console(coord: Coordinator) -> FastAPI:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"),
                              autoescape=True, undefined=jinja2.StrictUndefined)
     console = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
-    console.add_middleware(ConsoleGate, users=users)
+    console.add_middleware(ConsoleGate, users=users,
+                           max_body=coord.settings.max_context_bytes + FORM_MARGIN_BYTES)
     guard = Guard()  # sign-in attempts per address, beside each account's lockout
     console.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
 
@@ -190,7 +193,7 @@ def create_console(coord: Coordinator) -> FastAPI:
         found = coord.get_job(job_id_ok(job_id), owner(user))
         [why] = coord.waiting_reasons([found])
         final = found.state in FINAL
-        _, chunks = coord.job_logs(found.id, after_id=0, stream=None, owner=owner(user))
+        chunks = coord.job_log_tail(found.id, owner(user))  # the end of a long log
         shards = (coord.shards(found.id, state=None, after=-1, limit=200, owner=owner(user))
                   if found.shards_total else [])
         return page(request, "job.html", job=found, why=why, final=final,
@@ -211,15 +214,22 @@ def create_console(coord: Coordinator) -> FastAPI:
         await run_in_threadpool(coord.get_job, job_id, owner(user))  # NotFound before 200
         last = request.headers.get("last-event-id", "")
         start = int(last) if last.isdigit() and len(last) < 19 else after
-        return StreamingResponse(_events(request, job_id, start, owner(user)),
+        return StreamingResponse(_events(request, job_id, start, owner(user),
+                                         request.state.session),
                                  media_type="text/event-stream",
                                  headers={"x-accel-buffering": "no"})
 
-    async def _events(request: Request, job_id: str, after: int,
-                      who: str | None) -> AsyncIterator[str]:
+    async def _events(request: Request, job_id: str, after: int, who: str | None,
+                      session: str) -> AsyncIterator[str]:
         seen = ""
         quiet = 0.0
+        checked = asyncio.get_running_loop().time()
         while not await request.is_disconnected():
+            if asyncio.get_running_loop().time() - checked > SESSION_RECHECK_S:
+                if await run_in_threadpool(users.session, session) is None:
+                    yield "event: signed-out\ndata: {}\n\n"
+                    return
+                checked = asyncio.get_running_loop().time()
             found, chunks = await run_in_threadpool(coord.job_logs, job_id, after_id=after,
                                                     stream=None, owner=who)
             for c in chunks:
@@ -275,7 +285,8 @@ def create_console(coord: Coordinator) -> FastAPI:
         context = None
         try:
             spec = forms.spec_of(form)
-            context = forms.context_of(form, coord.settings.max_context_bytes)
+            context = await run_in_threadpool(forms.context_of, form,
+                                              coord.settings.max_context_bytes)
         except forms.FormErrors as e:
             errors.update(e.fields)
         if errors or context is None:

@@ -21,7 +21,7 @@ from campugrid.protocol.spec import JobSpec
 NUMBERS = {"cpus": float, "memory_mb": int, "gpus": int, "gpu_memory_mb": int,
            "wall_time_s": int, "max_attempts": int}
 TEXT_FIELDS = ("name", "command", "dockerfile", "datasets", "shards", "client_job_id", *NUMBERS)
-MAX_FILES = 10_000
+MAX_FILES = 1000  # each is a spooled file, with a file handle past 1 MiB
 SPOOL_BYTES = 8 * 1024**2  # a folder's tarball is on disk past this
 
 
@@ -123,7 +123,8 @@ def context_of(form: FormData, limit: int) -> BinaryIO:
 
 def _tar(files: Sequence[UploadFile], dockerfile: str, limit: int) -> BinaryIO:
     if len(files) > MAX_FILES:
-        raise FormErrors({"context": f"more than {MAX_FILES} files in the folder"})
+        raise FormErrors({"context": f"more than {MAX_FILES} files in the folder: send it as "
+                                     "a tarball (tar -C FOLDER -czf context.tgz .)"})
     paths = [_member_path(f.filename or "") for f in files]
     # A chosen folder arrives as FOLDER/...: its contents are the context.
     tops = {p.split("/", 1)[0] for p in paths}

@@ -16,12 +16,13 @@ from urllib.parse import quote
 
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.requests import cookie_parser
 from starlette.responses import PlainTextResponse, RedirectResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from campugrid.coordinator.users import SESSION_S, Users, UserView
-from campugrid.protocol.errors import Forbidden
+from campugrid.protocol.errors import Forbidden, InvalidInput
 
 SESSION_COOKIE = "cg_session"
 FORM_COOKIE = "cg_form"  # the pre-sign-in CSRF secret (double submit)
@@ -70,13 +71,33 @@ def same_origin(scope: Scope) -> bool:
     return origin.split("://", 1)[-1] == host
 
 
+PUBLIC_BODY_BYTES = 64 * 1024  # a sign-in or enrolment form: a few short fields
+
+
+def body_refusal(scope: Scope, limit: int, *, files: bool) -> tuple[int, str] | None:
+    """Why an unsafe request's body is refused before a byte of it is read, if it is: its
+    declared length (the server holds the client to it) past `limit`, none declared, or
+    files where only short fields belong (before sign-in)."""
+    length = _header(scope, b"content-length")
+    if length is None or not length.isdigit():
+        return 411, "send the form with its length (Content-Length)"
+    if int(length) > limit:
+        return 413, f"the form is larger than {limit // 1024:,} KiB"
+    kind = (_header(scope, b"content-type") or "").split(";", 1)[0].strip().lower()
+    allowed = {"application/x-www-form-urlencoded"} | ({"multipart/form-data"} if files else set())
+    if kind not in allowed:
+        return 415, f"send the form as {' or '.join(sorted(allowed))}"
+    return None
+
+
 class ConsoleGate:
     """ASGI middleware of the console app: puts the signed-in person in
     `scope["state"]["user"]` or refuses (a sign-in redirect for pages, 401 otherwise)."""
 
-    def __init__(self, app: ASGIApp, *, users: Users) -> None:
+    def __init__(self, app: ASGIApp, *, users: Users, max_body: int) -> None:
         self.app = app
         self.users = users
+        self.max_body = max_body  # a signed-in request's body (the submit form's upload)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -93,11 +114,18 @@ class ConsoleGate:
         state = scope.setdefault("state", {})
         state["user"], state["session"] = user, token if user else ""
         public = path in PUBLIC or path.startswith(PUBLIC_PREFIXES)
+        if scope["method"] not in SAFE:
+            refusal = body_refusal(scope, self.max_body if user else PUBLIC_BODY_BYTES,
+                                   files=user is not None)
+            if refusal:
+                await PlainTextResponse(refusal[1], refusal[0], headers=HEADERS)(
+                    scope, receive, send)
+                return
         if user is None and not public:
             root = scope.get("root_path", "")
             if scope["method"] in SAFE and not path.endswith("/stream"):
-                target = quote(path + ("?" + scope["query_string"].decode("latin-1")
-                                       if scope.get("query_string") else ""), safe="")
+                target = quote(root + path + ("?" + scope["query_string"].decode("latin-1")
+                                              if scope.get("query_string") else ""), safe="")
                 response: Response = RedirectResponse(f"{root}/login?next={target}", 303,
                                                       headers=HEADERS)
             else:
@@ -142,7 +170,7 @@ def form_secret(request: Request) -> str:
     return secret
 
 
-MAX_FORM_FILES = 10_002  # a folder upload's files (forms.MAX_FILES) and the tarball
+MAX_FORM_FILES = 1_002  # a folder upload's files (forms.MAX_FILES) and the tarball
 MAX_FORM_FIELDS = 100
 
 
@@ -151,7 +179,11 @@ async def check_csrf(request: Request, users: Users) -> None:
     route reads (Starlette keeps it), so its limits are set here."""
     if request.method in SAFE:
         return
-    form = await request.form(max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS)
+    try:
+        form = await request.form(max_files=MAX_FORM_FILES, max_fields=MAX_FORM_FIELDS)
+    except HTTPException as e:  # Starlette's refusal of a form past the limits
+        raise InvalidInput(f"the form could not be read ({e.detail}): a folder of more than "
+                           f"{MAX_FORM_FILES - 2} files goes as a tarball") from e
     sent = form.get("csrf")
     if request.state.session:
         expected = users.box.mac("session\0" + request.state.session)

@@ -58,6 +58,7 @@ R = TypeVar("R")
 
 
 MAX_SHARES, MAX_SHARED_FILES = 16, 1000
+MAX_GPU_MB = 2 * 1024**2  # 2 TiB: more than any GPU's memory, or a Mac's
 MAX_HELD = 300  # why an owner holds the machine: shown to researchers, so short and printable
 
 
@@ -88,9 +89,14 @@ def _gpus(gpus: Sequence[pb.Gpu]) -> tuple[GpuView, ...]:
 
 
 def _memory(gpus: Sequence[pb.Gpu]) -> list[GpuMemory]:
-    return [GpuMemory(g.uuid[:100], g.name[:200], g.shared_memory or g.kind == "apple",
-                      max(0, int(g.memory_total_mb)), max(0, int(g.memory_free_mb)))
-            for g in gpus]
+    """What an agent says of its GPUs' memory, bounded (it draws every machine's chart to
+    one scale: a made-up size must not flatten the others')."""
+    out = []
+    for g in gpus:
+        total = min(max(0, int(g.memory_total_mb)), MAX_GPU_MB)
+        out.append(GpuMemory(g.uuid[:100], g.name[:200], g.shared_memory or g.kind == "apple",
+                             total, min(max(0, int(g.memory_free_mb)), total)))
+    return out
 
 
 def peer_address(context: grpc.ServicerContext) -> str:
@@ -160,7 +166,9 @@ class AgentService(pb_grpc.AgentServiceServicer):
             c = request.capabilities
             self.coord.heartbeat(machine, _caps(c),
                                  MachineView(machine, "", _gpus(c.gpus), c.gpu_isolation))
-            self.coord.note_memory(machine, _memory(c.gpus))
+            record = _CALLER.get()
+            if record is not None and record.status is Status.APPROVED:  # not a stranger's
+                self.coord.note_memory(machine, _memory(c.gpus))
         else:
             self.coord.heartbeat(machine, None, None)
         return pb.HeartbeatReply()

@@ -161,6 +161,11 @@ class Coordinator:
         job = self.store.get(job_id, owner)
         return job, self.store.logs(job_id, after_id=after_id, stream=stream)
 
+    def job_log_tail(self, job_id: str, owner: str | None = None,
+                     limit: int = 2000) -> list[LogView]:
+        self.store.get(job_id, owner)
+        return self.store.log_tail(job_id, limit)
+
     def shards(self, job_id: str, *, state: str | None, after: int,
                limit: int, owner: str | None = None) -> list[ShardView]:
         self.store.get(job_id, owner)

@@ -172,6 +172,14 @@ class Store:
             job_row(s, job_id)
             return [LogView(r.id, r.attempt, r.stream, r.text) for r in s.scalars(q)]
 
+    def log_tail(self, job_id: str, limit: int = 2000) -> list[LogView]:
+        """The job's last `limit` log chunks, oldest first."""
+        q = (select(LogChunk).where(LogChunk.job_id == job_id)
+             .order_by(LogChunk.id.desc()).limit(limit))
+        with self.read() as s:
+            job_row(s, job_id)
+            return [LogView(r.id, r.attempt, r.stream, r.text) for r in s.scalars(q)][::-1]
+
     # --- agents ---------------------------------------------------------------------------
 
     def claim_next(self, machine_id: str, lease_s: float,

@@ -20,7 +20,8 @@ from pathlib import Path
 import argon2
 import pyotp
 from cryptography.fernet import Fernet, InvalidToken
-from sqlalchemy import delete, select, update
+from limits import RateLimitItemPerMinute, storage, strategies
+from sqlalchemy import delete, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -43,6 +44,7 @@ SESSION_S = 12 * 3600
 MAX_FAILURES = 5  # in a row, then the account is locked for LOCK_S
 LOCK_S = 15 * 60
 MIN_PASSWORD, MAX_PASSWORD = 12, 1024
+UNKNOWN_FAILURES = RateLimitItemPerMinute(MAX_FAILURES - 1, LOCK_S // 60)
 ISSUER = "campugrid"
 _HASHER = argon2.PasswordHasher()  # argon2id, RFC 9106's second recommended parameters
 # Checked when the name is unknown, so that a wrong name takes as long as a wrong password.
@@ -73,16 +75,26 @@ class SecretBox:
     def at(cls, path: Path) -> SecretBox:
         """The key at `path`, made (readable by its owner only) on first use."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            pass
-        else:
+        if not path.exists():  # written whole, then linked into place: never half a key
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(Fernet.generate_key())
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pass  # another process made it first: that one is the key
+            finally:
+                tmp.unlink()
         if path.stat().st_mode & 0o077:
             raise StorageError(f"{path} is readable by others: chmod 600 {path}")
-        return cls(path.read_bytes().strip())
+        key = path.read_bytes().strip()
+        if not key:
+            raise StorageError(f"{path} is empty: restore it from a backup (the TOTP secrets "
+                               "need it), or remove it and reset every user")
+        return cls(key)
 
     def seal(self, text: str) -> str:
         return self._fernet.encrypt(text.encode()).decode("ascii")
@@ -115,6 +127,9 @@ class Users:
     def __init__(self, db: Database, box: SecretBox) -> None:
         self.db = db
         self.box = box
+        # Failures for names nobody has, so that they lock as a real account would (in this
+        # process: what they guard is only that a name's existence does not show).
+        self._unknown = strategies.MovingWindowRateLimiter(storage.MemoryStorage())
 
     def _view(self, row: User, app: App) -> UserView:
         return UserView(row.id, row.name, row.app_id, app.name, app.admin and app.revoked_at is None,
@@ -208,8 +223,10 @@ class Users:
         on the first visit and kept (encrypted), so reloading the page shows the same one."""
         with self.db.tx() as s:
             row = self._enrolling(s, token)
-            if not row.totp_secret:
-                row.totp_secret = self.box.seal(pyotp.random_base32())
+            if not row.totp_secret:  # the first visit: only one of two at once sets it
+                s.execute(update(User).where(User.id == row.id, User.totp_secret == "")
+                          .values(totp_secret=self.box.seal(pyotp.random_base32())))
+                s.refresh(row)
             secret = self.box.open(row.totp_secret)
             uri = pyotp.TOTP(secret).provisioning_uri(name=row.name, issuer_name=ISSUER)
             return row.name, secret, uri
@@ -241,43 +258,58 @@ class Users:
     # --- sign-in --------------------------------------------------------------------------------
 
     def login(self, name: str, password: str, code: str, *, now: dt.datetime | None = None) -> UserView:
-        """The person, if name, password and current code are right; a refusal says no more
-        than which of them was wrong where that leaks nothing (not whether the name exists)."""
+        """The person, if name, password and current code are right. A refusal does not say
+        which was wrong, nor whether the name exists: unknown names lock like real ones. The
+        password is checked outside any transaction (argon2 takes a tenth of a second)."""
         now = now or utcnow()
         wrong = Unauthenticated("wrong user name, password or code")
-        with self.db.tx() as s:
+        with self.db.read() as s:
             row = s.scalars(select(User).where(User.name == name[:100])).one_or_none()
-            if row is None or row.enrolled_at is None:
-                _verify(_DUMMY, password)
-                raise wrong
-            if row.locked_until is not None and row.locked_until > now:
-                raise _locked(row.locked_until, now)
-            good = _verify(row.password_hash, password)
-            step = _totp_step(self.box.open(row.totp_secret), code, now) if good else None
-            if not good or step is None:
-                failures = row.failed_logins + 1
-                locked = now + dt.timedelta(seconds=LOCK_S) if failures >= MAX_FAILURES else None
-                s.execute(update(User).where(User.id == row.id).values(
-                    failed_logins=0 if locked else failures, locked_until=locked))
-                refusal = _locked(locked, now) if locked else wrong  # raised once committed
-            elif step <= row.totp_last_step:
+            found = None if row is None or row.enrolled_at is None else (
+                row.id, row.password_hash, row.totp_secret, row.totp_last_step, row.locked_until)
+        if found is None:
+            _verify(_DUMMY, password)
+            if not self._unknown.hit(UNKNOWN_FAILURES, "unknown", name[:100]):
+                reset = self._unknown.get_window_stats(UNKNOWN_FAILURES, "unknown", name[:100])
+                raise _locked(dt.datetime.fromtimestamp(reset.reset_time, dt.UTC), now)
+            raise wrong
+        user_id, hashed, sealed, last_step, locked_until = found
+        if locked_until is not None and locked_until > now:
+            raise _locked(locked_until, now)
+        good = _verify(hashed, password)
+        step = _totp_step(self.box.open(sealed), code, now) if good else None
+        if not good or step is None:
+            raise self._failed(user_id, now) or wrong
+        if step <= last_step:
+            raise Unauthenticated("that code was used already: wait for the next one")
+        with self.db.tx() as s:
+            row = s.get(User, user_id)
+            app = s.get(App, row.app_id) if row is not None else None
+            if row is None or app is None or app.revoked_at is not None:
+                raise Unauthenticated(f"the app that {name!r} acts as was revoked: ask an admin")
+            rehash = _HASHER.check_needs_rehash(hashed)
+            used = s.execute(update(User).where(
+                User.id == user_id, User.totp_last_step < step, User.password_hash == hashed,
+                or_(User.locked_until.is_(None), User.locked_until <= now)).values(
+                failed_logins=0, locked_until=None, totp_last_step=step,
+                password_hash=_HASHER.hash(password) if rehash else hashed)
+            ).rowcount  # type: ignore[attr-defined]
+            if used != 1:  # another sign-in with this code (or a reset, a lock) came first
                 raise Unauthenticated("that code was used already: wait for the next one")
-            else:
-                app = s.get(App, row.app_id)
-                if app is None or app.revoked_at is not None:
-                    raise Unauthenticated(f"the app {name!r} acts as was revoked: ask an admin")
-                rehash = _HASHER.check_needs_rehash(row.password_hash)
-                used = s.execute(update(User).where(User.id == row.id,
-                                                    User.totp_last_step < step).values(
-                    failed_logins=0, locked_until=None, totp_last_step=step,
-                    password_hash=_HASHER.hash(password) if rehash else row.password_hash)
-                ).rowcount  # type: ignore[attr-defined]
-                if used != 1:  # another sign-in with this very code won the race
-                    raise Unauthenticated("that code was used already: wait for the next one")
-                s.flush()
-                s.refresh(row)
-                return self._view(row, app)
-        raise refusal
+            s.refresh(row)
+            return self._view(row, app)
+
+    def _failed(self, user_id: str, now: dt.datetime) -> RateLimited | None:
+        """Count a failed sign-in (in the database, so that parallel guesses all count); the
+        lock it set off, if it did."""
+        with self.db.tx() as s:
+            s.execute(update(User).where(User.id == user_id)
+                      .values(failed_logins=User.failed_logins + 1))
+            locked = now + dt.timedelta(seconds=LOCK_S)
+            hit = s.execute(update(User).where(User.id == user_id,
+                                               User.failed_logins >= MAX_FAILURES)
+                            .values(failed_logins=0, locked_until=locked)).rowcount  # type: ignore[attr-defined]
+        return _locked(locked, now) if hit else None
 
     def open_session(self, user: UserView) -> tuple[str, dt.datetime]:
         token = "cgs_" + secrets.token_urlsafe(32)

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from campugrid.agent import owner, status
+from campugrid.agent import status
 from campugrid.protocol.errors import InvalidInput
 
 UNIT_NAME = "campugrid-agent.service"
@@ -140,12 +140,19 @@ def unit_text(config: Path, python: str = sys.executable) -> str:
         "campugrid provider pause takes it back)\n"
         "Wants=network-online.target\nAfter=network-online.target\n\n"
         "[Service]\n"
-        f"ExecStart={python} -m campugrid.cli agent run --config {config}\n"
+        f"ExecStart={_quoted(python)} -m campugrid.cli agent run --config {_quoted(str(config))}\n"
         "Restart=on-failure\nRestartSec=10\n"
         "# Exit status 3: the coordinator revoked this machine; restarting would not help.\n"
         "RestartPreventExitStatus=3\n"
         "NoNewPrivileges=yes\n\n"
         "[Install]\nWantedBy=default.target\n")
+
+
+def _quoted(word: str) -> str:
+    """One word of a unit's command line: quoted, with systemd's % specifiers escaped."""
+    word = word.replace("%", "%%")
+    return '"' + word.replace("\\", "\\\\").replace('"', '\\"') + '"' if any(
+        c in word for c in ' \t"\'\\') else word
 
 
 def has_user_systemd() -> bool:
@@ -184,7 +191,19 @@ def stop_agent(state_dir: Path, wait_s: float = 30.0) -> bool:
     return True
 
 
+def remove_tree(path: Path) -> None:
+    """rmtree, never through a link, and where a job left files owned by its user
+    namespace's ids (which this user may not unlink from outside), the same from inside that
+    namespace."""
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    if path.exists():
+        subprocess.run(["podman", "unshare", "rm", "-rf", "--", str(path)], capture_output=True,
+                       timeout=120, check=False)
+
+
 def remove_state(state_dir: Path) -> None:
-    if state_dir.exists():
-        owner.resume(state_dir)
-        shutil.rmtree(state_dir)
+    if state_dir.exists() or state_dir.is_symlink():
+        remove_tree(state_dir)

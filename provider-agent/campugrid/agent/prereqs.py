@@ -11,6 +11,8 @@ import dataclasses
 import importlib
 import os
 import pwd
+import re
+import shlex
 import shutil
 import subprocess
 from collections.abc import Callable, Sequence
@@ -120,7 +122,8 @@ def subids(host: Host, path: Path, kind: str) -> Check:
         return Check(f"{kind} range", True, f"{count} ids for {host.user}")
     return Check(f"{kind} range", False,
                  f"{host.user} has {count} subordinate ids in {path}; containers need "
-                 f"{MIN_SUBIDS}", f"usermod {flag} 100000-165535 {host.user}", root=True)
+                 f"{MIN_SUBIDS}", f"usermod {flag} (a free range of {MIN_SUBIDS}) {host.user}",
+                 root=True)
 
 
 def _uid_or(host: Host) -> int | str:
@@ -238,15 +241,50 @@ def gpus(host: Host, nvml: Any = None) -> list[Check]:
     return [found, Check("GPU in gVisor", True, f"nvproxy supports driver {driver}")]
 
 
-def root_step(user: str, checks: Sequence[Check], cgroup: Path = CGROUP) -> str:
+USER_NAME = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")  # Debian's adduser default
+
+
+def check_user(user: str) -> str:
+    """A user name the root step may name: it goes into a script root runs."""
+    if not USER_NAME.match(user):
+        raise ValueError(f"user name {user!r}: the root step handles names of a-z, 0-9, '_' "
+                         "and '-' only (up to 32, starting with a letter or '_')")
+    return user
+
+
+def free_range(*files: Path, size: int = MIN_SUBIDS, start: int = 100000) -> int:
+    """The first id at or after `start`, on a multiple of `size`, that no range in these
+    files (/etc/subuid, /etc/subgid) overlaps: two providers never share container ids."""
+    taken: list[tuple[int, int]] = []
+    for path in files:
+        try:
+            lines = path.read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.strip().split(":")
+            if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
+                taken.append((int(parts[1]), int(parts[1]) + int(parts[2])))
+    first = start
+    while any(lo < first + size and first < hi for lo, hi in taken):
+        first += size
+    return first
+
+
+def root_step(user: str, checks: Sequence[Check], cgroup: Path = CGROUP,
+              subuid: Path = Path("/etc/subuid"), subgid: Path = Path("/etc/subgid")) -> str:
     """The one script, for the owner to read and run as root, that fixes what needs root."""
+    who = shlex.quote(check_user(user))
     wanted = {c.name for c in checks if not c.ok and c.root}
     lines: list[str] = []
     if wanted & {"podman", "runsc (gVisor)"}:
         lines.append("apt-get install -y " + " ".join(PACKAGES))
-    for kind, flag in (("subuid", "--add-subuids"), ("subgid", "--add-subgids")):
-        if f"{kind} range" in wanted:
-            lines.append(f"usermod {flag} 100000-165535 {user}")
+    if wanted & {"subuid range", "subgid range"}:
+        first = free_range(subuid, subgid)
+        span = f"{first}-{first + MIN_SUBIDS - 1}"
+        for kind, flag in (("subuid", "--add-subuids"), ("subgid", "--add-subgids")):
+            if f"{kind} range" in wanted:
+                lines.append(f"usermod {flag} {span} {who}")
     if "cgroup limits" in wanted:
         if (cgroup / "cgroup.controllers").exists():
             lines += ["mkdir -p /etc/systemd/system/user@.service.d",
@@ -254,20 +292,22 @@ def root_step(user: str, checks: Sequence[Check], cgroup: Path = CGROUP) -> str:
                       "/etc/systemd/system/user@.service.d/delegate.conf",
                       "systemctl daemon-reload"]
         else:
-            subtree = v1_subtree(user)
             for c in CONTROLLERS:
-                lines += [f"mkdir -p {cgroup}/{c}/{subtree}", f"chown -R {user}: {cgroup}/{c}/{subtree}"]
+                path = shlex.quote(str(cgroup / c / v1_subtree(user)))
+                lines += [f"mkdir -p {path}", f"chown -R {who}: {path}"]
     if "lingering" in wanted:
-        lines.append(f"loginctl enable-linger {user}")
+        lines.append(f"loginctl enable-linger {who}")
     return "\n".join(["set -eu", *lines]) + "\n" if lines else ""
 
 
 def undo_root_step(user: str, cgroup: Path = CGROUP) -> str:
-    """What uninstall undoes as root: the cgroup subtree and lingering (packages and id
-    ranges stay: other programs may use them)."""
+    """What uninstall undoes as root: the cgroup subtree (with whatever cgroups are left in
+    it) and lingering. Packages and id ranges stay: other programs may use them."""
+    who = shlex.quote(check_user(user))
     lines = ["set -u"]
     if not (cgroup / "cgroup.controllers").exists():
-        subtree = v1_subtree(user)
-        lines += [f"rmdir {cgroup}/{c}/{subtree} 2>/dev/null || true" for c in CONTROLLERS]
-    lines.append(f"loginctl disable-linger {user} 2>/dev/null || rm -f {LINGER}/{user}")
+        for c in CONTROLLERS:
+            path = shlex.quote(str(cgroup / c / v1_subtree(user)))
+            lines.append(f"[ ! -d {path} ] || find {path} -depth -type d -exec rmdir {{}} +")
+    lines.append(f"loginctl disable-linger {who} 2>/dev/null || rm -f {LINGER}/{who}")
     return "\n".join(lines) + "\n"

@@ -13,8 +13,6 @@ import dataclasses
 import importlib
 import logging
 import os
-import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +24,7 @@ import grpc
 from campugrid.agent import gpus
 from campugrid.agent.client import CoordinatorApi, CoordinatorClient, fetch_membership
 from campugrid.agent.gpus import GpuPolicy
-from campugrid.agent.install import scope_of
+from campugrid.agent.install import remove_tree, scope_of
 from campugrid.agent.messages import Capabilities, Lease
 from campugrid.agent.owner import Owner, OwnerPolicy
 from campugrid.agent.shards import ShardSessionTask
@@ -254,17 +252,6 @@ def enforceable(sandbox: Runtime, builder: Builder, output: str) -> dict[str, st
     return {**sandbox.limits.as_dict(), "build_disk": build_disk,
             "confinement": "; ".join(missing) if missing else ENFORCED,
             "sandbox_seccomp": seccomp, "output": output}
-
-
-def remove_tree(path: Path) -> None:
-    """rmtree, and where a job left files owned by its user namespace's ids (which this user
-    may not unlink from outside), the same from inside that namespace."""
-    if path.is_symlink() or path.is_file():
-        path.unlink(missing_ok=True)
-    shutil.rmtree(path, ignore_errors=True)
-    if path.exists():
-        subprocess.run(["podman", "unshare", "rm", "-rf", "--", str(path)], capture_output=True,
-                       timeout=120, check=False)
 
 
 def _members(sandbox: Runtime, name: str) -> Callable[[int], bool]:

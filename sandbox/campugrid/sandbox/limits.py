@@ -30,7 +30,11 @@ def delegated_subtree(user: str | None = None) -> str:
     """The cgroup v1 folder root hands to one provider user: `campugrid` for the user of
     that name (infra/setup.sh), `campugrid-USER` for any other (`provider prepare`), so that
     several users may lend the same machine."""
-    user = user or pwd.getpwuid(os.geteuid()).pw_name
+    if user is None:
+        try:
+            user = pwd.getpwuid(os.geteuid()).pw_name
+        except KeyError:  # a uid without a passwd entry (containers)
+            user = str(os.geteuid())
     return DELEGATED if user == DELEGATED else f"{DELEGATED}-{user}"
 CONTROLLERS = ("memory", "cpu", "pids")
 

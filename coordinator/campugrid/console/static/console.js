@@ -27,6 +27,10 @@
     status.textContent = "The job has ended.";
     window.location.reload();  // the final page: outputs, checkpoints, every attempt
   });
+  source.addEventListener("signed-out", () => {
+    source.close();
+    status.textContent = "Your session has ended: sign in again to follow this job.";
+  });
   source.onerror = () => { status.textContent = "Connection lost; reconnecting…"; };
   source.onopen = () => { status.textContent = "Live: new lines appear as the provider sends them."; };
 })();
