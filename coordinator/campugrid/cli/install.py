@@ -139,19 +139,22 @@ def install(
     unit = unit_path()
     unit.parent.mkdir(parents=True, exist_ok=True)
     unit.write_text(unit_text(config))
-    started = ""
-    if start and has_user_systemd():
+    foreground = f"  {sys.executable} -m campugrid.cli agent run --config {config}"
+    running = start and has_user_systemd()
+    if running:
         for args in (("daemon-reload",), ("enable", "--now", UNIT_NAME)):
             code, text = systemctl(*args)
             if code != 0:
                 _fail(f"systemctl --user {' '.join(args)}: {text}")
         started = f"started: systemctl --user status {UNIT_NAME.removesuffix('.service')}"
+    elif start:
+        started = f"no systemd user session here: run the agent in the foreground with\n{foreground}"
     else:
-        started = ("no systemd user session here: run the agent in the foreground with\n"
-                   f"  {sys.executable} -m campugrid.cli agent run --config {config}")
+        started = (f"not started (--no-start): systemctl --user enable --now {UNIT_NAME}, or in "
+                   f"the foreground:\n{foreground}")
     emit(as_json, {"machine_id": reply.machine_id, "fingerprint": reply.fingerprint,
                    "status": reply.status, "config": str(config), "unit": str(unit),
-                   "state_dir": str(cfg.state_dir), "started": bool(start and "started" in started)},
+                   "state_dir": str(cfg.state_dir), "started": running},
          f"configuration  {config}\nunit           {unit}\n{started}\n\n"
          f"machine        {reply.machine_id}\nfingerprint    {reply.fingerprint}\n"
          f"status         {reply.status}\n"
