@@ -224,7 +224,10 @@ def drive(coord: server.Running, machine_id: str, client_id: str, output: bytes)
         time.sleep(1.5)
         store.renew_lease(job.id, job.attempt, machine_id, JobState.RUNNING, 30)
         store.append_logs(job.id, job.attempt, machine_id, "run", 0, "epoch 1 loss 0.5\n")
-        time.sleep(1.5)
+        store.record_checkpoint(job.id, job.attempt, machine_id, epoch=1,
+                                key=f"checkpoints/{job.id}/1", size=3 * 1024 * 1024,
+                                sha256="0" * 64, keep=3)
+        time.sleep(2.5)  # the follower looks at the job's events every 2 s
         key = f"outputs/{job.id}.tar.gz"
         coord.coord.objects.put_bytes(key, output)
         store.finish(job.id, job.attempt, machine_id, succeeded=True, exit_code=0, reason=None,
@@ -253,6 +256,8 @@ def test_submit_wait_streams_json_lines_and_the_output_downloads(coord, env, mac
     assert logs == [("build", "STEP 1/2: FROM python\n"), ("run", "epoch 1 loss 0.5\n")]
     assert lines[-1]["event"] == "final" and lines[-1]["job"]["state"] == "succeeded"
     assert lines[-1]["job"]["result"] == "0.5" and lines[-1]["job"]["id"] == job_id
+    saved = [x for x in lines if x["event"] == "job" and x["kind"] == "checkpoint"]
+    assert [x["detail"] for x in saved] == [f"epoch 1, {3 * 1024 * 1024} bytes"], lines
 
     got = cli_json(env, "output", job_id, "-o", str(tmp_path / "out.tar.gz"))
     assert got == {"job_id": job_id, "path": str(tmp_path / "out.tar.gz"), "size": len(output),
@@ -272,6 +277,7 @@ def test_submit_wait_shows_the_phase_on_a_terminal(coord, env, machine, tmp_path
     assert lines[1:3] == ["build| STEP 1/2: FROM python", "epoch 1 loss 0.5"], stdout
     assert lines[3] == f"job      {lines[0]}" and lines[4].startswith("state    succeeded")
     assert "building its image" in terminal and ": running" in terminal, terminal
+    assert "checkpoint epoch 1 saved (3.0 MB)" in terminal, terminal
     assert "STEP 1/2" not in terminal  # the logs went to stdout, and only there
     # stdout on the same terminal: each log line is a line of its own above the spinner
     driver = drive(coord, machine, "waited-3", b"out")

@@ -17,7 +17,9 @@ import typer
 
 from campugrid.agent.install import AGENT_DIR
 from campugrid.cli import specfile
-from campugrid.cli.output import Json, Transfers, emit, emit_array, emit_line, interactive, phase
+from campugrid.cli.follow import follow as follow_job
+from campugrid.cli.follow import log_text
+from campugrid.cli.output import Json, Transfers, emit, emit_array, emit_line, interactive
 from campugrid.cli.provider import provider_app
 from campugrid.cli.users import users_app
 from campugrid.protocol.errors import CampugridError
@@ -43,9 +45,6 @@ Server = Annotated[str | None, typer.Option(
     "--server", envvar="CAMPUGRID_SERVER",
     help="The coordinator's REST address (default: the one your identity is for).")]
 DEFAULT_SERVER = None
-PHASES = {"queued": "waiting for a machine", "building": "building its image",
-          "running": "running"}
-
 
 def _fail(message: str) -> NoReturn:
     typer.secho(f"error: {message}", fg="red", err=True)
@@ -103,31 +102,6 @@ def _print_job(job: dict[str, Any]) -> None:
     typer.echo(_job_text(job))
 
 
-def _log_text(chunk: dict[str, Any]) -> str:
-    prefix = "build| " if chunk["stream"] == "build" else ""
-    return "\n".join(f"{prefix}{line}" for line in chunk["text"].splitlines())
-
-
-def _follow(api: Any, job_id: str, as_json: bool = False) -> dict[str, Any]:
-    """Print the job's logs as they come (JSON Lines: {"event": "state"|"log", ...}) until it
-    is final, with its phase on a spinner line where a person watches; the final job."""
-    seen = ""
-    with phase(interactive(as_json)) as now:
-        def on_state(state: str) -> None:
-            nonlocal seen
-            if state != seen:
-                emit_line(as_json, {"event": "state", "job_id": job_id, "state": state}, "")
-                seen = state
-            now.show(f"job {job_id[:8]}: {PHASES.get(state, state)}")
-
-        for chunk in api.follow_logs(job_id, on_state=on_state):
-            if as_json:
-                emit_line(True, {"event": "log", "job_id": job_id, **chunk}, "")
-            elif text := _log_text(chunk):
-                now.echo(text)
-        return dict(api.wait(job_id))
-
-
 def _finish(job: dict[str, Any], as_json: bool) -> NoReturn:
     """After following a job: print it, and exit 0 if it succeeded, else 1."""
     emit_line(as_json, {"event": "final", "job": job}, _job_text(job))
@@ -180,7 +154,7 @@ def submit(
             emit(as_json, job, job["id"])
             return
         emit_line(as_json, {"event": "submitted", "job": job}, job["id"])
-        job = _follow(api, job["id"], as_json)
+        job = follow_job(api, job["id"], as_json)
     except (CampugridError, OSError, ValueError) as e:  # ValueError: UTF-8
         _fail(str(e))
     _finish(job, as_json)
@@ -206,7 +180,7 @@ def logs(job_id: str, follow: Annotated[bool, typer.Option(
     try:
         api = _api(server)
         if follow:
-            job = _follow(api, job_id, as_json)
+            job = follow_job(api, job_id, as_json)
             if as_json:
                 emit_line(True, {"event": "final", "job": job}, "")
             return
@@ -214,7 +188,7 @@ def logs(job_id: str, follow: Annotated[bool, typer.Option(
     except CampugridError as e:
         _fail(str(e))
     emit(as_json, {"job_id": job_id, **page},
-         "\n".join(filter(None, (_log_text(c) for c in page["chunks"]))))
+         "\n".join(filter(None, (log_text(c) for c in page["chunks"]))))
 
 
 @app.command()
@@ -575,7 +549,7 @@ def up(
             folder = find_example("hello")
             job = api.submit(tar_folder(folder), JobSpec(name="hello sample"))
             typer.echo(f"submitted {folder} as job {job['id']}")
-            job = _follow(api, job["id"])
+            job = follow_job(api, job["id"])
             _print_job(job)
             code = 0 if job["state"] == "succeeded" else 1
         if not exit_after_sample:
