@@ -152,12 +152,13 @@ def user_of(request: Request) -> UserView:
     return user
 
 
-def csrf_token(request: Request, users: Users) -> str:
-    """The token this page's forms carry."""
-    session = request.state.session
-    if session:
-        return users.box.mac("session\0" + session)
-    return users.box.mac("form\0" + request.state.form_secret)
+def csrf_token(request: Request, users: Users, form_secret: str | None = None) -> str:
+    """The token this page's forms carry: a MAC of the session cookie, or before sign-in of
+    the form cookie's secret (this page's, unless `form_secret` names the one sent)."""
+    if request.state.session:
+        return users.box.mac("session\0" + request.state.session)
+    secret = request.state.form_secret if form_secret is None else form_secret
+    return users.box.mac("form\0" + secret) if secret else ""
 
 
 def form_secret(request: Request) -> str:
@@ -185,11 +186,7 @@ async def check_csrf(request: Request, users: Users) -> None:
         raise InvalidInput(f"the form could not be read ({e.detail}): a folder of more than "
                            f"{MAX_FORM_FILES - 2} files goes as a tarball") from e
     sent = form.get("csrf")
-    if request.state.session:
-        expected = users.box.mac("session\0" + request.state.session)
-    else:
-        secret = request.cookies.get(FORM_COOKIE, "")
-        expected = users.box.mac("form\0" + secret) if secret else ""
+    expected = csrf_token(request, users, request.cookies.get(FORM_COOKIE, ""))
     if not expected or not isinstance(sent, str) or not hmac.compare_digest(sent, expected):
         raise Forbidden("the form has expired or was not sent by this console: reload the page "
                         "and send it again")

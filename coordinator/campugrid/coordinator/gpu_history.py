@@ -66,6 +66,15 @@ def this_minute() -> int:
 class GpuHistories:
     def __init__(self, db: Database) -> None:
         self.db = db
+        self._noted: dict[str, int] = {}  # machine id -> the minute of its last sample here
+
+    def note(self, machine_id: str, gpus: Sequence[GpuMemory]) -> None:
+        """Keep the first report of each minute: one write per machine and minute, whatever
+        the agent's pace (heartbeats and lease requests both report)."""
+        minute = this_minute()
+        if gpus and self._noted.get(machine_id) != minute:
+            self._noted[machine_id] = minute
+            self.record(machine_id, gpus, minute)
 
     def record(self, machine_id: str, gpus: Sequence[GpuMemory], minute: int | None = None) -> None:
         """This minute's sample of each GPU (a second one in the same minute replaces it)."""

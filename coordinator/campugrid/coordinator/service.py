@@ -16,7 +16,7 @@ from typing import Any, BinaryIO
 
 from campugrid.coordinator.apps import AppView
 from campugrid.coordinator.config import Settings
-from campugrid.coordinator.gpu_history import GpuMemory, this_minute
+from campugrid.coordinator.gpu_history import GpuMemory
 from campugrid.coordinator.machines import MachineRecord
 from campugrid.coordinator.machines import Status as MachineStatus
 from campugrid.coordinator.objects import ObjectStore
@@ -89,7 +89,6 @@ class Coordinator:
         self._speeds_at = -SPEEDS_REFRESH_S
         self._context_urls: dict[str, tuple[str, float]] = {}  # key -> (URL, good until)
         self._machines: dict[str, tuple[MachineRecord, float]] = {}  # id -> (record, until)
-        self._sampled: dict[str, int] = {}  # machine id -> the minute of its last GPU sample
 
     @functools.cached_property
     def users(self) -> Users:
@@ -97,11 +96,10 @@ class Coordinator:
         the state folder (never in the database)."""
         return Users(self.store.db, SecretBox.at(self.settings.state_dir / "console.key"))
 
-    def submit(self, spec: JobSpec, context: bytes | BinaryIO,
-               owner: str = "") -> tuple[JobView, bool]:
+    def submit(self, spec: JobSpec, context: BinaryIO, owner: str = "") -> tuple[JobView, bool]:
         """Validate everything, store the context, then the job; answer only after both. The
-        context is its bytes or a seekable file of them (never read into memory whole)."""
-        size = len(context) if isinstance(context, bytes) else context.seek(0, io.SEEK_END)
+        context is a seekable file (the upload's spool), never read into memory whole."""
+        size = context.seek(0, io.SEEK_END)
         if size > self.settings.max_context_bytes:
             raise InvalidInput(f"context: larger than {self.settings.max_context_bytes // 1024**2} MiB")
         inspect_context(context, self.settings.allowed_bases)
@@ -122,13 +120,11 @@ class Coordinator:
                     "object's sha256 (for a prefix: \"sha256\": {path: sha256} of the files the "
                     "job reads), or upload the file with a ticket (`submit --upload`)")
             self._dataset_files(ds)  # refuses unknown buckets and missing files now
-        digest = _sha256(context)
+        context.seek(0)
+        digest = hashlib.file_digest(context, "sha256").hexdigest()  # type: ignore[arg-type]
         key = f"contexts/{digest}.tar"
         if not self.objects.exists(key):
-            if isinstance(context, bytes):
-                self.objects.put_bytes(key, context)
-            else:
-                self.objects.put_file(key, context, size)
+            self.objects.put_file(key, context, size)
         job, created = self.store.submit(spec, key, digest, owner, tickets)
         if created:
             log.info("job submitted", extra={"job_id": job.id})
@@ -377,13 +373,8 @@ class Coordinator:
             self._remember_offer(machine_id, offer)
 
     def note_memory(self, machine_id: str, gpus: Sequence[GpuMemory]) -> None:
-        """Keep the first report of each minute for the console's memory chart (one write per
-        machine and minute, whatever the agent's pace)."""
-        minute = this_minute()
-        if not gpus or self._sampled.get(machine_id) == minute:
-            return
-        self._sampled[machine_id] = minute
-        self.store.gpu_history.record(machine_id, gpus, minute)
+        """For the console's memory chart: an approved machine's GPUs, as it reports them."""
+        self.store.gpu_history.note(machine_id, gpus)
 
     def _remember_offer(self, machine_id: str, offer: MachineView) -> bool:
         """Note what is stored now; False if it was stored already."""
@@ -570,16 +561,6 @@ def _how_inputs_move(job: JobView, lease: Lease) -> str:
                      f"{size} bytes" + (", checked by sha256" if all(f.sha256 for f in files)
                                         else ", not pinned"))
     return "; ".join(parts)
-
-
-def _sha256(data: bytes | BinaryIO) -> str:
-    if isinstance(data, bytes):
-        return hashlib.sha256(data).hexdigest()
-    data.seek(0)
-    h = hashlib.sha256()
-    while chunk := data.read(1024**2):
-        h.update(chunk)
-    return h.hexdigest()
 
 
 def _waiting_reason(job: JobView, machines: list[MachineView], pending: int = 0) -> str | None:
