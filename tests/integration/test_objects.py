@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
+import secrets
+import socket
 
 import httpx
 import pytest
 
+from campugrid.cli.seaweed import EmbeddedS3
 from campugrid.coordinator.objects import S3Store
-from campugrid.protocol.errors import InvalidInput
+from campugrid.protocol.errors import InvalidInput, StorageError
 
 pytestmark = pytest.mark.integration
 TTL = dt.timedelta(minutes=5)
@@ -45,3 +49,77 @@ def test_presigned_urls_work_without_credentials_and_refuse_tampering(s3: S3Stor
     assert httpx.get(tampered).status_code == 403
     other_key = get.replace("out/result.tgz", "out/other.tgz")
     assert httpx.get(other_key).status_code == 403
+
+
+def test_keys_of_any_spelling_round_trip_through_presigned_urls(s3: S3Store):
+    for key in ("out/a b+c=d.bin", "out/ü日本/データ~1.csv", "out/semi;colon@at!$'()*,.txt"):
+        assert s3.presigner.handles(s3.bucket, key)  # signed by us, not the SDK
+        assert httpx.put(s3.presign_put(key, TTL), content=key.encode()).status_code == 200
+        assert httpx.get(s3.presign_get(key, TTL)).content == key.encode()
+        assert s3.get_bytes(key) == key.encode()
+
+
+def test_the_region_is_settled_once_and_a_configured_one_is_signed(s3: S3Store,
+                                                                   s3_server: EmbeddedS3):
+    assert s3.region == "us-east-1"  # asked of SeaweedFS (GetBucketLocation) at ensure_bucket
+    other = S3Store(s3_server.endpoint, s3_server.access_key, s3_server.secret_key, s3.bucket,
+                    region="eu-central-1", addressing="path")
+    assert other.region == "eu-central-1"
+    other.put_bytes("r.bin", b"region")
+    url = other.presign_get("r.bin", TTL)
+    assert "%2Feu-central-1%2Fs3%2F" in url
+    assert httpx.get(url).content == b"region"
+    other.close()
+
+
+def test_a_multipart_upload_through_presigned_parts(s3: S3Store):
+    key = "checkpoints/j/epoch-00000001-attempt-1.tar"
+    upload = s3.begin_multipart(key)
+    parts = [secrets.token_bytes(5 * 1024 * 1024), b"the tail"]
+    etags = []
+    for n, part in enumerate(parts, 1):
+        r = httpx.put(s3.presign_part(key, upload, n, TTL), content=part, timeout=60)
+        assert r.status_code == 200, r.text
+        etags.append(r.headers["ETag"])
+    s3.complete_multipart(key, upload, etags)
+    assert s3.get_bytes(key) == b"".join(parts)
+    assert s3.digest(key) == (len(b"".join(parts)), hashlib.sha256(b"".join(parts)).hexdigest())
+
+    dropped = s3.begin_multipart("checkpoints/j/dropped.tar")
+    assert dropped != upload
+    r = httpx.put(s3.presign_part("checkpoints/j/dropped.tar", dropped, 1, TTL), content=b"x")
+    assert r.status_code == 200
+    s3.abort_multipart("checkpoints/j/dropped.tar", dropped)
+    s3.abort_multipart("checkpoints/j/dropped.tar", dropped)  # best effort: twice is fine
+    with pytest.raises(InvalidInput, match="NoSuchUpload"):
+        s3.complete_multipart("checkpoints/j/dropped.tar", dropped, [r.headers["ETag"]])
+    assert not s3.exists("checkpoints/j/dropped.tar")
+
+
+def test_s3_errors_carry_s3s_code(s3: S3Store, s3_server: EmbeddedS3):
+    # An upload the agent names wrongly is its mistake (InvalidInput), with S3's own words.
+    with pytest.raises(InvalidInput, match="NoSuchUpload: The specified multipart upload"):
+        s3.complete_multipart("ckpt/x.tar", "no-such-upload-id", ['"abc"'])
+    # The store refusing us is a StorageError, with S3's code and message.
+    wrong = S3Store(s3_server.endpoint, s3_server.access_key, "not-the-secret", s3.bucket,
+                    region="us-east-1")
+    with pytest.raises(StorageError, match="SignatureDoesNotMatch: The request signature"):
+        wrong.begin_multipart("ckpt/y.tar")
+    with pytest.raises(StorageError, match="SignatureDoesNotMatch"):
+        wrong.complete_multipart("ckpt/y.tar", "no-such-upload-id", ['"abc"'])
+    wrong.abort_multipart("ckpt/y.tar", "no-such-upload-id")  # best effort: no error
+    wrong.close()
+
+
+def test_an_unreachable_store_is_a_storage_error():
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    gone = S3Store(f"127.0.0.1:{port}", "k", "s", "bucket", region="us-east-1")
+    gone._http.connection_pool_kw["retries"] = 0  # no backoff in a test
+    with pytest.raises(StorageError, match="unreachable"):
+        gone.begin_multipart("k")
+    nowhere = S3Store(f"127.0.0.1:{port}", "k", "s", "bucket")  # its region must be asked
+    nowhere._http.connection_pool_kw["retries"] = 0
+    with pytest.raises(StorageError, match="unreachable"):
+        nowhere.ensure_bucket()

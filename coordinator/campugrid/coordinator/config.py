@@ -18,6 +18,10 @@ class Settings:
     s3_secret_key: str
     s3_bucket: str = "campugrid"
     s3_secure: bool = False
+    # CAMPUGRID_S3_REGION (empty: the endpoint's, else asked of the server once at start) and
+    # CAMPUGRID_S3_ADDRESSING: auto (what the minio SDK picks for the endpoint), path or virtual.
+    s3_region: str = ""
+    s3_addressing: str = "auto"
     http_host: str = "127.0.0.1"
     http_port: int = 8750
     grpc_host: str = "127.0.0.1"
@@ -66,12 +70,17 @@ class Settings:
             "s3_secret_key": env.get("CAMPUGRID_S3_SECRET_KEY", ""),
             "s3_bucket": env.get("CAMPUGRID_S3_BUCKET", "campugrid"),
             "s3_secure": env.get("CAMPUGRID_S3_SECURE", "") in ("1", "true", "yes"),
+            "s3_region": env.get("CAMPUGRID_S3_REGION", "").strip(),
+            "s3_addressing": env.get("CAMPUGRID_S3_ADDRESSING", "").strip().lower() or "auto",
             "allowed_bases": allowed_bases(env.get("CAMPUGRID_ALLOWED_BASES")),
             "allow_unsigned": env.get("CAMPUGRID_ALLOW_UNSIGNED", "") in ("1", "true", "yes"),
             "public_url": env.get("CAMPUGRID_PUBLIC_URL", ""),
             "public_grpc": env.get("CAMPUGRID_PUBLIC_GRPC", ""),
             "rest_tls": {"1": True, "0": False}.get(env.get("CAMPUGRID_REST_TLS", "")),
         }
+        if values["s3_addressing"] not in ("auto", "path", "virtual"):
+            raise ValueError(f"CAMPUGRID_S3_ADDRESSING={env['CAMPUGRID_S3_ADDRESSING']!r}: "
+                             "expected auto, path or virtual")
         for key, name, kind in (("lease_seconds", "CAMPUGRID_LEASE_SECONDS", float),
                                 ("keep_checkpoints", "CAMPUGRID_KEEP_CHECKPOINTS", int)):
             if env.get(name):

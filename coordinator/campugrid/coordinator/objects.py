@@ -6,24 +6,44 @@ exactly the objects one task needs.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import dataclasses
 import datetime as dt
 import hashlib
 import io
-from collections.abc import Iterator
+import os
+import threading
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator, Mapping
 from typing import BinaryIO, Protocol
 
+import certifi
+import urllib3
 from minio import Minio
-from minio.datatypes import Part
 from minio.error import MinioException, S3Error
 from urllib3.exceptions import HTTPError
 
-from campugrid.coordinator.presign import Presigner
+from campugrid.coordinator.presign import Presigner, signed_region
 from campugrid.protocol.errors import InvalidInput, StorageError
 
 _FAILURES = (MinioException, HTTPError, OSError, ValueError)
 PART_BYTES = 5 * 1024**2  # a streamed upload goes in parts of this size (S3's least)
+ADDRESSING = ("auto", "path", "virtual")  # auto: what the SDK picks for the endpoint
+CALL_TTL = dt.timedelta(minutes=15)  # the URLs our own S3 calls are sent on
+MAX_REPLY = 1024**2  # an S3 reply to one of those calls, read at most
+# CompleteMultipartUpload refusals that mean the parts or upload named were wrong (the agent's
+# report), not that the store failed.
+NAMED_WRONGLY = frozenset({"NoSuchUpload", "InvalidPart", "InvalidPartOrder", "EntityTooSmall",
+                           "MalformedXML"})
+
+
+class S3Refusal(Exception):
+    """S3 answered one of our own calls with an error (its code and message)."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message} (HTTP {status})")
+        self.status, self.code, self.message = status, code, message
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,15 +88,80 @@ class ObjectStore(Protocol):
 
 
 class S3Store:
+    """ObjectStore over any S3 server. `region` empty: the one the endpoint names (an AWS
+    regional host), else the platform bucket's, asked of the server once; `addressing`
+    "auto" is the SDK's choice for the endpoint (virtual-host on AWS, path elsewhere)."""
+
     def __init__(self, endpoint: str, access_key: str, secret_key: str, bucket: str,
-                 *, secure: bool = False, region: str = "us-east-1") -> None:
+                 *, secure: bool = False, region: str = "", addressing: str = "auto") -> None:
+        if addressing not in ADDRESSING:
+            raise ValueError(f"S3 addressing {addressing!r}: expected one of {', '.join(ADDRESSING)}")
         self.bucket = bucket
-        self.client = Minio(endpoint, access_key, secret_key, secure=secure, region=region)
-        self.presigner = Presigner(f"{'https' if secure else 'http'}://{endpoint}", access_key,
-                                   secret_key, region)
+        self._endpoint, self._secure, self._addressing = endpoint, secure, addressing
+        self._access_key, self._secret_key, self._region = access_key, secret_key, region
+        # Ours, handed to the SDK (with its own defaults), so that close() needs none of the
+        # SDK's private parts and our own calls below share its connections.
+        self._http = urllib3.PoolManager(
+            timeout=urllib3.Timeout(connect=300, read=300), maxsize=10, cert_reqs="CERT_REQUIRED",
+            ca_certs=os.environ.get("SSL_CERT_FILE") or certifi.where(),
+            retries=urllib3.Retry(total=5, backoff_factor=0.2, status_forcelist=[500, 502, 503, 504]))
+        self._sdk(region)  # a bad endpoint or region is refused now, without a request
+        self._ready: tuple[Minio, Presigner, str] | None = None
+        self._settle = threading.Lock()
+
+    def _sdk(self, region: str) -> Minio:
+        client = Minio(self._endpoint, self._access_key, self._secret_key, secure=self._secure,
+                       region=region or None, http_client=self._http)
+        # The SDK's public switches (unannotated in its source).
+        if self._addressing == "path":
+            client.disable_virtual_style_endpoint()  # type: ignore[no-untyped-call]
+        elif self._addressing == "virtual":
+            client.enable_virtual_style_endpoint()  # type: ignore[no-untyped-call]
+        return client
+
+    def _settled(self) -> tuple[Minio, Presigner, str]:
+        """The SDK client with its region fixed, and our presigner on it. Knowing no region, the
+        SDK would ask the server for each bucket's location on the bucket's first use, a lease's
+        presign included; so the region is settled once, on this store's first use (build()
+        calls ensure_bucket at start), and every bucket is signed for it: one store, one region."""
+        ready = self._ready
+        if ready is None:
+            with self._settle:
+                ready = self._ready
+                if ready is None:
+                    region = self._region or self._ask_region()
+                    client = self._sdk(region)
+                    presigner = Presigner(client, self._access_key, self._secret_key)
+                    ready = self._ready = (client, presigner, region)
+        return ready
+
+    def _ask_region(self) -> str:
+        """The region the SDK itself would sign our bucket for: the endpoint's when it names
+        one (no request), else the bucket's location from the server (one request)."""
+        try:
+            return signed_region(self._sdk("").get_presigned_url("GET", self.bucket, "region",
+                                                                 expires=CALL_TTL))
+        except S3Error:
+            # No bucket yet (the SDK then creates it in us-east-1), or a server that will not
+            # say: us-east-1, the SDK's default; CAMPUGRID_S3_REGION says otherwise.
+            return "us-east-1"
+        except _FAILURES as e:
+            raise StorageError(f"object storage unreachable: {e}") from e
+
+    @property
+    def client(self) -> Minio:
+        return self._settled()[0]
+
+    @property
+    def presigner(self) -> Presigner:
+        return self._settled()[1]
+
+    @property
+    def region(self) -> str:
+        return self._settled()[2]
 
     def close(self) -> None:
-        self.client._http.clear()  # the SDK has no close(); its urllib3 pool does
+        self._http.clear()
 
     def ensure_bucket(self) -> None:
         try:
@@ -158,18 +243,14 @@ class S3Store:
         return out
 
     def presign_get(self, key: str, ttl: dt.timedelta, bucket: str | None = None) -> str:
-        if self.presigner.handles(bucket or self.bucket, key):
-            return self.presigner.url("GET", bucket or self.bucket, key, int(ttl.total_seconds()))
         try:
-            return str(self.client.presigned_get_object(bucket or self.bucket, key, expires=ttl))
+            return self.presigner.url("GET", bucket or self.bucket, key, ttl)
         except _FAILURES as e:
             raise StorageError(f"cannot presign {key}: {e}") from e
 
     def presign_put(self, key: str, ttl: dt.timedelta) -> str:
-        if self.presigner.handles(self.bucket, key):
-            return self.presigner.url("PUT", self.bucket, key, int(ttl.total_seconds()))
         try:
-            return str(self.client.presigned_put_object(self.bucket, key, expires=ttl))
+            return self.presigner.url("PUT", self.bucket, key, ttl)
         except _FAILURES as e:
             raise StorageError(f"cannot presign {key}: {e}") from e
 
@@ -179,33 +260,73 @@ class S3Store:
         except _FAILURES as e:
             raise StorageError(f"cannot delete {key}: {e}") from e
 
-    # --- multipart through presigned URLs (the SDK's own multipart calls are private API) --
+    # --- multipart: the SDK's own calls for these are private API, so here they are plain S3
+    # requests, signed by the presigner and sent on the SDK's connection pool ---
 
     def begin_multipart(self, key: str) -> str:
         try:
-            return str(self.client._create_multipart_upload(self.bucket, key, {}))
-        except _FAILURES as e:
+            reply = self._call("POST", key, {"uploads": ""},
+                               headers={"Content-Type": "application/octet-stream"})
+        except S3Refusal as e:
             raise StorageError(f"cannot start an upload of {key}: {e}") from e
+        upload_id = _text(reply, "UploadId")
+        if not upload_id:
+            raise StorageError(f"cannot start an upload of {key}: S3 answered no upload id")
+        return upload_id
 
     def presign_part(self, key: str, upload_id: str, number: int, ttl: dt.timedelta) -> str:
         try:
-            return str(self.client.get_presigned_url(
-                "PUT", self.bucket, key, expires=ttl,
-                extra_query_params={"partNumber": str(number), "uploadId": upload_id}))
+            return self.presigner.url("PUT", self.bucket, key, ttl,
+                                      query={"partNumber": str(number), "uploadId": upload_id})
         except _FAILURES as e:
             raise StorageError(f"cannot presign part {number} of {key}: {e}") from e
 
     def complete_multipart(self, key: str, upload_id: str, etags: list[str]) -> None:
-        parts = [Part(n, etag.strip('"')) for n, etag in enumerate(etags, 1)]
+        root = ET.Element("CompleteMultipartUpload")
+        for n, etag in enumerate(etags, 1):
+            part = ET.SubElement(root, "Part")
+            ET.SubElement(part, "PartNumber").text = str(n)
+            ET.SubElement(part, "ETag").text = '"' + etag.strip('"') + '"'
+        body = ET.tostring(root)
+        md5 = base64.b64encode(hashlib.md5(body, usedforsecurity=False).digest()).decode()
         try:
-            self.client._complete_multipart_upload(self.bucket, key, upload_id, parts)
-        except _FAILURES as e:
-            raise InvalidInput(f"the upload of {key} could not be completed: {e}") from e
+            self._call("POST", key, {"uploadId": upload_id}, body=body,
+                       headers={"Content-Type": "application/xml", "Content-MD5": md5})
+        except S3Refusal as e:
+            if e.code in NAMED_WRONGLY:
+                raise InvalidInput(f"the upload of {key} could not be completed: {e}") from e
+            raise StorageError(f"cannot complete the upload of {key}: {e}") from e
 
     def abort_multipart(self, key: str, upload_id: str) -> None:
         # Best effort: an abandoned upload only costs space until storage cleans it up.
-        with contextlib.suppress(*_FAILURES):
-            self.client._abort_multipart_upload(self.bucket, key, upload_id)
+        with contextlib.suppress(S3Refusal, StorageError):
+            self._call("DELETE", key, {"uploadId": upload_id})
+
+    def _call(self, method: str, key: str, query: Mapping[str, str], *, body: bytes = b"",
+              headers: Mapping[str, str] | None = None) -> ET.Element | None:
+        """One S3 request on `key` in the platform's bucket: its XML reply (None when empty).
+        S3's error reply (even one sent with 200, as CompleteMultipartUpload may) is S3Refusal;
+        a store that cannot be reached is StorageError."""
+        data = b""
+        try:
+            url = self.presigner.url(method, self.bucket, key, CALL_TTL, query=query)
+            resp = self._http.request(method, url, body=body, headers=dict(headers or {}),
+                                      preload_content=False, redirect=False)
+            try:
+                data = resp.read(MAX_REPLY + 1)
+            finally:
+                if len(data) > MAX_REPLY:
+                    resp.close()  # the rest is unread: this connection cannot be reused
+                else:
+                    resp.release_conn()
+        except _FAILURES as e:
+            raise StorageError(f"object storage unreachable: {e}") from e
+        reply = _xml(data[:MAX_REPLY]) if data.strip() else None
+        if reply is not None and _local(reply.tag) == "Error":
+            raise S3Refusal(resp.status, _text(reply, "Code") or "Unknown", _text(reply, "Message"))
+        if resp.status >= 300:
+            raise S3Refusal(resp.status, f"HTTP{resp.status}", resp.reason or "no error body")
+        return reply
 
     def digest(self, key: str) -> tuple[int, str]:
         """(size, sha256) of a stored object, by reading it back."""
@@ -214,3 +335,23 @@ class S3Store:
             h.update(chunk)
             size += len(chunk)
         return size, h.hexdigest()
+
+
+def _xml(data: bytes) -> ET.Element | None:
+    # From the platform's own S3 server, bounded; expat expands no external entities.
+    try:
+        return ET.fromstring(data)  # noqa: S314
+    except ET.ParseError:
+        return None
+
+
+def _local(tag: str) -> str:
+    return tag.rpartition("}")[2]
+
+
+def _text(element: ET.Element | None, name: str) -> str:
+    """A direct child's text, in whatever XML namespace S3 put it."""
+    for child in element if element is not None else ():
+        if _local(child.tag) == name:
+            return child.text or ""
+    return ""
