@@ -8,6 +8,10 @@ from T threads, each lease a real claim (guarded update, event, presigned URLs).
 shows median/p95 latency and leases per second for each (N, M). The peer, gpumesh 3.2.0
 from PyPI, is measured in the same run on the same machine (bench/peers/gpumesh_driver.py)
 and the ratio printed; pass --no-peer to skip it.
+
+A second table, in the same run, has 1, 2 and 4 `campugrid coordinator serve` processes on
+one throwaway PostgreSQL (--coordinators; 0 skips it), the client processes spread over
+them, beside the single SQLite process's row for the same queue.
 """
 
 from __future__ import annotations
@@ -29,12 +33,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
-from sqlalchemy import insert
+from sqlalchemy import Engine, create_engine, insert, text
 
 from campugrid.agent.client import pinned_channel, signed_metadata
 from campugrid.cli.seaweed import EmbeddedS3, free_port
 from campugrid.coordinator import server
 from campugrid.coordinator.config import Settings
+from campugrid.coordinator.db import make_engine, migrate
 from campugrid.coordinator.models import Job, Machine
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
@@ -42,6 +47,9 @@ from campugrid.protocol import keys
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobState
 from campugrid.protocol.wire import MACHINE_HEADER
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.support.postgres import TempPostgres  # the repository's own helper
 
 HEARTBEAT = "/campugrid.v1.AgentService/Heartbeat"
 LEASE = "/campugrid.v1.AgentService/Lease"
@@ -51,7 +59,7 @@ DEPTHS = (1_000, 10_000, 100_000)
 MACHINES = (10, 100, 1000)
 
 
-def seed_jobs(running: server.Running, count: int) -> None:
+def seed_jobs(engine: Engine, count: int) -> None:
     spec = JobSpec.from_dict({"command": ["true"]}).to_json()
     now = dt.datetime.now(dt.UTC)
     rows = [{"id": str(uuid.uuid4()), "client_job_id": None, "name": None,
@@ -59,13 +67,13 @@ def seed_jobs(running: server.Running, count: int) -> None:
              "context_sha256": "0" * 64, "attempt": 0, "max_attempts": 3, "drained": 0,
              "gpus_needed": 0, "created_at": now + dt.timedelta(microseconds=i),
              "updated_at": now} for i in range(count)]
-    with running.coord.store.engine.begin() as conn:
+    with engine.begin() as conn:
         for i in range(0, count, 5000):
             conn.execute(insert(Job), rows[i:i + 5000])
-    if running.coord.store.engine.dialect.name == "sqlite":
+    if engine.dialect.name == "sqlite":
         # Set-up, not measurement: fold the seeded rows into the database file now, so that
         # no timed commit pays for checkpointing them.
-        raw = running.coord.store.engine.raw_connection()  # outside any transaction
+        raw = engine.raw_connection()  # outside any transaction
         try:
             raw.driver_connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # type: ignore[union-attr]
         finally:
@@ -76,10 +84,10 @@ def seed_jobs(running: server.Running, count: int) -> None:
 Creds = list[tuple[str, str]]
 
 
-def seed_machines(running: server.Running, count: int) -> Creds:
+def seed_machines(engine: Engine, count: int) -> Creds:
     now = dt.datetime.now(dt.UTC)
     made = [(str(uuid.uuid4()), keys.Ed25519PrivateKey.generate()) for _ in range(count)]
-    with running.coord.store.engine.begin() as conn:
+    with engine.begin() as conn:
         conn.execute(insert(Machine), [
             {"id": m, "name": f"bench-{i}", "public_key": keys.public_text(k),
              "fingerprint": keys.key_fingerprint(k), "status": "approved", "address": "",
@@ -117,17 +125,19 @@ def join(address: str, pem: str, creds: Creds) -> None:
     channel.close()
 
 
-def measure(address: str, pem: str, creds: Creds, leases: int, threads: int,
-            processes: int) -> dict[str, float]:
+def measure(addresses: list[str], pem: str, creds: Creds, leases: int, threads: int,
+            processes: int, servers: list[int] | None = None) -> dict[str, float]:
     """Latency from one client asking in turn (as gpumesh's driver does); throughput from
     `processes` client processes of `threads` threads each, all at once (agents are other
-    processes on other machines: client work must not share the coordinator's GIL)."""
-    alone = _client(address, pem, creds, leases // 3, 1)
+    processes on other machines: client work must not share the coordinator's GIL), spread
+    over the coordinator processes at `addresses` (their pids: `servers`, else this one)."""
+    alone = _client(addresses[0], pem, creds, leases // 3, 1)
     per_process = max(1, leases // processes)
-    procs = [subprocess.Popen([sys.executable, __file__, "--client", address,
+    servers = servers or [os.getpid()]
+    procs = [subprocess.Popen([sys.executable, __file__, "--client", addresses[i % len(addresses)],
                                "--leases", str(per_process), "--threads", str(threads)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-             for _ in range(processes)]
+             for i in range(processes)]
     for p in procs:
         assert p.stdin is not None
         p.stdin.write(json.dumps({"pem": pem, "creds": creds}) + "\n")
@@ -135,7 +145,7 @@ def measure(address: str, pem: str, creds: Creds, leases: int, threads: int,
     for p in procs:  # each has warmed up and waits for "go"
         assert p.stdout is not None
         assert p.stdout.readline().strip() == "ready"
-    started, cpu0 = time.perf_counter(), _cpu(os.getpid())
+    started, cpu0 = time.perf_counter(), sum(map(_cpu, servers))
     for p in procs:
         assert p.stdin is not None
         p.stdin.write("go\n")
@@ -148,7 +158,7 @@ def measure(address: str, pem: str, creds: Creds, leases: int, threads: int,
         busy += report["latencies"]
         clients_cpu += report["cpu_s"]
     wall = time.perf_counter() - started
-    server_cpu = _cpu(os.getpid()) - cpu0
+    server_cpu = sum(map(_cpu, servers)) - cpu0
     for p in procs:
         p.wait(timeout=600)
     busy.sort()
@@ -241,6 +251,10 @@ def main() -> None:
     ap.add_argument("--client", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--database-url", default=None)
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--coordinators", default="1,2,4",
+                    help="coordinator process counts on PostgreSQL (0: no such table)")
+    ap.add_argument("--cluster-depths", default="1000,100000",
+                    help="queue depths for the PostgreSQL table (100 machines)")
     args = ap.parse_args()
     if args.client:
         client_process(args.client, args.leases, args.threads)
@@ -259,15 +273,15 @@ def main() -> None:
     try:
         depths = [int(x) for x in args.depths.split(",")]
         counts = [int(x) for x in args.machines.split(",")]
-        creds = seed_machines(running, max(counts))
+        creds = seed_machines(running.coord.store.engine, max(counts))
         seeded = 0
         for depth in depths:
-            seed_jobs(running, depth - seeded + 2 * args.leases * len(counts)
+            seed_jobs(running.coord.store.engine, depth - seeded + 2 * args.leases * len(counts)
                       + 30 * (args.processes + 1) * len(counts))
             seeded = depth
             for machines in counts:
                 join(address, pem, creds[:machines])  # agents heartbeat every 10 s: still here
-                r = measure(address, pem, creds[:machines], args.leases, args.threads, args.processes)
+                r = measure([address], pem, creds[:machines], args.leases, args.threads, args.processes)
                 rows.append((depth, machines, r))
                 print(f"  measured {depth} queued, {machines} machines: {r['median_ms']:.2f} ms",
                       file=sys.stderr)
@@ -293,6 +307,99 @@ def main() -> None:
               f"| {r['server_cpu_ms']:12.2f} + {r['client_cpu_ms']:<12.2f} | {pm:>26} | {ratio:>5} |")
     print("\nratio: gpumesh's median lease latency over ours, same machine, same run "
           "(higher is better for campugrid)")
+    counts = [int(x) for x in args.coordinators.split(",") if int(x) > 0]
+    if counts:
+        cluster_table(rows, counts, [int(x) for x in args.cluster_depths.split(",")], args)
+
+
+def cluster_table(single: list[tuple[int, int, dict[str, float]]], counts: list[int],
+                  depths: list[int], args: argparse.Namespace) -> None:
+    """N coordinator processes on one PostgreSQL, beside the SQLite process's row."""
+    machines = 100
+    root = Path(tempfile.mkdtemp(prefix="campugrid-cluster-"))
+    os.chmod(root, 0o711)
+    pg = TempPostgres(root / "pg").start()
+    s3 = EmbeddedS3(root / "s3", "bench", uuid.uuid4().hex).start()
+    results: list[tuple[int, int, dict[str, float]]] = []
+    try:
+        for n in counts:
+            url = _fresh_database(pg, f"cluster_{n}")
+            engine = make_engine(url)
+            migrate(engine)
+            creds = seed_machines(engine, machines)
+            procs, addresses = _coordinators(root / f"state-{n}", url, s3, n)
+            try:
+                pem = (root / f"state-{n}" / "tls" / "coordinator.crt").read_text()
+                join(addresses[0], pem, creds)
+                seeded = 0
+                for depth in depths:
+                    seed_jobs(engine, depth - seeded + 2 * args.leases + 30 * (args.processes + 1))
+                    seeded = depth
+                    r = measure(addresses, pem, creds, args.leases, args.threads, args.processes,
+                                [p.pid for p in procs])
+                    results.append((n, depth, r))
+                    print(f"  measured {n} coordinators on PostgreSQL, {depth} queued: "
+                          f"{r['per_s']:.0f} leases/s", file=sys.stderr)
+            finally:
+                for p in procs:
+                    p.terminate()
+                for p in procs:
+                    p.wait(timeout=30)
+                engine.dispose()
+    finally:
+        s3.stop()
+        pg.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"\ncoordinator processes on one PostgreSQL ({machines} machines; {args.processes} client "
+          f"processes x {args.threads} threads spread over them), beside one SQLite process\n")
+    print("| database   | processes | queued  | median ms | p95 ms | leases/s | p95 ms busy | server CPU ms/lease |")
+    print("|------------|-----------|---------|-----------|--------|----------|-------------|---------------------|")
+    for depth in depths:
+        for d, m, r in single:
+            if d == depth and m == machines:
+                print(f"| SQLite     | {1:>9} | {depth:>7} | {r['median_ms']:9.2f} | {r['p95_ms']:6.2f} "
+                      f"| {r['per_s']:8.0f} | {r['busy_p95_ms']:11.2f} | {r['server_cpu_ms']:19.2f} |")
+        for n, d, r in results:
+            if d == depth:
+                print(f"| PostgreSQL | {n:>9} | {depth:>7} | {r['median_ms']:9.2f} | {r['p95_ms']:6.2f} "
+                      f"| {r['per_s']:8.0f} | {r['busy_p95_ms']:11.2f} | {r['server_cpu_ms']:19.2f} |")
+    print("\nserver CPU: all coordinator processes together (PostgreSQL's own not counted)")
+
+
+def _fresh_database(pg: TempPostgres, name: str) -> str:
+    admin = create_engine(pg.url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f"CREATE DATABASE {name}"))
+    admin.dispose()
+    return pg.url.rsplit("/", 1)[0] + f"/{name}"
+
+
+def _coordinators(state: Path, url: str, s3: EmbeddedS3, n: int) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
+    """`campugrid coordinator serve` n times on one state folder (one certificate); the first
+    makes the certificate before the others start."""
+    env = {**os.environ, "CAMPUGRID_DATABASE_URL": url, "CAMPUGRID_S3_ENDPOINT": s3.endpoint,
+           "CAMPUGRID_S3_ACCESS_KEY": s3.access_key, "CAMPUGRID_S3_SECRET_KEY": s3.secret_key}
+    procs, addresses = [], []
+    for _ in range(n):
+        grpc_port = free_port()
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "campugrid.cli", "coordinator", "serve", "--state-dir", str(state),
+             "--http-port", str(free_port()), "--grpc-port", str(grpc_port), "--lease-seconds", "600",
+             "--admin-identity", str(state.parent / f"admin-{n}.json")],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        addresses.append(f"127.0.0.1:{grpc_port}")
+        deadline = time.monotonic() + 60
+        while not _listening(grpc_port):
+            assert time.monotonic() < deadline and procs[-1].poll() is None, "a coordinator did not start"
+            time.sleep(0.1)
+    return procs, addresses
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ PASSWORD = "correct horse battery staple"
 
 @pytest.fixture
 def users(store: Store, tmp_path: Path) -> Users:
-    return Users(store.db, SecretBox.at(tmp_path / "console.key"))
+    return Users(store.db, SecretBox.at(tmp_path / "console.key"), store.limiter)
 
 
 def enrolled(users: Users, name: str = "ada") -> tuple[str, pyotp.TOTP]:
@@ -132,7 +132,7 @@ def test_no_secret_is_stored_in_plain_form(users: Users, store: Store, tmp_path:
     for secret in (totp.secret, PASSWORD, token, session):
         assert secret not in dump
     assert "$argon2id$" in dump
-    other = Users(store.db, SecretBox.at(tmp_path / "other.key"))  # the key is outside the DB
+    other = Users(store.db, SecretBox.at(tmp_path / "other.key"), store.limiter)  # the key is outside the DB
     with pytest.raises(StorageError, match="console key"):
         other.login("ada", PASSWORD, totp.now())
 

@@ -66,7 +66,8 @@ def create_console(coord: Coordinator) -> FastAPI:
     console = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
     console.add_middleware(ConsoleGate, users=users,
                            max_body=coord.settings.max_context_bytes + FORM_MARGIN_BYTES)
-    guard = Guard()  # sign-in attempts per address, beside each account's lockout
+    # Sign-in attempts per address, beside each account's lockout (counted in the database).
+    guard = Guard(coord.store.limiter)
     console.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
 
     async def csrf(request: Request) -> AsyncIterator[None]:
@@ -120,7 +121,7 @@ def create_console(coord: Coordinator) -> FastAPI:
         target = _safe_next(str(form.get("next") or ""), request)
         address = request.client.host if request.client else "?"
         try:
-            guard.limit("sign-in address", address, SIGN_INS_PER_ADDRESS)
+            await run_in_threadpool(guard.limit, "sign-in address", address, SIGN_INS_PER_ADDRESS)
             user = await run_in_threadpool(users.login, name.strip(), password, code)
         except (Unauthenticated, RateLimited) as e:
             status = 429 if isinstance(e, RateLimited) else 401

@@ -21,6 +21,7 @@ from campugrid.coordinator.models import Job
 from campugrid.protocol.errors import NotFound
 
 MIGRATIONS = Path(__file__).with_name("migrations")
+MIGRATION_LOCK = 0x6367_6D696772  # the advisory lock migrations take on PostgreSQL ('cgmigr')
 READ_ONLY = "campugrid_read_only"
 # A transaction whose loss in a crash harms nothing (the nonce store): committed without
 # waiting for the disk (SQLite: synchronous=NORMAL for it; PostgreSQL: synchronous_commit off).
@@ -127,7 +128,12 @@ def alembic_config() -> Config:
 
 
 def migrate(engine: Engine) -> None:
+    """Bring the schema to the head. Coordinator processes starting together on one database
+    take turns: on PostgreSQL under an advisory lock held to the end of the transaction (the
+    next finds the head already there); on SQLite, BEGIN IMMEDIATE serializes them."""
     cfg = alembic_config()
     with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")

@@ -94,7 +94,8 @@ class Coordinator:
     def users(self) -> Users:
         """The console's people; their TOTP secrets are sealed with console.key, a file in
         the state folder (never in the database)."""
-        return Users(self.store.db, SecretBox.at(self.settings.state_dir / "console.key"))
+        return Users(self.store.db, SecretBox.at(self.settings.state_dir / "console.key"),
+                     self.store.limiter)
 
     def submit(self, spec: JobSpec, context: BinaryIO, owner: str = "") -> tuple[JobView, bool]:
         """Validate everything, store the context, then the job; answer only after both. The

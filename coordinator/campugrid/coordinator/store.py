@@ -29,9 +29,11 @@ from campugrid.coordinator.models import (
     JobEvent,
     LogChunk,
     Nonce,
+    RateCounter,
     clean,
 )
 from campugrid.coordinator.moves import move_job
+from campugrid.coordinator.ratelimits import DatabaseCounters, Limiter
 from campugrid.coordinator.scheduler import MachineView
 from campugrid.coordinator.sharding import ShardStore, cancel_shards, insert_shards
 from campugrid.coordinator.uploads import Uploads
@@ -69,12 +71,16 @@ class Store:
         self.gpu_history = GpuHistories(self.db)
         # Every signed call writes a nonce: on SQLite beside the jobs' file, not in its queue.
         self.nonces = Nonces(Database(side_database(engine, "nonces", Nonce.__table__)))
+        # Rate limits count in the database too, so they hold across coordinator processes.
+        self.counters = DatabaseCounters(Database(side_database(engine, "limits", RateCounter.__table__)))
+        self.limiter = Limiter(self.counters)
         self._claims = Claimer(self.db)
 
     def close(self) -> None:
         self.engine.dispose()
-        if self.nonces.db.engine is not self.engine:
-            self.nonces.db.engine.dispose()
+        for side in (self.nonces.db.engine, self.counters.db.engine):
+            if side is not self.engine:
+                side.dispose()
 
     # --- researchers ------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import argon2
 import pyotp
 from cryptography.fernet import Fernet, InvalidToken
-from limits import RateLimitItemPerMinute, storage, strategies
+from limits import RateLimitItemPerMinute
 from sqlalchemy import delete, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -28,6 +28,7 @@ from sqlalchemy.orm import Session
 from campugrid.coordinator.apps import check_name
 from campugrid.coordinator.db import Database
 from campugrid.coordinator.models import App, ConsoleSession, User
+from campugrid.coordinator.ratelimits import Limiter
 from campugrid.coordinator.views import utcnow
 from campugrid.protocol import keys
 from campugrid.protocol.errors import (
@@ -124,12 +125,12 @@ def check_password(password: str, name: str) -> str:
 
 
 class Users:
-    def __init__(self, db: Database, box: SecretBox) -> None:
+    def __init__(self, db: Database, box: SecretBox, limiter: Limiter) -> None:
         self.db = db
         self.box = box
-        # Failures for names nobody has, so that they lock as a real account would (in this
-        # process: what they guard is only that a name's existence does not show).
-        self._unknown = strategies.MovingWindowRateLimiter(storage.MemoryStorage())
+        # Failures for names nobody has, so that they lock as a real account would (counted
+        # in the database, as every limit: the same for every coordinator process).
+        self._unknown = limiter
 
     def _view(self, row: User, app: App) -> UserView:
         return UserView(row.id, row.name, row.app_id, app.name, app.admin and app.revoked_at is None,
@@ -270,8 +271,8 @@ class Users:
         if found is None:
             _verify(_DUMMY, password)
             if not self._unknown.hit(UNKNOWN_FAILURES, "unknown", name[:100]):
-                reset = self._unknown.get_window_stats(UNKNOWN_FAILURES, "unknown", name[:100])
-                raise _locked(dt.datetime.fromtimestamp(reset.reset_time, dt.UTC), now)
+                wait = self._unknown.retry_after(UNKNOWN_FAILURES, "unknown", name[:100])
+                raise _locked(now + dt.timedelta(seconds=wait), now)
             raise wrong
         user_id, hashed, sealed, last_step, locked_until = found
         if locked_until is not None and locked_until > now:

@@ -6,6 +6,8 @@ tests use it); CoordinatorApi is what the agent's code talks to, in frozen value
 
 The channel is TLS to the one certificate pinned at join (`Membership`), and every call is
 signed with the machine's own Ed25519 key (campugrid.protocol.wire); no secret is shared.
+A membership may name several coordinator processes (`HOST:PORT,HOST:PORT`, one database,
+one certificate): a call that finds one gone sends the next call to the next.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import collections
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -41,6 +45,9 @@ from campugrid.protocol.wire import (
 
 RPC_TIMEOUT_S = 10.0
 DEFAULT_GRPC_PORT = 8751
+# What says a coordinator process is gone (or cut off), not that it refused the call.
+FAILOVER = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+log = logging.getLogger("campugrid.agent.client")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +64,10 @@ class Membership:
     @property
     def key_file(self) -> Path:
         return self.state_dir / "machine.key"
+
+    @property
+    def addresses(self) -> list[str]:
+        return split_addresses(self.coordinator)
 
     @staticmethod
     def file(state_dir: Path) -> Path:
@@ -75,8 +86,7 @@ class Membership:
     def join(cls, state_dir: Path, coordinator: str, pin: str) -> Membership:
         """Fetch the coordinator's certificate, check it against `pin`, keep both, and make
         this machine's key if it has none. Joining the same coordinator again keeps the key."""
-        host, port = pins.split_address(coordinator, DEFAULT_GRPC_PORT)
-        pem = pins.fetch_pinned(host, port, pin)
+        pem = _fetch_any(split_addresses(coordinator), pin)
         known = cls.load(state_dir)
         same = known is not None and known.coordinator == coordinator and known.pin == pin.strip()
         joined = cls(state_dir, coordinator, pin.strip(), pem,
@@ -99,6 +109,28 @@ class Membership:
             json.dump({"coordinator": self.coordinator, "pin": self.pin,
                        "certificate": self.certificate, "machine_id": self.machine_id}, f)
         os.replace(tmp, path)
+
+
+def split_addresses(coordinator: str) -> list[str]:
+    """The coordinator processes a membership names (comma-separated), in order."""
+    found = [a.strip() for a in coordinator.split(",") if a.strip()]
+    if not found:
+        raise CampugridError("no coordinator address given (HOST:PORT, or several joined by commas)")
+    return found
+
+
+def _fetch_any(addresses: list[str], pin: str) -> str:
+    """The pinned certificate from the first coordinator that answers (they share it)."""
+    problems = []
+    for address in addresses:
+        host, port = pins.split_address(address, DEFAULT_GRPC_PORT)
+        try:
+            return pins.fetch_pinned(host, port, pin)
+        except pins.PinMismatch:
+            raise
+        except CampugridError as e:
+            problems.append(str(e))
+    raise CampugridError("; ".join(problems))
 
 
 def signed_metadata(key: keys.Ed25519PrivateKey, method: str, body: bytes,
@@ -145,20 +177,60 @@ class _SignCalls(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]  # grp
                                      details.compression), request)
 
 
+class _Failover(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]  # grpc is untyped
+    """Tells the client when a call found its coordinator gone (not when it was refused)."""
+
+    def __init__(self, client: CoordinatorClient, index: int) -> None:
+        self.client = client
+        self.index = index
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        outcome = continuation(details, request)
+        code = outcome.code()
+        if code in FAILOVER:
+            self.client.failed(self.index, code)
+        return outcome
+
+
 class CoordinatorClient:
-    """The gRPC stub, over pinned TLS, signing with this machine's key: protobuf in and out."""
+    """The gRPC stub, over pinned TLS, signing with this machine's key: protobuf in and out.
+    With several coordinator addresses, a call that finds its coordinator unreachable moves
+    the client on to the next one (the caller's own retry then goes there)."""
 
     def __init__(self, membership: Membership) -> None:
         self.membership = membership
-        self.address = membership.coordinator
+        self.addresses = membership.addresses
         self.key = keys.load_private(membership.key_file)
         self.public_key = keys.public_text(self.key)
         self.fingerprint = keys.key_fingerprint(self.key)
         self.machine_id = membership.machine_id
-        channel = pinned_channel(self.address, membership.certificate)
-        self.channel = channel
-        self.stub = pb_grpc.AgentServiceStub(grpc.intercept_channel(
-            channel, _SignCalls(self.key, self._signer)))
+        self.channels = [pinned_channel(a, membership.certificate) for a in self.addresses]
+        self._stubs = [pb_grpc.AgentServiceStub(grpc.intercept_channel(
+            channel, _SignCalls(self.key, self._signer), _Failover(self, i)))
+            for i, channel in enumerate(self.channels)]
+        self._current = 0
+        self._lock = threading.Lock()
+
+    @property
+    def address(self) -> str:
+        return self.addresses[self._current]
+
+    @property
+    def stub(self) -> pb_grpc.AgentServiceStub:
+        return self._stubs[self._current]
+
+    @property
+    def channel(self) -> grpc.Channel:
+        return self.channels[self._current]
+
+    def failed(self, index: int, code: grpc.StatusCode) -> None:
+        """The coordinator at `index` did not answer: the next call goes to the next one."""
+        with self._lock:
+            if len(self._stubs) == 1 or index != self._current:
+                return  # another thread moved on already
+            self._current = (index + 1) % len(self._stubs)
+        log.warning("coordinator %s unreachable (%s); trying %s", self.addresses[index],
+                    code.name, self.address)
 
     def _signer(self, method: str) -> tuple[str, str, str]:
         if method.endswith("/Register"):
@@ -233,7 +305,8 @@ class CoordinatorClient:
         return reply
 
     def close(self) -> None:
-        self.channel.close()
+        for channel in self.channels:
+            channel.close()
 
 
 def fetch_membership(state_dir: Path, coordinator: str | None, pin: str | None) -> Membership:
