@@ -62,6 +62,7 @@ def test_the_job_runs_in_gvisor_offline_with_only_its_folders(provider, shared_t
     res = sandbox_run(provider, name="t-isolation", command=["python3", "-c", PROBE],
                       output_dir=str(out), data_dir=str(data), env=(("GREETING", "hi"),))
     assert res["exit_code"] == 0, res["tail"]
+    assert 0 < res["started_s"] < res["seconds"]  # podman's start event: the agent's metric
     seen = json.loads(res["lines"][-1])
     assert seen["kernel"] == "4.4.0" and "Starting gVisor" in seen["dmesg"][0]
     assert seen["interfaces"] == ["lo"]

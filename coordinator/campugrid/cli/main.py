@@ -19,6 +19,7 @@ from campugrid.agent.install import AGENT_DIR
 from campugrid.cli import specfile
 from campugrid.cli.follow import follow as follow_job
 from campugrid.cli.follow import log_text
+from campugrid.cli.metrics import metrics_app
 from campugrid.cli.output import Json, Transfers, emit, emit_array, emit_line, interactive
 from campugrid.cli.provider import provider_app
 from campugrid.cli.users import users_app
@@ -40,6 +41,7 @@ app.add_typer(apps_app, name="apps")
 app.add_typer(machines_app, name="machines")
 app.add_typer(provider_app, name="provider")
 app.add_typer(users_app, name="users")
+app.add_typer(metrics_app, name="metrics")
 
 Server = Annotated[str | None, typer.Option(
     "--server", envvar="CAMPUGRID_SERVER",
@@ -317,12 +319,17 @@ def agent_run(
         envvar="CAMPUGRID_REQUIRE_LIMITS",
         help="Limits this machine must enforce or the agent does not start, comma-separated "
              f"({', '.join(LIMITS)}).")] = "",
+    metrics_port: Annotated[int | None, typer.Option(
+        min=0, max=65535,
+        help="Serve /metrics on 127.0.0.1 (only) at this port, to the token `campugrid provider "
+             "metrics-token` prints; 0: not at all. Default: 8752.")] = None,
     log_format: LogFormat = "text",
 ) -> None:
     """Run a provider agent as this (unprivileged) user."""
     from campugrid.agent import backends, shares
     from campugrid.agent.gpus import GpuPolicy
     from campugrid.agent.install import AgentConfig
+    from campugrid.agent.metrics import METRICS_PORT
     from campugrid.agent.owner import Hours, OwnerPolicy
     from campugrid.agent.worker import Agent, AgentSettings
 
@@ -345,7 +352,8 @@ def agent_run(
                             programs=tuple(protect or ()))
         agent = Agent(AgentSettings(coordinator=coordinator or "", state_dir=state_dir, name=name,
                                     gpu_policy=policy, require_limits=required,
-                                    pin=pin or "", shares=shares.parse(share or []), owner=owner),
+                                    pin=pin or "", shares=shares.parse(share or []), owner=owner,
+                                    metrics_port=METRICS_PORT if metrics_port is None else metrics_port),
                       chosen, sandbox)
     except CampugridError as e:
         _fail(str(e))
@@ -358,7 +366,8 @@ def agent_run(
 
 @agent_app.command("join")
 def agent_join(
-    server: Annotated[str, typer.Argument(help="The coordinator's gRPC address (HOST:PORT).")],
+    server: Annotated[str, typer.Argument(help="The coordinator's gRPC address (HOST:PORT; several "
+                                               "coordinator processes: HOST:PORT,HOST:PORT).")],
     pin: Annotated[str, typer.Option(help="The coordinator certificate's fingerprint, as its "
                                           "operator printed it (SHA256:...).")],
     state_dir: Annotated[Path, typer.Option(help="Key, membership and work folders.")] = AGENT_DIR,

@@ -1,7 +1,8 @@
 """`campugrid provider`: the machine's owner keeps control of the agent that runs on it.
 
 These talk to the agent through its state folder only (a pause file it watches, a status file
-it writes): no port, no root, and each is harmless to run twice.
+it writes, the digest of its metrics token): no port, no root, and each is harmless to run
+twice.
 """
 
 from __future__ import annotations
@@ -109,3 +110,13 @@ def provider_resume(state_dir: StateDir = AGENT_DIR, as_json: Json = False) -> N
     _emit(as_json, {"paused": False, "changed": changed},
           "resumed: the agent takes work again (within its hours)" if changed
           else "not paused; nothing changed")
+
+
+@provider_app.command("metrics-token")
+def provider_metrics_token(state_dir: StateDir = AGENT_DIR, as_json: Json = False) -> None:
+    """Print a new token for the agent's /metrics (on 127.0.0.1 only), once: the one before
+    stops working now. Only its SHA-256 is kept, in the state folder."""
+    from campugrid.agent import metrics
+
+    token = metrics.mint_token(state_dir)
+    _emit(as_json, {"token": token, "digest_file": str(state_dir / metrics.TOKEN_FILE)}, token)

@@ -390,3 +390,15 @@ class Api:
         """A console user and their one-time enrolment link (`link`)."""
         return dict(self._check(self._send("POST", "/v1/users",
                                            json={"name": name, "app": app, "admin": admin})))
+
+    # --- metrics scrape tokens (admins) -----------------------------------------------------
+
+    def scrape_tokens(self) -> list[dict[str, Any]]:
+        return list(self._check(self._send("GET", "/v1/metrics/tokens")))
+
+    def mint_scrape_token(self, name: str = "prometheus") -> dict[str, Any]:
+        """A bearer token for /metrics (`token`), shown once."""
+        return dict(self._check(self._send("POST", "/v1/metrics/tokens", json={"name": name})))
+
+    def revoke_scrape_token(self, name: str) -> dict[str, Any]:
+        return dict(self._check(self._send("DELETE", f"/v1/metrics/tokens/{name}")))

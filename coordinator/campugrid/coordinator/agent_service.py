@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import contextvars
+import datetime as dt
 import hashlib
 import logging
 import math
@@ -17,11 +18,12 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import grpc
-from limits import RateLimitItemPerMinute, storage, strategies
+from limits import RateLimitItemPerMinute
 
 from campugrid.coordinator.apps import Nonces
 from campugrid.coordinator.gpu_history import GpuMemory
 from campugrid.coordinator.machines import MachineRecord, Status
+from campugrid.coordinator.metrics import CoordinatorMetrics
 from campugrid.coordinator.scheduler import GpuView, MachineView
 from campugrid.coordinator.service import Coordinator
 from campugrid.coordinator.views import ShardResult, ShardTask
@@ -112,7 +114,8 @@ def peer_address(context: grpc.ServicerContext) -> str:
 class AgentService(pb_grpc.AgentServiceServicer):
     def __init__(self, coord: Coordinator, register_per_minute: int = 20) -> None:
         self.coord = coord
-        self._limiter = strategies.MovingWindowRateLimiter(storage.MemoryStorage())
+        self.metrics = CoordinatorMetrics.of(coord)
+        self._limiter = coord.store.limiter  # shared by every coordinator process
         self._register_limit = RateLimitItemPerMinute(register_per_minute)
 
     @staticmethod
@@ -129,12 +132,15 @@ class AgentService(pb_grpc.AgentServiceServicer):
                 f"{record.fingerprint} and run `campugrid machines approve {record.id}`"))
         return record.id
 
-    @staticmethod
-    def _guard(context: grpc.ServicerContext, fn: Callable[[], R]) -> R:
+    def _guard(self, context: grpc.ServicerContext, fn: Callable[[], R]) -> R:
         try:
             return fn()
-        except (StaleAttempt, IllegalTransition):
-            raise  # answered, not aborted: see the module docstring
+        except StaleAttempt:  # answered, not aborted: see the module docstring
+            self.metrics.refused("grpc", "stale")
+            raise
+        except IllegalTransition:
+            self.metrics.refused("grpc", "illegal_transition")
+            raise
         except NotFound as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except InvalidInput as e:
@@ -174,6 +180,15 @@ class AgentService(pb_grpc.AgentServiceServicer):
         return pb.HeartbeatReply()
 
     def Lease(self, request: pb.LeaseRequest, context: grpc.ServicerContext) -> pb.LeaseReply:
+        began = time.perf_counter()
+        reply, first_queued_at = self._lease(request, context)
+        self.metrics.leased(time.perf_counter() - began, first_queued_at, reply.has_task)
+        return reply
+
+    def _lease(self, request: pb.LeaseRequest,
+               context: grpc.ServicerContext) -> tuple[pb.LeaseReply, dt.datetime | None]:
+        """The reply, and when the job was submitted if this is its first attempt (for the
+        queue wait; a later attempt's wait began at a requeue, which the lease does not see)."""
         machine = self._machine(context)
         offer = MachineView(machine, "", _gpus(request.gpus), request.gpu_isolation,
                             enforced=frozenset(request.enforced_limits),
@@ -181,8 +196,9 @@ class AgentService(pb_grpc.AgentServiceServicer):
         self.coord.note_memory(machine, _memory(request.gpus))
         lease = self._guard(context, lambda: self.coord.lease(machine, offer))
         if lease is None:
-            return pb.LeaseReply(has_task=False)
+            return pb.LeaseReply(has_task=False), None
         job = lease.job
+        first = job.created_at if job.attempt == 1 and lease.shard is None else None
         return pb.LeaseReply(
             has_task=True, job_id=job.id, attempt=job.attempt, fencing_token=lease.token,
             lease_seconds=lease.lease_seconds, spec_json=job.spec_json,
@@ -196,7 +212,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
                     if lease.resume is not None else None),
             gpu_uuids=lease.gpu_uuids, gpu_memory_mb=job.spec.resources.gpu_memory_mb,
             shard=_shard_pb(lease.shard),
-        )
+        ), first
 
     def Renew(self, request: pb.RenewRequest, context: grpc.ServicerContext) -> pb.RenewReply:
         machine = self._machine(context)
@@ -252,6 +268,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
                 size=request.size, sha256=request.sha256))
         except (StaleAttempt, IllegalTransition) as e:
             return pb.RecordCheckpointReply(accepted=False, reason=str(e))
+        self.metrics.checkpoint_recorded(request.size)
         return pb.RecordCheckpointReply(accepted=True)
 
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseReply:
@@ -298,6 +315,7 @@ class SignedCalls(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc is unty
     def __init__(self, coord: Coordinator, nonces: Nonces) -> None:
         self.coord = coord
         self.nonces = nonces
+        self.metrics = CoordinatorMetrics.of(coord)
 
     def intercept_service(self, continuation: Any, details: Any) -> Any:
         handler = continuation(details)
@@ -324,9 +342,11 @@ class SignedCalls(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc is unty
     def _check(self, method: str, digest: str, context: grpc.ServicerContext) -> MachineRecord | None:
         md = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
 
-        def refuse(code: grpc.StatusCode, reason: str, who: str = "") -> None:
+        def refuse(code: grpc.StatusCode, reason: str, who: str = "",
+                   why: str = "bad_signature") -> None:
             log.warning("refused call %s: %s (machine %s, from %s)", method.rpartition("/")[2],
                         reason, who or "-", peer_address(context))
+            self.metrics.refused("grpc", why)
             context.abort(code, reason)
 
         record: MachineRecord | None = None
@@ -336,29 +356,32 @@ class SignedCalls(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc is unty
             try:
                 public = keys.parse_public(key_text)
             except CampugridError as e:
-                refuse(grpc.StatusCode.UNAUTHENTICATED, f"Register: {e} ({KEY_HEADER})")
+                refuse(grpc.StatusCode.UNAUTHENTICATED, f"Register: {e} ({KEY_HEADER})",
+                       why="bad_key")
         else:
             machine_id = md.get(MACHINE_HEADER, "")
             signer = machine_id
             try:
                 record = self.coord.machine(machine_id)
             except Unauthenticated as e:
-                refuse(grpc.StatusCode.UNAUTHENTICATED, str(e), machine_id[:40])
+                refuse(grpc.StatusCode.UNAUTHENTICATED, str(e), machine_id[:40], "unknown_key")
             assert record is not None
             if record.status is Status.REVOKED:
                 refuse(grpc.StatusCode.PERMISSION_DENIED,
                        f"machine {record.id} was revoked by its owner: it gets no work, URLs "
-                       "or data; join again with a new key if this is a mistake", record.id)
+                       "or data; join again with a new key if this is a mistake", record.id,
+                       "revoked")
             public = keys.parse_public(record.public_key)
         created_text, nonce = md.get(CREATED_HEADER, ""), md.get(NONCE_HEADER, "")
         if not created_text.isdigit() or not nonce:
             refuse(grpc.StatusCode.UNAUTHENTICATED,
                    f"this call is not signed ({CREATED_HEADER}, {NONCE_HEADER} and "
-                   f"{SIGNATURE_HEADER} are needed; see campugrid.protocol.wire)", signer[:40])
+                   f"{SIGNATURE_HEADER} are needed; see campugrid.protocol.wire)", signer[:40],
+                   "unsigned")
         if abs(time.time() - int(created_text)) > CALL_WINDOW_S:
             refuse(grpc.StatusCode.UNAUTHENTICATED,
                    f"this call was signed at {created_text}, more than {CALL_WINDOW_S} s from "
-                   "the coordinator's clock: check the machine's clock", signer[:40])
+                   "the coordinator's clock: check the machine's clock", signer[:40], "expired")
         try:
             signature = base64.b64decode(md.get(SIGNATURE_HEADER, ""), validate=True)
             public.verify(signature, call_base(method, digest, int(created_text), nonce, signer))
@@ -369,7 +392,7 @@ class SignedCalls(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc is unty
         try:
             self.nonces.use(signer, nonce, CALL_WINDOW_S)
         except Unauthenticated as e:
-            refuse(grpc.StatusCode.UNAUTHENTICATED, str(e), signer[:40])
+            refuse(grpc.StatusCode.UNAUTHENTICATED, str(e), signer[:40], "replayed")
         return record
 
 

@@ -9,7 +9,7 @@ import uuid
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, File, Form, HTTPException, Query, Request, UploadFile
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette import formparsers
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -18,6 +18,7 @@ from campugrid.console.app import create_console
 from campugrid.coordinator.apps import AppView
 from campugrid.coordinator.auth import Guard, RateLimits, SignedRequests
 from campugrid.coordinator.machines import MachineRecord
+from campugrid.coordinator.metrics import CONTENT_TYPE, CoordinatorMetrics, TokenView
 from campugrid.coordinator.service import Coordinator
 from campugrid.coordinator.users import UserView
 from campugrid.coordinator.views import JobView
@@ -194,6 +195,24 @@ class NewUserOut(UserOut):
     expires_at: dt.datetime
 
 
+class ScrapeTokenIn(BaseModel):
+    name: str = "prometheus"
+
+
+class ScrapeTokenOut(BaseModel):
+    name: str
+    created_by: str  # the admin app's id
+    created_at: dt.datetime
+
+    @classmethod
+    def of(cls, t: TokenView) -> ScrapeTokenOut:
+        return cls(name=t.name, created_by=t.created_by, created_at=t.created_at)
+
+
+class NewScrapeTokenOut(ScrapeTokenOut):
+    token: str  # shown once: only its digest is kept
+
+
 class UploadIn(BaseModel):
     filename: str  # it becomes /data/<dataset name>/<filename>
     size: int
@@ -298,7 +317,9 @@ def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
     `public_url` are how agents and apps reach it (for the join and login commands)."""
     app = FastAPI(title="campugrid", version="1", summary="Sandboxed GPU jobs on idle machines")
     app.add_middleware(AboutJob)
-    guard = Guard(limits)
+    guard = Guard(coord.store.limiter, limits)
+    meter = CoordinatorMetrics.of(coord)
+    guard.on_refusal = lambda why: meter.refused("rest", why)
     app.add_middleware(SignedRequests, apps=coord.store.apps, nonces=coord.store.nonces,
                        guard=guard, allow_unsigned=allow_unsigned)
 
@@ -419,7 +440,7 @@ def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
         try:
             return AppOut.of(coord.redeem_invite(body.invite.strip(), body.public_key))
         except Unauthenticated as e:
-            raise guard.failed(address, "", str(e)) from e
+            raise guard.failed(address, "", str(e), why="invite") from e
 
     @app.get("/v1/apps", response_model=list[AppOut])
     def list_apps(_: Admin) -> list[AppOut]:
@@ -482,6 +503,37 @@ def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
     def remove_user(name: str, _: Admin) -> dict[str, bool]:
         """The person cannot sign in any more; their app and its jobs stay."""
         return {"removed": coord.users.remove(name)}
+
+    # --- metrics: Prometheus scrapes with a bearer token, admins mint them -----------------------
+
+    @app.get("/metrics", include_in_schema=False)
+    def scrape(request: Request) -> Response:
+        """Prometheus text format; needs `Authorization: Bearer <scrape token>`, not a
+        signature (auth.PUBLIC)."""
+        try:
+            body = meter.scrape(request.headers.get("authorization", ""))
+        except Unauthenticated as e:
+            address = request.client.host if request.client else "?"
+            refused = guard.failed(address, "", str(e), why="scrape_token")
+            return JSONResponse({"detail": str(refused)}, status_code=401,
+                                headers={"www-authenticate": 'Bearer realm="campugrid metrics"'})
+        return Response(body, media_type=CONTENT_TYPE)
+
+    @app.get("/v1/metrics/tokens", response_model=list[ScrapeTokenOut])
+    def list_scrape_tokens(_: Admin) -> list[ScrapeTokenOut]:
+        return [ScrapeTokenOut.of(t) for t in meter.tokens.all()]
+
+    @app.post("/v1/metrics/tokens", status_code=201, response_model=NewScrapeTokenOut)
+    def mint_scrape_token(body: ScrapeTokenIn, who: Admin) -> NewScrapeTokenOut:
+        """A scrape token for /metrics, shown this once (Prometheus: `authorization:
+        {type: Bearer, credentials_file: …}`)."""
+        token, made = meter.tokens.mint(body.name, who.id)
+        return NewScrapeTokenOut(**ScrapeTokenOut.of(made).model_dump(), token=token)
+
+    @app.delete("/v1/metrics/tokens/{name}")
+    def revoke_scrape_token(name: str, _: Admin) -> dict[str, bool]:
+        """/metrics refuses the token from now on."""
+        return {"revoked": meter.tokens.revoke(name)}
 
     app.mount("/console", create_console(coord))
     return app

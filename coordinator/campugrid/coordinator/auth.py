@@ -1,13 +1,13 @@
 """Who is calling the REST API: RFC 9421 HTTP Message Signatures with the app's Ed25519 key,
 and per-key and per-address rate limits.
 
-Every request (but the health check, the invite redemption, the API's own docs and the web
-console, which has its own sign-in) must be signed over `@method`, `@target-uri` and
-`content-digest` (RFC 9530), with `created`, `nonce` and the app's id as `keyid`. The body is
-read (spooled to disk past 1 MiB) and checked against its signed digest before the
-application sees a byte of it. The library `http-message-signatures` builds the signature
-base and parses the fields; this module adds the policy: which components, which window, the
-nonce store, and a reason for every refusal.
+Every request (but the health check, the invite redemption, the API's own docs, /metrics
+(a scrape token of its own) and the web console, which has its own sign-in) must be signed
+over `@method`, `@target-uri` and `content-digest` (RFC 9530), with `created`, `nonce` and
+the app's id as `keyid`. The body is read (spooled to disk past 1 MiB) and checked against
+its signed digest before the application sees a byte of it. The library
+`http-message-signatures` builds the signature base and parses the fields; this module adds
+the policy: which components, which window, the nonce store, and a reason for every refusal.
 """
 
 from __future__ import annotations
@@ -18,20 +18,21 @@ import hashlib
 import hmac
 import logging
 import tempfile
-import time
+from collections.abc import Callable
 from typing import Any
 
 import http_message_signatures as hms
 import http_sf
 from http_message_signatures import algorithms
 from http_message_signatures.structures import CaseInsensitiveDict
-from limits import RateLimitItem, RateLimitItemPerMinute, RateLimitItemPerSecond, storage, strategies
+from limits import RateLimitItem, RateLimitItemPerMinute, RateLimitItemPerSecond
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from campugrid.client.identity import HttpMessage
 from campugrid.coordinator.apps import Apps, AppView, Nonces
+from campugrid.coordinator.ratelimits import Limiter
 from campugrid.protocol import keys
 from campugrid.protocol.errors import RateLimited, Unauthenticated
 
@@ -43,7 +44,8 @@ SPOOL_BYTES = 1024**2
 CHUNK = 1024**2
 # The only paths served without a signature: everything else, whatever its spelling, must
 # be signed (a route added later is covered without a word here).
-PUBLIC = frozenset({"/v1/health", "/v1/login", "/docs", "/docs/oauth2-redirect",
+# /metrics checks a scrape token of its own (Prometheus cannot sign; coordinator.metrics).
+PUBLIC = frozenset({"/v1/health", "/v1/login", "/metrics", "/docs", "/docs/oauth2-redirect",
                     "/openapi.json", "/redoc"})
 # The web console signs people in with its own sessions (console.gate), on every path under it.
 CONSOLE = "/console"
@@ -92,20 +94,26 @@ class _Keys(hms.HTTPSignatureKeyResolver):
 
 
 class Guard:
-    """Rate limits (moving windows, in this process) and the record of refusals."""
+    """Rate limits (sliding windows, counted in the database: the same for every coordinator
+    process) and the record of refusals."""
 
-    def __init__(self, limits: RateLimits | None = None) -> None:
+    def __init__(self, limiter: Limiter, limits: RateLimits | None = None) -> None:
         self.limits = limits or RateLimits()
-        self._limiter = strategies.MovingWindowRateLimiter(storage.MemoryStorage())
+        self._limiter = limiter
 
     def limit(self, kind: str, who: str, item: RateLimitItem) -> None:
         if not self._limiter.hit(item, kind, who):
-            reset = self._limiter.get_window_stats(item, kind, who).reset_time
-            wait = max(1, int(reset - time.time() + 0.999))
+            wait = self._limiter.retry_after(item, kind, who)
             raise RateLimited(f"too many requests from this {kind}; retry in {wait} s", wait)
 
-    def failed(self, address: str, key_id: str, reason: str) -> Unauthenticated:
+    # Told the kind of every refusal (`why`: unsigned, bad_signature, replayed, …) for /metrics.
+    on_refusal: Callable[[str], None] | None = None
+
+    def failed(self, address: str, key_id: str, reason: str,
+               why: str = "bad_signature") -> Unauthenticated:
         """Log a refusal (with the key id and the address) and count it against the address."""
+        if self.on_refusal is not None:
+            self.on_refusal(why)
         log.warning("refused request: %s (key id %s, from %s)", reason, key_id or "-", address)
         self.limit("failures", address,
                    RateLimitItemPerMinute(self.limits.failures_per_address_per_min))
@@ -131,14 +139,16 @@ class SignedRequests:
         address = (scope.get("client") or ("?", 0))[0]
         limits = self.guard.limits
         try:
-            self.guard.limit("address", address, RateLimitItemPerSecond(limits.per_address_per_s))
+            await run_in_threadpool(self.guard.limit, "address", address,
+                                    RateLimitItemPerSecond(limits.per_address_per_s))
             if scope["path"] in PUBLIC or in_console(scope["path"]):
                 await self.app(scope, receive, send)
                 return
             body, replay = await _spool(receive)
             try:
                 app = await run_in_threadpool(self._authenticate, scope, body, address)
-                self.guard.limit("key", app.id, RateLimitItemPerSecond(limits.per_key_per_s))
+                await run_in_threadpool(self.guard.limit, "key", app.id,
+                                        RateLimitItemPerSecond(limits.per_key_per_s))
                 scope.setdefault("state", {})["caller"] = app
                 await self.app(scope, replay, send)
             finally:
@@ -159,7 +169,8 @@ class SignedRequests:
                 return LOCAL_UNSIGNED
             raise self.guard.failed(address, "", (
                 "the request is not signed: sign it with your app's key (RFC 9421; "
-                "`campugrid.client` and the CLI do it for you; `campugrid login` makes a key)"))
+                "`campugrid.client` and the CLI do it for you; `campugrid login` makes a key)"),
+                why="unsigned")
         message = HttpMessage(scope["method"], _target_uri(scope, headers), headers)
         found = _Keys(self.apps)
         verifier = _Verifier(signature_algorithm=algorithms.ED25519, key_resolver=found)
@@ -168,20 +179,22 @@ class SignedRequests:
                                        require_components=REQUIRED)
         except (hms.InvalidSignature, hms.HTTPMessageSignaturesException, ValueError) as e:
             raise self.guard.failed(address, found.app.id if found.app else "",
-                              found.problem or _why(str(e), found.app)) from e
+                              found.problem or _why(str(e), found.app),
+                              why=("revoked" if found.app and found.app.revoked_at
+                                   else "unknown_key" if found.problem else "bad_signature")) from e
         app = found.app
         assert app is not None
         try:
             body.check(result.covered_components['"content-digest"'])
         except Unauthenticated as e:
-            raise self.guard.failed(address, app.id, str(e)) from e
+            raise self.guard.failed(address, app.id, str(e), why="digest") from e
         if not isinstance(result.nonce, str):
             raise self.guard.failed(address, app.id,
                               "the signature has no nonce: sign every request with a new one")
         try:
             self.nonces.use(app.id, result.nonce, WINDOW_S)
         except Unauthenticated as e:
-            raise self.guard.failed(address, app.id, str(e)) from e
+            raise self.guard.failed(address, app.id, str(e), why="replayed") from e
         return app
 
 

@@ -188,6 +188,17 @@ class Nonce(Base):
     expires_at: Mapped[dt.datetime] = mapped_column(index=True)
 
 
+class RateCounter(Base):
+    """One window's count of a rate limit (campugrid.coordinator.ratelimits): shared by every
+    coordinator process on the database, so a limit holds however many processes serve."""
+
+    __tablename__ = "rate_counters"
+
+    key: Mapped[str] = mapped_column(String(300), primary_key=True)
+    count: Mapped[int] = mapped_column(Integer)
+    expires_at: Mapped[float] = mapped_column(Float, index=True)  # seconds since the epoch
+
+
 class Upload(Base):
     """A file an app uploaded for one job (an upload ticket): bound to its size and sha256,
     good for about ten minutes until a job takes it, deleted once that job has ended."""
@@ -325,3 +336,15 @@ class GpuSample(Base):
     total_mb: Mapped[int] = mapped_column(BigInteger)
     free_mb: Mapped[int] = mapped_column(BigInteger)  # after other processes and the owner's reserve
     reserved_mb: Mapped[int] = mapped_column(BigInteger)  # promised to the platform's jobs
+
+
+class MetricsToken(Base):
+    """A scrape token for /metrics (Prometheus sends it as a bearer token): only its SHA-256
+    is kept."""
+
+    __tablename__ = "metrics_tokens"
+
+    name: Mapped[str] = mapped_column(String(100), primary_key=True)
+    token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    created_by: Mapped[str] = mapped_column(String(36))  # the admin app that minted it
+    created_at: Mapped[dt.datetime] = mapped_column()

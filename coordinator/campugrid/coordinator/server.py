@@ -27,6 +27,7 @@ from campugrid.coordinator.api import create_app
 from campugrid.coordinator.auth import RateLimits
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.db import make_engine, migrate
+from campugrid.coordinator.leader import Leadership, leadership
 from campugrid.coordinator.objects import S3Store
 from campugrid.coordinator.service import Coordinator
 from campugrid.coordinator.store import Store
@@ -49,11 +50,14 @@ class Running:
     url: str  # the REST address, as apps reach it
     grpc_address: str  # as agents reach it
     admin_identity: Path | None = None  # written at this start, if it was
+    lead: Leadership | None = None  # whether this process runs the reaper
 
     def stop(self) -> None:
         self.stop_event.set()
         self.http.should_exit = True
         self.grpc_server.stop(grace=2).wait()
+        if self.lead is not None:
+            self.lead.resign()
         self.coord.close()
 
 
@@ -64,14 +68,27 @@ def build(settings: Settings) -> Coordinator:
     engine = make_engine(settings.database_url)
     migrate(engine)
     objects = S3Store(settings.s3_endpoint, settings.s3_access_key, settings.s3_secret_key,
-                      settings.s3_bucket, secure=settings.s3_secure)
+                      settings.s3_bucket, secure=settings.s3_secure, region=settings.s3_region,
+                      addressing=settings.s3_addressing)
     objects.ensure_bucket()
     return Coordinator(settings, Store(engine), objects)
 
 
-def _reap(coord: Coordinator, stop: threading.Event, every_s: float) -> None:
-    rounds = 0
+def _reap(coord: Coordinator, lead: Leadership, stop: threading.Event, every_s: float) -> None:
+    """The lease reaper and the sweeps, in the one process that leads (leader.py); the
+    others ask again every round and take over when the leader is gone."""
+    rounds, leading = 0, False
     while not stop.wait(every_s):
+        if not lead.holds():
+            leading = False
+            continue
+        if not leading:
+            leading = True
+            # Agents could not renew while no leader (or no coordinator) was up: one lease
+            # to reach us again before anything expires.
+            extended = coord.extend_active_leases()
+            log.info("this process runs the lease reaper now (%d running jobs get one lease "
+                     "to reconnect)", extended)
         rounds += 1
         try:
             for job_id in coord.requeue_expired():
@@ -80,6 +97,7 @@ def _reap(coord: Coordinator, stop: threading.Event, every_s: float) -> None:
                 coord.sweep_uploads()
             if rounds % 64 == 0:  # now and then: spent nonces, machines never approved
                 coord.store.nonces.prune()
+                coord.store.counters.prune()
                 coord.store.machines.expire_pending()
                 coord.store.gpu_history.prune()
                 coord.users.prune_sessions()
@@ -104,9 +122,7 @@ def start(settings: Settings) -> Running:
                              f"address only, not {settings.http_host}")
     coord = build(settings)
     cert = ensure_certificate(settings.tls_dir)
-    extended = coord.extend_active_leases()
-    if extended:
-        log.warning("restarted with %d running jobs: their agents get one lease to reconnect", extended)
+    lead = leadership(coord.store.engine)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32),
                          interceptors=[SignedCalls(coord, coord.store.nonces), AboutJob()])
     pb_grpc.add_AgentServiceServicer_to_server(
@@ -122,7 +138,7 @@ def start(settings: Settings) -> Running:
     grpc_address = settings.public_grpc or f"{_host(settings.grpc_host)}:{port}"
     admin = ensure_admin(coord, settings, url, cert.fingerprint)
     stop = threading.Event()
-    threading.Thread(target=_reap, args=(coord, stop, max(0.5, settings.lease_seconds / 8)),
+    threading.Thread(target=_reap, args=(coord, lead, stop, max(0.5, settings.lease_seconds / 8)),
                      daemon=True, name="lease-reaper").start()
     app = create_app(coord, allow_unsigned=settings.allow_unsigned, pin=cert.fingerprint,
                      grpc_address=grpc_address, public_url=url, limits=RateLimits(
@@ -133,7 +149,7 @@ def start(settings: Settings) -> Running:
                                          log_level="warning", **tls))  # type: ignore[arg-type]
     log.info("coordinator: REST %s/v1  console %s/console  gRPC %s (TLS, certificate %s)", url,
              url, grpc_address, cert.fingerprint)
-    return Running(coord, server, http, stop, port, cert, url, grpc_address, admin)
+    return Running(coord, server, http, stop, port, cert, url, grpc_address, admin, lead)
 
 
 def _host(host: str) -> str:

@@ -14,6 +14,7 @@ import shutil
 import stat
 import tarfile
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -22,6 +23,7 @@ import httpx
 from campugrid import hooks
 from campugrid.agent.client import CoordinatorApi
 from campugrid.agent.messages import CheckpointRecord, Resume
+from campugrid.agent.metrics import METRICS
 from campugrid.protocol import logs
 from campugrid.protocol.errors import CampugridError, InvalidInput
 from campugrid.protocol.tarballs import extract_checkpoint
@@ -141,6 +143,7 @@ class CheckpointUploader:
             for p in hooks.regular_files(path):
                 tar.add(p, arcname=str(p.relative_to(path)), recursive=False)
         size, digest = tarball.stat().st_size, hooks.sha256_file(tarball)
+        began = time.monotonic()
         begin = self.client.begin_checkpoint(self.job_id, self.token, epoch, size)
         if not begin.accepted:
             raise CampugridError(f"checkpoint of epoch {epoch} refused: {begin.reason}")
@@ -159,6 +162,8 @@ class CheckpointUploader:
         tarball.unlink()
         if not reply.accepted:
             raise CampugridError(f"checkpoint of epoch {epoch} refused: {reply.reason}")
+        METRICS.checkpoint_upload_seconds.observe(time.monotonic() - began)
+        METRICS.checkpoint_bytes.inc(size)
         self.uploaded.append(epoch)
         log.info("%s: checkpoint of epoch %d uploaded (%d bytes)", self.job_id, epoch, size)
 

@@ -17,6 +17,7 @@ import time
 
 from campugrid.agent import runner_lines
 from campugrid.agent.messages import Outcome, ShardResult, ShardTask
+from campugrid.agent.metrics import METRICS
 from campugrid.agent.task import HOOKS_MOUNT, Task, _retry
 from campugrid.protocol.spec import MAX_SHARD_RESULT
 from campugrid.sandbox import confine
@@ -76,6 +77,7 @@ class ShardSessionTask(Task):
             # A sandbox that dies under a shard (out of memory, a crash) fails that shard,
             # not the machine: the next shard gets a fresh sandbox.
             sandboxes += 1
+            began = time.monotonic()
             with self.sandbox.session(request, log=run_log) as box:
                 if not self._wait_ready(box):
                     if ran or self.stop.is_set():  # it started before: not the image's fault
@@ -87,6 +89,7 @@ class ShardSessionTask(Task):
                                f"need python3 in the image (it runs {HOOKS_MOUNT}/campugrid/"
                                "hooks/shard_runner.py); last lines:\n"
                                + "\n".join(list(box.tail)[-10:]))
+                METRICS.sandbox_start_seconds.labels("session").observe(time.monotonic() - began)
                 shard, ran = self._serve(box, shard, ran)
         return shard, ran, sandboxes, None
 

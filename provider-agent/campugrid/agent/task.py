@@ -32,6 +32,7 @@ from campugrid.agent.client import CoordinatorApi
 from campugrid.agent.gpus import GpuPolicy
 from campugrid.agent.logship import LogShipper
 from campugrid.agent.messages import Gpu, Lease, Outcome
+from campugrid.agent.metrics import METRICS
 from campugrid.agent.renewer import Renewer
 from campugrid.agent.shares import Shares
 from campugrid.builders.base import Builder
@@ -221,6 +222,7 @@ class Task:
                                          f"is unusable ({why}); starting from scratch")
         build_log = self.shipper.for_stream("build")
         build_log(f"[campugrid] building with {self.builder.name}, RUN steps under gVisor, offline")
+        began = time.monotonic()
         try:
             self.builder.build(context_dir, self.image, log=build_log,
                                timeout_s=min(BUILD_TIMEOUT_S, spec.resources.wall_time_s),
@@ -228,8 +230,10 @@ class Task:
                                cpus=spec.resources.cpus, disk_mb=spec.resources.disk_mb,
                                bases=info.checked.bases)
         except BuildFailed as e:
+            METRICS.build_seconds.labels("failed").observe(time.monotonic() - began)
             return Outcome(succeeded=False, exit_code=-1,
                            reason=f"{e.reason}; last lines of the build log:\n{e.log_tail}")
+        METRICS.build_seconds.labels("ok").observe(time.monotonic() - began)
         if self.stop.is_set():
             return Outcome(succeeded=False, exit_code=-1, reason="stopped before running")
         mapped = self._check_gpus()
@@ -266,6 +270,8 @@ class Task:
             raise
         finally:
             self.ran.set()
+        if result.started_s is not None:
+            METRICS.sandbox_start_seconds.labels("run").observe(result.started_s)
         if not self.lost.is_set():
             try:
                 self.uploader.flush()  # the final checkpoint of a drained job, too

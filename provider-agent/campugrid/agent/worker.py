@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from campugrid.agent import gpus
+from campugrid.agent import gpus, metrics
 from campugrid.agent.client import CoordinatorApi, CoordinatorClient, fetch_membership
 from campugrid.agent.gpus import GpuPolicy
 from campugrid.agent.install import remove_tree, scope_of
@@ -61,6 +61,8 @@ class AgentSettings:
     shares: dict[str, Path] = dataclasses.field(default_factory=dict)
     # When work is allowed and which programs take the machine back (campugrid.agent.owner).
     owner: OwnerPolicy = dataclasses.field(default_factory=OwnerPolicy)
+    # /metrics on 127.0.0.1 (campugrid.agent.metrics); 0: not served.
+    metrics_port: int = 0
 
 
 class Agent:
@@ -96,6 +98,7 @@ class Agent:
         self.revoked = False  # its owner revoked this machine: run() returned for good
         self.gpu_note = sandbox.gpu_isolation_note()
         self.gpu_isolation = not self.gpu_note
+        metrics.METRICS.gpus.policy = settings.gpu_policy
         self.speed = matmul_gflops(gpu=bool(gpus.discover(settings.gpu_policy).gpus))
         log.info("speed score: %.1f GFLOP/s (matmul)", self.speed)
         self.owner = Owner(settings.state_dir, settings.owner, nvml=_nvml())
@@ -131,6 +134,27 @@ class Agent:
                             shares=self.shares.listing(), held=self.held)
 
     def run(self, *, once: bool = False) -> None:
+        served = self._serve_metrics()
+        try:
+            self._run(once=once)
+        finally:
+            if served is not None:
+                served.stop()
+
+    def _serve_metrics(self) -> metrics.MetricsServer | None:
+        """/metrics on the loopback address; a port already taken costs the metrics only."""
+        if not self.settings.metrics_port:
+            return None
+        try:
+            served = metrics.serve(self.settings.state_dir, self.settings.metrics_port)
+        except CampugridError as e:
+            log.warning("%s; the agent runs without /metrics", e)
+            return None
+        log.info("metrics on http://127.0.0.1:%d/metrics, to the token that `campugrid provider "
+                 "metrics-token` prints", served.port)
+        return served
+
+    def _run(self, *, once: bool) -> None:
         caps = self.capabilities()
         while not self.stopping.is_set():
             try:
@@ -210,6 +234,7 @@ class Agent:
                 self.task = kind(self.client, lease, work, self.builder, self.sandbox,
                                  self.settings.gpu_policy, self.slot, self.shares)
                 self.status.task_started(lease.job_id, lease.fencing_token)
+                metrics.METRICS.gpus.hold(lease.gpu_uuids, lease.gpu_memory_mb)
                 if self.stopping.is_set():  # a drain arrived between lease and start
                     self.task.drain(0)
                 self.task.run()
@@ -217,6 +242,7 @@ class Agent:
             log.warning("task %s: the coordinator did not take the report (%s); its lease will "
                         "expire and the job will run again", lease.job_id, e.code())
         finally:
+            metrics.METRICS.gpus.hold((), 0)
             if self.task is not None:  # None: it failed before it was made, and never started
                 self.status.task_ended(self.task.ended)
             self.task = None

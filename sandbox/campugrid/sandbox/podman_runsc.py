@@ -114,33 +114,40 @@ class PodmanRunsc:
             )
             oom = done.returncode != 0 and cg is not None and cg.oom_killed()
         self.stop(req.name)  # also when podman itself died: nothing of the job may stay
-        failure = self._start_failure(req.name, began, done)
+        started = self._started(req.name, began)
+        failure = self._start_failure(done, started)
         if failure is not None:
             raise failure
         return RunResult(done.returncode, done.timed_out, done.cancelled, oom, done.tail,
-                         self.limits.as_dict())
+                         self.limits.as_dict(),
+                         started - began if isinstance(started, float) else None)
 
-    def _start_failure(self, name: str, since: float, done: Finished) -> SandboxError | None:
+    @staticmethod
+    def _start_failure(done: Finished, started: float | bool | None) -> SandboxError | None:
         """Podman's own failure to make or start the sandbox (exit 125-127, as a job's own
         command may also exit), told apart by whether the container ever started: podman's
         event log is the evidence. A command missing from the image stays the job's fault."""
         if done.returncode not in PODMAN_OWN_EXITS or done.timed_out or done.cancelled:
             return None
-        if LOAD_FAILED in done.tail or self._started(name, since) is not False:
+        if LOAD_FAILED in done.tail or started is not False:
             return None
         return SandboxError(f"podman could not start the sandbox (exit {done.returncode})",
                             exit_code=done.returncode, stderr_tail=done.tail[-2000:])
 
-    def _started(self, name: str, since: float) -> bool | None:
-        """Did container `name` start since `since`? None: podman keeps no event log here."""
+    def _started(self, name: str, since: float) -> float | bool | None:
+        """When container `name` started since `since` (Unix time), or False if it did not;
+        None: podman keeps no event log here."""
         try:
             out = subprocess.run([self.podman, "events", "--stream=false",
                                   "--since", str(int(since) - 1), "--filter", f"container={name}",
-                                  "--filter", "event=start", "--format", "{{.Status}}"],
+                                  "--filter", "event=start", "--format", "{{.Time.UnixNano}}"],
                                  capture_output=True, text=True, timeout=30, check=False)
         except (OSError, subprocess.TimeoutExpired):
             return None
-        return "start" in out.stdout.split() if out.returncode == 0 else None
+        if out.returncode != 0:
+            return None
+        stamps = [int(word) for word in out.stdout.split() if word.isdigit()]
+        return stamps[0] / 1e9 if stamps else False
 
     @contextlib.contextmanager
     def session(self, req: RunRequest, *, log: LogFn) -> Iterator[Interactive]:

@@ -47,6 +47,7 @@ class RunResult:
     oom_killed: bool
     tail: str
     limits: dict[str, str]
+    started_s: float | None = None  # from launch to the sandbox running, where the runtime knows
 
 
 class Session(Protocol):
