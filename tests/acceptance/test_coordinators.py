@@ -27,7 +27,7 @@ from campugrid.client import Api, Identity, tar_folder
 from campugrid.protocol import pins
 from campugrid.protocol.errors import CampugridError
 from campugrid.protocol.spec import JobSpec
-from tests.acceptance.test_resilience import TRAIN, epochs_by_attempt, shared_root, wait_for
+from tests.acceptance.test_resilience import TRAIN, _up, epochs_by_attempt, shared_root, wait_for
 
 pytestmark = pytest.mark.acceptance
 EPOCHS = 5
@@ -83,14 +83,6 @@ class Coordinators:
         for proc in self.procs.values():
             proc.kill()
             proc.wait()
-
-
-def _up(api: Api) -> bool:
-    try:
-        api.jobs(limit=1)
-        return True
-    except Exception:
-        return False
 
 
 def test_two_coordinators_survive_the_loss_of_one_and_every_acknowledged_job_finishes_once(database):
