@@ -56,6 +56,7 @@ def test_agent_metrics_name_each_gpu_with_its_free_and_reserved_memory_and_the_p
     m.build_seconds.labels("ok").observe(12.0)
     m.checkpoint_bytes.inc(5000)
     m.sandbox_start_seconds.labels("run").observe(0.4)
+    m.build_cache_hits.labels("registry").inc()
     got = samples(generate_latest(m.registry))
     aaa = (("gpu", "GPU-aaa"), ("name", "NVIDIA GeForce RTX 4090"))
     bbb = (("gpu", "GPU-bbb"), ("name", "NVIDIA A100-SXM4-80GB"))
@@ -64,7 +65,7 @@ def test_agent_metrics_name_each_gpu_with_its_free_and_reserved_memory_and_the_p
     assert got["campugrid_agent_gpu_reserved_bytes", bbb] == 4000 * MB
     assert got["campugrid_agent_gpu_reserved_bytes", aaa] == 0
     assert got["campugrid_agent_build_seconds_count", (("outcome", "ok"),)] == 1
-    assert got["campugrid_agent_build_cache_hits_total", ()] == 0
+    assert got["campugrid_agent_build_cache_hits_total", (("source", "registry"),)] == 1
     assert got["campugrid_agent_checkpoint_bytes_total", ()] == 5000
     assert got["campugrid_agent_sandbox_start_seconds_sum", (("kind", "run"),)] == 0.4
     assert got["process_resident_memory_bytes", ()] > 0

@@ -30,3 +30,10 @@ class Builder(Protocol):
         with the log tail on any failure.
         """
         ...
+
+    def inputs(self, bases: Sequence[BaseUse]) -> dict[str, str]:
+        """What besides the context decides this builder's result here: the builder and its
+        version, and each base image's digest as this provider has it. Two machines with the
+        same inputs and context build the same image (builds are reproducible), so the build
+        key (coordinator/images.py) names it."""
+        ...

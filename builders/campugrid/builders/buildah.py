@@ -63,6 +63,7 @@ class BuildahBuilder:
         # RUN steps get the same seccomp profile inside gVisor as jobs do.
         self.seccomp = profile.write_profile(runtime / "campugrid" / "seccomp.json")
         self._main: tuple[str, str] | None = None
+        self._version: str | None = None
 
     def main_store(self) -> tuple[str, str]:
         """The provider's own image store (graphroot, runroot), where jobs run from."""
@@ -88,6 +89,9 @@ class BuildahBuilder:
             "--network", "none",
             "--pull-never",  # no registry: FROM names an allowed base this provider has
             "--layers=false", "--rm", "--force-rm",
+            # Reproducible: every timestamp (image, history, files) is the epoch, so machines
+            # with the same inputs build the same digest ("verified" reuse compares them).
+            "--timestamp", "0",
             "-f", str(context_dir / "Dockerfile"),
             "-t", tag,
             str(context_dir),
@@ -137,6 +141,23 @@ class BuildahBuilder:
             why = f"; a RUN step used more than {memory_mb} MB" if oom else ""
             raise BuildFailed(f"build failed (buildah exit {done.returncode}{why})", done.tail)
         return tag
+
+    def inputs(self, bases: Sequence[BaseUse]) -> dict[str, str]:
+        out = {"builder": f"buildah {self.version()}"}
+        for use in bases:
+            here = _image(subprocess.run([self.buildah, "images", "--json", use.allowed.name],
+                                         capture_output=True, text=True, timeout=60,
+                                         check=False))
+            out[f"base {use.allowed.name}"] = str((here or {}).get("digest", "missing"))
+        return out
+
+    def version(self) -> str:
+        if self._version is None:
+            out = subprocess.run([self.buildah, "--version"], capture_output=True, text=True,
+                                 timeout=60, check=False)
+            self._version = out.stdout.split()[2] if out.returncode == 0 and \
+                len(out.stdout.split()) > 2 else "unknown"
+        return self._version
 
     def _buildah_bases(self, *args: str) -> subprocess.CompletedProcess[str]:
         root, run = self.bases_store

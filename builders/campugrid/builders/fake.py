@@ -37,6 +37,9 @@ class FakeBuilder:
         self.scope = scope
         self.builds: list[tuple[Path, str]] = []  # (context, tag), every build asked for
 
+    def inputs(self, bases: Sequence[BaseUse]) -> dict[str, str]:
+        return {"builder": "fake", **{f"base {u.allowed.name}": "fake" for u in bases}}
+
     def build(self, context_dir: Path, tag: str, *, log: LogFn, timeout_s: float,
               cancel: threading.Event | None = None, memory_mb: int = 4096,
               cpus: float = 2.0, disk_mb: int = 512,

@@ -34,7 +34,10 @@ def service_argv(socket: Path, podman: str = "podman", runsc: str = "runsc") -> 
 
 
 def executor_args(tag: str) -> list[str]:
+    # --reproducible: no timestamps, so equal inputs give equal digests (pushed afterwards
+    # from the provider's store, as Buildah's builds are).
     return ["--dockerfile=/workspace/Dockerfile", "--context=dir:///workspace", "--no-push",
+            "--reproducible",
             f"--destination={tag}", "--tar-path=/image/image.tar", "--snapshot-mode=redo"]
 
 
@@ -82,6 +85,12 @@ class KanikoBuilder:
     def has_executor(self) -> bool:
         return subprocess.run([self.podman, "image", "exists", self.executor_image],
                               capture_output=True, check=False).returncode == 0
+
+    def inputs(self, bases: Sequence[BaseUse]) -> dict[str, str]:
+        # Kaniko resolves FROM inside its sandbox; the executor image decides the rest.
+        return {"builder": f"kaniko {self.executor_image}",
+                **{f"base {use.allowed.name}": use.allowed.digest or use.digest or "unpinned"
+                   for use in bases}}
 
     def build(self, context_dir: Path, tag: str, *, log: LogFn, timeout_s: float,
               cancel: threading.Event | None = None, memory_mb: int = 4096,

@@ -323,6 +323,10 @@ def agent_run(
         min=0, max=65535,
         help="Serve /metrics on 127.0.0.1 (only) at this port, to the token `campugrid provider "
              "metrics-token` prints; 0: not at all. Default: 8752.")] = None,
+    image_cache_mb: Annotated[int, typer.Option(
+        min=0, help="Keep images built or pulled through the coordinator's registry, up to "
+                    "this many MB, for later tasks of the same build; 0: never pull another "
+                    "machine's build, always build here.")] = 20480,
     log_format: LogFormat = "text",
 ) -> None:
     """Run a provider agent as this (unprivileged) user."""
@@ -353,7 +357,8 @@ def agent_run(
         agent = Agent(AgentSettings(coordinator=coordinator or "", state_dir=state_dir, name=name,
                                     gpu_policy=policy, require_limits=required,
                                     pin=pin or "", shares=shares.parse(share or []), owner=owner,
-                                    metrics_port=METRICS_PORT if metrics_port is None else metrics_port),
+                                    metrics_port=METRICS_PORT if metrics_port is None else metrics_port,
+                                    image_cache_mb=image_cache_mb),
                       chosen, sandbox)
     except CampugridError as e:
         _fail(str(e))

@@ -1,6 +1,7 @@
 """`campugrid up`: the whole platform on one machine, on embedded defaults.
 
-SeaweedFS (S3) and the coordinator run in this process's care; the agent runs as a separate
+SeaweedFS (S3), the OCI registry (unless CAMPUGRID_REGISTRY names one) and the coordinator
+run in this process's care; the agent runs as a separate
 process, as the unprivileged provider user when started by root. Nothing outlives this process
 (each child has a guard that kills it if we die, even by SIGKILL), and what an earlier, killed
 run left is stopped at the next start. The same class brings the platform up for the
@@ -24,11 +25,13 @@ import threading
 import time
 from pathlib import Path
 
+from campugrid.cli.registry import EmbeddedRegistry
 from campugrid.cli.seaweed import EmbeddedS3, end_processes, free_port, guard_group
 from campugrid.client import Api, Identity
 from campugrid.client.identity import default_path as default_identity
 from campugrid.coordinator import server
 from campugrid.coordinator.config import Settings
+from campugrid.coordinator.registry import ensure_signing_key
 from campugrid.protocol.errors import CampugridError
 from campugrid.sandbox.process import release_guard
 
@@ -37,6 +40,7 @@ PROVIDER_USER = os.environ.get("CAMPUGRID_AGENT_USER", "campugrid")
 BASE_IMAGE = "localhost/campugrid/python:bookworm"
 RESTART_DELAYS_S = (1.0, 30.0)  # first, most: doubling in between
 STABLE_AFTER_S = 60.0  # an agent up this long starts again from the first delay
+REGISTRY_GC_S = 3600.0  # how often the embedded registry drops blobs of deleted images
 
 
 def default_state_dir() -> Path:
@@ -150,6 +154,7 @@ class Platform:
     # None: the CLI's default (~/.config/campugrid/identity.json), as `campugrid up` uses it.
     admin_identity: Path | None = None
     s3: EmbeddedS3 | None = None
+    registry: EmbeddedRegistry | None = None
     running: server.Running | None = None
     agents: list[AgentHandle] = dataclasses.field(default_factory=list)
     _http_thread: threading.Thread | None = None
@@ -197,7 +202,14 @@ class Platform:
             s3_secret_key=secret, http_port=self.http_port,
             grpc_port=self.grpc_port or free_port(), lease_seconds=self.lease_seconds,
             admin_identity=self.identity_path)
+        if not settings.registry:  # the embedded one, trusting the coordinator's tokens
+            _, cert = ensure_signing_key(settings.registry_dir)
+            self.registry = EmbeddedRegistry(self.state_dir / "registry", cert).start()
+            settings = dataclasses.replace(settings, registry=self.registry.address)
         self.running = server.start(settings)
+        if self.registry is not None:
+            threading.Thread(target=self._collect_registry, daemon=True,
+                             name="registry-gc").start()
         self._http_thread = threading.Thread(target=self.running.http.run, daemon=True,
                                              name="http")
         self._http_thread.start()
@@ -207,6 +219,22 @@ class Platform:
                 raise CampugridError(f"the REST API did not start on port {self.http_port}")
             time.sleep(0.05)
         return self
+
+    def _collect_registry(self) -> None:
+        """The coordinator deletes images no job needs; their blobs go here, when there are
+        some (the registry pauses for it, about a second: a pull then fails and that machine
+        builds the image itself)."""
+        seen = 0
+        while not self._stopping.wait(REGISTRY_GC_S):
+            assert self.running is not None and self.registry is not None
+            deleted = self.running.coord.images.collected
+            if deleted == seen:
+                continue
+            try:
+                self.registry.garbage_collect()
+                seen = deleted
+            except CampugridError as e:
+                log.warning("registry garbage collection: %s", e)
 
     def start_agent(self, name: str = "local-agent", log_file: Path | None = None,
                     user: ProviderUser | None = None, coordinator: str | None = None,
@@ -320,6 +348,8 @@ class Platform:
             self.running.stop()
             if self._http_thread is not None:
                 self._http_thread.join(timeout=10)
+        if self.registry is not None:
+            self.registry.stop()
         if self.s3 is not None:
             self.s3.stop()
 

@@ -300,6 +300,19 @@ class AgentService(pb_grpc.AgentServiceServicer):
         return pb.NextShardReply(accepted=True, has_shard=True, shard=_shard_pb(task))
 
 
+    def Image(self, request: pb.ImageRequest, context: grpc.ServicerContext) -> pb.ImageReply:
+        machine = self._machine(context)
+        try:
+            a = self._guard(context, lambda: self.coord.images.step(
+                request.job_id, request.fencing_token, machine, request.step,
+                request.inputs_json, request.digest))
+        except (StaleAttempt, IllegalTransition) as e:
+            return pb.ImageReply(accepted=False, reason=str(e))
+        return pb.ImageReply(accepted=True, action=a.action, registry=a.registry,
+                             repository=a.repository, digest=a.digest, token=a.token,
+                             push=a.push, retry_seconds=a.retry_s, built_by=a.built_by)
+
+
 def _shard_pb(task: ShardTask | None) -> pb.ShardTask | None:
     if task is None:
         return None

@@ -54,10 +54,24 @@ class Settings:
     rest_per_key_per_s: int = 50
     rest_per_address_per_s: int = 100
     registrations_per_minute: int = 20  # per address
+    # The OCI registry built images are shared through (CAMPUGRID_REGISTRY, host:port as
+    # machines reach it; plain HTTP only on a loopback address). It must accept this
+    # coordinator's tokens (registry/token.crt in the state folder). Empty: none, and every
+    # machine builds every image itself.
+    registry: str = ""
+    registry_token_seconds: int = 300
+    # A pushed image no queued or running job can use is deleted from the registry once
+    # nobody pulled it for this long (CAMPUGRID_IMAGE_KEEP_SECONDS).
+    image_keep_seconds: float = 3600.0
 
     @property
     def tls_dir(self) -> Path:
         return self.state_dir / "tls"
+
+    @property
+    def registry_dir(self) -> Path:
+        """The registry token signing key and certificate."""
+        return self.state_dir / "registry"
 
     @classmethod
     def from_env(cls, state_dir: Path, **overrides: object) -> Settings:
@@ -77,12 +91,14 @@ class Settings:
             "public_url": env.get("CAMPUGRID_PUBLIC_URL", ""),
             "public_grpc": env.get("CAMPUGRID_PUBLIC_GRPC", ""),
             "rest_tls": {"1": True, "0": False}.get(env.get("CAMPUGRID_REST_TLS", "")),
+            "registry": env.get("CAMPUGRID_REGISTRY", "").strip(),
         }
         if values["s3_addressing"] not in ("auto", "path", "virtual"):
             raise ValueError(f"CAMPUGRID_S3_ADDRESSING={env['CAMPUGRID_S3_ADDRESSING']!r}: "
                              "expected auto, path or virtual")
         for key, name, kind in (("lease_seconds", "CAMPUGRID_LEASE_SECONDS", float),
-                                ("keep_checkpoints", "CAMPUGRID_KEEP_CHECKPOINTS", int)):
+                                ("keep_checkpoints", "CAMPUGRID_KEEP_CHECKPOINTS", int),
+                                ("image_keep_seconds", "CAMPUGRID_IMAGE_KEEP_SECONDS", float)):
             if env.get(name):
                 try:
                     values[key] = kind(env[name])

@@ -348,3 +348,34 @@ class MetricsToken(Base):
     token_sha256: Mapped[str] = mapped_column(String(64), unique=True)
     created_by: Mapped[str] = mapped_column(String(36))  # the admin app that minted it
     created_at: Mapped[dt.datetime] = mapped_column()
+
+
+class ImageBuild(Base):
+    """A job image one machine built and pushed to the registry, by the build's key (a digest
+    of the job's context and of what else determines the build on that machine)."""
+
+    __tablename__ = "image_builds"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    build_key: Mapped[str] = mapped_column(String(64))
+    context_sha256: Mapped[str] = mapped_column(String(64), index=True)  # what GC looks at
+    digest: Mapped[str] = mapped_column(String(80))  # the manifest's, "sha256:…"
+    machine_id: Mapped[str] = mapped_column(String(36))
+    job_id: Mapped[str] = mapped_column(String(36))  # the job whose task built it
+    created_at: Mapped[dt.datetime] = mapped_column()
+    used_at: Mapped[dt.datetime] = mapped_column()  # last handed out to pull
+
+    __table_args__ = (UniqueConstraint("build_key", "machine_id", name="uq_image_builds_key_machine"),)
+
+
+class ImageClaim(Base):
+    """The one machine building an image for others to pull ("first" reuse), while the task
+    that claimed it (job attempt or shard session: its fencing token) is active."""
+
+    __tablename__ = "image_claims"
+
+    build_key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    job_id: Mapped[str] = mapped_column(String(36))
+    token: Mapped[int] = mapped_column(BigInteger)
+    machine_id: Mapped[str] = mapped_column(String(36))
+    expires_at: Mapped[dt.datetime] = mapped_column()  # a bound, even for a live task

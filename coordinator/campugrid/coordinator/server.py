@@ -8,6 +8,7 @@ admin identity (a key made here, of which the database keeps the public half onl
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import ipaddress
 import logging
 import os
@@ -101,6 +102,7 @@ def _reap(coord: Coordinator, lead: Leadership, stop: threading.Event, every_s: 
                 coord.store.machines.expire_pending()
                 coord.store.gpu_history.prune()
                 coord.users.prune_sessions()
+                coord.images.collect(dt.timedelta(seconds=coord.settings.image_keep_seconds))
         except CampugridError:
             log.exception("lease reaper")
         except Exception:

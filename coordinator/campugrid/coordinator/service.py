@@ -17,9 +17,11 @@ from typing import Any, BinaryIO
 from campugrid.coordinator.apps import AppView
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.gpu_history import GpuMemory
+from campugrid.coordinator.images import Images
 from campugrid.coordinator.machines import MachineRecord
 from campugrid.coordinator.machines import Status as MachineStatus
 from campugrid.coordinator.objects import ObjectStore
+from campugrid.coordinator.registry import RegistryTokens
 from campugrid.coordinator.scheduler import MachineView, fast_from, why_waiting
 from campugrid.coordinator.store import Store
 from campugrid.coordinator.uploads import UploadView
@@ -89,6 +91,14 @@ class Coordinator:
         self._speeds_at = -SPEEDS_REFRESH_S
         self._context_urls: dict[str, tuple[str, float]] = {}  # key -> (URL, good until)
         self._machines: dict[str, tuple[MachineRecord, float]] = {}  # id -> (record, until)
+
+    @functools.cached_property
+    def images(self) -> Images:
+        """Shared images: who builds, who pulls, and the registry tokens for it."""
+        registry = (RegistryTokens(self.settings.registry_dir, self.settings.registry,
+                                   self.settings.registry_token_seconds)
+                    if self.settings.registry else None)
+        return Images(self.store.db, registry)
 
     @functools.cached_property
     def users(self) -> Users:

@@ -381,3 +381,41 @@ class ReleaseReply(_message.Message):
     accepted: bool
     reason: str
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ImageRequest(_message.Message):
+    __slots__ = ("job_id", "fencing_token", "step", "inputs_json", "digest")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    fencing_token: int
+    step: str
+    inputs_json: str
+    digest: str
+    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., step: _Optional[str] = ..., inputs_json: _Optional[str] = ..., digest: _Optional[str] = ...) -> None: ...
+
+class ImageReply(_message.Message):
+    __slots__ = ("accepted", "reason", "action", "registry", "repository", "digest", "token", "push", "retry_seconds", "built_by")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    REGISTRY_FIELD_NUMBER: _ClassVar[int]
+    REPOSITORY_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    RETRY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BUILT_BY_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    action: str
+    registry: str
+    repository: str
+    digest: str
+    token: str
+    push: bool
+    retry_seconds: float
+    built_by: str
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., action: _Optional[str] = ..., registry: _Optional[str] = ..., repository: _Optional[str] = ..., digest: _Optional[str] = ..., token: _Optional[str] = ..., push: _Optional[bool] = ..., retry_seconds: _Optional[float] = ..., built_by: _Optional[str] = ...) -> None: ...

@@ -84,6 +84,11 @@ class AgentServiceStub:
                 request_serializer=campugrid_dot_protocol_dot_agent__pb2.NextShardRequest.SerializeToString,
                 response_deserializer=campugrid_dot_protocol_dot_agent__pb2.NextShardReply.FromString,
                 _registered_method=True)
+        self.Image = channel.unary_unary(
+                '/campugrid.v1.AgentService/Image',
+                request_serializer=campugrid_dot_protocol_dot_agent__pb2.ImageRequest.SerializeToString,
+                response_deserializer=campugrid_dot_protocol_dot_agent__pb2.ImageReply.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -156,6 +161,15 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Image(self, request, context):
+        """Shared images: where the task's image comes from (pull by digest, build, or wait for the
+        machine building it), a short-lived registry token for its one repository, and what the
+        build pushed. Calls carry the task's fencing token like every other call about it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -208,6 +222,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.NextShard,
                     request_deserializer=campugrid_dot_protocol_dot_agent__pb2.NextShardRequest.FromString,
                     response_serializer=campugrid_dot_protocol_dot_agent__pb2.NextShardReply.SerializeToString,
+            ),
+            'Image': grpc.unary_unary_rpc_method_handler(
+                    servicer.Image,
+                    request_deserializer=campugrid_dot_protocol_dot_agent__pb2.ImageRequest.FromString,
+                    response_serializer=campugrid_dot_protocol_dot_agent__pb2.ImageReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -480,6 +499,33 @@ class AgentService:
             '/campugrid.v1.AgentService/NextShard',
             campugrid_dot_protocol_dot_agent__pb2.NextShardRequest.SerializeToString,
             campugrid_dot_protocol_dot_agent__pb2.NextShardReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Image(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/campugrid.v1.AgentService/Image',
+            campugrid_dot_protocol_dot_agent__pb2.ImageRequest.SerializeToString,
+            campugrid_dot_protocol_dot_agent__pb2.ImageReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -31,6 +31,11 @@ MAX_SHARD_PAYLOAD = 64 * 1024  # bytes of JSON per shard
 MAX_SHARD_RESULT = 64 * 1024  # bytes of JSON a shard's result may have
 MAX_SPEC_BYTES = 16 * 1024 * 1024  # room for a long list of shards
 SHARD_MODES = ("process", "serve")
+# image.reuse: which build of the job's image a machine may run instead of building its own.
+# "first": the first machine's (pushed to the registry, pulled by digest by the others);
+# "verified": one that two machines built independently to the same digest; "never": each
+# machine builds for itself and nothing is shared.
+IMAGE_REUSE = ("first", "verified", "never")
 # The limits an agent reports as enforced or not (its Capabilities.limits), in a fixed order:
 # a job's resources.require_limits is stored as a bit mask over it, for the claim's filter.
 LIMITS = ("memory", "cpu", "pids", "disk", "wall_time", "build_disk", "confinement",
@@ -123,6 +128,11 @@ class Shard:
 
 
 @dataclasses.dataclass(frozen=True)
+class ImageOptions:
+    reuse: str = "first"  # one of IMAGE_REUSE
+
+
+@dataclasses.dataclass(frozen=True)
 class JobSpec:
     command: tuple[str, ...] | None = None  # None: the image's own CMD
     env: tuple[tuple[str, str], ...] = ()
@@ -135,6 +145,7 @@ class JobSpec:
     # command once per shard; "serve" starts it once and hands it shards (hooks.serve_shards).
     shards: tuple[Shard, ...] = ()
     shard_mode: str = "process"
+    image: ImageOptions = ImageOptions()
 
     @classmethod
     def from_json(cls, text: str | bytes) -> JobSpec:
@@ -238,6 +249,12 @@ class JobSpec:
             raise InvalidInput("command: a sharded job needs a command (it runs once per shard, "
                                "or once per sandbox with shard_mode \"serve\")")
 
+        image = data.get("image") or {}
+        _require(isinstance(image, Mapping), "image", 'must be an object, e.g. {"reuse": "verified"}')
+        _no_unknown(image, ImageOptions, "image")
+        reuse = image.get("reuse", "first")
+        _require(reuse in IMAGE_REUSE, "image.reuse", f"must be one of {', '.join(IMAGE_REUSE)}")
+
         return cls(
             command=command,
             env=tuple(sorted(env.items())),
@@ -248,6 +265,7 @@ class JobSpec:
             name=name,
             shards=shards,
             shard_mode=str(shard_mode),
+            image=ImageOptions(reuse=str(reuse)),
         )
 
     @property
@@ -290,6 +308,8 @@ class JobSpec:
             out["shards"] = [{"payload": sh.payload, "cost": sh.cost} for sh in self.shards]
         if self.shard_mode != "process":  # kept in the stored spec, which has no shards
             out["shard_mode"] = self.shard_mode
+        if self.image != ImageOptions():  # likewise: stored specs stay as they were
+            out["image"] = dataclasses.asdict(self.image)
         return out
 
     def to_json(self) -> str:

@@ -304,6 +304,11 @@ class CoordinatorClient:
             timeout=RPC_TIMEOUT_S)
         return reply
 
+    def image(self, req: pb.ImageRequest) -> pb.ImageReply:
+        # Generous: a "pushed" step has the coordinator look the manifest up in the registry.
+        reply: pb.ImageReply = self.stub.Image(req, timeout=RPC_TIMEOUT_S * 2)
+        return reply
+
     def close(self) -> None:
         for channel in self.channels:
             channel.close()
@@ -384,6 +389,15 @@ class CoordinatorApi:
             result_json=done.result_json, reason=done.reason) if done is not None else None)
         return m.NextShard(accepted=r.accepted, reason=r.reason,
                            shard=shard_from_pb(r.shard) if r.has_shard else None)
+
+    def image(self, job_id: str, token: int, step: str, inputs_json: str,
+              digest: str = "") -> m.ImageStep:
+        r = self.wire.image(pb.ImageRequest(job_id=job_id, fencing_token=token, step=step,
+                                            inputs_json=inputs_json, digest=digest))
+        return m.ImageStep(accepted=r.accepted, reason=r.reason, action=r.action,
+                           registry=r.registry, repository=r.repository, digest=r.digest,
+                           token=r.token, push=r.push, retry_seconds=r.retry_seconds,
+                           built_by=r.built_by)
 
     def close(self) -> None:
         self.wire.close()

@@ -161,3 +161,19 @@ class CheckpointRecord:
     etags: tuple[str, ...]
     size: int
     sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageStep:
+    """The coordinator's answer about a task's image (the Image call)."""
+
+    accepted: bool
+    reason: str = ""
+    action: str = ""  # "pull", "build" or "wait"; "push"; "recorded"
+    registry: str = ""  # host:port; empty: no registry
+    repository: str = ""
+    digest: str = ""
+    token: str = ""  # a short-lived bearer token for `repository` only
+    push: bool = False
+    retry_seconds: float = 0.0
+    built_by: str = ""

@@ -50,12 +50,15 @@ class AgentMetrics:
             "From asking to upload a checkpoint to the coordinator recording it",
             buckets=SECONDS, registry=r)
         self.build_seconds = Histogram("campugrid_agent_build_seconds",
-                                       "Image builds, by outcome (ok, failed)", ["outcome"],
+                                       "A task's image ready (built here, pulled or cached), "
+                                       "by outcome (ok, failed)", ["outcome"],
                                        buckets=SECONDS, registry=r)
-        # Every task builds afresh (a new store per build, --layers=false, the image removed
-        # after the task): there is no cache to hit yet, and this stays 0 until there is.
+        # Tasks that did not build: the image was in this machine's cache (source=cache) or
+        # pulled by digest from the registry (source=registry).
         self.build_cache_hits = Counter("campugrid_agent_build_cache_hits",
-                                        "Builds answered from an image already here", registry=r)
+                                        "Builds answered from an image already built, by where "
+                                        "it came from (cache, registry)", ["source"],
+                                        registry=r)
         self.sandbox_start_seconds = Histogram(
             "campugrid_agent_sandbox_start_seconds",
             "From launching a sandbox to it running: kind=run (the runtime's start event), "

@@ -27,9 +27,10 @@ import grpc
 import httpx
 
 from campugrid import hooks
-from campugrid.agent import checkpoints, gpus
+from campugrid.agent import checkpoints, gpus, images
 from campugrid.agent.client import CoordinatorApi
 from campugrid.agent.gpus import GpuPolicy
+from campugrid.agent.images import ImageCache
 from campugrid.agent.logship import LogShipper
 from campugrid.agent.messages import Gpu, Lease, Outcome
 from campugrid.agent.metrics import METRICS
@@ -57,8 +58,10 @@ Mapped = tuple[tuple[str, int], ...]  # (uuid, device minor) per reserved GPU
 class Task:
     def __init__(self, client: CoordinatorApi, lease: Lease, work: Path,
                  builder: Builder, sandbox: Runtime, gpu_policy: GpuPolicy = GpuPolicy(),
-                 slot: slots.Slot | None = None, shares: Shares | None = None) -> None:
+                 slot: slots.Slot | None = None, shares: Shares | None = None,
+                 cache: ImageCache | None = None) -> None:
         self.client, self.lease, self.work = client, lease, work
+        self.cache = cache  # images shared through the registry (None: always build here)
         self.shares = shares or Shares({})
         self.builder, self.sandbox = builder, sandbox
         self.spec = JobSpec.from_json(lease.spec_json)
@@ -74,7 +77,9 @@ class Task:
                             "checked every %.2f s", lease.job_id, e, DISK_POLL_S)
         self.output_dir, self.ckpt_dir = self.files / "output", self.files / "checkpoints"
         self.name = f"campugrid-{lease.job_id}-{lease.fencing_token}"
-        self.image = f"{job_image_prefix(sandbox.scope)}{lease.job_id}:{lease.fencing_token}"
+        # What a build here is tagged; the image that runs may be a cached or pulled one.
+        self.tag = f"{job_image_prefix(sandbox.scope)}{lease.job_id}:{lease.fencing_token}"
+        self.image = self.tag
         self.stop = threading.Event()  # stop building/running now
         self.lost = threading.Event()  # the lease is gone: report nothing
         self.draining = False
@@ -179,7 +184,9 @@ class Task:
                               if done.accepted else f"refused: {done.reason}")
         finally:
             self.renewer.stop()
-            self.sandbox.remove_image(self.image)
+            self.sandbox.remove_image(self.tag)  # a cached copy stays under its digest
+            if self.cache is not None:
+                self.cache.in_use.discard(self.image)
             shutil.rmtree(self.work, ignore_errors=True)  # the agent's sweep catches the rest
             if self.files != self.work:
                 shutil.rmtree(self.files, ignore_errors=True)
@@ -221,14 +228,21 @@ class Task:
                 self.shipper.line("run", f"[campugrid] the checkpoint of epoch {lease.resume.epoch} "
                                          f"is unusable ({why}); starting from scratch")
         build_log = self.shipper.for_stream("build")
-        build_log(f"[campugrid] building with {self.builder.name}, RUN steps under gVisor, offline")
         began = time.monotonic()
-        try:
-            self.builder.build(context_dir, self.image, log=build_log,
+
+        def build() -> None:
+            build_log(f"[campugrid] building with {self.builder.name}, RUN steps under gVisor, "
+                      "offline")
+            self.builder.build(context_dir, self.tag, log=build_log,
                                timeout_s=min(BUILD_TIMEOUT_S, spec.resources.wall_time_s),
                                cancel=self.stop, memory_mb=spec.resources.memory_mb,
                                cpus=spec.resources.cpus, disk_mb=spec.resources.disk_mb,
                                bases=info.checked.bases)
+
+        try:
+            self.image = images.obtain(self.client, lease, self.builder, self.cache,
+                                       bases=info.checked.bases, tag=self.tag, work=work,
+                                       log=build_log, stop=self.stop, build=build)
         except BuildFailed as e:
             METRICS.build_seconds.labels("failed").observe(time.monotonic() - began)
             return Outcome(succeeded=False, exit_code=-1,

@@ -24,6 +24,7 @@ import grpc
 from campugrid.agent import gpus, metrics
 from campugrid.agent.client import CoordinatorApi, CoordinatorClient, fetch_membership
 from campugrid.agent.gpus import GpuPolicy
+from campugrid.agent.images import ImageCache
 from campugrid.agent.install import remove_tree, scope_of
 from campugrid.agent.messages import Capabilities, Lease
 from campugrid.agent.owner import Owner, OwnerPolicy
@@ -63,6 +64,9 @@ class AgentSettings:
     owner: OwnerPolicy = dataclasses.field(default_factory=OwnerPolicy)
     # /metrics on 127.0.0.1 (campugrid.agent.metrics); 0: not served.
     metrics_port: int = 0
+    # Images shared through the coordinator's registry are kept here for later tasks of the
+    # same build, up to this many MB (`--image-cache-mb`); 0: never pull, always build here.
+    image_cache_mb: int = 20480
 
 
 class Agent:
@@ -92,6 +96,8 @@ class Agent:
         self.client = CoordinatorApi(CoordinatorClient(fetch_membership(
             settings.state_dir, settings.coordinator, settings.pin)))
         self.work_root = settings.state_dir / "work"
+        self.images = (ImageCache(settings.state_dir, self.scope, max_mb=settings.image_cache_mb)
+                       if settings.image_cache_mb > 0 else None)
         self.shares = Shares(settings.shares)
         self.stopping = threading.Event()
         self.task: Task | None = None
@@ -171,6 +177,9 @@ class Agent:
         for name in self.sandbox.sweep(self.client.machine_id):
             log.warning("removed sandbox %s left from an earlier run of this agent", name)
         self.sweep("an earlier run of this agent", logging.WARNING)
+        if self.images is not None and self.images.available:
+            for image in self.images.sweep_unknown():
+                log.warning("removed image %s, which the image cache had lost track of", image)
         last_beat, told_pending = 0.0, 0.0
         while not self.stopping.is_set():
             held = self.owner.hold()
@@ -232,7 +241,7 @@ class Agent:
             # Every line the task logs (and its threads, started with logs.thread) names it.
             with logs.about_job(lease.job_id, lease.fencing_token):
                 self.task = kind(self.client, lease, work, self.builder, self.sandbox,
-                                 self.settings.gpu_policy, self.slot, self.shares)
+                                 self.settings.gpu_policy, self.slot, self.shares, self.images)
                 self.status.task_started(lease.job_id, lease.fencing_token)
                 metrics.METRICS.gpus.hold(lease.gpu_uuids, lease.gpu_memory_mb)
                 if self.stopping.is_set():  # a drain arrived between lease and start

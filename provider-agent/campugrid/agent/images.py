@@ -1,0 +1,253 @@
+"""A task's image through the shared registry, and this machine's bounded cache of images.
+
+    resolve (Image call) -> "pull": from the cache, else skopeo pulls it by digest
+                         -> "wait": another machine builds it; ask again
+                         -> "build": build here; with `push`, push it (a token for the one
+                            repository the build key names), then report the digest
+
+Images cross only as data: skopeo copies manifests and layers between the registry and this
+user's containers-storage, outside any sandbox but running nothing from them; whatever runs
+still runs under gVisor. Pulls name a digest, never a tag. Without skopeo, or when the
+coordinator has no registry, every image is built here, as before.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import grpc
+
+from campugrid.agent.client import CoordinatorApi
+from campugrid.agent.messages import ImageStep, Lease
+from campugrid.agent.metrics import METRICS
+from campugrid.builders.base import Builder
+from campugrid.protocol.dockerfiles import BaseUse
+from campugrid.protocol.errors import BuildFailed, SandboxError
+from campugrid.sandbox.process import LogFn, run_streaming
+
+log = logging.getLogger("campugrid.agent")
+CACHE_PREFIX = "localhost/campugrid-cache/"
+TRANSFER_TIMEOUT_S = 1800
+WAIT_LIMIT_S = 1800  # at most this long for another machine's build, then build here
+
+
+def _loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+class ImageCache:
+    """Images this machine pulled or pushed, by manifest digest, kept for later tasks of the
+    same build: at most `max_images` and `max_mb` together, least recently used dropped
+    first (never one a task uses). The index lives in the agent's state folder; images are
+    named under CACHE_PREFIX and this agent's scope, which its sweeps do not touch."""
+
+    def __init__(self, state_dir: Path, scope: str, max_images: int = 8, max_mb: int = 20480,
+                 podman: str = "podman", skopeo: str = "skopeo") -> None:
+        self.index_file = state_dir / "images.json"
+        self.scope, self.max_images, self.max_mb = scope or "agent", max_images, max_mb
+        self.podman = shutil.which(podman) or podman
+        self.skopeo = shutil.which(skopeo)
+        self._lock = threading.Lock()
+        self.in_use: set[str] = set()
+
+    @property
+    def available(self) -> bool:
+        """Whether this machine can move images to and from a registry at all."""
+        return self.skopeo is not None
+
+    def name(self, digest: str) -> str:
+        return f"{CACHE_PREFIX}{self.scope}:{digest.removeprefix('sha256:')}"
+
+    def _index(self) -> dict[str, dict[str, float]]:
+        try:
+            data = json.loads(self.index_file.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def _save(self, index: dict[str, dict[str, float]]) -> None:
+        tmp = self.index_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(index))
+        tmp.replace(self.index_file)
+
+    def _exists(self, image: str) -> bool:
+        return subprocess.run([self.podman, "image", "exists", image], capture_output=True,
+                              timeout=60, check=False).returncode == 0
+
+    def lookup(self, digest: str) -> str | None:
+        """The local image of this digest, if the cache has it (and it is still there)."""
+        image = self.name(digest)
+        with self._lock:
+            index = self._index()
+            if digest not in index:
+                return None
+            if not self._exists(image):
+                del index[digest]
+                self._save(index)
+                return None
+            index[digest]["used"] = time.time()
+            self._save(index)
+        return image
+
+    def add(self, digest: str, image: str) -> None:
+        """Record an image now in the store under self.name(digest), then trim the cache."""
+        size = subprocess.run([self.podman, "image", "inspect", "--format", "{{.Size}}", image],
+                              capture_output=True, text=True, timeout=60, check=False).stdout
+        with self._lock:
+            index = self._index()
+            index[digest] = {"used": time.time(), "mb": int(size.strip() or 0) / 1024**2
+                             if size.strip().isdigit() else 0.0}
+            self._save(index)
+        self.trim()
+
+    def trim(self) -> list[str]:
+        """Drop the least recently used images beyond the bounds; returns their digests."""
+        gone = []
+        with self._lock:
+            index = self._index()
+            order = sorted(index, key=lambda d: index[d]["used"])
+            while order and (len(index) > self.max_images
+                             or sum(e["mb"] for e in index.values()) > self.max_mb):
+                victim = next((d for d in order if self.name(d) not in self.in_use), None)
+                if victim is None:
+                    break
+                order.remove(victim)
+                del index[victim]
+                subprocess.run([self.podman, "rmi", "--force", self.name(victim)],
+                               capture_output=True, timeout=120, check=False)
+                gone.append(victim)
+            self._save(index)
+        return gone
+
+    def pull(self, registry: str, repository: str, digest: str, token: str, *,
+             cancel: threading.Event | None) -> str:
+        image = self.name(digest)
+        self._copy(["--src-registry-token", token,
+                    *(["--src-tls-verify=false"] if _loopback(registry) else []),
+                    f"docker://{registry}/{repository}@{digest}", f"containers-storage:{image}"],
+                   f"pulling {repository}@{digest}", cancel)
+        self.add(digest, image)
+        return image
+
+    def push(self, image: str, registry: str, repository: str, tag: str, token: str,
+             work: Path, *, cancel: threading.Event | None) -> str:
+        """Push a local image; returns the manifest digest the registry stored."""
+        digest_file = work / "pushed.digest"
+        self._copy(["--dest-registry-token", token, "--digestfile", str(digest_file),
+                    *(["--dest-tls-verify=false"] if _loopback(registry) else []),
+                    f"containers-storage:{image}", f"docker://{registry}/{repository}:{tag}"],
+                   f"pushing to {repository}", cancel)
+        digest = digest_file.read_text().strip()
+        # Kept under its digest too, for this machine's later tasks of the same build.
+        subprocess.run([self.podman, "tag", image, self.name(digest)], capture_output=True,
+                       timeout=60, check=False)
+        self.add(digest, self.name(digest))
+        return digest
+
+    def _copy(self, args: list[str], what: str, cancel: threading.Event | None) -> None:
+        assert self.skopeo is not None
+        done = run_streaming([self.skopeo, "copy", "--quiet", *args], log=lambda _line: None,
+                             timeout_s=TRANSFER_TIMEOUT_S, cancel=cancel, on_orphan=())
+        if done.returncode != 0 or done.cancelled or done.timed_out:
+            why = ("cancelled" if done.cancelled else "timed out" if done.timed_out
+                   else done.tail.strip().splitlines()[-1:] or ["failed"])
+            raise SandboxError(f"{what}: {why if isinstance(why, str) else why[0]}"[:1000])
+
+    def sweep_unknown(self) -> list[str]:
+        """Cached images the index does not know (a crash between pull and record)."""
+        prefix = f"{CACHE_PREFIX}{self.scope}:"
+        out = subprocess.run([self.podman, "images", "--format", "{{.Repository}}:{{.Tag}}"],
+                             capture_output=True, text=True, timeout=60, check=False).stdout
+        known = {self.name(d) for d in self._index()}
+        gone = [ref for ref in out.split() if ref.startswith(prefix) and ref not in known]
+        for ref in gone:
+            subprocess.run([self.podman, "rmi", "--force", ref], capture_output=True,
+                           timeout=120, check=False)
+        return gone
+
+
+def obtain(client: CoordinatorApi, lease: Lease, builder: Builder, cache: ImageCache | None,
+           *, bases: Sequence[BaseUse], tag: str, work: Path, log: LogFn,
+           stop: threading.Event, build: Callable[[], None]) -> str:
+    """The local image this task runs: from the cache, pulled, or built here (`build`
+    builds `tag`) and pushed when the coordinator says so. Raises BuildFailed for the job's
+    own faults; SandboxError or grpc errors for this machine's."""
+    if cache is None or not cache.available:
+        build()
+        return tag
+    inputs = json.dumps(builder.inputs(bases), sort_keys=True)
+    job, token = lease.job_id, lease.fencing_token
+    since = time.monotonic()
+    step = _accepted(client.image(job, token, "resolve", inputs))
+    if step.action == "wait":
+        log("[campugrid] another machine is building this image; waiting to pull it")
+    while step.action == "wait":
+        if stop.wait(max(0.5, step.retry_seconds)):
+            raise BuildFailed("stopped while waiting for another machine's build", "")
+        if time.monotonic() - since > WAIT_LIMIT_S:
+            log(f"[campugrid] waited {WAIT_LIMIT_S} s for another machine's build; "
+                "building here")
+            build()
+            return tag
+        step = _accepted(client.image(job, token, "resolve", inputs))
+    if step.action == "pull":
+        found = cache.lookup(step.digest)
+        METRICS.build_cache_hits.labels("cache" if found else "registry").inc()
+        if found is not None:
+            log(f"[campugrid] image {step.digest} (built by machine {step.built_by}) is "
+                "already on this machine")
+        else:
+            began = time.monotonic()
+            try:
+                found = cache.pull(step.registry, step.repository, step.digest, step.token,
+                                   cancel=stop)
+            except SandboxError as e:
+                if stop.is_set():
+                    raise BuildFailed("stopped while pulling the image", "") from e
+                log(f"[campugrid] the image could not be pulled ({e}); building it here")
+                build()
+                return tag
+            log(f"[campugrid] pulled image {step.digest} (built by machine {step.built_by}) "
+                f"in {time.monotonic() - began:.1f} s")
+        cache.in_use.add(found)
+        return found
+    build()
+    if step.push:
+        _share(client, cache, job, token, inputs, tag, work, log, stop)
+    return tag
+
+
+def _share(client: CoordinatorApi, cache: ImageCache, job: str, token: int, inputs: str,
+           tag: str, work: Path, log: LogFn, stop: threading.Event) -> None:
+    """Push this machine's build for the others, and report what was pushed (nothing, if
+    the push failed: then another machine may build). The task runs its image either way."""
+    digest = ""
+    try:
+        grant = _accepted(client.image(job, token, "push", inputs))
+        digest = cache.push(tag, grant.registry, grant.repository,
+                            f"machine-{client.machine_id}", grant.token, work, cancel=stop)
+        log(f"[campugrid] pushed image {digest} for the other machines")
+    except (SandboxError, OSError, grpc.RpcError) as e:
+        why = e.details() if isinstance(e, grpc.RpcError) else str(e)
+        log(f"[campugrid] the image was not shared ({why}); this task runs it anyway")
+    try:
+        done = client.image(job, token, "pushed", inputs, digest)
+        if not done.accepted:
+            log(f"[campugrid] the pushed image was not recorded: {done.reason}")
+    except grpc.RpcError as e:
+        log(f"[campugrid] the pushed image was not recorded: {e.details()}")
+
+
+def _accepted(step: ImageStep) -> ImageStep:
+    """A refused step means the task is no longer this machine's (its lease is gone)."""
+    if not step.accepted:
+        raise SandboxError(f"image step refused: {step.reason}")
+    return step

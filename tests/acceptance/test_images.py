@@ -1,0 +1,107 @@
+"""Build once, run anywhere, for real: three agents, the embedded registry, the coordinator's
+tokens. A sharded job builds its image on one machine and the others pull it by digest;
+a "verified" job is built by two machines to the same digest before anyone pulls it."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from campugrid.cli.platform import Platform
+from campugrid.cli.seaweed import free_port
+from campugrid.client import tar_folder
+from campugrid.protocol.spec import JobSpec
+
+pytestmark = pytest.mark.acceptance
+DIGEST = r"sha256:[0-9a-f]{64}"
+SHARD = ("import os, time; time.sleep(0.3); "
+         "print(open('/built.txt').read().strip(), os.environ['CAMPUGRID_SHARD_INDEX'])")
+
+
+@pytest.fixture(scope="module")
+def three() -> Iterator[Platform]:
+    """The platform as `campugrid up` starts it (registry included), with three agents."""
+    root = Path(tempfile.mkdtemp(prefix="campugrid-images-"))
+    os.chmod(root, 0o711)
+    p = Platform(root / "state", http_port=free_port(), lease_seconds=4.0,
+                 admin_identity=root / "admin.json").start()
+    try:
+        for i in range(3):
+            p.start_agent(f"images-{i}", args=("--metrics-port", "0"))
+        yield p
+    finally:
+        p.stop()
+        for i in range(3):
+            log = root / "state" / "agents" / f"images-{i}.log"
+            if log.exists():
+                print(f"--- images-{i} (tail) ---\n" + "\n".join(log.read_text().splitlines()[-15:]))
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def context(tmp_path: Path, mark: str) -> bytes:
+    ctx = tmp_path / mark
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text("FROM localhost/campugrid/python:bookworm\n"
+                                    f"RUN echo {mark} > /built.txt\n")
+    return tar_folder(ctx)
+
+
+def image_events(api, job_id: str) -> list[str]:
+    return [e["detail"] for e in api.job(job_id)["events"] if e["kind"] == "image"]
+
+
+def build_lines(api, job_id: str) -> list[str]:
+    return [line for c in api.logs(job_id)["chunks"] if c["stream"] == "build"
+            for line in c["text"].splitlines() if line.startswith("[campugrid]")]
+
+
+def test_a_sharded_job_over_three_agents_builds_its_image_once(three, tmp_path):
+    with three.api() as api:
+        spec = JobSpec.from_dict({"command": ["python3", "-c", SHARD],
+                                  "shards": [{"payload": i} for i in range(40)]})
+        job = api.submit(context(tmp_path, "once"), spec)
+        final = api.wait(job["id"], timeout_s=600)
+        assert final["state"] == "succeeded", final
+        shards = list(api.shards(job["id"]))
+        assert all(s["result"] == f"once {s['index']}" for s in shards), shards[:3]
+        machines = {s["machine_id"] for s in shards}
+        assert len(machines) >= 2, machines  # the work was spread, the build was not
+        events = image_events(api, job["id"])
+        built = [e for e in events if "built and pushed" in e]
+        assert len(built) == 1, events
+        digest = re.search(DIGEST, built[0]).group(0)
+        pulls = [e for e in events if "pulls image" in e]
+        assert pulls and all(digest in e for e in pulls), events
+        pullers = {e.split()[1] for e in pulls}
+        builder = built[0].split()[1]
+        assert machines <= pullers | {builder}, (machines, pullers, builder)
+        lines = build_lines(api, job["id"])
+        assert sum("building with buildah" in line for line in lines) == 1, lines
+        assert any(f"pulled image {digest}" in line for line in lines), lines
+
+
+def test_verified_reuse_builds_on_two_machines_then_pulls(three, tmp_path):
+    with three.api() as api:
+        ctx = context(tmp_path, "verified")
+        spec = JobSpec.from_dict({"command": ["python3", "-c", SHARD], "image": {"reuse": "verified"},
+                                  "shards": [{"payload": i} for i in range(24)]})
+        first = api.wait(api.submit(ctx, spec)["id"], timeout_s=600)
+        assert first["state"] == "succeeded", first
+        built = [e for e in image_events(api, first["id"]) if "built and pushed" in e]
+        assert len({e.split()[1] for e in built}) >= 2, built  # independent machines
+        digests = {re.search(DIGEST, e).group(0) for e in built}
+        assert len(digests) == 1, built  # reproducible: the same digest on each
+        assert sum("building with buildah" in line for line in build_lines(api, first["id"])) >= 2
+        # Verified now: the next job of the same context builds nowhere.
+        again = JobSpec.from_dict({"command": ["cat", "/built.txt"], "image": {"reuse": "verified"}})
+        second = api.wait(api.submit(ctx, again)["id"], timeout_s=300)
+        assert second["state"] == "succeeded" and second["result"] == "verified", second
+        assert not any("building with" in line for line in build_lines(api, second["id"]))
+        [pulled] = [e for e in image_events(api, second["id"]) if "pulls image" in e]
+        assert digests.pop() in pulled

@@ -1,0 +1,299 @@
+"""Shared images: who builds and who pulls (coordinator/images.py, on SQLite and a real
+PostgreSQL), and the registry's token authentication for real: Debian's docker-registry
+trusting the coordinator's tokens, driven by skopeo as agents drive it."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import jwt
+import pytest
+
+from campugrid.cli.registry import EmbeddedRegistry
+from campugrid.coordinator.images import Images, build_key, repository
+from campugrid.coordinator.registry import ISSUER, SERVICE, RegistryTokens, ensure_signing_key
+from campugrid.coordinator.store import Store
+from campugrid.protocol.errors import InvalidInput, StaleAttempt
+from campugrid.protocol.spec import JobSpec
+from tests.support.machines import add_machine
+from tests.support.oci import oci_image
+
+pytestmark = pytest.mark.integration
+CONTEXT = "ab" * 32
+INPUTS = json.dumps({"builder": "buildah 1.28.2", "base localhost/x": "sha256:" + "1" * 64})
+
+
+def leased(store: Store, machine: str, reuse: str = "first", context: str = CONTEXT) -> tuple[str, int]:
+    """A job of `context` leased by `machine`: (job id, fencing token)."""
+    job, _ = store.submit(JobSpec.from_dict({"image": {"reuse": reuse}}), f"contexts/{context}.tar",
+                          context)
+    while (got := store.claim_next(machine, lease_s=60)) is not None and got.id != job.id:
+        pass
+    assert got is not None
+    return job.id, got.attempt
+
+
+def events(store: Store, job_id: str) -> list[str]:
+    return [e.detail or "" for e in store.events(job_id) if e.kind == "image"]
+
+
+# --- who builds, who pulls ----------------------------------------------------------------
+
+
+def test_the_key_is_the_coordinators_context_and_the_machines_inputs():
+    assert build_key(CONTEXT, INPUTS) == build_key(CONTEXT, json.dumps(json.loads(INPUTS)))
+    assert build_key(CONTEXT, INPUTS) != build_key("cd" * 32, INPUTS)
+    other_base = json.dumps({**json.loads(INPUTS), "base localhost/x": "sha256:" + "2" * 64})
+    assert build_key(CONTEXT, INPUTS) != build_key(CONTEXT, other_base)
+    for bad in ("", "[]", "{}", "not json", json.dumps({"x": "y" * 5000})):
+        with pytest.raises(InvalidInput, match="inputs_json"):
+            build_key(CONTEXT, bad)
+
+
+def test_first_reuse_one_machine_builds_the_others_wait_then_pull(store: Store):
+    images = Images(store.db)
+    a, b = add_machine(store, "a"), add_machine(store, "b")
+    (ja, ta), (jb, tb) = leased(store, a), leased(store, b)
+    key = build_key(CONTEXT, INPUTS)
+    first = images.resolve(key=key, reuse="first", job_id=ja, token=ta, machine_id=a)
+    assert (first.action, first.push) == ("build", True)
+    assert images.resolve(key=key, reuse="first", job_id=ja, token=ta, machine_id=a).action == "build"
+    assert images.resolve(key=key, reuse="first", job_id=jb, token=tb, machine_id=b).action == "wait"
+    assert images.may_push(key=key, reuse="first", job_id=ja, token=ta, machine_id=a)
+    assert not images.may_push(key=key, reuse="first", job_id=jb, token=tb, machine_id=b)
+    images.record(key=key, context_sha256=CONTEXT, digest="sha256:" + "d" * 64, job_id=ja,
+                  token=ta, machine_id=a)
+    pull = images.resolve(key=key, reuse="first", job_id=jb, token=tb, machine_id=b)
+    assert (pull.action, pull.digest, pull.built_by) == ("pull", "sha256:" + "d" * 64, a)
+    assert any(f"machine {a} built and pushed image sha256:{'d' * 64}" in e for e in events(store, ja))
+    assert any(f"machine {b} pulls image sha256:{'d' * 64} built by machine {a}" in e for e in events(store, jb))
+    assert images.builds(CONTEXT)[0]["machine_id"] == a
+
+
+def test_a_claim_passes_on_when_its_task_is_gone_or_its_push_failed(store: Store):
+    images = Images(store.db)
+    a, b, c = add_machine(store, "a"), add_machine(store, "b"), add_machine(store, "c")
+    (ja, ta), (jb, tb), (jc, tc) = leased(store, a), leased(store, b), leased(store, c)
+    key = build_key(CONTEXT, INPUTS)
+    assert images.resolve(key=key, reuse="first", job_id=ja, token=ta, machine_id=a).action == "build"
+    store.release(ja, ta, a, "drained", failed=False)  # a's task ends without pushing
+    took = images.resolve(key=key, reuse="first", job_id=jb, token=tb, machine_id=b)
+    assert (took.action, took.push) == ("build", True)
+    images.record(key=key, context_sha256=CONTEXT, digest="", job_id=jb, token=tb, machine_id=b)
+    assert images.resolve(key=key, reuse="first", job_id=jc, token=tc, machine_id=c).action == "build"
+    assert any("could not push" in e for e in events(store, jb))
+
+
+def test_machines_asking_at_once_get_one_builder(store: Store):
+    images = Images(store.db)
+    tasks = [(m, *leased(store, m)) for m in (add_machine(store, f"m{i}") for i in range(6))]
+    key = build_key(CONTEXT, INPUTS)
+    with ThreadPoolExecutor(6) as pool:
+        got = list(pool.map(lambda t: images.resolve(key=key, reuse="first", job_id=t[1],
+                                                     token=t[2], machine_id=t[0]).action, tasks))
+    assert sorted(got) == ["build"] + ["wait"] * 5
+
+
+def test_verified_reuse_needs_two_machines_with_the_same_digest(store: Store):
+    images = Images(store.db)
+    ms = [add_machine(store, n) for n in "abcd"]
+    tasks = [leased(store, m, "verified") for m in ms]
+    key = build_key(CONTEXT, INPUTS)
+
+    def ask(i: int) -> tuple[str, bool, str]:
+        d = images.resolve(key=key, reuse="verified", job_id=tasks[i][0], token=tasks[i][1],
+                           machine_id=ms[i])
+        return d.action, d.push, d.digest
+
+    def pushed(i: int, digest: str) -> None:
+        images.record(key=key, context_sha256=CONTEXT, digest=digest, job_id=tasks[i][0],
+                      token=tasks[i][1], machine_id=ms[i])
+
+    good, bad = "sha256:" + "e" * 64, "sha256:" + "f" * 64
+    assert ask(0) == ("build", True, "") and ask(1) == ("build", True, "")  # nobody waits
+    pushed(0, good)
+    assert ask(0) == ("build", False, "")  # its own vote is in: it builds, pushes nothing
+    assert ask(2) == ("build", True, "")  # one build is not verified
+    pushed(1, bad)  # a second machine disagrees: still not verified
+    assert ask(2) == ("build", True, "")
+    assert not images.may_push(key=key, reuse="verified", job_id=tasks[0][0], token=tasks[0][1],
+                               machine_id=ms[0])
+    pushed(2, good)
+    assert ask(3) == ("pull", False, good)
+
+
+def test_never_reuse_builds_everywhere_and_records_nothing(store: Store):
+    images = Images(store.db)
+    a = add_machine(store, "a")
+    ja, ta = leased(store, a, "never")
+    d = images.resolve(key=build_key(CONTEXT, INPUTS), reuse="never", job_id=ja, token=ta,
+                       machine_id=a)
+    assert (d.action, d.push) == ("build", False)
+    assert not images.may_push(key=build_key(CONTEXT, INPUTS), reuse="never", job_id=ja,
+                               token=ta, machine_id=a)
+    assert events(store, ja) == []
+
+
+def test_only_the_machine_holding_the_task_takes_a_step(store: Store):
+    images = Images(store.db)
+    a, b = add_machine(store, "a"), add_machine(store, "b")
+    ja, ta = leased(store, a)
+    for job, token, machine in ((ja, ta, b), (ja, ta + 1, a), ("no-such-job", 1, a)):
+        with pytest.raises(StaleAttempt):
+            images.step(job, token, machine, "resolve", INPUTS)
+    assert images.step(ja, ta, a, "resolve", INPUTS).action == "build"  # no registry: build
+    with pytest.raises(InvalidInput, match="no image registry"):
+        images.step(ja, ta, a, "push", INPUTS)
+
+
+def test_builds_no_live_job_can_use_are_garbage_once_idle(store: Store):
+    images = Images(store.db)
+    a = add_machine(store, "a")
+    ja, ta = leased(store, a)
+    key = build_key(CONTEXT, INPUTS)
+    images.resolve(key=key, reuse="first", job_id=ja, token=ta, machine_id=a)
+    images.record(key=key, context_sha256=CONTEXT, digest="sha256:" + "d" * 64, job_id=ja,
+                  token=ta, machine_id=a)
+    assert images.unneeded(dt.timedelta(0)) == []  # its job still runs
+    store.finish(ja, ta, a, succeeded=True, exit_code=0, reason=None, result=None,
+                 output_key=None, limits={})
+    assert images.unneeded(dt.timedelta(hours=1)) == []  # pulled (recorded) just now
+    assert images.unneeded(dt.timedelta(0)) == [(key, "sha256:" + "d" * 64)]
+    store.submit(JobSpec(), f"contexts/{CONTEXT}.tar", CONTEXT)  # queued again: needed
+    assert images.unneeded(dt.timedelta(0)) == []
+
+
+# --- the registry, for real ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmbeddedRegistry, RegistryTokens]]:
+    if shutil.which("docker-registry") is None or shutil.which("skopeo") is None:
+        pytest.fail("docker-registry and skopeo are missing: run infra/setup.sh")
+    root = tmp_path_factory.mktemp("registry")
+    _, cert = ensure_signing_key(root / "keys")
+    running = EmbeddedRegistry(root / "reg", cert).start()
+    try:
+        yield running, RegistryTokens(root / "keys", running.address)
+    finally:
+        running.stop()
+
+
+def skopeo(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["skopeo", "copy", "--quiet", *args], capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+def push(registry: EmbeddedRegistry, image: str, repo: str, token: str, tmp: Path) -> str:
+    out = skopeo("--dest-registry-token", token, "--dest-tls-verify=false", "--digestfile",
+                 str(tmp / "digest"), image, f"docker://{registry.address}/{repo}:t")
+    assert out.returncode == 0, out.stderr
+    return (tmp / "digest").read_text().strip()
+
+
+def test_a_token_opens_its_one_repository_for_its_actions_only(registry, tmp_path: Path):
+    reg, tokens = registry
+    image = oci_image(tmp_path / "img", {"hello.txt": b"hello"})
+    mine, other = repository("a" * 64), repository("b" * 64)
+    digest = push(reg, image, mine, tokens.mint("machine:m1", mine, ("push", "pull")), tmp_path)
+    assert digest.startswith("sha256:") and tokens.has_manifest(mine, digest)
+    # another repository with the same token: refused
+    out = skopeo("--dest-registry-token", tokens.mint("machine:m1", mine, ("push", "pull")),
+                 "--dest-tls-verify=false", image, f"docker://{reg.address}/{other}:t")
+    assert out.returncode != 0 and "denied" in out.stderr
+    # a pull token cannot push, even where the blobs are there already
+    out = skopeo("--dest-registry-token", tokens.mint("machine:m1", mine, ("pull",)),
+                 "--dest-tls-verify=false", image, f"docker://{reg.address}/{mine}:u")
+    assert out.returncode != 0
+    # pulls by digest with a pull token
+    out = skopeo("--src-registry-token", tokens.mint("machine:m2", mine, ("pull",)),
+                 "--src-tls-verify=false", "--dest-decompress",
+                 f"docker://{reg.address}/{mine}@{digest}", f"dir:{tmp_path / 'pulled'}")
+    assert out.returncode == 0, out.stderr
+    assert b"hello" in b"".join(p.read_bytes() for p in (tmp_path / "pulled").iterdir())
+    # no token, an expired one (past the registry's 60 s of leeway), one signed by another key
+    url = f"http://{reg.address}/v2/{mine}/manifests/{digest}"
+    assert httpx.head(url).status_code == 401
+    now = int(time.time())
+    expired = tokens.mint("machine:m2", mine, ("pull",), ttl_s=1)
+    claims = jwt.decode(expired, options={"verify_signature": False})
+    stale = jwt.encode({**claims, "iat": now - 400, "nbf": now - 400, "exp": now - 120},
+                       tokens._key, algorithm="ES256", headers={"x5c": tokens._x5c})  # type: ignore[arg-type]
+    assert httpx.head(url, headers={"Authorization": f"Bearer {stale}"}).status_code == 401
+    forger = RegistryTokens(tmp_path / "forger", reg.address)
+    forged = forger.mint("machine:m2", mine, ("pull",))
+    assert httpx.head(url, headers={"Authorization": f"Bearer {forged}"}).status_code == 401
+    assert jwt.get_unverified_header(forged)["alg"] == "ES256"
+    assert claims["iss"] == ISSUER and claims["aud"] == SERVICE
+
+
+def test_the_coordinator_records_only_what_the_registry_holds(registry, store: Store,
+                                                              tmp_path: Path):
+    reg, tokens = registry
+    images = Images(store.db, tokens)
+    a, b = add_machine(store, "a"), add_machine(store, "b")
+    context = "c1" * 32
+    (ja, ta), (jb, tb) = leased(store, a, context=context), leased(store, b, context=context)
+    first = images.step(ja, ta, a, "resolve", INPUTS)
+    assert (first.action, first.push, first.registry) == ("build", True, reg.address)
+    assert first.token == ""  # no token before the build is done
+    with pytest.raises(InvalidInput, match="does not build it"):
+        images.step(jb, tb, b, "push", INPUTS)
+    grant = images.step(ja, ta, a, "push", INPUTS)
+    assert grant.repository == repository(build_key(context, INPUTS))
+    with pytest.raises(InvalidInput, match="not in the registry"):
+        images.step(ja, ta, a, "pushed", INPUTS, "sha256:" + "0" * 64)
+    with pytest.raises(InvalidInput, match="digest"):
+        images.step(ja, ta, a, "pushed", INPUTS, "latest")
+    digest = push(reg, oci_image(tmp_path / "img", {"a": b"a"}), grant.repository, grant.token,
+                  tmp_path)
+    assert images.step(ja, ta, a, "pushed", INPUTS, digest).action == "recorded"
+    pull = images.step(jb, tb, b, "resolve", INPUTS)
+    assert (pull.action, pull.digest, pull.repository) == ("pull", digest, grant.repository)
+    out = skopeo("--src-registry-token", pull.token, "--src-tls-verify=false",
+                 f"docker://{reg.address}/{pull.repository}@{digest}", f"dir:{tmp_path / 'p'}")
+    assert out.returncode == 0, out.stderr
+    # the pull token does not push
+    out = skopeo("--dest-registry-token", pull.token, "--dest-tls-verify=false",
+                 oci_image(tmp_path / "evil", {"a": b"evil"}),
+                 f"docker://{reg.address}/{pull.repository}:evil")
+    assert out.returncode != 0
+
+
+def test_garbage_collection_drops_unneeded_images_and_their_blobs(registry, store: Store,
+                                                                  tmp_path: Path):
+    reg, tokens = registry
+    images = Images(store.db, tokens)
+    a = add_machine(store, "a")
+    context = "c2" * 32
+    ja, ta = leased(store, a, context=context)
+    images.step(ja, ta, a, "resolve", INPUTS)
+    grant = images.step(ja, ta, a, "push", INPUTS)
+    digest = push(reg, oci_image(tmp_path / "img", {"big": os.urandom(300_000)}), grant.repository,
+                  grant.token, tmp_path)
+    images.step(ja, ta, a, "pushed", INPUTS, digest)
+    blobs = reg.data_dir / "data" / "docker" / "registry" / "v2" / "blobs"
+
+    def stored() -> int:
+        return sum(p.stat().st_size for p in blobs.rglob("data"))
+
+    before, address = stored(), reg.address
+    assert images.collect(dt.timedelta(0)) == 0  # its job still runs
+    store.finish(ja, ta, a, succeeded=True, exit_code=0, reason=None, result=None,
+                 output_key=None, limits={})
+    assert images.collect(dt.timedelta(0)) == 1
+    assert not tokens.has_manifest(grant.repository, digest)
+    assert images.builds(context) == []
+    reg.garbage_collect()
+    assert stored() < before - 300_000
+    assert reg.address == address  # serving again, on the same port
+    assert httpx.get(f"http://{reg.address}/v2/").status_code == 401
