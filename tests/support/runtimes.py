@@ -89,25 +89,31 @@ REAL_SCRIPT = """
 import json, sys
 sys.path.insert(0, sys.argv[2])
 from campugrid.sandbox import limits
+from campugrid.sandbox.podman_ops import CliOps
 from campugrid.sandbox.podman_runsc import PodmanRunsc
 from tests.support.runtimes import drive, request_from_json
 args = json.loads(sys.argv[1])
-runtime = PodmanRunsc(scope="a-contract-tests")
+runtime = PodmanRunsc(scope="a-contract-tests", ops=CliOps() if args["ops"] == "cli" else None)
 try:
     out = drive(runtime, request_from_json(args["request"]), args["action"], args["after_s"])
+    out["ops"] = type(runtime.ops).__name__
 finally:
     limits.sweep(runtime.limits, runtime.scope)
+    runtime.close()
 print(json.dumps(out))
 """
 
 
 def drive_as_provider(user: ProviderUser, req: RunRequest, action: str = "",
-                      after_s: float = 0.0) -> dict[str, Any]:
-    args = {"request": request_to_json(req), "action": action, "after_s": after_s}
+                      after_s: float = 0.0, ops: str = "api") -> dict[str, Any]:
+    """Run the case in the real runtime, as the provider user; `ops` is how the runtime asks
+    Podman its questions: "api" (podman-py on its own service) or "cli"."""
+    args = {"request": request_to_json(req), "action": action, "after_s": after_s, "ops": ops}
     proc = subprocess.run(user.command([sys.executable, "-c", REAL_SCRIPT, json.dumps(args),
                                         str(REPO)]),
                           capture_output=True, text=True, timeout=req.wall_time_s + 120, cwd="/")
     if proc.returncode != 0:
         raise AssertionError(f"runtime script failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result.pop("ops") == {"api": "ApiOps", "cli": "CliOps"}[ops], result
     return result

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ from campugrid.agent.metrics import METRICS
 from campugrid.builders.base import Builder
 from campugrid.protocol.dockerfiles import BaseUse
 from campugrid.protocol.errors import BuildFailed, SandboxError
+from campugrid.sandbox.podman_ops import CliOps, PodmanOps
 from campugrid.sandbox.process import LogFn, run_streaming
 
 log = logging.getLogger("campugrid.agent")
@@ -50,10 +50,10 @@ class ImageCache:
     named under CACHE_PREFIX and this agent's scope, which its sweeps do not touch."""
 
     def __init__(self, state_dir: Path, scope: str, max_images: int = 8, max_mb: int = 20480,
-                 podman: str = "podman", skopeo: str = "skopeo") -> None:
+                 ops: PodmanOps | None = None, skopeo: str = "skopeo") -> None:
         self.index_file = state_dir / "images.json"
         self.scope, self.max_images, self.max_mb = scope or "agent", max_images, max_mb
-        self.podman = shutil.which(podman) or podman
+        self.ops = ops or CliOps()  # the sandbox's, where it has one
         self.skopeo = shutil.which(skopeo)
         self._lock = threading.Lock()
         self.in_use: set[str] = set()
@@ -78,10 +78,6 @@ class ImageCache:
         tmp.write_text(json.dumps(index))
         tmp.replace(self.index_file)
 
-    def _exists(self, image: str) -> bool:
-        return subprocess.run([self.podman, "image", "exists", image], capture_output=True,
-                              timeout=60, check=False).returncode == 0
-
     def lookup(self, digest: str) -> str | None:
         """The local image of this digest, if the cache has it (and it is still there)."""
         image = self.name(digest)
@@ -89,7 +85,7 @@ class ImageCache:
             index = self._index()
             if digest not in index:
                 return None
-            if not self._exists(image):
+            if self.ops.image_size(image) is None:
                 del index[digest]
                 self._save(index)
                 return None
@@ -99,12 +95,10 @@ class ImageCache:
 
     def add(self, digest: str, image: str) -> None:
         """Record an image now in the store under self.name(digest), then trim the cache."""
-        size = subprocess.run([self.podman, "image", "inspect", "--format", "{{.Size}}", image],
-                              capture_output=True, text=True, timeout=60, check=False).stdout
+        size = self.ops.image_size(image) or 0
         with self._lock:
             index = self._index()
-            index[digest] = {"used": time.time(), "mb": int(size.strip() or 0) / 1024**2
-                             if size.strip().isdigit() else 0.0}
+            index[digest] = {"used": time.time(), "mb": size / 1024**2}
             self._save(index)
         self.trim()
 
@@ -121,8 +115,7 @@ class ImageCache:
                     break
                 order.remove(victim)
                 del index[victim]
-                subprocess.run([self.podman, "rmi", "--force", self.name(victim)],
-                               capture_output=True, timeout=120, check=False)
+                self.ops.remove_image(self.name(victim))
                 gone.append(victim)
             self._save(index)
         return gone
@@ -147,8 +140,7 @@ class ImageCache:
                    f"pushing to {repository}", cancel)
         digest = digest_file.read_text().strip()
         # Kept under its digest too, for this machine's later tasks of the same build.
-        subprocess.run([self.podman, "tag", image, self.name(digest)], capture_output=True,
-                       timeout=60, check=False)
+        self.ops.tag(image, self.name(digest))
         self.add(digest, self.name(digest))
         return digest
 
@@ -164,13 +156,10 @@ class ImageCache:
     def sweep_unknown(self) -> list[str]:
         """Cached images the index does not know (a crash between pull and record)."""
         prefix = f"{CACHE_PREFIX}{self.scope}:"
-        out = subprocess.run([self.podman, "images", "--format", "{{.Repository}}:{{.Tag}}"],
-                             capture_output=True, text=True, timeout=60, check=False).stdout
         known = {self.name(d) for d in self._index()}
-        gone = [ref for ref in out.split() if ref.startswith(prefix) and ref not in known]
+        gone = [ref for ref in self.ops.images() if ref.startswith(prefix) and ref not in known]
         for ref in gone:
-            subprocess.run([self.podman, "rmi", "--force", ref], capture_output=True,
-                           timeout=120, check=False)
+            self.ops.remove_image(ref)
         return gone
 
 

@@ -39,6 +39,7 @@ from campugrid.protocol.errors import CampugridError
 from campugrid.protocol.spec import ENFORCED
 from campugrid.sandbox import confine, slots
 from campugrid.sandbox import limits as host_limits
+from campugrid.sandbox.podman_runsc import PodmanRunsc
 from campugrid.sandbox.runtime import Runtime
 
 log = logging.getLogger("campugrid.agent")
@@ -96,7 +97,8 @@ class Agent:
         self.client = CoordinatorApi(CoordinatorClient(fetch_membership(
             settings.state_dir, settings.coordinator, settings.pin)))
         self.work_root = settings.state_dir / "work"
-        self.images = (ImageCache(settings.state_dir, self.scope, max_mb=settings.image_cache_mb)
+        self.images = (ImageCache(settings.state_dir, self.scope, max_mb=settings.image_cache_mb,
+                                  ops=sandbox.ops if isinstance(sandbox, PodmanRunsc) else None)
                        if settings.image_cache_mb > 0 else None)
         self.shares = Shares(settings.shares)
         self.stopping = threading.Event()

@@ -1,9 +1,12 @@
 """The sandbox runtime: rootless Podman with gVisor's runsc, no network, read-only root.
 
-It drives the podman command line rather than podman-py: runsc needs per-container runtime
-flags (network=none, ignore-cgroups) that the REST API cannot carry (podman-py's and
-docker-py's per-call runtime choice is ignored by the service), and the job must start inside
-the job's cgroup, which only a process we launch ourselves can do.
+Sandboxes start from the podman command line: runsc needs per-container runtime flags
+(network=none, ignore-cgroups) that the REST API cannot carry (podman-py's and docker-py's
+per-call runtime choice is ignored by the service), and the job must start inside the job's
+cgroup, which only a process we launch ourselves can do. Everything else (inspecting,
+signalling, removing, sweeping by label, images) goes through `ops` (podman_ops.py): podman-py
+on the agent's own API service, or the command line where that cannot start. The guard that
+removes a sandbox if the agent dies runs the command line: the service dies with the agent.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from typing import Any
 
 from campugrid.protocol.errors import SandboxError
 from campugrid.sandbox import limits as host_limits
+from campugrid.sandbox import podman_ops, profile
 from campugrid.sandbox import process as procs
-from campugrid.sandbox import profile
 from campugrid.sandbox.process import Finished, Interactive, LogFn, run_streaming
 from campugrid.sandbox.runtime import DATA_MOUNT, OUTPUT_MOUNT, RunRequest, RunResult
 
@@ -38,12 +41,26 @@ class PodmanRunsc:
 
     name = "podman-runsc"
 
-    def __init__(self, podman: str = "podman", runsc: str = "runsc", scope: str = "") -> None:
+    def __init__(self, podman: str = "podman", runsc: str = "runsc", scope: str = "",
+                 ops: podman_ops.PodmanOps | None = None) -> None:
         self.podman = shutil.which(podman) or podman
         self.runsc = shutil.which(runsc) or runsc
         self.limits = host_limits.detect()
         self.scope = scope  # this agent's folder of job cgroups (see limits.job_cgroup)
         self.seccomp = profile.write_profile(runtime_dir() / "campugrid" / "seccomp.json")
+        self._ops = ops
+
+    @property
+    def ops(self) -> podman_ops.PodmanOps:
+        """The API service, started at the first question (or the command line)."""
+        if self._ops is None:
+            self._ops = podman_ops.connect(runtime_dir(), self.podman)
+        return self._ops
+
+    def close(self) -> None:
+        if isinstance(self._ops, podman_ops.ApiOps):
+            self._ops.close()
+        self._ops = None
 
     def describe(self) -> str:
         try:
@@ -63,7 +80,9 @@ class PodmanRunsc:
         args = [
             self.podman, "--runtime", self.runsc, *RUNSC_FLAGS, *gpu_flags, *seccomp, "run",
             *(["--interactive"] if interactive else []),
-            "--rm", "--name", req.name, "--pull", "never",
+            # No --rm: the container stays until stop() removes it, which `run` and `session`
+            # always do (and the guard, if the agent dies), so its State can be read first.
+            "--name", req.name, "--pull", "never",
             "--network", "none",
             "--read-only", "--read-only-tmpfs=false",
             "--tmpfs", f"/tmp:rw,size={req.tmp_mb}m,mode=1777",
@@ -113,8 +132,9 @@ class PodmanRunsc:
                 cgroups=cg.paths if cg is not None else (),
             )
             oom = done.returncode != 0 and cg is not None and cg.oom_killed()
+        # No container at all: podman never made it (the agent alone removes them).
+        started = podman_ops.started_at(self.ops.state(req.name) or {})
         self.stop(req.name)  # also when podman itself died: nothing of the job may stay
-        started = self._started(req.name, began)
         failure = self._start_failure(done, started)
         if failure is not None:
             raise failure
@@ -125,29 +145,14 @@ class PodmanRunsc:
     @staticmethod
     def _start_failure(done: Finished, started: float | bool | None) -> SandboxError | None:
         """Podman's own failure to make or start the sandbox (exit 125-127, as a job's own
-        command may also exit), told apart by whether the container ever started: podman's
-        event log is the evidence. A command missing from the image stays the job's fault."""
+        command may also exit), told apart by whether the container ever started: its State
+        is the evidence. A command missing from the image stays the job's fault."""
         if done.returncode not in PODMAN_OWN_EXITS or done.timed_out or done.cancelled:
             return None
         if LOAD_FAILED in done.tail or started is not False:
             return None
         return SandboxError(f"podman could not start the sandbox (exit {done.returncode})",
                             exit_code=done.returncode, stderr_tail=done.tail[-2000:])
-
-    def _started(self, name: str, since: float) -> float | bool | None:
-        """When container `name` started since `since` (Unix time), or False if it did not;
-        None: podman keeps no event log here."""
-        try:
-            out = subprocess.run([self.podman, "events", "--stream=false",
-                                  "--since", str(int(since) - 1), "--filter", f"container={name}",
-                                  "--filter", "event=start", "--format", "{{.Time.UnixNano}}"],
-                                 capture_output=True, text=True, timeout=30, check=False)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        if out.returncode != 0:
-            return None
-        stamps = [int(word) for word in out.stdout.split() if word.isdigit()]
-        return stamps[0] / 1e9 if stamps else False
 
     @contextlib.contextmanager
     def session(self, req: RunRequest, *, log: LogFn) -> Iterator[Interactive]:
@@ -170,14 +175,13 @@ class PodmanRunsc:
 
     def signal(self, name: str, sig: str = "TERM") -> None:
         """Deliver a signal to the job's processes (inside gVisor), e.g. to ask for a drain."""
-        subprocess.run([self.podman, "kill", "--signal", sig, name], capture_output=True,
-                       timeout=60, check=False)
+        self.ops.kill(name, sig)
 
     def stop_argv(self, name: str) -> list[str]:
         return [self.podman, "rm", "--force", "--ignore", "--time", "0", name]
 
     def stop(self, name: str) -> None:
-        subprocess.run(self.stop_argv(name), capture_output=True, timeout=60, check=False)
+        self.ops.remove(name)
 
     def kill(self, name: str) -> None:
         """SIGKILL the gVisor sandbox in the job's cgroup (a no-op where there is none: then
@@ -187,39 +191,32 @@ class PodmanRunsc:
     def processes(self, name: str) -> frozenset[int]:
         """conmon (a child subreaper) and everything below it: runsc, its gofer and the
         sandbox that opens the GPUs through nvproxy."""
-        out = subprocess.run([self.podman, "inspect", "--format", "{{.State.ConmonPid}}", name],
-                             capture_output=True, text=True, timeout=60, check=False)
+        state = self.ops.state(name) or {}
         try:
-            conmon = int(out.stdout.strip() or 0)
-        except ValueError:
+            conmon = int(state.get("ConmonPid") or 0)
+        except (TypeError, ValueError):
             return frozenset()
         return procs.descendants({conmon}, procs.process_table()) if conmon > 0 else frozenset()
 
     def sweep(self, label_value: str) -> list[str]:
         """Remove containers this agent left behind in an earlier life (found by label)."""
-        out = subprocess.run([self.podman, "ps", "-a", "--filter", f"label={AGENT_LABEL}={label_value}",
-                              "--format", "{{.Names}}"], capture_output=True, text=True, timeout=60,
-                             check=False).stdout.split()
-        for name in out:
+        found = self.ops.labelled(AGENT_LABEL, label_value)
+        for name in found:
             self.stop(name)
-        return out
+        return found
 
     def sweep_images(self, prefix: str, keep: str = "") -> list[str]:
         """Remove images whose name starts with `prefix` (this agent's job images), but `keep`."""
-        out = subprocess.run([self.podman, "images", "--format", "{{.Repository}}:{{.Tag}}"],
-                             capture_output=True, text=True, timeout=60, check=False).stdout.split()
-        gone = [ref for ref in out if ref.startswith(prefix) and ref != keep]
+        gone = [ref for ref in self.ops.images() if ref.startswith(prefix) and ref != keep]
         for ref in gone:
             self.remove_image(ref)
         return gone
 
     def exists(self, name: str) -> bool:
-        return subprocess.run([self.podman, "container", "exists", name],
-                              capture_output=True, timeout=30, check=False).returncode == 0
+        return self.ops.state(name) is not None
 
     def remove_image(self, image: str) -> None:
-        subprocess.run([self.podman, "rmi", "--force", image], capture_output=True,
-                       timeout=120, check=False)
+        self.ops.remove_image(image)
 
 
 CDI_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))

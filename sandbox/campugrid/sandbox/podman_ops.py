@@ -1,0 +1,228 @@
+"""What the agent asks of its own Podman besides starting sandboxes: inspect, signal, remove
+and list containers (by label), and list, inspect, tag and remove images.
+
+Two implementations with one contract (tests/integration/test_podman_ops.py runs the same
+cases through both):
+- `ApiOps`: podman-py on the agent's own `podman system service`, started on a private
+  socket (0600, in the user's runtime folder) and killed with the agent by a guard. The
+  default: one HTTP request on a warm service instead of a process per question.
+- `CliOps`: the podman command line, where the service cannot start.
+
+Starting a sandbox stays on the command line (podman_runsc.py): runsc needs per-container
+runtime flags (network=none, ignore-cgroups) that the REST API cannot carry, and the sandbox
+must start inside the job's cgroup, which only a process we launch can do. Pulls and pushes
+stay with skopeo (agent/images.py): the registry's bearer token only travels that way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from campugrid.sandbox.process import guard, release_guard
+
+log = logging.getLogger(__name__)
+NEVER = "0001-01-01"  # Podman's StartedAt for a container that never started
+
+
+class PodmanOps(Protocol):
+    def state(self, name: str) -> dict[str, Any] | None:
+        """The container's State (Running, ExitCode, StartedAt, ConmonPid), None if absent."""
+        ...
+
+    def kill(self, name: str, signal: str) -> None: ...
+
+    def remove(self, name: str) -> None:
+        """Remove it at once (killing what runs), if it is there."""
+        ...
+
+    def labelled(self, key: str, value: str) -> list[str]:
+        """The names of all containers (running or not) with label key=value."""
+        ...
+
+    def images(self) -> list[str]:
+        """Every image name (repository:tag) in the store."""
+        ...
+
+    def image_size(self, ref: str) -> int | None:
+        """Bytes, None if there is no such image."""
+        ...
+
+    def tag(self, ref: str, new: str) -> None: ...
+
+    def remove_image(self, ref: str) -> None:
+        """Remove this name (the image goes with its last name), if it is there."""
+        ...
+
+
+def started_at(state: dict[str, Any] | None) -> float | bool | None:
+    """When the container started (Unix time), False if it never did, None if unknown.
+    Podman writes RFC 3339 with nanoseconds and the host's offset."""
+    if state is None:
+        return None
+    text = str(state.get("StartedAt") or "")
+    if not text or text.startswith(NEVER):
+        return False
+    m = _RFC3339.match(text)
+    if m is None:
+        return None
+    when = dt.datetime.fromisoformat(m["base"] + ("+00:00" if m["tz"] == "Z" else m["tz"]))
+    return when.timestamp() + (float(f"0.{m['frac']}") if m["frac"] else 0.0)
+
+
+_RFC3339 = re.compile(r"^(?P<base>\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(?P<frac>\d+))?"
+                      r"(?P<tz>Z|[+-]\d\d:\d\d)$")
+
+
+class CliOps:
+    def __init__(self, podman: str = "podman") -> None:
+        self.podman = shutil.which(podman) or podman
+
+    def _run(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([self.podman, *args], capture_output=True, text=True,
+                              timeout=timeout, check=False)
+
+    def state(self, name: str) -> dict[str, Any] | None:
+        out = self._run("container", "inspect", "--format", "{{json .State}}", name)
+        if out.returncode != 0:
+            return None
+        try:
+            got = json.loads(out.stdout)
+        except ValueError:
+            return None
+        return got if isinstance(got, dict) else None
+
+    def kill(self, name: str, signal: str) -> None:
+        self._run("kill", "--signal", signal, name)
+
+    def remove(self, name: str) -> None:
+        self._run("rm", "--force", "--ignore", "--time", "0", name)
+
+    def labelled(self, key: str, value: str) -> list[str]:
+        return self._run("ps", "-a", "--filter", f"label={key}={value}",
+                         "--format", "{{.Names}}").stdout.split()
+
+    def images(self) -> list[str]:
+        out = self._run("images", "--format", "{{.Repository}}:{{.Tag}}").stdout.split()
+        return [ref for ref in out if not ref.endswith(":<none>")]
+
+    def image_size(self, ref: str) -> int | None:
+        out = self._run("image", "inspect", "--format", "{{.Size}}", ref)
+        return int(out.stdout.strip()) if out.returncode == 0 and out.stdout.strip().isdigit() \
+            else None
+
+    def tag(self, ref: str, new: str) -> None:
+        self._run("tag", ref, new)
+
+    def remove_image(self, ref: str) -> None:
+        self._run("rmi", "--force", ref, timeout=120)
+
+
+class ApiOps:
+    """podman-py on this agent's own API service."""
+
+    def __init__(self, socket: Path, podman: str = "podman") -> None:
+        from podman import PodmanClient
+
+        self.podman = shutil.which(podman) or podman
+        self.socket = socket
+        socket.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        socket.unlink(missing_ok=True)
+        self.service = subprocess.Popen(
+            [self.podman, "system", "service", "--time=0", f"unix://{socket}"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)
+        self._guard = guard(self.service.pid, ())  # it dies with us, even by SIGKILL
+        try:
+            deadline = time.monotonic() + 30
+            while not socket.exists():
+                if self.service.poll() is not None or time.monotonic() > deadline:
+                    raise OSError(f"podman system service did not start on {socket}")
+                time.sleep(0.02)
+            os.chmod(socket, 0o600)
+            self.client = PodmanClient(base_url=f"unix://{socket}", timeout=60)
+            self.client.version()  # type: ignore[no-untyped-call]  # answers: up
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.service.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.service.pid, 15)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.service.wait(timeout=10)
+        release_guard(self._guard)
+        self.socket.unlink(missing_ok=True)
+
+    def _container(self, name: str) -> Any:
+        from podman.errors import NotFound
+
+        try:
+            return self.client.containers.get(name)
+        except NotFound:
+            return None
+
+    def state(self, name: str) -> dict[str, Any] | None:
+        found = self._container(name)
+        return dict(found.attrs.get("State") or {}) if found is not None else None
+
+    def kill(self, name: str, signal: str) -> None:
+        from podman.errors import APIError
+
+        found = self._container(name)
+        if found is not None:
+            with contextlib.suppress(APIError):  # it ended meanwhile
+                found.kill(signal=signal)
+
+    def remove(self, name: str) -> None:
+        from podman.errors import APIError, NotFound
+
+        # SIGKILL first: the API's forced removal would send SIGTERM and wait (podman-py has
+        # no `timeout` for it); this is `rm --force --time 0`.
+        self.kill(name, "KILL")
+        with contextlib.suppress(NotFound, APIError):
+            self.client.containers.remove(name, force=True, v=True)
+
+    def labelled(self, key: str, value: str) -> list[str]:
+        return [c.name for c in self.client.containers.list(
+            all=True, filters={"label": f"{key}={value}"})]
+
+    def images(self) -> list[str]:
+        return [tag for image in self.client.images.list() for tag in image.tags]
+
+    def image_size(self, ref: str) -> int | None:
+        from podman.errors import ImageNotFound
+
+        try:
+            return int(self.client.images.get(ref).attrs.get("Size") or 0)
+        except ImageNotFound:
+            return None
+
+    def tag(self, ref: str, new: str) -> None:
+        repo, _, tag = new.rpartition(":")
+        self.client.images.get(ref).tag(repo, tag)
+
+    def remove_image(self, ref: str) -> None:
+        from podman.errors import APIError, ImageNotFound
+
+        with contextlib.suppress(ImageNotFound, APIError):
+            self.client.images.remove(ref, force=True)
+
+
+def connect(runtime_dir: Path, podman: str = "podman") -> PodmanOps:
+    """The API service where it starts, else the command line (and why, in the log)."""
+    try:
+        return ApiOps(runtime_dir / "campugrid" / f"podman-{os.getpid()}.sock", podman)
+    except (OSError, ImportError) as e:
+        log.warning("Podman's API service is not usable (%s); using the podman command line", e)
+        return CliOps(podman)
