@@ -33,11 +33,13 @@ def log(*parts) -> None:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--venv", required=True, help="virtual environment holding gpumesh==3.2.0")
-    ap.add_argument("--mode", required=True, choices=["lease", "shards"])
+    ap.add_argument("--mode", required=True, choices=["lease", "shards", "idle"])
     ap.add_argument("--queued", type=int, default=10_000, help="lease: tasks queued (1000..50000)")
     ap.add_argument("--repeats", type=int, default=200, help="lease: timed claims")
     ap.add_argument("--warmup", type=int, default=5, help="lease: untimed claims first")
     ap.add_argument("--count", type=int, default=200, help="shards: tasks submitted")
+    ap.add_argument("--seconds", type=float, default=300.0,
+                    help="idle: how long to watch the registered, idle worker")
     ap.add_argument("--budget-s", type=float, default=170.0,
                     help="wall-clock budget for the measurement (venv setup not included)")
     ap.add_argument("--keep", action="store_true", help="keep the run folder (logs, database)")
@@ -432,6 +434,65 @@ def measure_shards(run: Run, args, deadline: float, notes: list) -> dict:
     }
 
 
+def tree_usage(root: int) -> tuple[float, float, int]:
+    """(CPU seconds, resident MB, processes) of `root` and all its descendants, from /proc."""
+    children: dict = {}
+    stats: dict = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(entry)
+        stats[pid] = fields
+        children.setdefault(int(fields[1]), []).append(pid)
+    todo, seen = [root], []
+    while todo:
+        pid = todo.pop()
+        if pid in stats:
+            seen.append(pid)
+            todo += children.get(pid, [])
+    tick, page = os.sysconf("SC_CLK_TCK"), os.sysconf("SC_PAGE_SIZE")
+    cpu = sum(int(stats[p][11]) + int(stats[p][12]) for p in seen) / tick
+    rss = sum(int(stats[p][21]) for p in seen) * page / 1024**2
+    return cpu, rss, len(seen)
+
+
+def watch_idle(pid: int, seconds: float) -> dict:
+    """CPU and memory of a process tree over `seconds`, sampled once a second."""
+    cpu0, _, _ = tree_usage(pid)
+    t0 = time.monotonic()
+    rss, procs = [], 0
+    while time.monotonic() - t0 < seconds:
+        time.sleep(1.0)
+        _, mb, n = tree_usage(pid)
+        rss.append(mb)
+        procs = max(procs, n)
+    cpu1, _, _ = tree_usage(pid)
+    wall = time.monotonic() - t0
+    return {"seconds": round(wall, 1), "cpu_s": round(cpu1 - cpu0, 2),
+            "cpu_pct": round(100 * (cpu1 - cpu0) / wall, 3),
+            "rss_mb_median": round(statistics.median(rss), 1), "rss_mb_max": round(max(rss), 1),
+            "processes": procs}
+
+
+def measure_idle(run: Run, args) -> dict:
+    from gpumesh.worker import MeshClient
+
+    coord = run.start_coordinator()
+    client = MeshClient(run.url, run.token)
+    _wait(lambda: client.call("GET", "/api/health", timeout=2), "the coordinator", 30,
+          [("coordinator", coord)])
+    worker = run.start_worker()
+    _wait(lambda: client.call("GET", "/api/health", timeout=2)["workers_alive"] >= 1,
+          "the worker to register", 90, [("coordinator", coord), ("worker", worker)], every=0.2)
+    time.sleep(5)  # past its start-up (benchmark, registration)
+    return watch_idle(worker.pid, args.seconds)
+
+
 def inner_main(args) -> int:
     import contextlib
 
@@ -455,6 +516,8 @@ def inner_main(args) -> int:
             log(f"run folder {run.dir}, coordinator {run.url}")
             if args.mode == "lease":
                 out.update(measure_lease(run, args, deadline, notes))
+            elif args.mode == "idle":
+                out.update(measure_idle(run, args))
             else:
                 out.update(measure_shards(run, args, deadline, notes))
     except BaseException as exc:

@@ -138,3 +138,13 @@ def test_the_speed_score_is_a_matmul_rate_and_falls_back_to_the_cpu():
     assert all(0 < r < float("inf") for r in rates), rates
     # No CUDA here: asking for the GPU measures the CPU instead of failing.
     assert matmul_gflops(gpu=True, n=256, repeats=2) > 0
+
+
+def test_the_agent_measures_its_speed_in_a_child_and_keeps_nothing_of_it():
+    import sys
+
+    from campugrid.agent import speed
+
+    before = set(sys.modules)
+    assert speed.in_child(gpu=True) > 0  # no CUDA here: the CPU's score, from the child
+    assert not {"numpy", "torch"} & (set(sys.modules) - before)  # imported there, not here

@@ -3,15 +3,35 @@
 It ranks machines against each other (heavy shards go to the faster half), so every agent
 measures the same way: float32 matmul with NumPy on the CPU, or on the first GPU when
 PyTorch with CUDA is importable (the GPU is then what jobs would use). About a second.
+
+The agent measures in a child interpreter (`in_child`): NumPy's thread pools and buffers,
+and PyTorch's CUDA context with the GPU memory it holds, end with the child instead of
+staying in the agent for its whole life (where NVML would count the agent as a process
+using the GPU).
 """
 
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import time
 from typing import Any
 
 log = logging.getLogger("campugrid.agent")
+
+
+def in_child(*, gpu: bool = False, timeout_s: float = 300) -> float:
+    """matmul_gflops in a fresh interpreter; 0.0 (ranked slowest) if it cannot run."""
+    code = ("import sys; from campugrid.agent.speed import matmul_gflops; "
+            "print(matmul_gflops(gpu=sys.argv[1] == 'gpu'))")
+    try:
+        out = subprocess.run([sys.executable, "-c", code, "gpu" if gpu else "cpu"],
+                             capture_output=True, text=True, timeout=timeout_s, check=False)
+        return float(out.stdout.strip().splitlines()[-1])
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired) as e:
+        log.warning("the speed benchmark did not run (%s); this machine ranks as slowest", e)
+        return 0.0
 
 
 def matmul_gflops(*, gpu: bool = False, n: int = 512, repeats: int = 5) -> float:

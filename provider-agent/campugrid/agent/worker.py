@@ -30,7 +30,7 @@ from campugrid.agent.messages import Capabilities, Lease
 from campugrid.agent.owner import Owner, OwnerPolicy
 from campugrid.agent.shards import ShardSessionTask
 from campugrid.agent.shares import Shares
-from campugrid.agent.speed import matmul_gflops
+from campugrid.agent import speed
 from campugrid.agent.status import StatusFile
 from campugrid.agent.task import Task, job_image_prefix
 from campugrid.builders.base import Builder
@@ -107,7 +107,7 @@ class Agent:
         self.gpu_note = sandbox.gpu_isolation_note()
         self.gpu_isolation = not self.gpu_note
         metrics.METRICS.gpus.policy = settings.gpu_policy
-        self.speed = matmul_gflops(gpu=bool(gpus.discover(settings.gpu_policy).gpus))
+        self.speed = speed.in_child(gpu=bool(gpus.discover(settings.gpu_policy).gpus))
         log.info("speed score: %.1f GFLOP/s (matmul)", self.speed)
         self.owner = Owner(settings.state_dir, settings.owner, nvml=_nvml())
         self.held = ""  # why the owner holds the machine now; "" while it takes work
