@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from campugrid.agent import gpus, metrics
+from campugrid.agent import gpus, metrics, speed
 from campugrid.agent.client import CoordinatorApi, CoordinatorClient, fetch_membership
 from campugrid.agent.gpus import GpuPolicy
 from campugrid.agent.images import ImageCache
@@ -30,7 +30,6 @@ from campugrid.agent.messages import Capabilities, Lease
 from campugrid.agent.owner import Owner, OwnerPolicy
 from campugrid.agent.shards import ShardSessionTask
 from campugrid.agent.shares import Shares
-from campugrid.agent import speed
 from campugrid.agent.status import StatusFile
 from campugrid.agent.task import Task, job_image_prefix
 from campugrid.builders.base import Builder
