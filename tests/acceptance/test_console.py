@@ -97,15 +97,19 @@ def test_from_nothing_to_a_finished_job_in_the_console(page):
         page.fill("#f-dockerfile", "FROM localhost/campugrid/python:bookworm\n")
         page.fill("#f-command", TICKS)
         page.fill("#f-memory_mb", "lots")
+        page.select_option("#f-image_reuse", "verified")
         page.click("#submit-form button[type=submit]")
         expect(page.locator("#memory_mb-error")).to_contain_text("a whole number")
         expect(page.locator("#acknowledge-error")).to_contain_text("providers can read")
         expect(page.locator("#f-command")).to_have_value(TICKS)  # nothing typed is lost
+        expect(page.locator("#f-image_reuse")).to_have_value("verified")
         page.fill("#f-memory_mb", "512")
         page.check("#f-acknowledge")
         page.click("#submit-form button[type=submit]")
         expect(page).to_have_url(re.compile(r"/console/jobs/[0-9a-f-]{36}$"))
         job_id = page.url.rsplit("/", 1)[1]
+        with p.api() as api:
+            assert api.job(job_id)["spec"]["image"] == {"reuse": "verified"}
 
         # It waits, and says why: the only machine is pending.
         expect(page.locator("#job-state")).to_have_text("queued")

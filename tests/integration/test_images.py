@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,9 @@ import httpx
 import jwt
 import pytest
 
+from campugrid.agent.images import ImageCache, obtain
+from campugrid.agent.messages import ImageStep, Lease
+from campugrid.builders.fake import FakeBuilder
 from campugrid.cli.registry import EmbeddedRegistry
 from campugrid.coordinator.images import Images, build_key, repository
 from campugrid.coordinator.registry import ISSUER, SERVICE, RegistryTokens, ensure_signing_key
@@ -297,3 +301,39 @@ def test_garbage_collection_drops_unneeded_images_and_their_blobs(registry, stor
     assert stored() < before - 300_000
     assert reg.address == address  # serving again, on the same port
     assert httpx.get(f"http://{reg.address}/v2/").status_code == 401
+
+
+class PullOnly:
+    """The coordinator's answers for a task told to pull `digest`."""
+
+    machine_id = "machine-test"
+
+    def __init__(self, step: ImageStep) -> None:
+        self.step, self.asked = step, []
+
+    def image(self, job_id: str, token: int, step: str, inputs_json: str,
+              digest: str = "") -> ImageStep:
+        self.asked.append(step)
+        return self.step
+
+
+def test_an_image_larger_than_a_build_here_could_make_is_built_here_instead(registry, tmp_path):
+    """A dishonest builder could push anything under a build key: what a machine pulls is
+    held to the job's disk budget (plus its bases, which are here already)."""
+    reg, tokens = registry
+    repo = repository("f" * 64)
+    token = tokens.mint("machine:m1", repo, ("push", "pull"))
+    digest = push(reg, oci_image(tmp_path / "big", {"w": os.urandom(3 * 1024**2)}), repo, token,
+                  tmp_path)
+    cache = ImageCache(tmp_path, "test")
+    assert cache.download_bytes(reg.address, repo, digest, token) > 3 * 1024**2
+    client = PullOnly(ImageStep(True, action="pull", registry=reg.address, repository=repo,
+                                digest=digest, token=token, built_by="m1"))
+    builds, lines = [], []
+    lease = Lease(job_id="j", attempt=1, fencing_token=1, spec_json="{}", lease_seconds=10,
+                  context_url="", output_url="")
+    got = obtain(client, lease, FakeBuilder(), cache, bases=(), tag="localhost/t:1",  # type: ignore[arg-type]
+                 work=tmp_path, log=lines.append, stop=threading.Event(),
+                 build=lambda: builds.append(1), disk_mb=1)
+    assert got == "localhost/t:1" and builds == [1] and client.asked == ["resolve"]
+    assert any("more than the bases and resources.disk_mb (1 MB)" in line for line in lines), lines

@@ -229,6 +229,8 @@ def test_the_submit_form_refuses_bad_input_by_field_and_stores_nothing(coord, ad
          "datasets", "sha256"),
         ({"dockerfile": "FROM localhost/campugrid/python:bookworm\n", "memory_mb": "-5",
           "acknowledge": "yes"}, "memory_mb", "memory_mb"),
+        ({"dockerfile": "FROM localhost/campugrid/python:bookworm\n", "image_reuse": "always",
+          "acknowledge": "yes"}, "image_reuse", "must be one of first, verified, never"),
     ]
     for fields, field, words in cases:
         r = bea.post("/console/submit", page, **fields)

@@ -20,7 +20,8 @@ from campugrid.protocol.spec import JobSpec
 
 NUMBERS = {"cpus": float, "memory_mb": int, "gpus": int, "gpu_memory_mb": int,
            "wall_time_s": int, "max_attempts": int}
-TEXT_FIELDS = ("name", "command", "dockerfile", "datasets", "shards", "client_job_id", *NUMBERS)
+TEXT_FIELDS = ("name", "command", "dockerfile", "datasets", "shards", "client_job_id",
+               "image_reuse", *NUMBERS)
 MAX_FILES = 1000  # each is a spooled file, with a file handle past 1 MiB
 SPOOL_BYTES = 8 * 1024**2  # a folder's tarball is on disk past this
 
@@ -42,6 +43,8 @@ def field_of(message: str) -> str:
         return "datasets"
     if head.startswith(("shard", "shard_mode")):
         return "shards"
+    if head.startswith("image"):
+        return "image_reuse"
     if head.startswith(("context", "Dockerfile", "FROM", "RUN", "ADD", "COPY")):
         return "context"
     return ""
@@ -82,6 +85,9 @@ def spec_of(form: FormData) -> JobSpec:
         (data if key == "max_attempts" else resources)[key] = value
     if resources:
         data["resources"] = resources
+    reuse = str(form.get("image_reuse") or "").strip()
+    if reuse:
+        data["image"] = {"reuse": reuse}
     for key in ("datasets", "shards"):
         value = _json_list(form, key, errors)
         if value is not None:

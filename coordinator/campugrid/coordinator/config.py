@@ -59,7 +59,9 @@ class Settings:
     # coordinator's tokens (registry/token.crt in the state folder). Empty: none, and every
     # machine builds every image itself.
     registry: str = ""
-    registry_token_seconds: int = 300
+    # How long a registry token lasts (CAMPUGRID_REGISTRY_TOKEN_SECONDS): skopeo cannot renew
+    # one during a copy, so it must cover the slowest push or pull of one image.
+    registry_token_seconds: int = 900
     # A pushed image no queued or running job can use is deleted from the registry once
     # nobody pulled it for this long (CAMPUGRID_IMAGE_KEEP_SECONDS).
     image_keep_seconds: float = 3600.0
@@ -98,7 +100,9 @@ class Settings:
                              "expected auto, path or virtual")
         for key, name, kind in (("lease_seconds", "CAMPUGRID_LEASE_SECONDS", float),
                                 ("keep_checkpoints", "CAMPUGRID_KEEP_CHECKPOINTS", int),
-                                ("image_keep_seconds", "CAMPUGRID_IMAGE_KEEP_SECONDS", float)):
+                                ("image_keep_seconds", "CAMPUGRID_IMAGE_KEEP_SECONDS", float),
+                                ("registry_token_seconds", "CAMPUGRID_REGISTRY_TOKEN_SECONDS",
+                                 int)):
             if env.get(name):
                 try:
                     values[key] = kind(env[name])

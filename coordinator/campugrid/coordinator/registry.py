@@ -72,7 +72,7 @@ def is_loopback(address: str) -> bool:
 
 
 class RegistryTokens:
-    def __init__(self, folder: Path, address: str, ttl_s: float = 300) -> None:
+    def __init__(self, folder: Path, address: str, ttl_s: float = 900) -> None:
         key_path, cert_path = ensure_signing_key(folder)
         self.address = address  # host:port, as machines and this process reach it
         self.ttl_s = ttl_s

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -130,6 +131,23 @@ class ImageCache:
         self.add(digest, image)
         return image
 
+    def download_bytes(self, registry: str, repository: str, digest: str, token: str) -> int:
+        """What pulling this manifest would download at most: its config and layers, as the
+        manifest states their (compressed) sizes. Raises SandboxError if it cannot tell."""
+        assert self.skopeo is not None
+        try:
+            out = subprocess.run(
+                [self.skopeo, "inspect", "--raw", "--registry-token", token,
+                 *(["--tls-verify=false"] if _loopback(registry) else []),
+                 f"docker://{registry}/{repository}@{digest}"],
+                capture_output=True, text=True, timeout=120, check=False)
+            manifest = json.loads(out.stdout) if out.returncode == 0 else None
+            parts = [manifest["config"], *manifest["layers"]] if isinstance(manifest, dict) \
+                else None
+            return sum(int(p["size"]) for p in parts or [{"size": "x"}])
+        except (OSError, ValueError, KeyError, TypeError, subprocess.TimeoutExpired) as e:
+            raise SandboxError(f"cannot read the manifest of {repository}@{digest}") from e
+
     def push(self, image: str, registry: str, repository: str, tag: str, token: str,
              work: Path, *, cancel: threading.Event | None) -> str:
         """Push a local image; returns the manifest digest the registry stored."""
@@ -165,10 +183,10 @@ class ImageCache:
 
 def obtain(client: CoordinatorApi, lease: Lease, builder: Builder, cache: ImageCache | None,
            *, bases: Sequence[BaseUse], tag: str, work: Path, log: LogFn,
-           stop: threading.Event, build: Callable[[], None]) -> str:
+           stop: threading.Event, build: Callable[[], None], disk_mb: int) -> str:
     """The local image this task runs: from the cache, pulled, or built here (`build`
-    builds `tag`) and pushed when the coordinator says so. Raises BuildFailed for the job's
-    own faults; SandboxError or grpc errors for this machine's."""
+    builds `tag`, within `disk_mb`) and pushed when the coordinator says so. Raises
+    BuildFailed for the job's own faults; SandboxError or grpc errors for this machine's."""
     if cache is None or not cache.available:
         build()
         return tag
@@ -195,7 +213,16 @@ def obtain(client: CoordinatorApi, lease: Lease, builder: Builder, cache: ImageC
                 "already on this machine")
         else:
             began = time.monotonic()
+            # Another machine's build is held to what a build here could make: the bases
+            # plus `disk_mb` (compressed sizes, as the manifest states them).
+            allowed = sum(cache.ops.image_size(u.allowed.name) or 0 for u in bases) \
+                + disk_mb * 1024**2
             try:
+                size = cache.download_bytes(step.registry, step.repository, step.digest,
+                                            step.token)
+                if size > allowed:
+                    raise SandboxError(f"it is {size // 1024**2} MB, more than the bases and "
+                                       f"resources.disk_mb ({allowed // 1024**2} MB)")
                 found = cache.pull(step.registry, step.repository, step.digest, step.token,
                                    cancel=stop)
             except SandboxError as e:

@@ -242,7 +242,8 @@ class Task:
         try:
             self.image = images.obtain(self.client, lease, self.builder, self.cache,
                                        bases=info.checked.bases, tag=self.tag, work=work,
-                                       log=build_log, stop=self.stop, build=build)
+                                       log=build_log, stop=self.stop, build=build,
+                                       disk_mb=spec.resources.disk_mb)
         except BuildFailed as e:
             METRICS.build_seconds.labels("failed").observe(time.monotonic() - began)
             return Outcome(succeeded=False, exit_code=-1,
