@@ -95,7 +95,9 @@ class ImageCache:
         return image
 
     def add(self, digest: str, image: str) -> None:
-        """Record an image now in the store under self.name(digest), then trim the cache."""
+        """Record an image now in the store under self.name(digest), in use by the caller's
+        task (until it discards it from `in_use`), then trim the cache."""
+        self.in_use.add(image)
         size = self.ops.image_size(image) or 0
         with self._lock:
             index = self._index()
@@ -207,8 +209,9 @@ def obtain(client: CoordinatorApi, lease: Lease, builder: Builder, cache: ImageC
         step = _accepted(client.image(job, token, "resolve", inputs))
     if step.action == "pull":
         found = cache.lookup(step.digest)
-        METRICS.build_cache_hits.labels("cache" if found else "registry").inc()
         if found is not None:
+            cache.in_use.add(found)
+            METRICS.build_cache_hits.labels("cache").inc()
             log(f"[campugrid] image {step.digest} (built by machine {step.built_by}) is "
                 "already on this machine")
         else:
@@ -231,20 +234,23 @@ def obtain(client: CoordinatorApi, lease: Lease, builder: Builder, cache: ImageC
                 log(f"[campugrid] the image could not be pulled ({e}); building it here")
                 build()
                 return tag
+            METRICS.build_cache_hits.labels("registry").inc()
             log(f"[campugrid] pulled image {step.digest} (built by machine {step.built_by}) "
                 f"in {time.monotonic() - began:.1f} s")
-        cache.in_use.add(found)
         return found
     build()
     if step.push:
-        _share(client, cache, job, token, inputs, tag, work, log, stop)
+        digest = _share(client, cache, job, token, inputs, tag, work, log, stop)
+        if digest:
+            return cache.name(digest)  # the same image, kept in the cache under its digest
     return tag
 
 
 def _share(client: CoordinatorApi, cache: ImageCache, job: str, token: int, inputs: str,
-           tag: str, work: Path, log: LogFn, stop: threading.Event) -> None:
+           tag: str, work: Path, log: LogFn, stop: threading.Event) -> str:
     """Push this machine's build for the others, and report what was pushed (nothing, if
-    the push failed: then another machine may build). The task runs its image either way."""
+    the push failed: then another machine may build); the digest, or "" if not pushed. The
+    task runs its image either way."""
     digest = ""
     try:
         grant = _accepted(client.image(job, token, "push", inputs))
@@ -260,6 +266,7 @@ def _share(client: CoordinatorApi, cache: ImageCache, job: str, token: int, inpu
             log(f"[campugrid] the pushed image was not recorded: {done.reason}")
     except grpc.RpcError as e:
         log(f"[campugrid] the pushed image was not recorded: {e.details()}")
+    return digest
 
 
 def _accepted(step: ImageStep) -> ImageStep:
