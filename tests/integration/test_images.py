@@ -337,3 +337,28 @@ def test_an_image_larger_than_a_build_here_could_make_is_built_here_instead(regi
                  build=lambda: builds.append(1), disk_mb=1)
     assert got == "localhost/t:1" and builds == [1] and client.asked == ["resolve"]
     assert any("more than the bases and resources.disk_mb (1 MB)" in line for line in lines), lines
+
+
+def test_shard_sessions_build_and_pull_under_their_own_tokens(store: Store):
+    """A sharded job's machines ask with their sessions' tokens (far past 32 bits): the
+    history records each under its session, as the sessions' own events are."""
+    images = Images(store.db)
+    job, _ = store.submit(JobSpec.from_dict({"command": ["x"], "shards": [{"payload": i}
+                                                                         for i in range(4)]}),
+                          f"contexts/{CONTEXT}.tar", CONTEXT)
+    a, b = add_machine(store, "a"), add_machine(store, "b")
+    ca, cb = store.claim(a, 30), store.claim(b, 30)
+    assert ca is not None and cb is not None and ca.session is not None
+    assert images.step(job.id, ca.token, a, "resolve", INPUTS).action == "build"
+    assert images.step(job.id, cb.token, b, "resolve", INPUTS).action == "build"  # no registry
+    key = build_key(CONTEXT, INPUTS)
+    assert images.resolve(key=key, reuse="first", job_id=job.id, token=ca.token,
+                          machine_id=a).action == "build"
+    assert images.resolve(key=key, reuse="first", job_id=job.id, token=cb.token,
+                          machine_id=b).action == "wait"
+    images.record(key=key, context_sha256=CONTEXT, digest="sha256:" + "d" * 64, job_id=job.id,
+                  token=ca.token, machine_id=a)
+    assert images.resolve(key=key, reuse="first", job_id=job.id, token=cb.token,
+                          machine_id=b).action == "pull"
+    sessions = {e.attempt for e in store.events(job.id) if e.kind == "image"}
+    assert sessions == {ca.session, cb.session}

@@ -95,7 +95,11 @@ def _task_live(s: Session, job_id: str, token: int, machine_id: str) -> bool:
 
 
 def _event(s: Session, job_id: str, token: int, detail: str) -> None:
-    s.add(JobEvent(job_id=job_id, at=utcnow(), attempt=token, kind="image", detail=detail))
+    """In the job's history, under the attempt (or the shard session, by its id, as the
+    sessions' own events are)."""
+    sid = session_of(token)
+    s.add(JobEvent(job_id=job_id, at=utcnow(), attempt=token if sid is None else sid,
+                   kind="image", detail=detail))
 
 
 class Images:
