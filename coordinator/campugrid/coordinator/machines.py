@@ -16,9 +16,10 @@ import uuid
 from typing import Any
 
 from sqlalchemy import delete, func, or_, select, update
+from sqlalchemy.orm import Session
 
 from campugrid.coordinator.db import Database
-from campugrid.coordinator.models import GpuReservation, Job, Machine, ShardSession
+from campugrid.coordinator.models import GpuReservation, Job, Machine, MachineEpoch, ShardSession
 from campugrid.coordinator.scheduler import GpuView, MachineView
 from campugrid.coordinator.views import utcnow
 from campugrid.protocol import keys
@@ -112,6 +113,7 @@ class Machines:
                 raise Forbidden(f"machine {machine_id} was revoked; it can only join again "
                                 "with a new key")
             m.status = status.value
+            _bump(s)
             if status is Status.REVOKED:
                 # End its leases now: the reaper (or the caller) requeues them at once.
                 past = utcnow() - dt.timedelta(seconds=1)
@@ -128,7 +130,15 @@ class Machines:
         with self.db.tx() as s:
             res = s.execute(delete(Machine).where(Machine.status == Status.PENDING.value,
                                                   Machine.registered_at < since))
-            return int(res.rowcount or 0)  # type: ignore[attr-defined]
+            gone = int(res.rowcount or 0)  # type: ignore[attr-defined]
+            if gone:
+                _bump(s)
+            return gone
+
+    def epoch(self) -> int:
+        """How many times any machine's status changed (see MachineEpoch)."""
+        with self.db.read() as s:
+            return int(s.scalar(select(MachineEpoch.epoch).where(MachineEpoch.id == 1)) or 0)
 
     def heartbeat(self, machine_id: str, capabilities: dict[str, Any] | None = None,
                   offer: MachineView | None = None) -> None:
@@ -196,3 +206,8 @@ def _is_uuid(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _bump(s: Session) -> None:
+    s.execute(update(MachineEpoch).where(MachineEpoch.id == 1)
+              .values(epoch=MachineEpoch.epoch + 1))

@@ -150,6 +150,17 @@ class Machine(Base):
     __table_args__ = (UniqueConstraint("public_key", name="uq_machines_public_key"),)
 
 
+class MachineEpoch(Base):
+    """One row, counting changes of any machine's status (approved, revoked, expired): a
+    coordinator process re-reads it every second and drops the machine records it holds
+    when it moved, instead of re-reading every machine every second."""
+
+    __tablename__ = "machine_epoch"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    epoch: Mapped[int] = mapped_column(BigInteger)
+
+
 class App(Base):
     """Whoever submits and watches jobs (a researcher's CLI, a service): its public key only."""
 

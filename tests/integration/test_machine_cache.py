@@ -1,0 +1,60 @@
+"""What a coordinator process remembers of machines (Coordinator.machine): a status changed
+by another process (approve, revoke, an expired pending machine) holds within about a second,
+while calls from unchanged machines cost no read of their own. On SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from sqlalchemy import event
+
+from campugrid.coordinator.config import Settings
+from campugrid.coordinator.db import make_engine
+from campugrid.coordinator.machines import Status
+from campugrid.coordinator.service import MACHINE_CACHE_S, Coordinator
+from campugrid.coordinator.store import Store
+from campugrid.protocol.errors import Unauthenticated
+from tests.support.machines import add_machine
+
+pytestmark = pytest.mark.integration
+
+
+def process(db_url: str, tmp_path) -> tuple[Coordinator, list[str]]:
+    """A coordinator on its own engine, as another process has, and the SQL it runs."""
+    store = Store(make_engine(db_url))
+    seen: list[str] = []
+    event.listen(store.engine, "before_cursor_execute",  # queries, not BEGIN (SQLite's)
+                 lambda _c, _cur, statement, *_: statement.startswith("BEGIN") or
+                 seen.append(statement))
+    settings = Settings(tmp_path, db_url, "", "", "")
+    return Coordinator(settings, store, None), seen  # type: ignore[arg-type]  # no S3 needed
+
+
+def test_another_process_sees_a_status_change_within_a_second(store: Store, db_url: str,
+                                                              tmp_path):
+    ours, sql = process(db_url, tmp_path)
+    machines = [add_machine(store, f"m{i}") for i in range(50)]
+    for m in machines:
+        assert ours.machine(m).status is Status.APPROVED
+    sql.clear()
+    for _ in range(3):  # every machine calls again, within the second: no reads at all
+        for m in machines:
+            ours.machine(m)
+    assert sql == []
+    time.sleep(MACHINE_CACHE_S + 0.1)
+    for m in machines:
+        ours.machine(m)
+    assert len(sql) == 1 and "machine_epoch" in sql[0]  # one small read for all of them
+    store.machines.set_status(machines[7], Status.REVOKED)  # by the other process
+    assert ours.machine(machines[7]).status is Status.APPROVED  # not yet
+    time.sleep(MACHINE_CACHE_S + 0.1)
+    assert ours.machine(machines[7]).status is Status.REVOKED
+    assert ours.machine(machines[8]).status is Status.APPROVED
+    pending = add_machine(store, "p", approve=False)
+    assert ours.machine(pending).status is Status.PENDING
+    assert store.machines.expire_pending(older_than_s=-1) == 1
+    time.sleep(MACHINE_CACHE_S + 0.1)
+    with pytest.raises(Unauthenticated):
+        ours.machine(pending)
+    ours.store.close()
