@@ -12,6 +12,13 @@ and the ratio printed; pass --no-peer to skip it.
 A second table, in the same run, has 1, 2 and 4 `campugrid coordinator serve` processes on
 one throwaway PostgreSQL (--coordinators; 0 skips it), the client processes spread over
 them, beside the single SQLite process's row for the same queue.
+
+Host speed: these VMs' effective CPU speed drifts by up to 2x within seconds (a fixed
+pure-Python loop takes 180 to 330 ms of CPU on an idle machine), which once looked like
+rows of this benchmark costing 2.5 ms of CPU per lease instead of 1.0. So every row also
+times that fixed loop just before and after its measurement ("host ms"), and the CPU per
+lease is also given scaled to the run's fastest host reading ("at best speed"): compare
+rows by that column.
 """
 
 from __future__ import annotations
@@ -132,6 +139,7 @@ def measure(addresses: list[str], pem: str, creds: Creds, leases: int, threads: 
     processes on other machines: client work must not share the coordinator's GIL), spread
     over the coordinator processes at `addresses` (their pids: `servers`, else this one)."""
     alone = _client(addresses[0], pem, creds, leases // 3, 1)
+    host_before = host_ms()
     per_process = max(1, leases // processes)
     servers = servers or [os.getpid()]
     procs = [subprocess.Popen([sys.executable, __file__, "--client", addresses[i % len(addresses)],
@@ -165,7 +173,28 @@ def measure(addresses: list[str], pem: str, creds: Creds, leases: int, threads: 
     return {"median_ms": alone["median_ms"], "p95_ms": alone["p95_ms"],
             "per_s": len(busy) / wall, "busy_p95_ms": busy[int(len(busy) * 0.95) - 1] * 1000,
             "server_cpu_ms": server_cpu / len(busy) * 1000,
-            "client_cpu_ms": clients_cpu / len(busy) * 1000}
+            "client_cpu_ms": clients_cpu / len(busy) * 1000,
+            "host_ms": (host_before + host_ms()) / 2}
+
+
+def at_best_speed(rows: list[dict[str, float]]) -> None:
+    """Each row's server CPU per lease as it would be at the run's fastest host reading."""
+    best = min(r["host_ms"] for r in rows)
+    for r in rows:
+        r["server_cpu_best_ms"] = r["server_cpu_ms"] * best / r["host_ms"]
+
+
+def host_ms() -> float:
+    """CPU milliseconds of a fixed pure-Python loop: the host's speed right now (lower is
+    faster); the best of three, so a single preemption does not count."""
+    best = float("inf")
+    for _ in range(3):
+        t = time.process_time()
+        total = 0
+        for i in range(1_000_000):
+            total += i * i
+        best = min(best, time.process_time() - t)
+    return best * 1000
 
 
 def _cpu(pid: int) -> float:
@@ -290,21 +319,23 @@ def main() -> None:
         s3.stop()
         shutil.rmtree(root, ignore_errors=True)
     peers = {} if args.no_peer else {d: peer(min(d, 50_000)) for d in depths}
+    at_best_speed([r for _, _, r in rows])
     db = "PostgreSQL" if args.database_url else "SQLite"
     print(f"\nlease over gRPC on loopback, {db}: latency from one client asking in turn; "
           f"leases/s from {args.processes} client processes x {args.threads} threads at once "
           f"({args.leases} leases per row)\n")
     print("| queued  | machines | median ms | p95 ms | leases/s | p95 ms busy | CPU ms/lease server+clients "
-          "| gpumesh median ms (queued) | ratio |")
+          "| server at best speed | host ms | gpumesh median ms (queued) | ratio |")
     print("|---------|----------|-----------|--------|----------|-------------|----------------------------"
-          "|----------------------------|-------|")
+          "|----------------------|---------|----------------------------|-------|")
     for depth, machines, r in rows:
         p = peers.get(depth)
         pm = f"{p['median_ms']:.2f} ({p['queued']})" if p else "n/a"
         ratio = f"{p['median_ms'] / r['median_ms']:.1f}x" if p else "n/a"
         print(f"| {depth:>7} | {machines:>8} | {r['median_ms']:9.2f} | {r['p95_ms']:6.2f} "
               f"| {r['per_s']:8.0f} | {r['busy_p95_ms']:11.2f} "
-              f"| {r['server_cpu_ms']:12.2f} + {r['client_cpu_ms']:<12.2f} | {pm:>26} | {ratio:>5} |")
+              f"| {r['server_cpu_ms']:12.2f} + {r['client_cpu_ms']:<12.2f} "
+              f"| {r['server_cpu_best_ms']:20.2f} | {r['host_ms']:7.0f} | {pm:>26} | {ratio:>5} |")
     print("\nratio: gpumesh's median lease latency over ours, same machine, same run "
           "(higher is better for campugrid)")
     counts = [int(x) for x in args.coordinators.split(",") if int(x) > 0]
@@ -352,17 +383,22 @@ def cluster_table(single: list[tuple[int, int, dict[str, float]]], counts: list[
         shutil.rmtree(root, ignore_errors=True)
     print(f"\ncoordinator processes on one PostgreSQL ({machines} machines; {args.processes} client "
           f"processes x {args.threads} threads spread over them), beside one SQLite process\n")
-    print("| database   | processes | queued  | median ms | p95 ms | leases/s | p95 ms busy | server CPU ms/lease |")
-    print("|------------|-----------|---------|-----------|--------|----------|-------------|---------------------|")
+    at_best_speed([r for _, _, r in single] + [r for _, _, r in results])
+    print("| database   | processes | queued  | median ms | p95 ms | leases/s | p95 ms busy | server CPU ms/lease "
+          "| at best speed | host ms |")
+    print("|------------|-----------|---------|-----------|--------|----------|-------------|---------------------"
+          "|---------------|---------|")
     for depth in depths:
         for d, m, r in single:
             if d == depth and m == machines:
                 print(f"| SQLite     | {1:>9} | {depth:>7} | {r['median_ms']:9.2f} | {r['p95_ms']:6.2f} "
-                      f"| {r['per_s']:8.0f} | {r['busy_p95_ms']:11.2f} | {r['server_cpu_ms']:19.2f} |")
+                      f"| {r['per_s']:8.0f} | {r['busy_p95_ms']:11.2f} | {r['server_cpu_ms']:19.2f} "
+                      f"| {r['server_cpu_best_ms']:13.2f} | {r['host_ms']:7.0f} |")
         for n, d, r in results:
             if d == depth:
                 print(f"| PostgreSQL | {n:>9} | {depth:>7} | {r['median_ms']:9.2f} | {r['p95_ms']:6.2f} "
-                      f"| {r['per_s']:8.0f} | {r['busy_p95_ms']:11.2f} | {r['server_cpu_ms']:19.2f} |")
+                      f"| {r['per_s']:8.0f} | {r['busy_p95_ms']:11.2f} | {r['server_cpu_ms']:19.2f} "
+                      f"| {r['server_cpu_best_ms']:13.2f} | {r['host_ms']:7.0f} |")
     print("\nserver CPU: all coordinator processes together (PostgreSQL's own not counted)")
 
 
