@@ -362,3 +362,24 @@ def test_shard_sessions_build_and_pull_under_their_own_tokens(store: Store):
                           machine_id=b).action == "pull"
     sessions = {e.attempt for e in store.events(job.id) if e.kind == "image"}
     assert sessions == {ca.session, cb.session}
+
+
+def test_only_a_task_that_may_push_can_record_a_push(registry, store: Store, tmp_path: Path):
+    """A machine that was not given the build cannot vote for a digest someone else pushed."""
+    reg, tokens = registry
+    images = Images(store.db, tokens)
+    a, b = add_machine(store, "a"), add_machine(store, "b")
+    context = "c3" * 32
+    (ja, ta), (jb, tb) = leased(store, a, context=context), leased(store, b, context=context)
+    assert images.step(ja, ta, a, "resolve", INPUTS).action == "build"
+    grant = images.step(ja, ta, a, "push", INPUTS)
+    digest = push(reg, oci_image(tmp_path / "img", {"a": b"b"}), grant.repository, grant.token,
+                  tmp_path)
+    with pytest.raises(InvalidInput, match="does not build it"):
+        images.step(jb, tb, b, "pushed", INPUTS, digest)  # b waits; it built nothing
+    images.step(ja, ta, a, "pushed", INPUTS, digest)
+    with pytest.raises(InvalidInput, match="does not build it"):
+        images.step(ja, ta, a, "pushed", INPUTS, digest)  # once: the claim is spent
+    assert [b_["machine_id"] for b_ in images.builds(context)] == [a]
+    with pytest.raises(InvalidInput, match="step: resolve, push or pushed"):
+        images.step(ja, ta, a, "bogus", INPUTS)

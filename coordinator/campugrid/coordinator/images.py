@@ -112,6 +112,8 @@ class Images:
              digest: str = "") -> ImageAnswer:
         """One step of a task's image: "resolve", "push" (a token to push this machine's
         build) or "pushed" (`digest`, or empty when the push failed)."""
+        if step not in ("resolve", "push", "pushed"):
+            raise InvalidInput("step: resolve, push or pushed")
         context_sha256, reuse = self._task(job_id, token, machine_id, step)
         if self.registry is None:
             if step != "resolve":
@@ -128,22 +130,20 @@ class Images:
                                    self.registry.mint(who, repo, ("pull",)), built_by=d.built_by)
             return ImageAnswer(d.action, self.registry.address, repo, push=d.push,
                                retry_s=WAIT_S if d.action == "wait" else 0.0)
+        if not self.may_push(key=key, reuse=reuse, job_id=job_id, token=token,
+                             machine_id=machine_id):  # "push" or "pushed"
+            raise InvalidInput(f"{step} of {repo}: this task does not build it for others "
+                               f"(image.reuse is {reuse!r}); run the local build")
         if step == "push":
-            if not self.may_push(key=key, reuse=reuse, job_id=job_id, token=token,
-                                 machine_id=machine_id):
-                raise InvalidInput(f"push of {repo}: this task does not build it for others "
-                                   f"(image.reuse is {reuse!r}); run the local build")
             return ImageAnswer("push", self.registry.address, repo,
                                token=self.registry.mint(who, repo, ("push", "pull")))
-        if step == "pushed":
-            if digest and not DIGEST_RE.match(digest):
-                raise InvalidInput("digest: expected sha256:<64 hex digits>")
-            if digest and not self.registry.has_manifest(repo, digest):
-                raise InvalidInput(f"{repo}@{digest} is not in the registry")
-            self.record(key=key, context_sha256=context_sha256, digest=digest, job_id=job_id,
-                        token=token, machine_id=machine_id)
-            return ImageAnswer("recorded", self.registry.address, repo, digest)
-        raise InvalidInput("step: resolve, push or pushed")
+        if digest and not DIGEST_RE.match(digest):
+            raise InvalidInput("digest: expected sha256:<64 hex digits>")
+        if digest and not self.registry.has_manifest(repo, digest):
+            raise InvalidInput(f"{repo}@{digest} is not in the registry")
+        self.record(key=key, context_sha256=context_sha256, digest=digest, job_id=job_id,
+                    token=token, machine_id=machine_id)
+        return ImageAnswer("recorded", self.registry.address, repo, digest)
 
     def _task(self, job_id: str, token: int, machine_id: str, step: str) -> tuple[str, str]:
         """The context digest and image.reuse of the live task this machine holds."""

@@ -96,8 +96,11 @@ class Job(Base):
 
     __table_args__ = (
         Index("ix_jobs_state_created", "state", "created_at"),
-        # A CPU-only machine's lease looks only at jobs that need no GPU: one index seek.
-        Index("ix_jobs_state_gpus_created", "state", "gpus_needed", "created_at"),
+        # A CPU-only machine's lease looks only at jobs that need no GPU: one index seek,
+        # in the claim's own order (created_at, id), so that no plan sorts the queue: with
+        # statistics not yet gathered after a burst of submissions, PostgreSQL sorted all of
+        # it (100k queued: 135 ms a lease, against 0.05).
+        Index("ix_jobs_state_gpus_created", "state", "gpus_needed", "created_at", "id"),
         UniqueConstraint("owner_id", "client_job_id", name="uq_jobs_owner_client_job_id"),
     )
 
