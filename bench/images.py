@@ -142,6 +142,7 @@ def throughput(platform: Platform, user: ProviderUser, root: Path, layer_mb: int
 # The agent's own code, run as the provider user: ImageCache.push or .pull, timed.
 AGENT_COPY = """
 import pathlib, sys, time
+from campugrid.agent.images import ImageCache
 cache = ImageCache(pathlib.Path(sys.argv[1]), "bench")
 t = time.monotonic()
 if sys.argv[2] == "push":
@@ -161,7 +162,8 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="campugrid-bench-images-"))
     os.chmod(root, 0o711)
     user = ProviderUser.resolve()
-    platform = Platform(root / "state", http_port=free_port()).start()
+    platform = Platform(root / "state", http_port=free_port(),
+                        admin_identity=root / "admin.json").start()
     built, pulled = [], []
     try:
         platform.start_agent("bench-images", args=("--metrics-port", "0"))
