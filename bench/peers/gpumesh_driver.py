@@ -354,6 +354,20 @@ def measure_lease(run: Run, args, deadline: float, notes: list) -> dict:
     return result
 
 
+def start_mesh(run: Run):
+    """`gpumesh serve` and one `gpumesh join` worker, once it has registered."""
+    from gpumesh.worker import MeshClient
+
+    coord = run.start_coordinator()
+    client = MeshClient(run.url, run.token)
+    _wait(lambda: client.call("GET", "/api/health", timeout=2), "the coordinator", 30,
+          [("coordinator", coord)])
+    worker = run.start_worker()
+    _wait(lambda: client.call("GET", "/api/health", timeout=2)["workers_alive"] >= 1,
+          "the worker to register", 90, [("coordinator", coord), ("worker", worker)], every=0.2)
+    return coord, worker, client
+
+
 def measure_shards(run: Run, args, deadline: float, notes: list) -> dict:
     from gpumesh import GPUMesh, GPUMeshError, serializer
     from gpumesh.worker import MeshClient
@@ -369,13 +383,7 @@ def measure_shards(run: Run, args, deadline: float, notes: list) -> dict:
         notes.append(f"count capped from {count} to {fit} (gpumesh's 10 MB job-body limit)")
         count = fit
 
-    coord = run.start_coordinator()
-    client = MeshClient(run.url, run.token)
-    _wait(lambda: client.call("GET", "/api/health", timeout=2), "the coordinator", 30,
-          [("coordinator", coord)])
-    worker = run.start_worker()
-    _wait(lambda: client.call("GET", "/api/health", timeout=2)["workers_alive"] >= 1,
-          "the worker to register", 90, [("coordinator", coord), ("worker", worker)], every=0.2)
+    _, _, client = start_mesh(run)
     log("worker registered; submitting")
 
     mesh = GPUMesh(run.url, run.token)
@@ -480,15 +488,7 @@ def watch_idle(pid: int, seconds: float) -> dict:
 
 
 def measure_idle(run: Run, args) -> dict:
-    from gpumesh.worker import MeshClient
-
-    coord = run.start_coordinator()
-    client = MeshClient(run.url, run.token)
-    _wait(lambda: client.call("GET", "/api/health", timeout=2), "the coordinator", 30,
-          [("coordinator", coord)])
-    worker = run.start_worker()
-    _wait(lambda: client.call("GET", "/api/health", timeout=2)["workers_alive"] >= 1,
-          "the worker to register", 90, [("coordinator", coord), ("worker", worker)], every=0.2)
+    _, worker, _ = start_mesh(run)
     time.sleep(5)  # past its start-up (benchmark, registration)
     return watch_idle(worker.pid, args.seconds)
 

@@ -10,9 +10,7 @@ token to list the catalogue. The signing key never leaves the state folder (0600
 from __future__ import annotations
 
 import base64
-import datetime as dt
 import ipaddress
-import os
 import secrets
 import time
 from pathlib import Path
@@ -20,10 +18,9 @@ from pathlib import Path
 import httpx
 import jwt
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from cryptography.hazmat.primitives import serialization
 
+from campugrid.coordinator.tls import write_self_signed
 from campugrid.protocol.errors import StorageError
 
 SERVICE = "campugrid-registry"
@@ -40,23 +37,8 @@ def ensure_signing_key(folder: Path) -> tuple[Path, Path]:
     """The token signing key and its self-signed certificate (the registry's
     `auth.token.rootcertbundle`), made at the first start."""
     key_path, cert_path = folder / "token.key", folder / "token.crt"
-    if key_path.exists() and cert_path.exists():
-        return key_path, cert_path
-    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, ISSUER)])
-    now = dt.datetime.now(dt.UTC)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(days=1))
-            .not_valid_after(now + dt.timedelta(days=3650))
-            .sign(key, hashes.SHA256()))
-    fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(key.private_bytes(serialization.Encoding.PEM,
-                                  serialization.PrivateFormat.PKCS8,
-                                  serialization.NoEncryption()))
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    if not (key_path.exists() and cert_path.exists()):
+        write_self_signed(cert_path, key_path, ISSUER)
     return key_path, cert_path
 
 
