@@ -83,6 +83,29 @@ def test_first_reuse_one_machine_builds_the_others_wait_then_pull(store: Store):
     assert images.builds(CONTEXT)[0]["machine_id"] == a
 
 
+def test_a_lone_job_builds_without_pushing_and_keeps_no_one_waiting(store: Store):
+    """Pushing costs the builder seconds (every layer, compressed): only when another task
+    could use the image now, i.e. another live job of the same context or more shards."""
+    images = Images(store.db)
+    a, b = add_machine(store, "a"), add_machine(store, "b")
+    key = build_key(CONTEXT, INPUTS)
+    ja, ta = leased(store, a)
+    alone = images.resolve(key=key, reuse="first", job_id=ja, token=ta, machine_id=a)
+    assert (alone.action, alone.push) == ("build", False)
+    assert not images.may_push(key=key, reuse="first", job_id=ja, token=ta, machine_id=a)
+    jb, tb = leased(store, b)  # the same context again, while the first still runs
+    later = images.resolve(key=key, reuse="first", job_id=jb, token=tb, machine_id=b)
+    assert (later.action, later.push) == ("build", True)  # not made to wait for a
+    sharded, _ = store.submit(JobSpec.from_dict({"command": ["x"], "shards": [
+        {"payload": i} for i in range(3)]}), "contexts/x.tar", "ef" * 32)
+    c = add_machine(store, "c")
+    claim = store.claim(c, 30)
+    assert claim is not None and claim.job.id == sharded.id
+    more = images.resolve(key=build_key("ef" * 32, INPUTS), reuse="first", job_id=sharded.id,
+                          token=claim.token, machine_id=c)
+    assert more.push  # two shards are still queued
+
+
 def test_a_claim_passes_on_when_its_task_is_gone_or_its_push_failed(store: Store):
     images = Images(store.db)
     a, b, c = add_machine(store, "a"), add_machine(store, "b"), add_machine(store, "c")
@@ -280,7 +303,8 @@ def test_garbage_collection_drops_unneeded_images_and_their_blobs(registry, stor
     a = add_machine(store, "a")
     context = "c2" * 32
     ja, ta = leased(store, a, context=context)
-    images.step(ja, ta, a, "resolve", INPUTS)
+    waiting, _ = store.submit(JobSpec(), f"contexts/{context}.tar", context)  # will want it
+    assert images.step(ja, ta, a, "resolve", INPUTS).push
     grant = images.step(ja, ta, a, "push", INPUTS)
     digest = push(reg, oci_image(tmp_path / "img", {"big": os.urandom(300_000)}), grant.repository,
                   grant.token, tmp_path)
@@ -294,6 +318,8 @@ def test_garbage_collection_drops_unneeded_images_and_their_blobs(registry, stor
     assert images.collect(dt.timedelta(0)) == 0  # its job still runs
     store.finish(ja, ta, a, succeeded=True, exit_code=0, reason=None, result=None,
                  output_key=None, limits={})
+    assert images.collect(dt.timedelta(0)) == 0  # the other one still waits
+    store.cancel(waiting.id)
     assert images.collect(dt.timedelta(0)) == 1
     assert not tokens.has_manifest(grant.repository, digest)
     assert images.builds(context) == []

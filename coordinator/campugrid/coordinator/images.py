@@ -6,6 +6,7 @@ Machines push what they built to the registry, by the key's repository, and pull
 
 - "first": the first machine to ask claims the build while its task is live; the others
   wait, then pull its digest. A claim whose task ended (lease lost, push failed) passes on.
+  A task that nobody else could use the image for now builds and pushes nothing.
 - "verified": every machine builds and pushes until two different machines pushed the same
   digest; from then on it is pulled.
 - "never": each machine builds for itself; nothing is pushed or recorded.
@@ -92,6 +93,24 @@ def _task_live(s: Session, job_id: str, token: int, machine_id: str) -> bool:
     job = s.get(Job, job_id, populate_existing=True)
     return (job is not None and job.attempt == token and job.machine_id == machine_id
             and JobState(job.state) in ACTIVE)
+
+
+def _others_may_need(s: Session, job_id: str, token: int) -> bool:
+    """Whether another task may want this job's image while it is still useful: another
+    live job of the same context, or more of this sharded job's shards than this session."""
+    job = s.get(Job, job_id)
+    if job is None:
+        return False
+    live = [state.value for state in JobState if not state.final]
+    if s.scalar(select(Job.id).where(Job.context_sha256 == job.context_sha256, Job.id != job_id,
+                                     Job.state.in_(live)).limit(1)) is not None:
+        return True
+    if not job.shards_total:
+        return False
+    sid = session_of(token)
+    return job.shards_queued > 0 or s.scalar(
+        select(ShardSession.id).where(ShardSession.job_id == job_id, ShardSession.active,
+                                      ShardSession.id != (sid or 0)).limit(1)) is not None
 
 
 def _event(s: Session, job_id: str, token: int, detail: str) -> None:
@@ -185,6 +204,10 @@ class Images:
         claim = s.get(ImageClaim, key, populate_existing=True)
         now = utcnow()
         mine = (job_id, token, machine_id)
+        if claim is None and not _others_may_need(s, job_id, token):
+            # Nobody else could use the image now: build here, push nothing (and claim
+            # nothing, so a task that comes later is not made to wait for this one).
+            return Decision("build", key)
         if claim is None:
             s.add(ImageClaim(build_key=key, job_id=job_id, token=token, machine_id=machine_id,
                              expires_at=now + dt.timedelta(seconds=CLAIM_S)))

@@ -64,7 +64,7 @@ class Job(Base):
     state: Mapped[str] = mapped_column(String(16), index=True)
     spec_json: Mapped[str] = mapped_column(Text)
     context_key: Mapped[str] = mapped_column(String(200))
-    context_sha256: Mapped[str] = mapped_column(String(64))
+    context_sha256: Mapped[str] = mapped_column(String(64), index=True)  # shared images
     # The current attempt number; also the fencing token of that attempt.
     attempt: Mapped[int] = mapped_column(Integer, default=0)
     max_attempts: Mapped[int] = mapped_column(Integer)
