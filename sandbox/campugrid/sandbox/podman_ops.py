@@ -141,7 +141,12 @@ class ApiOps:
             [self.podman, "system", "service", "--time=0", f"unix://{socket}"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True)
-        self._guard = guard(self.service.pid, ())  # it dies with us, even by SIGKILL
+        # It dies with us, even by SIGKILL: asked to stop first (it finishes what it is doing
+        # and lets go of its locks), killed after two seconds.
+        pid = self.service.pid
+        self._guard = guard(pid, ["/bin/sh", "-c", f"kill -TERM {pid} 2>/dev/null; i=0; "
+                                  f"while kill -0 {pid} 2>/dev/null && [ $i -lt 10 ]; do "
+                                  "sleep 0.2; i=$((i + 1)); done"])
         try:
             deadline = time.monotonic() + 30
             while not socket.exists():

@@ -79,9 +79,10 @@ class PodmanRunsc:
         seccomp = [*profile.RUNTIME_FLAGS] if self.seccomp else []
         args = [
             self.podman, "--runtime", self.runsc, *RUNSC_FLAGS, *gpu_flags, *seccomp, "run",
-            *(["--interactive"] if interactive else []),
-            # No --rm: the container stays until stop() removes it, which `run` and `session`
-            # always do (and the guard, if the agent dies), so its State can be read first.
+            # A run's container stays until stop() removes it (and the guard, if the agent
+            # dies), so that its State can be read first; a warm session's needs no State and
+            # goes with its process (--rm), whatever happens to the agent.
+            *(["--interactive", "--rm"] if interactive else []),
             "--name", req.name, "--pull", "never",
             "--network", "none",
             "--read-only", "--read-only-tmpfs=false",
