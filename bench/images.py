@@ -173,9 +173,14 @@ def main() -> None:
                 job, took = to_running(api, ctx, "never")  # from scratch
                 built.append(took)
                 api.cancel(job)
+                # A job is pushed only when another could use it now: a companion of the same
+                # context waits (for a GPU no machine here has) while the next one builds.
+                companion = api.submit(ctx, JobSpec.from_dict(
+                    {"resources": {"gpus": 1, "gpu_memory_mb": 1000}}))["id"]
                 job, _ = to_running(api, ctx, "first")  # builds and pushes
                 digest = pushed_digest(api, job)
                 api.cancel(job)
+                api.cancel(companion)
                 until(lambda j=job: api.job(j)["state"] == "cancelled")
                 time.sleep(1.5)  # the agent ends the task and sweeps
                 forget_image(user, digest)
