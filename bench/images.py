@@ -25,8 +25,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
+
+from recovery import until  # bench/, beside this script
 
 from campugrid.cli.platform import Platform, ProviderUser
 from campugrid.cli.seaweed import free_port
@@ -35,16 +36,6 @@ from campugrid.coordinator.images import repository
 from campugrid.protocol.spec import JobSpec
 
 BASE = "localhost/campugrid/python:bookworm"
-
-
-def until(check: Callable[[], object], timeout: float = 600, every: float = 0.05) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(every)
-    raise TimeoutError
 
 
 def context(folder: Path, layer_mb: int) -> bytes:
@@ -60,7 +51,7 @@ def context(folder: Path, layer_mb: int) -> bytes:
 def to_running(api: Api, ctx: bytes, reuse: str) -> tuple[str, float]:
     t0 = time.monotonic()
     job = api.submit(ctx, JobSpec.from_dict({"image": {"reuse": reuse}}))["id"]
-    until(lambda: api.job(job)["state"] in ("running", "succeeded", "failed"))
+    until(lambda: api.job(job)["state"] in ("running", "succeeded", "failed"), timeout=600)
     took = time.monotonic() - t0
     state = api.job(job)["state"]
     if state != "running":

@@ -11,8 +11,8 @@ from sqlalchemy import event
 
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.db import make_engine
-from campugrid.coordinator.machines import Status
-from campugrid.coordinator.service import MACHINE_CACHE_S, Coordinator
+from campugrid.coordinator.machines import MACHINE_CACHE_S, Status
+from campugrid.coordinator.service import Coordinator
 from campugrid.coordinator.store import Store
 from campugrid.protocol.errors import Unauthenticated
 from tests.support.machines import add_machine

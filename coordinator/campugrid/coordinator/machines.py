@@ -12,6 +12,7 @@ import dataclasses
 import datetime as dt
 import enum
 import json
+import time
 import uuid
 from typing import Any
 
@@ -211,3 +212,40 @@ def _is_uuid(text: str) -> bool:
 def _bump(s: Session) -> None:
     s.execute(update(MachineEpoch).where(MachineEpoch.id == 1)
               .values(epoch=MachineEpoch.epoch + 1))
+
+
+MACHINE_CACHE_S = 1.0  # how old a machine's key and status may be when a call is checked
+MACHINE_RECORD_S = 300.0  # a record is read again this often even if no status changed
+
+
+class MachineRecords:
+    """What a coordinator process remembers of the machines calling it. Changes made here
+    apply at once (`forget`); those made by another process within MACHINE_CACHE_S, when
+    this process next reads the machine status epoch and every record read under an older
+    one is read again (a revoked machine's leases end at the revocation anyway, so its calls
+    are refused as stale). One small read a second, whatever the number of machines."""
+
+    def __init__(self, machines: Machines) -> None:
+        self.machines = machines
+        # id -> (record, good until, the status epoch known when it was read)
+        self._records: dict[str, tuple[MachineRecord, float, int]] = {}
+        self._epoch: tuple[int, float] = (-1, 0.0)  # the status epoch, and when it was read
+
+    def get(self, machine_id: str) -> MachineRecord:
+        now = time.monotonic()
+        epoch, read_at = self._epoch
+        if now - read_at > MACHINE_CACHE_S:
+            epoch = self.machines.epoch()
+            self._epoch = (epoch, now)
+        hit = self._records.get(machine_id)
+        # A record read under an older epoch may predate the change: read it again.
+        if hit is not None and hit[1] > now and hit[2] == epoch:
+            return hit[0]
+        record = self.machines.get(machine_id)
+        if len(self._records) > 100_000:
+            self._records.clear()
+        self._records[machine_id] = (record, now + MACHINE_RECORD_S, epoch)
+        return record
+
+    def forget(self, machine_id: str) -> None:
+        self._records.pop(machine_id, None)

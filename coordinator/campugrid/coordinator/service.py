@@ -18,7 +18,7 @@ from campugrid.coordinator.apps import AppView
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.gpu_history import GpuMemory
 from campugrid.coordinator.images import Images
-from campugrid.coordinator.machines import MachineRecord
+from campugrid.coordinator.machines import MachineRecord, MachineRecords
 from campugrid.coordinator.machines import Status as MachineStatus
 from campugrid.coordinator.objects import ObjectStore
 from campugrid.coordinator.registry import RegistryTokens
@@ -45,8 +45,6 @@ from campugrid.protocol.tarballs import inspect_context
 
 log = logging.getLogger("campugrid.coordinator")
 SPEEDS_REFRESH_S = 10.0  # how old the machines' speed ranking may be
-MACHINE_CACHE_S = 1.0  # how old a machine's key and status may be when a call is checked
-MACHINE_RECORD_S = 300.0  # a record is read again this often even if no status changed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +89,7 @@ class Coordinator:
         self._fast_from = 0.0  # the speed from which a machine counts as fast
         self._speeds_at = -SPEEDS_REFRESH_S
         self._context_urls: dict[str, tuple[str, float]] = {}  # key -> (URL, good until)
-        # id -> (record, good until, the status epoch known when it was read)
-        self._machines: dict[str, tuple[MachineRecord, float, int]] = {}
-        self._epoch: tuple[int, float] = (-1, 0.0)  # machine status epoch, read at
+        self._machines = MachineRecords(store.machines)
 
     @functools.cached_property
     def images(self) -> Images:
@@ -230,26 +226,8 @@ class Coordinator:
         return record
 
     def machine(self, machine_id: str) -> MachineRecord:
-        """The machine a call claims to be (its key and status). Approvals and revocations
-        made here apply at once; those made by another coordinator process within
-        MACHINE_CACHE_S, when this process next reads the machine status epoch and every
-        record read under an older one is read again (a revoked machine's leases end at the
-        revocation anyway, so its calls are refused as stale). One small read a second, whatever the number of
-        machines, instead of one per machine."""
-        now = time.monotonic()
-        epoch, read_at = self._epoch
-        if now - read_at > MACHINE_CACHE_S:
-            epoch = self.store.machines.epoch()
-            self._epoch = (epoch, now)
-        hit = self._machines.get(machine_id)
-        # A record read under an older epoch may predate the change: read it again.
-        if hit is not None and hit[1] > now and hit[2] == epoch:
-            return hit[0]
-        record = self.store.machines.get(machine_id)
-        if len(self._machines) > 100_000:
-            self._machines.clear()
-        self._machines[machine_id] = (record, now + MACHINE_RECORD_S, epoch)
-        return record
+        """The machine a call claims to be (its key and status; see MachineRecords)."""
+        return self._machines.get(machine_id)
 
     def shared(self) -> dict[str, dict[tuple[str, int, str], int]]:
         return self.store.machines.shared()
@@ -260,7 +238,7 @@ class Coordinator:
     def approve_machine(self, ref: str) -> MachineRecord:
         m = self.store.machines.set_status(self.store.machines.find(ref).id,
                                            MachineStatus.APPROVED)
-        self._machines.pop(m.id, None)
+        self._machines.forget(m.id)
         log.info("machine %s (%s, %s) approved", m.id, m.name, m.fingerprint)
         return m
 
@@ -268,7 +246,7 @@ class Coordinator:
         """Revoke now: its leases end and its jobs go back to the queue at once."""
         m = self.store.machines.set_status(self.store.machines.find(ref).id,
                                            MachineStatus.REVOKED)
-        self._machines.pop(m.id, None)
+        self._machines.forget(m.id)
         requeued = self.store.requeue_expired()
         log.warning("machine %s (%s) revoked; its jobs %s are queued again", m.id, m.name,
                     ", ".join(requeued) or "(none)")
