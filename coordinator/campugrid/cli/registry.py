@@ -16,14 +16,13 @@ import logging
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 import httpx
 
-from campugrid.cli.seaweed import end_processes, free_port, guard_group, start_time
+from campugrid.cli.seaweed import end_group, end_processes, free_port, guard_group, start_time
 from campugrid.coordinator.registry import ISSUER, SERVICE
 from campugrid.protocol.errors import StorageError
 from campugrid.sandbox.process import release_guard
@@ -135,15 +134,8 @@ class EmbeddedRegistry:
         return done.stdout
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        if self.process is not None:
+            end_group(self.process, timeout_s=10)
         if self._guard_proc is not None:
             release_guard(self._guard_proc)
             self._guard_proc = None

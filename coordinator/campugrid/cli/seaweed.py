@@ -162,6 +162,20 @@ def end_processes(pids: list[int], what: str, timeout_s: float = 15) -> None:
         time.sleep(0.05)
 
 
+def end_group(process: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """SIGTERM a child's process group; SIGKILL it if it is not gone after `timeout_s`."""
+    if process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
 class _Forwarder:
     """127.0.0.1:port → a unix socket: the only way into SeaweedFS's namespace."""
 
@@ -372,15 +386,8 @@ class EmbeddedS3:
         return "\n".join(errors + other[-4:])
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        if self.process is not None:
+            end_group(self.process, timeout_s=5)
         if self._guard_proc is not None:  # only once weed is gone
             release_guard(self._guard_proc)
             self._guard_proc = None
