@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -49,6 +50,34 @@ def test_coordinators_starting_together_migrate_one_database_once(db_url: str):
         assert "jobs" in inspect(engine).get_table_names()
     finally:
         engine.dispose()
+
+
+def test_connections_opening_a_new_sqlite_file_at_once_all_get_wal(tmp_path):
+    """Switching a file to WAL needs it to itself, and SQLite refuses the loser of a race at
+    once, past its busy timeout (CI once saw a coordinator die of it at start). Six at a time,
+    sixty files: without the retry about one file in forty lost a connection."""
+    for i in range(60):
+        url = f"sqlite:///{tmp_path}/race-{i}.db"
+        engines = [make_engine(url) for _ in range(6)]
+        start = threading.Barrier(len(engines))
+        failures: list[BaseException] = []
+
+        def open_one(engine):
+            start.wait()
+            try:
+                with engine.connect() as conn:
+                    assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            except BaseException as e:  # collected, and reported below
+                failures.append(e)
+
+        threads = [threading.Thread(target=open_one, args=(e,)) for e in engines]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for e in engines:
+            e.dispose()
+        assert failures == []
 
 
 def test_one_process_leads_and_another_takes_over_when_it_is_killed(db_url: str):

@@ -7,7 +7,9 @@ a writing transaction, a reading one, and the writer's raw connection for the cl
 from __future__ import annotations
 
 import contextlib
+import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,7 @@ def make_engine(url: str) -> Engine:
         def _sqlite_setup(dbapi_conn: Any, _record: Any) -> None:
             dbapi_conn.isolation_level = None  # we issue BEGIN ourselves, below
             cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
+            _wal(cur)
             cur.execute("PRAGMA synchronous=FULL")  # acknowledged means on disk
             cur.execute("PRAGMA foreign_keys=ON")
             cur.close()
@@ -56,6 +58,21 @@ def make_engine(url: str) -> Engine:
 
         return engine
     return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+
+
+def _wal(cur: Any) -> None:
+    """Put the file in WAL mode. The switch needs the file to itself, and SQLite refuses it
+    with "database is locked" at once, past its busy timeout, while another process opening
+    the same new file holds it: so try again here, for up to 30 s (the busy timeout)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def side_database(engine: Engine, name: str, *tables: Any) -> Engine:
