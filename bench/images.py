@@ -140,7 +140,8 @@ if sys.argv[2] == "push":
     d = cache.push(sys.argv[3], sys.argv[4], sys.argv[5], "bench", sys.argv[6],
                    pathlib.Path(sys.argv[1]), cancel=None)
 else:
-    d = cache.pull(sys.argv[4], sys.argv[5], sys.argv[3], sys.argv[6], cancel=None)
+    d = cache.pull(sys.argv[4], sys.argv[5], sys.argv[3], sys.argv[6], cancel=None,
+                   work=pathlib.Path(sys.argv[1]), limit_bytes=1 << 40)
 print(d, time.monotonic() - t)
 """
 

@@ -26,7 +26,7 @@ from campugrid.cli.registry import EmbeddedRegistry
 from campugrid.coordinator.images import Images, build_key, repository
 from campugrid.coordinator.registry import ISSUER, SERVICE, RegistryTokens, ensure_signing_key
 from campugrid.coordinator.store import Store
-from campugrid.protocol.errors import InvalidInput, StaleAttempt
+from campugrid.protocol.errors import InvalidInput, SandboxError, StaleAttempt
 from campugrid.protocol.spec import JobSpec
 from tests.support.machines import add_machine
 from tests.support.oci import oci_image
@@ -363,6 +363,32 @@ def test_an_image_larger_than_a_build_here_could_make_is_built_here_instead(regi
                  build=lambda: builds.append(1), disk_mb=1)
     assert got == "localhost/t:1" and builds == [1] and client.asked == ["resolve"]
     assert any("more than the bases and resources.disk_mb (1 MB)" in line for line in lines), lines
+
+
+def test_a_pull_is_held_to_its_size_unpacked_and_lands_only_within_it(registry, tmp_path):
+    """A layer that is small to download can unpack to anything (64 MB of zeros gzip to
+    64 KB): the pull counts every layer as it unpacks before the image enters the store."""
+    reg, tokens = registry
+    repo = repository("e" * 64)
+    token = tokens.mint("machine:m1", repo, ("push", "pull"))
+    bomb = push(reg, oci_image(tmp_path / "bomb", {"z": bytes(64 * 1024**2)}, gzipped=True),
+                repo, token, tmp_path)
+    cache = ImageCache(tmp_path, f"t-{os.urandom(3).hex()}")
+    assert cache.download_bytes(reg.address, repo, bomb, token) < 1024**2  # passes that check
+    with pytest.raises(SandboxError, match="unpacks to more than 16 MB"):
+        cache.pull(reg.address, repo, bomb, token, work=tmp_path, limit_bytes=16 * 1024**2,
+                   cancel=None)
+    assert cache.ops.image_size(cache.name(bomb)) is None and cache.lookup(bomb) is None
+    assert not (tmp_path / "pulled").exists()  # nor left on disk
+    fine = push(reg, oci_image(tmp_path / "fine", {"w": os.urandom(2 * 1024**2)}, gzipped=True),
+                repo, token, tmp_path)
+    try:
+        got = cache.pull(reg.address, repo, fine, token, work=tmp_path,
+                         limit_bytes=16 * 1024**2, cancel=None)
+        assert got == cache.name(fine) and cache.lookup(fine) == got
+        assert (cache.ops.image_size(got) or 0) >= 2 * 1024**2
+    finally:
+        cache.ops.remove_image(cache.name(fine))
 
 
 def test_shard_sessions_build_and_pull_under_their_own_tokens(store: Store):

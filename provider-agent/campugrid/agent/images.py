@@ -17,6 +17,7 @@ import json
 import logging
 import shutil
 import subprocess
+import tarfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -123,13 +124,25 @@ class ImageCache:
             self._save(index)
         return gone
 
-    def pull(self, registry: str, repository: str, digest: str, token: str, *,
-             cancel: threading.Event | None) -> str:
+    def pull(self, registry: str, repository: str, digest: str, token: str, *, work: Path,
+             limit_bytes: int, cancel: threading.Event | None) -> str:
+        """Pull an image by digest, held to `limit_bytes` unpacked: its blobs land in a folder
+        under `work` first (skopeo checks each against its digest), each layer is counted as
+        it would unpack, and only an image within the limit goes into the store. Raises
+        SandboxError for anything else."""
         image = self.name(digest)
-        self._copy(["--src-registry-token", token,
-                    *(["--src-tls-verify=false"] if _loopback(registry) else []),
-                    f"docker://{registry}/{repository}@{digest}", f"containers-storage:{image}"],
-                   f"pulling {repository}@{digest}", cancel)
+        staged = work / "pulled"
+        shutil.rmtree(staged, ignore_errors=True)
+        try:
+            self._copy(["--src-registry-token", token,
+                        *(["--src-tls-verify=false"] if _loopback(registry) else []),
+                        f"docker://{registry}/{repository}@{digest}", f"dir:{staged}"],
+                       f"pulling {repository}@{digest}", cancel)
+            unpacked_bytes(staged, limit_bytes)
+            self._copy([f"dir:{staged}", f"containers-storage:{image}"],
+                       f"storing {repository}@{digest}", cancel)
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)
         self.add(digest, image)
         return image
 
@@ -183,6 +196,31 @@ class ImageCache:
         return gone
 
 
+def unpacked_bytes(staged: Path, limit: int) -> int:
+    """What the image skopeo copied into `staged` (its `dir:` layout) takes once unpacked:
+    every layer's files, each counted with its tar header (so a million empty files count
+    too), read through its compression (told by its first bytes: gzip, bzip2, xz or none).
+    Raises SandboxError as soon as the total passes `limit`, or for a layer that cannot be
+    read this way (zstd among them: our agents push gzip)."""
+    try:
+        layers = json.loads((staged / "manifest.json").read_text())["layers"]
+        blobs = [staged / str(layer["digest"]).removeprefix("sha256:") for layer in layers]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SandboxError("the pulled image has no readable manifest") from e
+    total = 0
+    for blob in blobs:
+        try:
+            with blob.open("rb") as raw, tarfile.open(fileobj=raw, mode="r|*") as tar:
+                for member in tar:
+                    total += member.size + tarfile.BLOCKSIZE
+                    if total > limit:
+                        raise SandboxError(f"it unpacks to more than {limit // 1024**2} MB, "
+                                           "the bases and resources.disk_mb")
+        except (OSError, tarfile.TarError, EOFError) as e:  # tarfile wraps the codecs
+            raise SandboxError(f"a layer of the pulled image cannot be read ({e})") from e
+    return total
+
+
 def obtain(client: CoordinatorApi, lease: Lease, builder: Builder, cache: ImageCache | None,
            *, bases: Sequence[BaseUse], tag: str, work: Path, log: LogFn,
            stop: threading.Event, build: Callable[[], None], disk_mb: int) -> str:
@@ -217,7 +255,8 @@ def obtain(client: CoordinatorApi, lease: Lease, builder: Builder, cache: ImageC
         else:
             began = time.monotonic()
             # Another machine's build is held to what a build here could make: the bases
-            # plus `disk_mb` (compressed sizes, as the manifest states them).
+            # plus `disk_mb`, as the manifest states its compressed sizes before the
+            # download, and then as it unpacks before it enters the store.
             allowed = sum(cache.ops.image_size(u.allowed.name) or 0 for u in bases) \
                 + disk_mb * 1024**2
             try:
@@ -227,7 +266,7 @@ def obtain(client: CoordinatorApi, lease: Lease, builder: Builder, cache: ImageC
                     raise SandboxError(f"it is {size // 1024**2} MB, more than the bases and "
                                        f"resources.disk_mb ({allowed // 1024**2} MB)")
                 found = cache.pull(step.registry, step.repository, step.digest, step.token,
-                                   cancel=stop)
+                                   work=work, limit_bytes=allowed, cancel=stop)
             except SandboxError as e:
                 if stop.is_set():
                     raise BuildFailed("stopped while pulling the image", "") from e

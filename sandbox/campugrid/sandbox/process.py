@@ -86,6 +86,8 @@ def run_streaming(
         time.sleep(0.05)
     proc.wait()
     reader.join(timeout=5)
+    if not reader.is_alive():  # (else a grandchild still holds the pipe open: the file
+        stream.close()         # is left to the reader, to go when the pipe does)
     if watcher is not None:
         release_guard(watcher)
     return Finished(proc.returncode, timed_out, cancelled, "\n".join(tail))
