@@ -49,6 +49,19 @@ def default_state_dir() -> Path:
     return Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local/share")) / "campugrid"
 
 
+def _agent_pid(pid: int) -> int:
+    """The agent's own process: `pid`, or its one child when `pid` is the runuser it was
+    started through. SIGTERM goes to the agent alone: runuser would pass a second one on
+    (which stops the agent's task at once instead of draining it) and then wait 2 s."""
+    try:
+        if Path(f"/proc/{pid}/comm").read_text().strip() != "runuser":
+            return pid
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return pid
+    return int(children[0]) if len(children) == 1 else pid
+
+
 @dataclasses.dataclass(frozen=True)
 class ProviderUser:
     """Who the agent runs as: the dedicated user when we are root, else ourselves."""
@@ -333,7 +346,7 @@ class Platform:
         for agent in self.agents:
             if agent.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(agent.proc.pid, signal.SIGTERM)
+                    os.kill(_agent_pid(agent.proc.pid), signal.SIGTERM)
         for agent in self.agents:
             try:
                 agent.proc.wait(timeout=40)
