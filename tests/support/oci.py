@@ -7,8 +7,16 @@ import gzip
 import hashlib
 import io
 import json
+import os
+import subprocess
 import tarfile
+import tempfile
+import time
 from pathlib import Path
+
+import httpx
+
+from campugrid.cli.seaweed import free_port
 
 
 def _blob(layout: Path, data: bytes) -> str:
@@ -49,3 +57,48 @@ def oci_image(layout: Path, files: dict[str, bytes], tag: str = "latest", *,
         "digest": _blob(layout, manifest), "size": len(manifest),
         "annotations": {"org.opencontainers.image.ref.name": tag}}]}))
     return f"oci:{layout}:{tag}"
+
+
+class OpenRegistry:
+    """A registry anyone may push to and pull from, on loopback: the stand-in for a public
+    one (Docker Hub), which these machines cannot reach. The real `docker-registry`."""
+
+    def __init__(self, root: Path) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        config = root / "config.yml"
+        config.write_text(json.dumps({
+            "version": 0.1, "log": {"level": "warn", "accesslog": {"disabled": True}},
+            "storage": {"filesystem": {"rootdirectory": str(root / "data")}},
+            "http": {"addr": self.address}}))
+        self.log = (root / "registry.log").open("ab")
+        self.process = subprocess.Popen(["docker-registry", "serve", str(config)],
+                                        stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"http://{self.address}/v2/", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"the open registry did not start; see {root}/registry.log")
+            time.sleep(0.1)
+
+    def push(self, source: str, name: str, as_user: list[str] | None = None) -> str:
+        """Copy `source` (a skopeo reference) here as `name`; returns the manifest digest."""
+        digest_file = Path(tempfile.mkdtemp()) / "digest"
+        os.chmod(digest_file.parent, 0o777)  # the provider user may write the digest
+        done = subprocess.run([*(as_user or []), "skopeo", "copy", "--quiet", "--dest-no-creds",
+                               "--dest-tls-verify=false", "--digestfile", str(digest_file),
+                               source, f"docker://{self.address}/{name}"],
+                              capture_output=True, text=True, timeout=300, check=False)
+        assert done.returncode == 0, done.stderr
+        return digest_file.read_text().strip()
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=10)
+        self.log.close()

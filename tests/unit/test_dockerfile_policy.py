@@ -4,7 +4,14 @@ the spelling as the attack it hides, then that the policy refuses it."""
 
 import pytest
 
-from campugrid.protocol.dockerfiles import AllowedBase, allowed_bases, check_dockerfile
+from campugrid.protocol.dockerfiles import (
+    AllowedBase,
+    allowed_bases,
+    base_registries,
+    check_dockerfile,
+    parse_image_ref,
+    pin_bases,
+)
 from campugrid.protocol.errors import InvalidInput
 from tests.support.dockerfiles import CORPUS, buildkit_reads
 
@@ -68,3 +75,69 @@ def test_the_allowed_list_comes_from_configuration(monkeypatch):
     assert allowed_bases() == (AllowedBase(BASE),)
     with pytest.raises(ValueError, match="NAME:TAG"):
         allowed_bases("a/b:1@md5:00")
+
+
+# --- FROM an image on a registry ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("written", "normal"), [
+    ("python:3.11-slim", "docker.io/library/python:3.11-slim"),
+    ("python", "docker.io/library/python:latest"),
+    ("docker.io/python:3.11", "docker.io/library/python:3.11"),
+    ("index.docker.io/library/python:3.11", "docker.io/library/python:3.11"),
+    ("pytorch/pytorch:2.3.1-cuda12.1-cudnn8-runtime",
+     "docker.io/pytorch/pytorch:2.3.1-cuda12.1-cudnn8-runtime"),
+    ("nvcr.io/nvidia/pytorch:24.01-py3", "nvcr.io/nvidia/pytorch:24.01-py3"),
+    ("GHCR.io/org/img", "ghcr.io/org/img:latest"),
+    ("localhost:5000/a/b:1", "localhost:5000/a/b:1"),
+    (f"python@{DIGEST}", f"docker.io/library/python:latest@{DIGEST}"),
+])
+def test_every_spelling_of_an_image_reads_as_one_name(written, normal):
+    assert str(parse_image_ref(written)) == normal
+
+
+@pytest.mark.parametrize("bad", ["Python:3", "python:-x", "a//b", "python:3@sha256:12",
+                                 "bad_host.io:port/x", "x/" + "y" * 3 + "..z"])
+def test_what_is_not_an_image_reference_is_refused(bad):
+    with pytest.raises(ValueError):
+        parse_image_ref(bad)
+
+
+def test_a_from_on_an_allowed_registry_is_a_remote_base_and_others_are_refused():
+    checked = check_dockerfile("FROM python:3.11-slim AS b\nFROM " + BASE + "\n",
+                               allowed_bases(BASE), ("docker.io",))
+    remote, local = checked.bases
+    assert remote.remote and remote.allowed.name == "docker.io/library/python:3.11-slim"
+    assert remote.stage == "b" and not local.remote
+    for text, says in (("FROM evil.example/x:1\n", "evil.example is not an allowed registry"),
+                       ("FROM docker.io.evil.example/library/python:3\n", "not an allowed registry"),
+                       ("FROM localhost/other:1\n", "localhost is not an allowed registry"),
+                       ("FROM 0123456789ab\n", "image id"),
+                       ("FROM quay.io/x/y:1\n", "quay.io is not an allowed registry")):
+        with pytest.raises(InvalidInput, match=says):
+            check_dockerfile(text, allowed_bases(BASE), ("docker.io",))
+    with pytest.raises(InvalidInput, match="no registries"):
+        check_dockerfile("FROM python:3\n", allowed_bases(BASE), base_registries("none"))
+
+
+def test_the_registries_come_from_configuration(monkeypatch):
+    assert base_registries() == ("docker.io", "ghcr.io", "nvcr.io", "quay.io")
+    monkeypatch.setenv("CAMPUGRID_BASE_REGISTRIES", "Index.Docker.io, registry.example.org:5000")
+    assert base_registries() == ("docker.io", "registry.example.org:5000")
+    with pytest.raises(ValueError, match="host name"):
+        base_registries("https://x")
+
+
+def test_pinning_rewrites_only_the_remote_froms_whole_instructions():
+    text = ("# escape=\\\nARG V=3.11\nFROM python:${V}-slim \\\n  AS build\nRUN echo hi\n"
+            f"FROM {BASE}\nCOPY --from=build /x /y\r\n# a\u2028note\nFROM quay.io/a/b:1\n")
+    checked = check_dockerfile(text, allowed_bases(BASE), ("docker.io", "quay.io"))
+    local = {u: f"localhost/campugrid-cache/b:{u.line}" for u in checked.bases if u.remote}
+    pinned = pin_bases(text, local)
+    assert pinned.split("\n") == [
+        "# escape=\\", "ARG V=3.11", "FROM localhost/campugrid-cache/b:3 AS build",
+        "RUN echo hi", f"FROM {BASE}", "COPY --from=build /x /y\r", "# a\u2028note",
+        "FROM localhost/campugrid-cache/b:9", ""]
+    again = check_dockerfile(pinned, allowed_bases(f"{BASE},localhost/campugrid-cache/b:3,"
+                                                   "localhost/campugrid-cache/b:9"), ())
+    assert [u.remote for u in again.bases] == [False, False, False]

@@ -20,8 +20,9 @@ class Builder(Protocol):
     def build(self, context_dir: Path, tag: str, *, log: LogFn, timeout_s: float,
               cancel: threading.Event | None = None, memory_mb: int = 4096,
               cpus: float = 2.0, disk_mb: int = 512,
-              bases: Sequence[BaseUse] | None = None) -> str:
-        """Build context_dir/Dockerfile into the provider's image store as `tag`.
+              bases: Sequence[BaseUse] | None = None, dockerfile: Path | None = None) -> str:
+        """Build context_dir/Dockerfile (or `dockerfile`: the agent's copy with remote bases
+        pinned, agent/bases.py) into the provider's image store as `tag`.
 
         `bases` are the allowed base images the checked Dockerfile starts from (None: check
         the Dockerfile here): each must be here with its pinned digest, if any. RUN steps get

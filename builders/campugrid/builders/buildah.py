@@ -36,6 +36,7 @@ WRAPPER = Path(__file__).with_name("runsc-build-runtime")
 
 # $1 store folder, $2 its size in MB, $3 the allowed-bases store, $4 the provider's store
 # ("graphroot+runroot"), $5 the tag; the rest is `buildah bud`'s arguments.
+PULLED_PREFIX = "localhost/campugrid-cache/"  # agent/images.py's cache names
 _SCRIPT = """
 set -e
 w=$1 size=$2 bases=$3 main=$4 tag=$5
@@ -77,7 +78,7 @@ class BuildahBuilder:
             self._main = (words[0], words[1])
         return self._main
 
-    def bud_args(self, context_dir: Path, tag: str) -> list[str]:
+    def bud_args(self, context_dir: Path, tag: str, dockerfile: Path | None = None) -> list[str]:
         return [
             "bud",
             "--isolation", "oci",
@@ -92,26 +93,28 @@ class BuildahBuilder:
             # Reproducible: every timestamp (image, history, files) is the epoch, so machines
             # with the same inputs build the same digest ("verified" reuse compares them).
             "--timestamp", "0",
-            "-f", str(context_dir / "Dockerfile"),
+            "-f", str(dockerfile or context_dir / "Dockerfile"),
             "-t", tag,
             str(context_dir),
         ]
 
-    def argv(self, store: Path, disk_mb: int, context_dir: Path, tag: str) -> list[str]:
+    def argv(self, store: Path, disk_mb: int, context_dir: Path, tag: str,
+             dockerfile: Path | None = None) -> list[str]:
         graph, run = self.main_store()
         return [self.buildah, "unshare", "/bin/sh", "-c", _SCRIPT, "campugrid-build",
                 str(store), str(disk_mb), str(self.bases_store[0] / "root"), f"{graph}+{run}",
-                tag, *self.bud_args(context_dir, tag)]
+                tag, *self.bud_args(context_dir, tag, dockerfile)]
 
     def build(self, context_dir: Path, tag: str, *, log: LogFn, timeout_s: float,
               cancel: threading.Event | None = None, memory_mb: int = 4096,
               cpus: float = 2.0, disk_mb: int = 512,
-              bases: Sequence[BaseUse] | None = None) -> str:
+              bases: Sequence[BaseUse] | None = None, dockerfile: Path | None = None) -> str:
         if bases is None:  # not checked by the caller: check here, with this host's policy
             try:
                 bases = check_dockerfile((context_dir / "Dockerfile").read_text()).bases
             except (InvalidInput, OSError, UnicodeDecodeError) as e:
                 raise BuildFailed(str(e), "") from e
+        self._drop_evicted()
         for use in bases:
             self._ensure_base(use)
         name = "build-" + "".join(c if c.isalnum() else "-" for c in tag)[-60:]
@@ -123,7 +126,8 @@ class BuildahBuilder:
             with host_limits.job_cgroup(self.limits, name, memory_mb=memory_mb + disk_mb,
                                         cpus=cpus, pids=4096, scope=self.scope) as cg:
                 done = run_streaming(
-                    host_limits.launcher(cg, self.argv(store, disk_mb, context_dir, tag)),
+                    host_limits.launcher(cg, self.argv(store, disk_mb, context_dir, tag,
+                                                       dockerfile)),
                     log=log, timeout_s=timeout_s, cancel=cancel, on_orphan=(),
                     cgroups=cg.paths if cg is not None else ())
                 oom = done.returncode != 0 and cg is not None and cg.oom_killed()
@@ -168,6 +172,9 @@ class BuildahBuilder:
     def _ensure_base(self, use: BaseUse) -> None:
         """The allowed base must be in the bases store, as the provider's own store has it
         (copied across when it changed), with the digest a pin names."""
+        if use.remote:
+            raise BuildFailed(f"Dockerfile line {use.line}: FROM {use.allowed.name} is an image "
+                              "on a registry, which the agent pulls first (agent/bases.py)", "")
         here = _image(subprocess.run([self.buildah, "images", "--json", use.allowed.name],
                                      capture_output=True, text=True, timeout=60, check=False))
         if here is None:
@@ -186,6 +193,21 @@ class BuildahBuilder:
         if want and digest != want:
             raise BuildFailed(f"Dockerfile line {use.line}: base image {use.allowed.name} here is "
                               f"{digest or 'unknown'}, not the pinned {want}", "")
+
+
+    def _drop_evicted(self) -> None:
+        """Pulled bases (agent/images.py's cache names) copied into the bases store stay
+        there only while the provider's own store still has them: the cache bounds both."""
+        found = self._buildah_bases("images", "--json")
+        try:
+            names = [n for i in json.loads(found.stdout or "[]") for n in i.get("names") or ()]
+        except (ValueError, AttributeError, TypeError):
+            return
+        for name in (n for n in names if n.startswith(PULLED_PREFIX)):
+            if _image(subprocess.run([self.buildah, "images", "--json", name],
+                                     capture_output=True, text=True, timeout=60,
+                                     check=False)) is None:
+                self._buildah_bases("rmi", "-f", name)
 
 
 def _image(found: subprocess.CompletedProcess[str]) -> dict[str, object] | None:

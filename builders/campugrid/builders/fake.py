@@ -43,7 +43,7 @@ class FakeBuilder:
     def build(self, context_dir: Path, tag: str, *, log: LogFn, timeout_s: float,
               cancel: threading.Event | None = None, memory_mb: int = 4096,
               cpus: float = 2.0, disk_mb: int = 512,
-              bases: Sequence[BaseUse] | None = None) -> str:
+              bases: Sequence[BaseUse] | None = None, dockerfile: Path | None = None) -> str:
         self.builds.append((context_dir, tag))
         tail: collections.deque[str] = collections.deque(maxlen=40)
 
@@ -52,7 +52,7 @@ class FakeBuilder:
             log(line)
 
         try:
-            lines = (context_dir / "Dockerfile").read_text().splitlines()
+            lines = (dockerfile or context_dir / "Dockerfile").read_text().splitlines()
         except (OSError, UnicodeDecodeError) as e:
             raise BuildFailed(f"cannot read the Dockerfile: {e}", "") from e
         directives = [line[len(DIRECTIVE):].strip().partition("=") for line in lines

@@ -92,6 +92,8 @@ def _job_text(job: dict[str, Any]) -> str:
         lines.append(f"exit     {job['exit_code']}")
     if job.get("result"):
         lines.append(f"result   {job['result']}")
+    for ref, digest in (job.get("bases") or {}).items():
+        lines.append(f"base     {ref}@{digest}")
     for limit, how in (job.get("limits") or {}).items():
         if how != "enforced":
             lines.append(f"limit    {limit}: {how}")

@@ -1,6 +1,7 @@
 """`campugrid up`: the whole platform on one machine, on embedded defaults.
 
-SeaweedFS (S3), the OCI registry (unless CAMPUGRID_REGISTRY names one) and the coordinator
+SeaweedFS (S3), the OCI registry (unless CAMPUGRID_REGISTRY names one), a pull-through mirror
+of Docker Hub (unless CAMPUGRID_REGISTRY_MIRRORS names mirrors) and the coordinator
 run in this process's care; the agent runs as a separate
 process, as the unprivileged provider user when started by root. Nothing outlives this process
 (each child has a guard that kills it if we die, even by SIGKILL), and what an earlier, killed
@@ -30,9 +31,10 @@ from campugrid.cli.seaweed import EmbeddedS3, end_processes, free_port, guard_gr
 from campugrid.client import Api, Identity
 from campugrid.client.identity import default_path as default_identity
 from campugrid.coordinator import server
+from campugrid.coordinator.bases import Source
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.registry import ensure_signing_key
-from campugrid.protocol.errors import CampugridError
+from campugrid.protocol.errors import CampugridError, StorageError
 from campugrid.sandbox.process import release_guard
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,7 @@ PROVIDER_USER = os.environ.get("CAMPUGRID_AGENT_USER", "campugrid")
 BASE_IMAGE = "localhost/campugrid/python:bookworm"
 RESTART_DELAYS_S = (1.0, 30.0)  # first, most: doubling in between
 STABLE_AFTER_S = 60.0  # an agent up this long starts again from the first delay
+HUB, HUB_ENV = "https://registry-1.docker.io", "CAMPUGRID_HUB_UPSTREAM"  # what the mirror caches
 REGISTRY_GC_S = 3600.0  # how often the embedded registry drops blobs of deleted images
 
 
@@ -168,6 +171,8 @@ class Platform:
     admin_identity: Path | None = None
     s3: EmbeddedS3 | None = None
     registry: EmbeddedRegistry | None = None
+    mirror: EmbeddedRegistry | None = None
+    hub_upstream: str = ""  # what the mirror caches (default: CAMPUGRID_HUB_UPSTREAM, else HUB)
     running: server.Running | None = None
     agents: list[AgentHandle] = dataclasses.field(default_factory=list)
     _http_thread: threading.Thread | None = None
@@ -215,10 +220,23 @@ class Platform:
             s3_secret_key=secret, http_port=self.http_port,
             grpc_port=self.grpc_port or free_port(), lease_seconds=self.lease_seconds,
             admin_identity=self.identity_path)
+        _, cert = ensure_signing_key(settings.registry_dir)
         if not settings.registry:  # the embedded one, trusting the coordinator's tokens
-            _, cert = ensure_signing_key(settings.registry_dir)
             self.registry = EmbeddedRegistry(self.state_dir / "registry", cert).start()
             settings = dataclasses.replace(settings, registry=self.registry.address)
+        if not settings.registry_mirrors and "docker.io" in settings.base_registries:
+            # FROMs on Docker Hub through a pull-through cache here, first: a sweep over
+            # many machines fetches each layer from the internet once.
+            upstream = self.hub_upstream or os.environ.get(HUB_ENV, HUB)
+            try:
+                self.mirror = EmbeddedRegistry(self.state_dir / "mirror", cert,
+                                               proxy=upstream).start()
+                settings = dataclasses.replace(settings, registry_mirrors=(
+                    ("docker.io", Source(self.mirror.address, insecure=True, mirror=True)),))
+            except StorageError as e:  # the registry will not start without its upstream
+                log.warning("no Docker Hub mirror: %s cannot be reached (%s); FROMs on Docker "
+                            "Hub are resolved and pulled from it directly", upstream, e)
+                self.mirror = None
         self.running = server.start(settings)
         if self.registry is not None:
             threading.Thread(target=self._collect_registry, daemon=True,
@@ -361,8 +379,9 @@ class Platform:
             self.running.stop()
             if self._http_thread is not None:
                 self._http_thread.join(timeout=10)
-        if self.registry is not None:
-            self.registry.stop()
+        for registry in (self.registry, self.mirror):
+            if registry is not None:
+                registry.stop()
         if self.s3 is not None:
             self.s3.stop()
 

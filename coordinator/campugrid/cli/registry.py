@@ -1,5 +1,6 @@
 """The embedded OCI registry that `campugrid up` and the tests start: Debian's
-`docker-registry` (the CNCF distribution registry), on 127.0.0.1, storing on disk.
+`docker-registry` (the CNCF distribution registry), on 127.0.0.1, storing on disk; and the
+same program as a pull-through mirror of Docker Hub (coordinator/bases.py).
 
 It accepts only bearer tokens the coordinator signs (coordinator/registry.py): a machine can
 push the one repository its task builds and pull the one it was told to, and nothing lists
@@ -38,8 +39,8 @@ def registry_binary() -> str:
     return found
 
 
-def _config(data_dir: Path, port: int, cert: Path) -> dict[str, object]:
-    return {
+def _config(data_dir: Path, port: int, cert: Path, proxy: str) -> dict[str, object]:
+    config: dict[str, object] = {
         "version": 0.1,
         "log": {"level": "warn", "accesslog": {"disabled": True}},
         "storage": {"filesystem": {"rootdirectory": str(data_dir / "data")},
@@ -50,6 +51,9 @@ def _config(data_dir: Path, port: int, cert: Path) -> dict[str, object]:
             "realm": "https://campugrid.invalid/no-token-endpoint",
             "service": SERVICE, "issuer": ISSUER, "rootcertbundle": str(cert)}},
     }
+    if proxy:  # a read-only pull-through cache of that registry (it expires what it keeps)
+        config["proxy"] = {"remoteurl": proxy}
+    return config
 
 
 @dataclasses.dataclass
@@ -57,6 +61,7 @@ class EmbeddedRegistry:
     data_dir: Path
     certificate: Path  # the coordinator's token certificate (registry/token.crt)
     port: int = 0
+    proxy: str = ""  # set: a pull-through mirror of the registry at this URL
     process: subprocess.Popen[bytes] | None = None
     _guard_proc: subprocess.Popen[bytes] | None = None
 
@@ -76,7 +81,7 @@ class EmbeddedRegistry:
         config = self.data_dir / "config.yml"
         fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:  # JSON is YAML; the upload-state secret is in it
-            json.dump(_config(self.data_dir, self.port, self.certificate), f)
+            json.dump(_config(self.data_dir, self.port, self.certificate, self.proxy), f)
         with open(self.data_dir / "registry.log", "ab") as out:
             self.process = subprocess.Popen([registry_binary(), "serve", str(config)],
                                             stdout=out, stderr=subprocess.STDOUT,

@@ -30,6 +30,7 @@ from campugrid.coordinator.views import ShardResult, ShardTask
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
 from campugrid.protocol import keys, logs
+from campugrid.protocol.dockerfiles import parse_image_ref
 from campugrid.protocol.errors import (
     CampugridError,
     Forbidden,
@@ -211,8 +212,20 @@ class AgentService(pb_grpc.AgentServiceServicer):
                               size=lease.resume.size, sha256=lease.resume.sha256)
                     if lease.resume is not None else None),
             gpu_uuids=lease.gpu_uuids, gpu_memory_mb=job.spec.resources.gpu_memory_mb,
-            shard=_shard_pb(lease.shard),
+            shard=_shard_pb(lease.shard), bases=self._bases_pb(job.bases, machine),
         ), first
+
+    def _bases_pb(self, bases: dict[str, str], machine: str) -> list[pb.BaseImage]:
+        """The job's remote bases, each with where to pull it from (mirrors first)."""
+        out = []
+        resolver = self.coord.bases
+        for ref, digest in bases.items():
+            parsed = parse_image_ref(ref)
+            out.append(pb.BaseImage(ref=ref, digest=digest, sources=[
+                pb.BaseImage.Source(address=s.address, insecure=s.insecure,
+                                    token=resolver.token(s, parsed.repository, f"machine:{machine}"))
+                for s in resolver.sources(parsed.registry)]))
+        return out
 
     def Renew(self, request: pb.RenewRequest, context: grpc.ServicerContext) -> pb.RenewReply:
         machine = self._machine(context)

@@ -83,6 +83,7 @@ class JobOut(BaseModel):
     result: str | None
     has_output: bool
     limits: dict[str, str]
+    bases: dict[str, str] = {}  # each FROM on a registry -> the digest it was resolved to
     spec: dict[str, Any]
     created_at: dt.datetime
     updated_at: dt.datetime
@@ -97,7 +98,8 @@ class JobOut(BaseModel):
             id=job.id, client_job_id=job.client_job_id, name=job.name, state=job.state,
             attempt=job.attempt, max_attempts=job.max_attempts, machine_id=job.machine_id,
             exit_code=job.exit_code, reason=job.reason, result=job.result,
-            has_output=job.output_key is not None, limits=job.limits, spec=_redacted(job),
+            has_output=job.output_key is not None, limits=job.limits, bases=job.bases,
+            spec=_redacted(job),
             created_at=job.created_at, updated_at=job.updated_at, events=events,
             waiting_reason=waiting_reason,
             shards=ShardCounts(

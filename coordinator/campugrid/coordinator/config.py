@@ -6,7 +6,8 @@ import dataclasses
 import os
 from pathlib import Path
 
-from campugrid.protocol.dockerfiles import AllowedBase, allowed_bases
+from campugrid.coordinator.bases import Source, parse_mirrors
+from campugrid.protocol.dockerfiles import AllowedBase, allowed_bases, base_registries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,10 @@ class Settings:
     # What a job's FROM may name (CAMPUGRID_ALLOWED_BASES): checked at submit, and again by
     # each agent against its own list.
     allowed_bases: tuple[AllowedBase, ...] = dataclasses.field(default_factory=allowed_bases)
+    # ...or an image on one of these registries (CAMPUGRID_BASE_REGISTRIES), resolved to a
+    # digest at submit through the mirrors first (CAMPUGRID_REGISTRY_MIRRORS; bases.py).
+    base_registries: tuple[str, ...] = dataclasses.field(default_factory=base_registries)
+    registry_mirrors: tuple[tuple[str, Source], ...] = ()
     # Unsigned REST requests act as an admin (CAMPUGRID_ALLOW_UNSIGNED=1): only for a
     # coordinator on a loopback address, and refused at start anywhere else.
     allow_unsigned: bool = False
@@ -89,6 +94,8 @@ class Settings:
             "s3_region": env.get("CAMPUGRID_S3_REGION", "").strip(),
             "s3_addressing": env.get("CAMPUGRID_S3_ADDRESSING", "").strip().lower() or "auto",
             "allowed_bases": allowed_bases(env.get("CAMPUGRID_ALLOWED_BASES")),
+            "base_registries": base_registries(env.get("CAMPUGRID_BASE_REGISTRIES")),
+            "registry_mirrors": parse_mirrors(env.get("CAMPUGRID_REGISTRY_MIRRORS", "")),
             "allow_unsigned": env.get("CAMPUGRID_ALLOW_UNSIGNED", "") in ("1", "true", "yes"),
             "public_url": env.get("CAMPUGRID_PUBLIC_URL", ""),
             "public_grpc": env.get("CAMPUGRID_PUBLIC_GRPC", ""),

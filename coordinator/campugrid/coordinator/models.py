@@ -91,6 +91,9 @@ class Job(Base):
     result: Mapped[str | None] = mapped_column(Text)
     output_key: Mapped[str | None] = mapped_column(String(200))
     limits_json: Mapped[str | None] = mapped_column(Text)
+    # Each remote FROM (normalized name:tag) and the digest it resolved to at submit: every
+    # machine builds on the same base (coordinator/bases.py).
+    bases_json: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[dt.datetime] = mapped_column()
     updated_at: Mapped[dt.datetime] = mapped_column()
 

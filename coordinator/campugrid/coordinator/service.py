@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, BinaryIO
 
 from campugrid.coordinator.apps import AppView
+from campugrid.coordinator.bases import BaseResolver
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.gpu_history import GpuMemory
 from campugrid.coordinator.images import Images
@@ -100,6 +101,13 @@ class Coordinator:
         return Images(self.store.db, registry)
 
     @functools.cached_property
+    def bases(self) -> BaseResolver:
+        """Remote FROMs to digests, at submit."""
+        return BaseResolver(self.settings.registry_mirrors,
+                            RegistryTokens(self.settings.registry_dir, self.settings.registry,
+                                           self.settings.registry_token_seconds))
+
+    @functools.cached_property
     def users(self) -> Users:
         """The console's people; their TOTP secrets are sealed with console.key, a file in
         the state folder (never in the database)."""
@@ -112,7 +120,8 @@ class Coordinator:
         size = context.seek(0, io.SEEK_END)
         if size > self.settings.max_context_bytes:
             raise InvalidInput(f"context: larger than {self.settings.max_context_bytes // 1024**2} MiB")
-        inspect_context(context, self.settings.allowed_bases)
+        info = inspect_context(context, self.settings.allowed_bases, self.settings.base_registries)
+        bases = self.bases.resolve_all(info.checked.bases)  # refused here if one cannot be
         tickets = []
         for ds in spec.datasets:
             if ds.ticket:
@@ -135,7 +144,7 @@ class Coordinator:
         key = f"contexts/{digest}.tar"
         if not self.objects.exists(key):
             self.objects.put_file(key, context, size)
-        job, created = self.store.submit(spec, key, digest, owner, tickets)
+        job, created = self.store.submit(spec, key, digest, owner, tickets, bases)
         if created:
             log.info("job submitted", extra={"job_id": job.id})
         return job, created

@@ -85,10 +85,11 @@ class Store:
     # --- researchers ------------------------------------------------------------------------
 
     def submit(self, spec: JobSpec, context_key: str, context_sha256: str,
-               owner: str = "", tickets: Sequence[str] = ()) -> tuple[JobView, bool]:
+               owner: str = "", tickets: Sequence[str] = (),
+               bases: dict[str, str] | None = None) -> tuple[JobView, bool]:
         """Store a new job for `owner` (an app id; "" for none), taking its upload `tickets`
-        in the same transaction; with a client_job_id the owner used before, return the stored
-        one (created=False)."""
+        in the same transaction, with the digests its remote `bases` resolved to; with a
+        client_job_id the owner used before, return the stored one (created=False)."""
         now = utcnow()
         spec_text = spec.without_shards().to_json()
         row = Job(
@@ -100,6 +101,7 @@ class Store:
             created_at=now, updated_at=now,
             shards_total=len(spec.shards), shards_queued=len(spec.shards), shards_done=0,
             shards_failed=0, shards_sha256=spec.shards_sha256,
+            bases_json=json.dumps(bases, sort_keys=True) if bases else None,
         )
         try:
             with self.tx() as s:

@@ -90,6 +90,7 @@ class JobView:
     shards_queued: int = 0
     shards_done: int = 0
     shards_failed: int = 0
+    bases: dict[str, str] = dataclasses.field(default_factory=dict)  # remote FROM -> digest
 
     @classmethod
     def from_row(cls, row: Job | Row[Any] | SimpleNamespace) -> JobView:
@@ -103,6 +104,7 @@ class JobView:
             created_at=row.created_at, updated_at=row.updated_at,
             spec_json=row.spec_json, shards_total=row.shards_total or 0, shards_queued=row.shards_queued or 0,
             shards_done=row.shards_done or 0, shards_failed=row.shards_failed or 0,
+            bases=json.loads(row.bases_json or "{}"),
         )
 
 

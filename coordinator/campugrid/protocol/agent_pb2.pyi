@@ -142,7 +142,7 @@ class Dataset(_message.Message):
     def __init__(self, name: _Optional[str] = ..., share: _Optional[str] = ..., files: _Optional[_Iterable[_Union[Dataset.File, _Mapping]]] = ...) -> None: ...
 
 class LeaseReply(_message.Message):
-    __slots__ = ("has_task", "job_id", "attempt", "fencing_token", "lease_seconds", "spec_json", "context_url", "output_url", "datasets", "resume", "gpu_uuids", "gpu_memory_mb", "shard")
+    __slots__ = ("has_task", "job_id", "attempt", "fencing_token", "lease_seconds", "spec_json", "context_url", "output_url", "datasets", "resume", "gpu_uuids", "gpu_memory_mb", "shard", "bases")
     HAS_TASK_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,7 @@ class LeaseReply(_message.Message):
     GPU_UUIDS_FIELD_NUMBER: _ClassVar[int]
     GPU_MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
+    BASES_FIELD_NUMBER: _ClassVar[int]
     has_task: bool
     job_id: str
     attempt: int
@@ -169,7 +170,27 @@ class LeaseReply(_message.Message):
     gpu_uuids: _containers.RepeatedScalarFieldContainer[str]
     gpu_memory_mb: int
     shard: ShardTask
-    def __init__(self, has_task: _Optional[bool] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., fencing_token: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., spec_json: _Optional[str] = ..., context_url: _Optional[str] = ..., output_url: _Optional[str] = ..., datasets: _Optional[_Iterable[_Union[Dataset, _Mapping]]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., gpu_memory_mb: _Optional[int] = ..., shard: _Optional[_Union[ShardTask, _Mapping]] = ...) -> None: ...
+    bases: _containers.RepeatedCompositeFieldContainer[BaseImage]
+    def __init__(self, has_task: _Optional[bool] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., fencing_token: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., spec_json: _Optional[str] = ..., context_url: _Optional[str] = ..., output_url: _Optional[str] = ..., datasets: _Optional[_Iterable[_Union[Dataset, _Mapping]]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., gpu_memory_mb: _Optional[int] = ..., shard: _Optional[_Union[ShardTask, _Mapping]] = ..., bases: _Optional[_Iterable[_Union[BaseImage, _Mapping]]] = ...) -> None: ...
+
+class BaseImage(_message.Message):
+    __slots__ = ("ref", "digest", "sources")
+    class Source(_message.Message):
+        __slots__ = ("address", "insecure", "token")
+        ADDRESS_FIELD_NUMBER: _ClassVar[int]
+        INSECURE_FIELD_NUMBER: _ClassVar[int]
+        TOKEN_FIELD_NUMBER: _ClassVar[int]
+        address: str
+        insecure: bool
+        token: str
+        def __init__(self, address: _Optional[str] = ..., insecure: _Optional[bool] = ..., token: _Optional[str] = ...) -> None: ...
+    REF_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    ref: str
+    digest: str
+    sources: _containers.RepeatedCompositeFieldContainer[BaseImage.Source]
+    def __init__(self, ref: _Optional[str] = ..., digest: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[BaseImage.Source, _Mapping]]] = ...) -> None: ...
 
 class ShardTask(_message.Message):
     __slots__ = ("index", "payload_json", "cost")

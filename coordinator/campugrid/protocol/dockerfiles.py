@@ -22,6 +22,10 @@ from campugrid.protocol.errors import InvalidInput
 
 DEFAULT_BASES = ("localhost/campugrid/python:bookworm",)
 BASES_ENV = "CAMPUGRID_ALLOWED_BASES"
+# Registries a FROM may name an image on (resolved to a digest at submit, pulled by the
+# agent outside the sandbox); "none" turns them all off.
+DEFAULT_REGISTRIES = ("docker.io", "ghcr.io", "nvcr.io", "quay.io")
+REGISTRIES_ENV = "CAMPUGRID_BASE_REGISTRIES"
 
 _INSTRUCTIONS = {
     "FROM", "RUN", "CMD", "LABEL", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT", "VOLUME",
@@ -37,6 +41,68 @@ _VAR = re.compile(r"\$(?:(?P<bare>" + _NAME + r")|\{(?P<name>" + _NAME +
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _URLISH = re.compile(r"^[a-z][a-z0-9+.-]*://|^git@", re.IGNORECASE)
 _COPY_FLAGS = ("--chown", "--chmod", "--link")
+# distribution/reference's grammar: a registry host[:port], lowercase path components, a tag.
+_LABEL = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?"
+_DOMAIN = re.compile(rf"^{_LABEL}(?:\.{_LABEL})*(?::[0-9]+)?$")
+_COMPONENT = re.compile(r"^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*$")
+_TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+_IMAGE_ID = re.compile(r"^[0-9a-f]{12,64}$")  # a builder may take it for a local image's id
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageRef:
+    """An image on a registry, spelled one way: `python:3.11` and `docker.io/library/python:3.11`
+    and `index.docker.io/library/python:3.11` are the same ImageRef."""
+
+    registry: str
+    repository: str
+    tag: str
+    digest: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.registry}/{self.repository}"
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.tag}" + (f"@{self.digest}" if self.digest else "")
+
+
+def parse_image_ref(text: str) -> ImageRef:
+    """Normalize an image reference as Docker does; ValueError for anything else."""
+    rest, _, digest = text.partition("@")
+    if digest and not _DIGEST.match(digest):
+        raise ValueError("a pinned digest is sha256:<64 hex digits>")
+    slash = rest.rfind("/")
+    name, colon, tag = rest.rpartition(":") if rest.rfind(":") > slash else (rest, "", "")
+    if colon and not _TAG.match(tag):
+        raise ValueError(f"tag {tag!r}: letters, digits, '_', '.' and '-', at most 128")
+    first, sep, path = name.partition("/")
+    if sep and ("." in first or ":" in first or first == "localhost"):
+        registry = first.lower()
+        if not _DOMAIN.match(registry):
+            raise ValueError(f"registry {first!r} is not a host name")
+    else:
+        registry, path = "docker.io", name
+    if registry == "index.docker.io":
+        registry = "docker.io"
+    if registry == "docker.io" and "/" not in path:
+        path = f"library/{path}"
+    if not path or not all(_COMPONENT.match(c) for c in path.split("/")):
+        raise ValueError(f"repository {path!r}: lowercase letters, digits and separators")
+    return ImageRef(registry, path, tag or "latest", digest or None)
+
+
+def base_registries(text: str | None = None) -> tuple[str, ...]:
+    """The registries a FROM may pull from: comma- or space-separated, from
+    CAMPUGRID_BASE_REGISTRIES; "none" for none."""
+    text = os.environ.get(REGISTRIES_ENV, "") if text is None else text
+    words = [w.lower() for w in re.split(r"[,\s]+", text) if w] or list(DEFAULT_REGISTRIES)
+    if words == ["none"]:
+        return ()
+    for w in words:
+        if not _DOMAIN.match(w):
+            raise ValueError(f"base registry {w!r}: give a host name, optionally with :port")
+    return tuple("docker.io" if w == "index.docker.io" else w for w in words)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,11 +132,17 @@ def allowed_bases(text: str | None = None) -> tuple[AllowedBase, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class BaseUse:
-    """One FROM that starts from an image (not an earlier stage): what the builder must find."""
+    """One FROM that starts from an image (not an earlier stage): what the builder must find.
+    `remote`: an image on an allowed registry (`allowed.name` its normalized name and tag),
+    which the coordinator resolves to a digest and the agent pulls; else one of the
+    provider's allowed bases."""
 
     line: int
     allowed: AllowedBase
     digest: str | None  # the digest the FROM line pins, if it does
+    remote: bool = False
+    end_line: int = 0  # the FROM's last line (it may continue over several)
+    stage: str | None = None  # its AS name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,10 +158,12 @@ class _Stage:
     vars: dict[str, str | None]  # None: declared, but with no value we can know
 
 
-def check_dockerfile(text: str,
-                     allowed: Sequence[AllowedBase] | None = None) -> CheckedDockerfile:
-    """Refuse, naming the line, anything a provider must not build; say what it builds on."""
+def check_dockerfile(text: str, allowed: Sequence[AllowedBase] | None = None,
+                     registries: Sequence[str] | None = None) -> CheckedDockerfile:
+    """Refuse, naming the line, anything a provider must not build; say what it builds on:
+    allowed bases, or images on the allowed `registries`."""
     allowed = tuple(allowed) if allowed is not None else allowed_bases()
+    registries = tuple(registries) if registries is not None else base_registries()
     try:
         commands = dockerfile.parse_string(text)
     except dockerfile.GoParseError as e:
@@ -111,7 +185,7 @@ def check_dockerfile(text: str,
         if inst not in _INSTRUCTIONS:
             raise InvalidInput(f"{at}: unknown instruction {cmd.cmd!r}")
         if inst == "FROM":
-            stage, use = _from(cmd, stages, global_args, allowed, at)
+            stage, use = _from(cmd, stages, global_args, allowed, registries, at)
             stages.append(stage)
             if use is not None:
                 bases.append(use)
@@ -136,7 +210,8 @@ def check_dockerfile(text: str,
 
 
 def _from(cmd: dockerfile.Command, stages: list[_Stage], global_args: dict[str, str | None],
-          allowed: Sequence[AllowedBase], at: str) -> tuple[_Stage, BaseUse | None]:
+          allowed: Sequence[AllowedBase], registries: Sequence[str],
+          at: str) -> tuple[_Stage, BaseUse | None]:
     for flag in cmd.flags:
         if not flag.lower().startswith("--platform="):
             raise InvalidInput(f"{at}: FROM {flag} is not available")
@@ -165,10 +240,37 @@ def _from(cmd: dockerfile.Command, stages: list[_Stage], global_args: dict[str, 
             if base.digest and digest and digest != base.digest:
                 raise InvalidInput(f"{at}: FROM {ref}: this provider pins {base.name} to "
                                    f"{base.digest}")
-            return _Stage(index, name, {}), BaseUse(cmd.start_line, base, digest or None)
+            return _Stage(index, name, {}), BaseUse(cmd.start_line, base, digest or None,
+                                                    end_line=cmd.end_line, stage=name)
     names = ", ".join(str(b) for b in allowed)
-    raise InvalidInput(f"{at}: FROM {ref}: not an allowed base image (allowed: {names}; or an "
-                       "earlier stage of this file)")
+    if _IMAGE_ID.match(image):
+        raise InvalidInput(f"{at}: FROM {ref}: not an allowed base image (that is an image id: "
+                           f"name the image instead; allowed: {names}, or an image on an "
+                           "allowed registry)")
+    try:
+        remote = parse_image_ref(ref)
+    except ValueError as e:
+        raise InvalidInput(f"{at}: FROM {ref}: {e}") from e
+    if remote.registry not in registries:
+        where = f"images on {', '.join(registries)}" if registries else "no registries"
+        raise InvalidInput(f"{at}: FROM {ref}: not an allowed base image ({remote.registry} is "
+                           f"not an allowed registry; allowed: {names}, {where}, or an earlier "
+                           "stage of this file)")
+    return _Stage(index, name, {}), BaseUse(
+        cmd.start_line, AllowedBase(f"{remote.name}:{remote.tag}"), remote.digest, remote=True,
+        end_line=cmd.end_line, stage=name)
+
+
+def pin_bases(text: str, local: dict[BaseUse, str]) -> str:
+    """The Dockerfile with each FROM of `local` (BaseUses check_dockerfile found in this
+    text) starting from that local image instead: its whole instruction's lines replaced
+    (its AS name kept), every other line as it was. Lines only, no parsing: the agent parses
+    a job's Dockerfile only in a confined child."""
+    lines = text.split("\n")  # as BuildKit counts them (not str.splitlines' other breaks)
+    for use in sorted(local, key=lambda u: u.line, reverse=True):
+        stage = f" AS {use.stage}" if use.stage else ""
+        lines[use.line - 1:max(use.end_line, use.line)] = [f"FROM {local[use]}{stage}"]
+    return "\n".join(lines)
 
 
 def _declare(cmd: dockerfile.Command, into: dict[str, str | None],

@@ -51,16 +51,17 @@ def _archive_errors(what: str) -> Iterator[None]:
         raise InvalidInput(f"{what}: damaged archive ({type(e).__name__}: {e})") from e
 
 
-def inspect_context(data: bytes | BinaryIO,
-                    allowed: Sequence[AllowedBase] | None = None) -> ContextInfo:
+def inspect_context(data: bytes | BinaryIO, allowed: Sequence[AllowedBase] | None = None,
+                    registries: Sequence[str] | None = None) -> ContextInfo:
     """Check an uploaded context (its bytes, or a seekable file of them) without unpacking
-    it; raise InvalidInput with the reason. `allowed`: the base images a build may start from
-    (default: from configuration)."""
+    it; raise InvalidInput with the reason. `allowed`: the base images a build may start from,
+    `registries` those a FROM may pull from (default: from configuration)."""
     with _archive_errors("context"):
-        return _inspect(data, allowed)
+        return _inspect(data, allowed, registries)
 
 
-def _inspect(data: bytes | BinaryIO, allowed: Sequence[AllowedBase] | None) -> ContextInfo:
+def _inspect(data: bytes | BinaryIO, allowed: Sequence[AllowedBase] | None,
+             registries: Sequence[str] | None) -> ContextInfo:
     total = 0
     count = 0
     dockerfile: bytes | None = None
@@ -100,19 +101,19 @@ def _inspect(data: bytes | BinaryIO, allowed: Sequence[AllowedBase] | None) -> C
         text = dockerfile.decode("utf-8")
     except UnicodeDecodeError as e:
         raise InvalidInput("context: Dockerfile is not UTF-8 text") from e
-    checked = check_dockerfile(text, allowed)
+    checked = check_dockerfile(text, allowed, registries)
     return ContextInfo(members=count, unpacked_bytes=total, dockerfile=text, checked=checked)
 
 
-def extract_context(data: bytes, dest: Path,
-                    allowed: Sequence[AllowedBase] | None = None) -> ContextInfo:
+def extract_context(data: bytes, dest: Path, allowed: Sequence[AllowedBase] | None = None,
+                    registries: Sequence[str] | None = None) -> ContextInfo:
     """Unpack a context into the empty folder `dest`, checking every member again.
 
     Folders and files are written first, hard links are copied from files already written,
     and symbolic links are made last, so nothing is ever written through a link; then every
     link is resolved for real and the whole context is refused if one leads outside.
     """
-    info = inspect_context(data, allowed)
+    info = inspect_context(data, allowed, registries)
     dest.mkdir(parents=True, exist_ok=True)
     root = dest.resolve()
     try:
@@ -129,10 +130,10 @@ def extract_context(data: bytes, dest: Path,
     return info
 
 
-def extract_context_file(archive: Path, dest: Path,
-                         allowed: Sequence[AllowedBase] | None = None) -> ContextInfo:
+def extract_context_file(archive: Path, dest: Path, allowed: Sequence[AllowedBase] | None = None,
+                         registries: Sequence[str] | None = None) -> ContextInfo:
     """extract_context of a downloaded tarball: what the agent runs in a confined child."""
-    return extract_context(archive.read_bytes(), dest, allowed)
+    return extract_context(archive.read_bytes(), dest, allowed, registries)
 
 
 def extract_checkpoint(archive: Path, dest: Path) -> int:

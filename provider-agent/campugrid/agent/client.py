@@ -434,4 +434,6 @@ def lease_from_pb(r: pb.LeaseReply) -> m.Lease:
         resume=(m.Resume(r.resume.epoch, r.resume.url, r.resume.size, r.resume.sha256)
                 if r.HasField("resume") else None),
         gpu_uuids=tuple(r.gpu_uuids), gpu_memory_mb=r.gpu_memory_mb,
-        shard=shard_from_pb(r.shard) if r.HasField("shard") else None)
+        shard=shard_from_pb(r.shard) if r.HasField("shard") else None,
+        bases=tuple(m.BaseImage(b.ref, b.digest, tuple(m.Source(s.address, s.insecure, s.token)
+                                                        for s in b.sources)) for b in r.bases))

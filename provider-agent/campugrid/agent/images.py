@@ -13,6 +13,7 @@ coordinator has no registry, every image is built here, as before.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -20,7 +21,7 @@ import subprocess
 import tarfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -124,20 +125,25 @@ class ImageCache:
             self._save(index)
         return gone
 
-    def pull(self, registry: str, repository: str, digest: str, token: str, *, work: Path,
-             limit_bytes: int, cancel: threading.Event | None) -> str:
+    def pull(self, registry: str, repository: str, digest: str, token: str | None, *,
+             work: Path, limit_bytes: int, cancel: threading.Event | None,
+             insecure: bool | None = None, log: LogFn | None = None) -> str:
         """Pull an image by digest, held to `limit_bytes` unpacked: its blobs land in a folder
         under `work` first (skopeo checks each against its digest), each layer is counted as
-        it would unpack, and only an image within the limit goes into the store. Raises
+        it would unpack, and only an image within the limit goes into the store. `token`: the
+        coordinator's, for its registry (None: anonymous); `insecure`: plain HTTP (default:
+        for a loopback address); `log` hears how much has come, every few seconds. Raises
         SandboxError for anything else."""
         image = self.name(digest)
         staged = work / "pulled"
         shutil.rmtree(staged, ignore_errors=True)
+        plain = _loopback(registry) if insecure is None else insecure
         try:
-            self._copy(["--src-registry-token", token,
-                        *(["--src-tls-verify=false"] if _loopback(registry) else []),
-                        f"docker://{registry}/{repository}@{digest}", f"dir:{staged}"],
-                       f"pulling {repository}@{digest}", cancel)
+            with _progress(staged, log):
+                self._copy([*(["--src-registry-token", token] if token else ["--src-no-creds"]),
+                            *(["--src-tls-verify=false"] if plain else []),
+                            f"docker://{registry}/{repository}@{digest}", f"dir:{staged}"],
+                           f"pulling {repository}@{digest}", cancel)
             unpacked_bytes(staged, limit_bytes)
             self._copy([f"dir:{staged}", f"containers-storage:{image}"],
                        f"storing {repository}@{digest}", cancel)
@@ -196,6 +202,33 @@ class ImageCache:
         return gone
 
 
+@contextlib.contextmanager
+def _progress(folder: Path, log: LogFn | None, every_s: float = 5.0) -> Iterator[None]:
+    """While the block runs, tell `log` every `every_s` seconds how much is in `folder`."""
+    if log is None:
+        yield
+        return
+    done = threading.Event()
+    began = time.monotonic()
+
+    def report() -> None:
+        while not done.wait(every_s):
+            size = 0
+            for f in folder.glob("*"):  # skopeo writes and renames as this reads
+                with contextlib.suppress(OSError):
+                    size += f.stat().st_size
+            log(f"[campugrid] pulled {size / 1024**2:.0f} MB in "
+                f"{time.monotonic() - began:.0f} s")
+
+    reporter = threading.Thread(target=report, daemon=True)
+    reporter.start()
+    try:
+        yield
+    finally:
+        done.set()
+        reporter.join()
+
+
 def unpacked_bytes(staged: Path, limit: int) -> int:
     """What the image skopeo copied into `staged` (its `dir:` layout) takes once unpacked:
     every layer's files, each counted with its tar header (so a million empty files count
@@ -214,8 +247,7 @@ def unpacked_bytes(staged: Path, limit: int) -> int:
                 for member in tar:
                     total += member.size + tarfile.BLOCKSIZE
                     if total > limit:
-                        raise SandboxError(f"it unpacks to more than {limit // 1024**2} MB, "
-                                           "the bases and resources.disk_mb")
+                        raise SandboxError(f"it unpacks to more than {limit // 1024**2} MB")
         except (OSError, tarfile.TarError, EOFError) as e:  # tarfile wraps the codecs
             raise SandboxError(f"a layer of the pulled image cannot be read ({e})") from e
     return total

@@ -71,6 +71,23 @@ class Resume:
 
 
 @dataclasses.dataclass(frozen=True)
+class BaseImage:
+    """A FROM on a registry, resolved at submit: pull `digest` from the first of `sources`
+    that has it."""
+
+    ref: str  # registry/repository:tag, as protocol.dockerfiles normalizes the FROM
+    digest: str
+    sources: tuple[Source, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    address: str  # host[:port]
+    insecure: bool = False  # plain HTTP
+    token: str = ""  # a mirror's pull token; empty: anonymous
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardTask:
     index: int
     payload_json: str = ""
@@ -93,6 +110,7 @@ class Lease:
     gpu_uuids: tuple[str, ...] = ()  # reserved for this attempt: map only these
     gpu_memory_mb: int = 0  # reserved on each of them
     shard: ShardTask | None = None
+    bases: tuple[BaseImage, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

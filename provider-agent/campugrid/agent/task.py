@@ -27,6 +27,7 @@ import grpc
 import httpx
 
 from campugrid import hooks
+from campugrid.agent import bases as remote_bases
 from campugrid.agent import checkpoints, gpus, images
 from campugrid.agent.client import CoordinatorApi
 from campugrid.agent.gpus import GpuPolicy
@@ -80,6 +81,7 @@ class Task:
         # What a build here is tagged; the image that runs may be a cached or pulled one.
         self.tag = f"{job_image_prefix(sandbox.scope)}{lease.job_id}:{lease.fencing_token}"
         self.image = self.tag
+        self.held: set[str] = set()  # pulled base images this task uses
         self.stop = threading.Event()  # stop building/running now
         self.lost = threading.Event()  # the lease is gone: report nothing
         self.draining = False
@@ -186,7 +188,7 @@ class Task:
             self.renewer.stop()
             self.sandbox.remove_image(self.tag)  # a cached copy stays under its digest
             if self.cache is not None:
-                self.cache.in_use.discard(self.image)
+                self.cache.in_use.difference_update({self.image, *self.held})
             shutil.rmtree(self.work, ignore_errors=True)  # the agent's sweep catches the rest
             if self.files != self.work:
                 shutil.rmtree(self.files, ignore_errors=True)
@@ -206,7 +208,8 @@ class Task:
             size_mb = archive.stat().st_size // 1024**2
             try:
                 info = confine.call(extract_context_file, archive, context_dir.resolve(),
-                                    allowed_bases(), writable=[context_dir.resolve()],
+                                    allowed_bases(), remote_bases.registries(lease.bases),
+                                    writable=[context_dir.resolve()],
                                     limits=confine.Limits(memory_mb=2 * size_mb + 256, cpu_s=120,
                                                           fsize_mb=2048, nofile=256, wall_s=300))
             except confine.ConfinementError as e:  # the job's bytes stopped the unpacker
@@ -229,6 +232,15 @@ class Task:
                                          f"is unusable ({why}); starting from scratch")
         build_log = self.shipper.for_stream("build")
         began = time.monotonic()
+        try:
+            dockerfile, uses = remote_bases.prepare(
+                info.checked.bases, lease.bases, self.cache, context_dir / "Dockerfile", work,
+                log=build_log, stop=self.stop)
+        except BuildFailed as e:
+            return Outcome(succeeded=False, exit_code=-1, reason=e.reason)
+        # The pulled bases stay in use (not evicted from the cache) until the task ends.
+        self.held = {new.allowed.name for new, old in zip(uses, info.checked.bases, strict=True)
+                     if old.remote}
 
         def build() -> None:
             build_log(f"[campugrid] building with {self.builder.name}, RUN steps under gVisor, "
@@ -237,11 +249,11 @@ class Task:
                                timeout_s=min(BUILD_TIMEOUT_S, spec.resources.wall_time_s),
                                cancel=self.stop, memory_mb=spec.resources.memory_mb,
                                cpus=spec.resources.cpus, disk_mb=spec.resources.disk_mb,
-                               bases=info.checked.bases)
+                               bases=uses, dockerfile=dockerfile)
 
         try:
             self.image = images.obtain(self.client, lease, self.builder, self.cache,
-                                       bases=info.checked.bases, tag=self.tag, work=work,
+                                       bases=uses, tag=self.tag, work=work,
                                        log=build_log, stop=self.stop, build=build,
                                        disk_mb=spec.resources.disk_mb)
         except BuildFailed as e:

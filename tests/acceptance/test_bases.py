@@ -1,0 +1,103 @@
+"""A researcher's `FROM python:3.11-slim`, end to end: the platform's pull-through mirror of
+Docker Hub (here a stand-in: an open registry holding a locally made python image under the
+Hub's name, as no public registry is reachable from these machines), the tag resolved to a
+digest at submit, the agent pulling that digest through the mirror, the build offline."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from campugrid.cli.platform import Platform, ProviderUser
+from campugrid.cli.seaweed import free_port
+from campugrid.client import ApiError, tar_folder
+from campugrid.protocol.spec import JobSpec
+from tests.support.oci import OpenRegistry
+
+pytestmark = pytest.mark.acceptance
+APP = """import json, socket, sys
+s = socket.socket(); s.settimeout(2)
+print(json.dumps({"python": sys.version.split()[0], "built": open("/net.txt").read().strip(),
+                  "run_net": s.connect_ex(("1.1.1.1", 443))}))
+"""
+
+
+@pytest.fixture(scope="module")
+def hubbed() -> Iterator[tuple[Platform, OpenRegistry, str]]:
+    """The platform as `campugrid up` starts it, its Docker Hub mirror caching a stand-in Hub
+    that holds `python:3.11-slim`; one agent."""
+    root = Path(tempfile.mkdtemp(prefix="campugrid-bases-"))
+    os.chmod(root, 0o711)
+    hub = OpenRegistry(root / "hub")
+    provider = ProviderUser.resolve()
+    digest = hub.push("containers-storage:localhost/campugrid/python:bookworm",
+                      "library/python:3.11-slim", as_user=provider.command([]))
+    p = Platform(root / "state", http_port=free_port(), lease_seconds=4.0,
+                 admin_identity=root / "admin.json", hub_upstream=f"http://{hub.address}")
+    try:
+        p.start()
+        p.start_agent("bases-agent")
+        yield p, hub, digest
+    finally:
+        p.stop()
+        hub.stop()
+        log = root / "state" / "agents" / "bases-agent.log"
+        if log.exists():
+            print("--- agent log (tail) ---\n" + "\n".join(log.read_text().splitlines()[-30:]))
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_from_python_slim_builds_through_the_mirror_with_no_network(hubbed, tmp_path):
+    platform, _, digest = hubbed
+    (tmp_path / "app.py").write_text(APP)
+    (tmp_path / "Dockerfile").write_text(
+        "FROM python:3.11-slim\n"
+        "COPY app.py /app/app.py\n"
+        "RUN python3 -c \"import socket; s = socket.socket(); s.settimeout(2); "
+        "print(s.connect_ex(('1.1.1.1', 443)))\" > /net.txt\n"
+        'CMD ["python3", "/app/app.py"]\n')
+    with platform.api() as api:
+        job = api.submit(tar_folder(tmp_path), JobSpec())
+        assert job["bases"] == {"docker.io/library/python:3.11-slim": digest}  # at submit
+        final = api.wait(job["id"], timeout_s=240)
+        assert final["state"] == "succeeded", final
+        result = json.loads(final["result"])
+        assert result["python"].startswith("3.11")
+        assert int(result["built"]) != 0 and result["run_net"] != 0  # no network, either time
+        build = "".join(c["text"] for c in api.logs(job["id"])["chunks"] if c["stream"] == "build")
+        assert platform.mirror is not None
+        assert (f"pulling base docker.io/library/python:3.11-slim ({digest}) from "
+                f"{platform.mirror.address}") in build
+        assert "pulled base docker.io/library/python:3.11-slim in" in build
+        out = subprocess.run([sys.executable, "-m", "campugrid.cli", "status", job["id"],
+                              "--server", platform.url], capture_output=True, text=True,
+                             env=platform.cli_env(), timeout=60)
+        assert f"base     docker.io/library/python:3.11-slim@{digest}" in out.stdout, out
+        # The next job of that base finds it on the machine.
+        again = api.wait(api.submit(tar_folder(tmp_path), JobSpec.from_dict(
+            {"env": {"AGAIN": "1"}}))["id"], timeout_s=240)
+        assert again["state"] == "succeeded", again
+        build = "".join(c["text"] for c in api.logs(again["id"])["chunks"]
+                        if c["stream"] == "build")
+        assert f"base docker.io/library/python:3.11-slim ({digest}) is already on this " \
+               "machine" in build
+
+
+def test_a_base_that_cannot_be_resolved_is_refused_at_submit(hubbed, tmp_path):
+    platform, _, _ = hubbed
+    (tmp_path / "Dockerfile").write_text("FROM python:0.0-none\nRUN true\n")
+    with platform.api() as api:
+        before = len(api.jobs())
+        with pytest.raises(ApiError) as err:
+            api.submit(tar_folder(tmp_path), JobSpec())
+        assert err.value.status == 422
+        assert "FROM docker.io/library/python:0.0-none: cannot be resolved" in err.value.detail
+        assert len(api.jobs()) == before  # nothing stored
