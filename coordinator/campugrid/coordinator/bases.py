@@ -105,7 +105,11 @@ class BaseResolver:
                 errors.append(f"{source.address}: {e}")
                 continue
             with self._lock:
-                self._known[key] = (time.monotonic(), digest)
+                now = time.monotonic()
+                if len(self._known) > 1000:  # only the last minute's are worth keeping
+                    self._known = {k: v for k, v in self._known.items()
+                                   if now - v[0] < REMEMBER_S}
+                self._known[key] = (now, digest)
             return digest
         raise InvalidInput(f"Dockerfile line {use.line}: FROM {use.allowed.name}: cannot be "
                            f"resolved to a digest ({'; '.join(errors)})"[:2000])
