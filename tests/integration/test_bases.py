@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from campugrid.agent.images import ImageCache
+from campugrid.cli.platform import _answers
 from campugrid.cli.registry import EmbeddedRegistry
+from campugrid.cli.seaweed import free_port
 from campugrid.coordinator.bases import BaseResolver, Source, parse_mirrors
 from campugrid.coordinator.registry import RegistryTokens, ensure_signing_key
 from campugrid.protocol.dockerfiles import BaseUse, check_dockerfile
-from campugrid.protocol.errors import InvalidInput, SandboxError
+from campugrid.protocol.errors import InvalidInput, SandboxError, StorageError
 from tests.support.oci import OpenRegistry, oci_image
 
 pytestmark = pytest.mark.integration
@@ -135,3 +138,15 @@ def test_a_pull_too_big_to_unpack_here_is_refused(hub, mirror, tmp_path):
                    tokens.mint("machine:m1", "library/zeros", ("pull",)), work=tmp_path,
                    limit_bytes=8 * 1024**2, cancel=None, insecure=True)
     assert cache.lookup(digest) is None and not Path(tmp_path / "pulled").exists()
+
+
+def test_up_starts_its_hub_mirror_only_where_the_upstream_answers(hub):
+    """docker-registry in proxy mode dies at start when its upstream does not answer (these
+    machines reach no Docker Hub): `up` asks first, briefly, and goes on without a mirror."""
+    _answers(f"http://{hub.address}")
+    began = time.monotonic()
+    with pytest.raises(StorageError):
+        _answers(f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(StorageError):
+        _answers("https://registry.invalid")
+    assert time.monotonic() - began < 7

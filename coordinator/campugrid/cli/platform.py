@@ -26,6 +26,8 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
+
 from campugrid.cli.registry import EmbeddedRegistry
 from campugrid.cli.seaweed import EmbeddedS3, end_processes, free_port, guard_group
 from campugrid.client import Api, Identity
@@ -50,6 +52,26 @@ def default_state_dir() -> Path:
     if os.geteuid() == 0:
         return Path("/var/lib/campugrid")
     return Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local/share")) / "campugrid"
+
+
+def _answers(url: str, timeout_s: float = 3.0) -> None:
+    """StorageError unless the registry at `url` answers within `timeout_s`, name lookup
+    included (which no HTTP timeout covers): the mirror's registry would wait on it, then
+    die."""
+    outcome: list[BaseException | None] = []
+
+    def ask() -> None:
+        try:
+            httpx.get(f"{url.rstrip('/')}/v2/", timeout=timeout_s)
+            outcome.append(None)
+        except httpx.HTTPError as e:
+            outcome.append(e)
+
+    asker = threading.Thread(target=ask, daemon=True)
+    asker.start()
+    asker.join(timeout_s)
+    if not outcome or outcome[0] is not None:
+        raise StorageError(str(outcome[0]) if outcome else f"no answer in {timeout_s:.0f} s")
 
 
 def _agent_pid(pid: int) -> int:
@@ -229,6 +251,7 @@ class Platform:
             # many machines fetches each layer from the internet once.
             upstream = self.hub_upstream or os.environ.get(HUB_ENV, HUB)
             try:
+                _answers(upstream)
                 self.mirror = EmbeddedRegistry(self.state_dir / "mirror", cert,
                                                proxy=upstream).start()
                 settings = dataclasses.replace(settings, registry_mirrors=(
