@@ -33,10 +33,10 @@ from campugrid.sandbox.podman_runsc import runtime_dir
 from campugrid.sandbox.process import LogFn, run_streaming
 
 WRAPPER = Path(__file__).with_name("runsc-build-runtime")
+PULLED_PREFIX = "localhost/campugrid-cache/"  # agent/images.py's cache names
 
 # $1 store folder, $2 its size in MB, $3 the allowed-bases store, $4 the provider's store
 # ("graphroot+runroot"), $5 the tag; the rest is `buildah bud`'s arguments.
-PULLED_PREFIX = "localhost/campugrid-cache/"  # agent/images.py's cache names
 _SCRIPT = """
 set -e
 w=$1 size=$2 bases=$3 main=$4 tag=$5
@@ -193,7 +193,6 @@ class BuildahBuilder:
         if want and digest != want:
             raise BuildFailed(f"Dockerfile line {use.line}: base image {use.allowed.name} here is "
                               f"{digest or 'unknown'}, not the pinned {want}", "")
-
 
     def _drop_evicted(self) -> None:
         """Pulled bases (agent/images.py's cache names) copied into the bases store stay

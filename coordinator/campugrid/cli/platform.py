@@ -259,7 +259,6 @@ class Platform:
             except StorageError as e:  # the registry will not start without its upstream
                 log.warning("no Docker Hub mirror: %s cannot be reached (%s); FROMs on Docker "
                             "Hub are resolved and pulled from it directly", upstream, e)
-                self.mirror = None
         self.running = server.start(settings)
         if self.registry is not None:
             threading.Thread(target=self._collect_registry, daemon=True,

@@ -334,8 +334,8 @@ class EmbeddedS3:
             "-master.volumeSizeLimitMB=256", "-volume.max=0", "-metricsPort=0",
             # One master: no need to wait 10 s for an election on a restart.
             "-master.electionTimeout=2s", "-master.telemetry=false",
-            # One volume server: nobody to hand writes to before it stops, so SIGTERM stops
-            # it cleanly at once (the default waits 10 s, past our stop's SIGKILL at 5 s).
+            # One volume server: nobody to hand writes to before it stops, so no 10 s wait
+            # for that on SIGTERM.
             "-volume.preStopSeconds=0",
             "-s3.port.iceberg=0", "-s3.port.lance=0", "-webdav=false", "-iam=false",
             *(f"-{k}={v}" for k, v in self.ports.items()),

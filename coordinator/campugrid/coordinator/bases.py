@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from campugrid.coordinator.registry import RegistryTokens
+from campugrid.coordinator.registry import RegistryTokens, is_loopback
 from campugrid.protocol.dockerfiles import BaseUse, parse_image_ref
 from campugrid.protocol.errors import InvalidInput
 
@@ -54,11 +54,9 @@ def parse_mirrors(text: str) -> tuple[tuple[str, Source], ...]:
         registry, eq, url = word.partition("=")
         scheme, sep, address = url.partition("://")
         address = address.rstrip("/")
-        host = address.rsplit(":", 1)[0].strip("[]")
         if not eq or not sep or scheme not in ("http", "https") or not address or "/" in address:
             raise ValueError(f"{MIRRORS_ENV}: {word!r}: give REGISTRY=https://HOST[:PORT]")
-        if scheme == "http" and not (host == "localhost" or host.startswith("127.")
-                                     or host == "::1"):
+        if scheme == "http" and not is_loopback(address):
             raise ValueError(f"{MIRRORS_ENV}: {word!r}: plain http only on a loopback address")
         out.append((registry.lower(), Source(address, insecure=scheme == "http", mirror=True)))
     return tuple(out)
