@@ -391,6 +391,89 @@ def test_a_pull_is_held_to_its_size_unpacked_and_lands_only_within_it(registry, 
         cache.ops.remove_image(cache.name(fine))
 
 
+def test_layers_the_store_holds_are_neither_fetched_nor_counted_and_a_wrong_guess_costs_a_retry(
+        registry, tmp_path):
+    """A machine that has an image's base pulls only the layers above it: the base's blob is
+    not downloaded, nor counted against the limit (it takes no new space). Which blobs the
+    store holds comes from the store's own records; where a guess is wrong (here a record of
+    a push that never was), the store does not reuse, and the pull is made again in full."""
+    reg, tokens = registry
+    repo = repository("d" * 64)
+    token = tokens.mint("machine:m1", repo, ("push", "pull"))
+    base_files = {"base.bin": os.urandom(8 * 1024**2)}
+    base = push(reg, oci_image(tmp_path / "base", [base_files], gzipped=True), repo, token,
+                tmp_path)
+    job = push(reg, oci_image(tmp_path / "job", [base_files, {"w": os.urandom(1024**2)}],
+                              gzipped=True), repo, token, tmp_path)
+    cache = ImageCache(tmp_path, f"t-{os.urandom(3).hex()}")
+    pulled = []
+    try:
+        with pytest.raises(SandboxError, match="unpacks to more than 4 MB"):  # 8 MB, none held
+            cache.pull(reg.address, repo, job, token, work=tmp_path, limit_bytes=4 * 1024**2,
+                       cancel=None)
+        pulled.append(cache.pull(reg.address, repo, base, token, work=tmp_path,
+                                 limit_bytes=16 * 1024**2, cancel=None))
+        base_blob = json.loads(skopeo_inspect(reg, repo, base, token))["layers"][0]["digest"]
+        assert base_blob in cache.held_layers()
+        pulled.append(cache.pull(reg.address, repo, job, token, work=tmp_path,
+                                 limit_bytes=4 * 1024**2, cancel=None))  # 1 MB new
+        assert (cache.ops.image_size(pulled[-1]) or 0) > 9 * 1024**2
+        # a wrong record: the store does not have this blob, though the record says so
+        other = push(reg, oci_image(tmp_path / "other", [{"x": os.urandom(1024**2)}],
+                                    gzipped=True), repo, token, tmp_path)
+        other_blob = json.loads(skopeo_inspect(reg, repo, other, token))["layers"][0]["digest"]
+        held_diff = next(d for d in cache.held_layers() if d != base_blob)
+        cache.blobs_file.write_text(json.dumps({other_blob: held_diff}))
+        assert other_blob in cache.held_layers()
+        lines: list[str] = []
+        pulled.append(cache.pull(reg.address, repo, other, token, work=tmp_path,
+                                 limit_bytes=4 * 1024**2, cancel=None, log=lines.append))
+        assert any("pulling them in full" in line for line in lines), lines
+        assert (cache.ops.image_size(pulled[-1]) or 0) >= 1024**2
+    finally:
+        for image in pulled:
+            cache.ops.remove_image(image)
+
+
+def test_a_machine_knows_the_blobs_it_pushed_and_pulls_its_own_build_without_its_base(
+        registry, tmp_path):
+    """A push compresses this machine's layers into blobs its store has no record of: the
+    cache notes which blob holds which of its layers, so that pulling its own build back
+    (after the cache let it go) fetches only what the store no longer has."""
+    reg, tokens = registry
+    repo = repository("c" * 64)
+    token = tokens.mint("machine:m1", repo, ("push", "pull"))
+    base_files = {"base.bin": os.urandom(8 * 1024**2)}
+    mark = os.urandom(3).hex()
+    base, built = f"localhost/t-{mark}/base:1", f"localhost/t-{mark}/built:1"
+    cache = ImageCache(tmp_path, f"t-{mark}")
+    names = [base, built]
+    try:  # as a build here leaves them: uncompressed layers, the base under its own name
+        assert skopeo(oci_image(tmp_path / "base", [base_files]), f"containers-storage:{base}"
+                      ).returncode == 0
+        assert skopeo(oci_image(tmp_path / "job", [base_files, {"w": os.urandom(1024**2)}]),
+                      f"containers-storage:{built}").returncode == 0
+        digest = cache.push(built, reg.address, repo, "m1", token, tmp_path, cancel=None)
+        names.append(cache.name(digest))
+        blobs = [layer["digest"] for layer in
+                 json.loads(skopeo_inspect(reg, repo, digest, token))["layers"]]
+        assert blobs[0] in cache.held_layers()  # a gzip blob the store never saw
+        for name in names[1:]:
+            cache.ops.remove_image(name)
+        got = cache.pull(reg.address, repo, digest, token, work=tmp_path,
+                         limit_bytes=4 * 1024**2, cancel=None)  # 1 MB new; the base is here
+        assert got == cache.name(digest) and (cache.ops.image_size(got) or 0) > 9 * 1024**2
+    finally:
+        for name in names:
+            cache.ops.remove_image(name)
+
+
+def skopeo_inspect(registry: EmbeddedRegistry, repo: str, digest: str, token: str) -> str:
+    return subprocess.run(["skopeo", "inspect", "--raw", "--tls-verify=false", "--registry-token",
+                           token, f"docker://{registry.address}/{repo}@{digest}"],
+                          capture_output=True, text=True, timeout=60, check=True).stdout
+
+
 def test_shard_sessions_build_and_pull_under_their_own_tokens(store: Store):
     """A sharded job's machines ask with their sessions' tokens (far past 32 bits): the
     history records each under its session, as the sessions' own events are."""

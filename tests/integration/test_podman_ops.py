@@ -18,7 +18,7 @@ from tests.support.runtimes import REPO
 pytestmark = pytest.mark.integration
 
 SCRIPT = r"""
-import json, subprocess, sys, time
+import json, os, subprocess, sys, time
 sys.path.insert(0, sys.argv[2])
 from pathlib import Path
 from campugrid.sandbox import podman_ops
@@ -65,7 +65,16 @@ try:
     out["labelled_after"] = ops.labelled("campugrid.agent", f"ops-{mark}")
     # what is not there: no error, no answer
     ops.remove("ops-no-such"); ops.kill("ops-no-such", "TERM"); ops.remove_image("localhost/no/such:x")
-    out["absent"] = [ops.state("ops-no-such"), ops.image_size("localhost/no/such:x")]
+    out["absent"] = [ops.state("ops-no-such"), ops.image_size("localhost/no/such:x"),
+                     ops.image_layers("localhost/no/such:x")]
+    want = json.loads(subprocess.run(["podman", "image", "inspect", image], capture_output=True,
+                                     text=True, check=True).stdout)[0]["RootFS"]["Layers"]
+    out["layers"] = ops.image_layers(image) == want and len(want) > 0
+    index = ops.layer_index()
+    store = json.loads(index[0].read_text())
+    out["layer_index"] = [str(p.parent) for p in index] == [
+        os.path.expanduser("~/.local/share/containers/storage/overlay-layers")] * 2 \
+        and want[0] in {layer.get("diff-digest") for layer in store}
     # images: names, sizes, tags, and removing one name of two
     a, b = f"localhost/ops-{mark}/img:a", f"localhost/ops-{mark}/img:b"
     ops.tag(image, a)
@@ -101,6 +110,7 @@ def test_both_paths_answer_alike(kind: str):
         "exit_code": 3, "started_within_run": True, "never_started": False,
         "running": True, "conmon": True, "labelled": True, "labelled_other": [],
         "running_after_term": False, "gone": [None, None, None], "labelled_after": [],
-        "absent": [None, None], "sizes_equal": True, "listed": True,
+        "absent": [None, None, None], "layers": True, "layer_index": True,
+        "sizes_equal": True, "listed": True,
         "after_one_name": [None, True, True], "after_both": [], "base_kept": True,
     }

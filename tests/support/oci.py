@@ -26,31 +26,34 @@ def _blob(layout: Path, data: bytes) -> str:
     return f"sha256:{digest}"
 
 
-def oci_image(layout: Path, files: dict[str, bytes], tag: str = "latest", *,
-              gzipped: bool = False) -> str:
-    """An image of one layer holding `files`, at `layout` (reproducible: same files, same
-    digests), its layer gzipped or not; returns skopeo's reference to it."""
+def oci_image(layout: Path, files: dict[str, bytes] | list[dict[str, bytes]],
+              tag: str = "latest", *, gzipped: bool = False) -> str:
+    """An image of one layer holding `files` (or of a layer per dict, base first), at
+    `layout` (reproducible: same files, same digests), its layers gzipped or not; returns
+    skopeo's reference to it."""
     layout.mkdir(parents=True, exist_ok=True)
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name, data in sorted(files.items()):
-            info = tarfile.TarInfo(name)
-            info.size, info.mtime, info.mode = len(data), 0, 0o644
-            tar.addfile(info, io.BytesIO(data))
-    tar_bytes = buf.getvalue()
-    diff_id = f"sha256:{hashlib.sha256(tar_bytes).hexdigest()}"
-    layer = gzip.compress(tar_bytes, mtime=0) if gzipped else tar_bytes
-    layer_digest = _blob(layout, layer)
+    diff_ids, layers = [], []
+    for contents in files if isinstance(files, list) else [files]:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for name, data in sorted(contents.items()):
+                info = tarfile.TarInfo(name)
+                info.size, info.mtime, info.mode = len(data), 0, 0o644
+                tar.addfile(info, io.BytesIO(data))
+        tar_bytes = buf.getvalue()
+        diff_ids.append(f"sha256:{hashlib.sha256(tar_bytes).hexdigest()}")
+        layer = gzip.compress(tar_bytes, mtime=0) if gzipped else tar_bytes
+        layers.append({"mediaType": "application/vnd.oci.image.layer.v1.tar"
+                       + ("+gzip" if gzipped else ""),
+                       "digest": _blob(layout, layer), "size": len(layer)})
     config = json.dumps({"architecture": "amd64", "os": "linux",
                          "config": {"Cmd": ["/bin/true"]},
-                         "rootfs": {"type": "layers", "diff_ids": [diff_id]}}).encode()
+                         "rootfs": {"type": "layers", "diff_ids": diff_ids}}).encode()
     manifest = json.dumps({
         "schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
         "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
                    "digest": _blob(layout, config), "size": len(config)},
-        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar"
-                    + ("+gzip" if gzipped else ""),
-                    "digest": layer_digest, "size": len(layer)}]}).encode()
+        "layers": layers}).encode()
     (layout / "oci-layout").write_text(json.dumps({"imageLayoutVersion": "1.0.0"}))
     (layout / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [{
         "mediaType": "application/vnd.oci.image.manifest.v1+json",

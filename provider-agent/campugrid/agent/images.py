@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -55,11 +56,13 @@ class ImageCache:
     def __init__(self, state_dir: Path, scope: str, max_images: int = 8, max_mb: int = 20480,
                  ops: PodmanOps | None = None, skopeo: str = "skopeo") -> None:
         self.index_file = state_dir / "images.json"
+        self.blobs_file = state_dir / "pushed-blobs.json"  # see _remember
         self.scope, self.max_images, self.max_mb = scope or "agent", max_images, max_mb
         self.ops = ops or CliOps()  # the sandbox's, where it has one
         self.skopeo = shutil.which(skopeo)
         self._lock = threading.Lock()
         self.in_use: set[str] = set()
+        self._layer_index: list[Path] | None = None
 
     @property
     def available(self) -> bool:
@@ -128,33 +131,72 @@ class ImageCache:
     def pull(self, registry: str, repository: str, digest: str, token: str | None, *,
              work: Path, limit_bytes: int, cancel: threading.Event | None,
              insecure: bool | None = None, log: LogFn | None = None) -> str:
-        """Pull an image by digest, held to `limit_bytes` unpacked: its blobs land in a folder
-        under `work` first (skopeo checks each against its digest), each layer is counted as
-        it would unpack, and only an image within the limit goes into the store. `token`: the
-        coordinator's, for its registry (None: anonymous); `insecure`: plain HTTP (default:
-        for a loopback address); `log` hears how much has come, every few seconds. Raises
-        SandboxError for anything else."""
+        """Pull an image by digest, held to `limit_bytes` unpacked: its blobs land in an OCI
+        folder under `work` first (skopeo checks each against its digest), each layer is
+        counted as it would unpack, and only an image within the limit goes into the store.
+        Layers this machine's store already holds are neither downloaded nor counted (they
+        take no new space): they stand in the folder as empty files, which the store never
+        reads because it reuses its own layer of that digest; should it not, that copy fails
+        and the pull is made again in full. `token`: the coordinator's, for its registry
+        (None: anonymous); `insecure`: plain HTTP (default: for a loopback address); `log`
+        hears how much has come, every few seconds. Raises SandboxError for anything else."""
         image = self.name(digest)
         staged = work / "pulled"
-        shutil.rmtree(staged, ignore_errors=True)
         plain = _loopback(registry) if insecure is None else insecure
+        source = [*(["--src-registry-token", token] if token else ["--src-no-creds"]),
+                  *(["--src-tls-verify=false"] if plain else []),
+                  f"docker://{registry}/{repository}@{digest}"]
+        held = self.held_layers()
         try:
-            with _progress(staged, log):
-                self._copy([*(["--src-registry-token", token] if token else ["--src-no-creds"]),
-                            *(["--src-tls-verify=false"] if plain else []),
-                            f"docker://{registry}/{repository}@{digest}", f"dir:{staged}"],
-                           f"pulling {repository}@{digest}", cancel)
-            unpacked_bytes(staged, limit_bytes)
-            self._copy([f"dir:{staged}", f"containers-storage:{image}"],
-                       f"storing {repository}@{digest}", cancel)
+            for attempt in (held, set()):
+                shutil.rmtree(staged, ignore_errors=True)
+                blobs = staged / "blobs" / "sha256"
+                blobs.mkdir(parents=True)
+                for layer in attempt:
+                    (blobs / layer.removeprefix("sha256:")).touch()
+                with _progress(staged, log):
+                    self._copy([*source, f"oci:{staged}:pulled"],
+                               f"pulling {repository}@{digest}", cancel)
+                unpacked_bytes(staged, limit_bytes, skip=attempt)
+                try:
+                    self._copy([f"oci:{staged}:pulled", f"containers-storage:{image}"],
+                               f"storing {repository}@{digest}", cancel)
+                    break
+                except SandboxError:
+                    if not attempt or (cancel is not None and cancel.is_set()):
+                        raise
+                    if log is not None:
+                        log("[campugrid] the store did not reuse its own layers; pulling "
+                            "them in full")
         finally:
             shutil.rmtree(staged, ignore_errors=True)
         self.add(digest, image)
         return image
 
-    def download_bytes(self, registry: str, repository: str, digest: str, token: str) -> int:
-        """What pulling this manifest would download at most: its config and layers, as the
-        manifest states their (compressed) sizes. Raises SandboxError if it cannot tell."""
+    def held_layers(self) -> set[str]:
+        """The digests of the layers in this user's store, as the store recorded them when it
+        made each layer (of the blob it unpacked and of the unpacked content), and the blobs
+        this machine pushed of layers still there: the blobs a pull need not fetch. Read from
+        containers-storage's own layer index; empty if that cannot be read (then everything
+        is fetched)."""
+        try:
+            if self._layer_index is None:
+                self._layer_index = self.ops.layer_index()
+            held: set[str] = set()
+            for index in self._layer_index:
+                if index.exists():
+                    for layer in json.loads(index.read_text()):
+                        held.update(str(layer[k]) for k in ("compressed-diff-digest",
+                                                            "diff-digest") if layer.get(k))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("cannot read the store's layer index (%s); pulls fetch every layer", e)
+            return set()
+        return held | {b for b, d in self._blobs().items() if d in held}
+
+    def manifest(self, registry: str, repository: str, digest: str,
+                 token: str) -> dict[str, Any]:
+        """The image manifest stored under this digest (skopeo checks it against the digest).
+        Raises SandboxError if it cannot tell."""
         assert self.skopeo is not None
         try:
             out = subprocess.run(
@@ -163,10 +205,19 @@ class ImageCache:
                  f"docker://{registry}/{repository}@{digest}"],
                 capture_output=True, text=True, timeout=120, check=False)
             manifest = json.loads(out.stdout) if out.returncode == 0 else None
-            parts = [manifest["config"], *manifest["layers"]] if isinstance(manifest, dict) \
-                else None
-            return sum(int(p["size"]) for p in parts or [{"size": "x"}])
-        except (OSError, ValueError, KeyError, TypeError, subprocess.TimeoutExpired) as e:
+        except (OSError, ValueError, subprocess.TimeoutExpired) as e:
+            raise SandboxError(f"cannot read the manifest of {repository}@{digest}") from e
+        if not isinstance(manifest, dict):
+            raise SandboxError(f"cannot read the manifest of {repository}@{digest}")
+        return manifest
+
+    def download_bytes(self, registry: str, repository: str, digest: str, token: str) -> int:
+        """What pulling this manifest would download at most: its config and layers, as the
+        manifest states their (compressed) sizes. Raises SandboxError if it cannot tell."""
+        manifest = self.manifest(registry, repository, digest, token)
+        try:
+            return sum(int(p["size"]) for p in [manifest["config"], *manifest["layers"]])
+        except (ValueError, KeyError, TypeError) as e:
             raise SandboxError(f"cannot read the manifest of {repository}@{digest}") from e
 
     def push(self, image: str, registry: str, repository: str, tag: str, token: str,
@@ -181,7 +232,33 @@ class ImageCache:
         # Kept under its digest too, for this machine's later tasks of the same build.
         self.ops.tag(image, self.name(digest))
         self.add(digest, self.name(digest))
+        with contextlib.suppress(SandboxError):
+            self._remember(self.manifest(registry, repository, digest, token), image)
         return digest
+
+    def _remember(self, pushed: dict[str, Any], image: str) -> None:
+        """Note which compressed blob of a push holds which of our own layers, so that a
+        later pull of an image with that blob knows the store has it. Only for images built
+        here: their layer list was written by our builder, not by a job or another machine."""
+        diff_ids = self.ops.image_layers(image) or []
+        blobs = [str(layer.get("digest")) for layer in pushed.get("layers") or []
+                 if isinstance(layer, dict)]
+        if len(blobs) != len(diff_ids):
+            return
+        held = self.held_layers()
+        with self._lock:
+            known = {b: d for b, d in self._blobs().items() if d in held}
+            known.update(zip(blobs, diff_ids, strict=True))
+            tmp = self.blobs_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(known))
+            tmp.replace(self.blobs_file)
+
+    def _blobs(self) -> dict[str, str]:
+        try:
+            data = json.loads(self.blobs_file.read_text())
+        except (OSError, ValueError):
+            return {}
+        return {str(b): str(d) for b, d in data.items()} if isinstance(data, dict) else {}
 
     def _copy(self, args: list[str], what: str, cancel: threading.Event | None) -> None:
         assert self.skopeo is not None
@@ -214,7 +291,7 @@ def _progress(folder: Path, log: LogFn | None, every_s: float = 5.0) -> Iterator
     def report() -> None:
         while not done.wait(every_s):
             size = 0
-            for f in folder.glob("*"):  # skopeo writes and renames as this reads
+            for f in folder.rglob("*"):  # skopeo writes and renames as this reads
                 with contextlib.suppress(OSError):
                     size += f.stat().st_size
             log(f"[campugrid] pulled {size / 1024**2:.0f} MB in "
@@ -229,21 +306,27 @@ def _progress(folder: Path, log: LogFn | None, every_s: float = 5.0) -> Iterator
         reporter.join()
 
 
-def unpacked_bytes(staged: Path, limit: int) -> int:
-    """What the image skopeo copied into `staged` (its `dir:` layout) takes once unpacked:
-    every layer's files, each counted with its tar header (so a million empty files count
-    too), read through its compression (told by its first bytes: gzip, bzip2, xz or none).
-    Raises SandboxError as soon as the total passes `limit`, or for a layer that cannot be
-    read this way (zstd among them: our agents push gzip)."""
+def unpacked_bytes(staged: Path, limit: int, skip: set[str] | frozenset[str] = frozenset()) -> int:
+    """What the image skopeo copied into `staged` (an OCI layout of one image) takes once
+    unpacked: every layer's files but those in `skip`, each counted with its tar header (so
+    a million empty files count too), read through its compression (told by its first bytes:
+    gzip, bzip2, xz or none). Raises SandboxError as soon as the total passes `limit`, or for
+    a layer that cannot be read this way (zstd among them: our agents push gzip)."""
+    blobs = staged / "blobs" / "sha256"
     try:
-        layers = json.loads((staged / "manifest.json").read_text())["layers"]
-        blobs = [staged / str(layer["digest"]).removeprefix("sha256:") for layer in layers]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        index = json.loads((staged / "index.json").read_text())
+        manifest = json.loads((blobs / index["manifests"][0]["digest"].removeprefix(
+            "sha256:")).read_text())
+        layers = [str(layer["digest"]) for layer in manifest["layers"]]
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
         raise SandboxError("the pulled image has no readable manifest") from e
     total = 0
-    for blob in blobs:
+    for layer in layers:
+        if layer in skip:
+            continue
         try:
-            with blob.open("rb") as raw, tarfile.open(fileobj=raw, mode="r|*") as tar:
+            with (blobs / layer.removeprefix("sha256:")).open("rb") as raw, \
+                    tarfile.open(fileobj=raw, mode="r|*") as tar:
                 for member in tar:
                     total += member.size + tarfile.BLOCKSIZE
                     if total > limit:

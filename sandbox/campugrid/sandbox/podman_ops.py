@@ -1,5 +1,5 @@
 """What the agent asks of its own Podman besides starting sandboxes: inspect, signal, remove
-and list containers (by label), and list, inspect, tag and remove images.
+and list containers (by label), and list, inspect (size, layers), tag and remove images.
 
 Two implementations with one contract (tests/integration/test_podman_ops.py runs the same
 cases through both):
@@ -55,6 +55,16 @@ class PodmanOps(Protocol):
 
     def image_size(self, ref: str) -> int | None:
         """Bytes, None if there is no such image."""
+        ...
+
+    def image_layers(self, ref: str) -> list[str] | None:
+        """The image's layers as its configuration lists them (diff ids, base first), None if
+        there is no such image. Only as trustworthy as whoever wrote that configuration."""
+        ...
+
+    def layer_index(self) -> list[Path]:
+        """containers-storage's own index of the layers in this user's store (the files that
+        may hold it), as `podman info` places the store."""
         ...
 
     def tag(self, ref: str, new: str) -> None: ...
@@ -119,6 +129,19 @@ class CliOps:
         out = self._run("image", "inspect", "--format", "{{.Size}}", ref)
         return int(out.stdout.strip()) if out.returncode == 0 and out.stdout.strip().isdigit() \
             else None
+
+    def image_layers(self, ref: str) -> list[str] | None:
+        out = self._run("image", "inspect", "--format", "{{json .RootFS.Layers}}", ref)
+        try:
+            got = json.loads(out.stdout) if out.returncode == 0 else None
+        except ValueError:
+            return None
+        return [str(d) for d in got] if isinstance(got, list) else None
+
+    def layer_index(self) -> list[Path]:
+        out = self._run("info", "--format", "{{.Store.GraphRoot}}\t{{.Store.GraphDriverName}}")
+        root, _, driver = out.stdout.strip().partition("\t")
+        return _layer_index(root, driver)
 
     def tag(self, ref: str, new: str) -> None:
         self._run("tag", ref, new)
@@ -213,6 +236,20 @@ class ApiOps:
         except ImageNotFound:
             return None
 
+    def image_layers(self, ref: str) -> list[str] | None:
+        from podman.errors import ImageNotFound
+
+        try:
+            got = (self.client.images.get(ref).attrs.get("RootFS") or {}).get("Layers")
+        except ImageNotFound:
+            return None
+        return [str(d) for d in got] if isinstance(got, list) else None
+
+    def layer_index(self) -> list[Path]:
+        store = self.client.info().get("store") or {}  # type: ignore[no-untyped-call]
+        return _layer_index(str(store.get("graphRoot") or ""),
+                            str(store.get("graphDriverName") or ""))
+
     def tag(self, ref: str, new: str) -> None:
         repo, _, tag = new.rpartition(":")
         self.client.images.get(ref).tag(repo, tag)
@@ -222,6 +259,13 @@ class ApiOps:
 
         with contextlib.suppress(ImageNotFound, APIError):
             self.client.images.remove(ref, force=True)
+
+
+def _layer_index(root: str, driver: str) -> list[Path]:
+    if not root.startswith("/") or not driver.isalnum():
+        raise OSError(f"Podman names no store ({root!r}, {driver!r})")
+    folder = Path(root) / f"{driver}-layers"
+    return [folder / "layers.json", folder / "volatile-layers.json"]
 
 
 def connect(runtime_dir: Path, podman: str = "podman") -> PodmanOps:
