@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
 
+from campugrid.agent.wheels import IN_BUILD
 from tests.support.provider import buildah_build, run_as_provider, sandbox_run
 
 pytestmark = pytest.mark.integration
@@ -52,6 +55,42 @@ def test_run_steps_execute_in_gvisor_without_network(provider, shared_tmp):
         run = sandbox_run(provider, name="t-built", image=tag, command=None,
                           output_dir=str(out))
         assert run["exit_code"] == 0 and run["lines"] == ["42"]
+    finally:
+        remove_image(provider, tag)
+
+
+def test_run_steps_read_a_volume_that_leaves_no_trace_in_the_image(provider, shared_tmp):
+    """How RUN steps see the wheels fetched for them (agent/wheels.py): read-only, under
+    /dev. Buildah leaves a volume's mount point in the image, as an empty folder; under /dev,
+    which every runtime mounts afresh, no container of the image ever sees it."""
+    shelf = shared_tmp / "shelf"
+    shelf.mkdir()
+    (shelf / "pkg.txt").write_text("from-the-shelf\n")
+    if os.geteuid() == 0:
+        for p in (shelf, shelf / "pkg.txt"):
+            os.chown(p, provider.uid, provider.gid)
+    ctx = context(shared_tmp, provider,
+                  f"RUN cp {IN_BUILD}/pkg.txt /got && (touch {IN_BUILD}/x 2>/dev/null "
+                  "&& echo writable || echo read-only) > /mode\n")
+    tag = "localhost/campugrid-test/volume:1"
+    res = buildah_build(provider, ctx, tag, volumes=[(str(shelf), IN_BUILD)])
+    try:
+        assert res["ok"], res
+        layout = shared_tmp / "layout"
+        layout.mkdir()
+        os.chown(layout, provider.uid, provider.gid) if os.geteuid() == 0 else None
+        subprocess.run(provider.command(["skopeo", "copy", "--quiet",
+                                         f"containers-storage:{tag}", f"dir:{layout}"]),
+                       check=True, timeout=120)
+        manifest = json.loads((layout / "manifest.json").read_text())
+        with tarfile.open(layout / manifest["layers"][-1]["digest"].split(":")[1]) as top:
+            members = {m.name.lstrip("./"): m for m in top.getmembers()}
+            names = set(members)
+            got = {n: top.extractfile(n).read().decode().strip()  # type: ignore[union-attr]
+                   for n in ("got", "mode")}
+        assert got == {"got": "from-the-shelf", "mode": "read-only"}
+        assert names - {"dev", "run"} == {"got", "mode", IN_BUILD.lstrip("/")}, sorted(names)
+        assert members[IN_BUILD.lstrip("/")].isdir()  # empty: nothing below it
     finally:
         remove_image(provider, tag)
 

@@ -70,6 +70,9 @@ try:
     want = json.loads(subprocess.run(["podman", "image", "inspect", image], capture_output=True,
                                      text=True, check=True).stdout)[0]["RootFS"]["Layers"]
     out["layers"] = ops.image_layers(image) == want and len(want) > 0
+    env = json.loads(subprocess.run(["podman", "image", "inspect", image], capture_output=True,
+                                    text=True, check=True).stdout)[0]["Config"].get("Env") or []
+    out["env"] = [ops.image_env(image) == env, ops.image_env("localhost/no/such:x")]
     index = ops.layer_index()
     store = json.loads(index[0].read_text())
     out["layer_index"] = [str(p.parent) for p in index] == [
@@ -111,6 +114,7 @@ def test_both_paths_answer_alike(kind: str):
         "running": True, "conmon": True, "labelled": True, "labelled_other": [],
         "running_after_term": False, "gone": [None, None, None], "labelled_after": [],
         "absent": [None, None, None], "layers": True, "layer_index": True,
+        "env": [True, None],
         "sizes_equal": True, "listed": True,
         "after_one_name": [None, True, True], "after_both": [], "base_kept": True,
     }

@@ -8,6 +8,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import tarfile
 import tempfile
@@ -60,6 +61,44 @@ def oci_image(layout: Path, files: dict[str, bytes] | list[dict[str, bytes]],
         "digest": _blob(layout, manifest), "size": len(manifest),
         "annotations": {"org.opencontainers.image.ref.name": tag}}]}))
     return f"oci:{layout}:{tag}"
+
+
+PYTHON_SLIM = "localhost/campugrid-test/python-slim:3.11-v3"  # bump when its recipe changes
+
+
+def python_slim(as_user: list[str]) -> str:
+    """A stand-in for Docker Hub's `python:3.11-slim`, made from the local Debian base (no
+    registry is reachable here): pip installed from Debian's own pip wheel, no
+    EXTERNALLY-MANAGED marker, PYTHON_VERSION set as the official image sets it, and no
+    NumPy (the local base has Debian's; the real image has none), `python` on the PATH.
+    Made once
+    in the provider's store (`as_user`: the command prefix that runs as the provider)."""
+    if subprocess.run([*as_user, "podman", "image", "exists", PYTHON_SLIM],
+                      capture_output=True, timeout=60).returncode == 0:
+        return PYTHON_SLIM
+    context = Path(tempfile.mkdtemp(prefix="python-slim-"))
+    try:
+        os.chmod(context, 0o755)
+        wheels = sorted(Path("/usr/share/python-wheels").glob("pip-*.whl"))
+        assert wheels, "Debian's pip wheel is missing: apt-get install python3-pip-whl"
+        for wheel in wheels:
+            shutil.copy(wheel, context / wheel.name)
+            os.chmod(context / wheel.name, 0o644)
+        (context / "Dockerfile").write_text(
+            "FROM localhost/campugrid/python:bookworm\n"
+            "ENV PYTHON_VERSION=3.11.2\n"
+            "COPY *.whl /tmp/wheels/\n"
+            f"RUN python3 /tmp/wheels/{wheels[-1].name}/pip install --no-index --quiet "
+            "--break-system-packages /tmp/wheels/*.whl "
+            "&& rm -rf /tmp/wheels /usr/lib/python3.11/EXTERNALLY-MANAGED "
+            "&& dpkg --purge python3-numpy && ln -s /usr/bin/python3 /usr/local/bin/python\n")
+        done = subprocess.run([*as_user, "buildah", "bud", "--isolation", "chroot",
+                               "--pull-never", "-q", "-t", PYTHON_SLIM,
+                               str(context)], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+    finally:
+        shutil.rmtree(context, ignore_errors=True)
+    return PYTHON_SLIM
 
 
 class OpenRegistry:

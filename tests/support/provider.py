@@ -74,7 +74,8 @@ builder = BuildahBuilder(scope="a-integration-tests")
 out = {"limits": builder.limits.as_dict()}
 try:
     builder.build(Path(args["context"]), args["tag"], log=lines.append, timeout_s=args["timeout_s"],
-                  memory_mb=args["memory_mb"], disk_mb=args["disk_mb"])
+                  memory_mb=args["memory_mb"], disk_mb=args["disk_mb"],
+                  volumes=[(Path(h), i) for h, i in args["volumes"]])
     out.update(ok=True)
 except BuildFailed as e:
     out.update(ok=False, reason=e.reason, tail=e.log_tail)
@@ -86,9 +87,10 @@ print(json.dumps(out))
 
 
 def buildah_build(user: ProviderUser, context: str, tag: str, *, timeout_s: float = 300,
-                  memory_mb: int = 1024, disk_mb: int = 512) -> Any:
+                  memory_mb: int = 1024, disk_mb: int = 512,
+                  volumes: list[tuple[str, str]] | None = None) -> Any:
     args = {"context": context, "tag": tag, "timeout_s": timeout_s, "memory_mb": memory_mb,
-            "disk_mb": disk_mb}
+            "disk_mb": disk_mb, "volumes": volumes or []}
     proc = subprocess.run(user.command([sys.executable, "-c", BUILD_SCRIPT, json.dumps(args)]),
                           capture_output=True, text=True, timeout=timeout_s + 120, cwd="/")
     if proc.returncode != 0:

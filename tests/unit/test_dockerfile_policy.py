@@ -141,3 +141,21 @@ def test_pinning_rewrites_only_the_remote_froms_whole_instructions():
     again = check_dockerfile(pinned, allowed_bases(f"{BASE},localhost/campugrid-cache/b:3,"
                                                    "localhost/campugrid-cache/b:9"), ())
     assert [u.remote for u in again.bases] == [False, False, False]
+
+
+def test_build_arguments_follow_every_from_and_nothing_else_moves():
+    """The agent's copy of a Dockerfile points pip at the fetched wheels with ARG lines after
+    each FROM (every stage's RUN steps see them), remote FROMs pinned at the same time."""
+    text = (f"FROM python:3.11-slim \\\n  AS build\nRUN pip install six\nFROM {BASE}\n"
+            "COPY --from=build /x /y\nFROM build AS again\nRUN true\n")
+    checked = check_dockerfile(text, allowed_bases(BASE), ("docker.io",))
+    assert checked.froms == ((1, 2), (4, 4), (6, 6))
+    local = {u: "localhost/campugrid-cache/py:1" for u in checked.bases if u.remote}
+    args = (("PIP_NO_INDEX", "1"), ("PIP_FIND_LINKS", "/dev/w"))
+    got = pin_bases(text, local, checked.froms, args).split("\n")
+    assert got == ["FROM localhost/campugrid-cache/py:1 AS build",
+                   "ARG PIP_NO_INDEX=1", "ARG PIP_FIND_LINKS=/dev/w", "RUN pip install six",
+                   f"FROM {BASE}", "ARG PIP_NO_INDEX=1", "ARG PIP_FIND_LINKS=/dev/w",
+                   "COPY --from=build /x /y", "FROM build AS again",
+                   "ARG PIP_NO_INDEX=1", "ARG PIP_FIND_LINKS=/dev/w", "RUN true", ""]
+    assert pin_bases(text, {}, checked.froms, ()) == text  # nothing to do: unchanged

@@ -20,9 +20,12 @@ class Builder(Protocol):
     def build(self, context_dir: Path, tag: str, *, log: LogFn, timeout_s: float,
               cancel: threading.Event | None = None, memory_mb: int = 4096,
               cpus: float = 2.0, disk_mb: int = 512,
-              bases: Sequence[BaseUse] | None = None, dockerfile: Path | None = None) -> str:
+              bases: Sequence[BaseUse] | None = None, dockerfile: Path | None = None,
+              volumes: Sequence[tuple[Path, str]] = ()) -> str:
         """Build context_dir/Dockerfile (or `dockerfile`: the agent's copy with remote bases
-        pinned, agent/bases.py) into the provider's image store as `tag`.
+        pinned and pip pointed at the fetched wheels) into the provider's image store as
+        `tag`. `volumes`: host paths RUN steps see read-only, at the given paths (the wheels
+        the agent fetched, agent/wheels.py).
 
         `bases` are the allowed base images the checked Dockerfile starts from (None: check
         the Dockerfile here): each must be here with its pinned digest, if any. RUN steps get

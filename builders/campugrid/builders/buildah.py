@@ -78,7 +78,8 @@ class BuildahBuilder:
             self._main = (words[0], words[1])
         return self._main
 
-    def bud_args(self, context_dir: Path, tag: str, dockerfile: Path | None = None) -> list[str]:
+    def bud_args(self, context_dir: Path, tag: str, dockerfile: Path | None = None,
+                 volumes: Sequence[tuple[Path, str]] = ()) -> list[str]:
         return [
             "bud",
             "--isolation", "oci",
@@ -93,22 +94,25 @@ class BuildahBuilder:
             # Reproducible: every timestamp (image, history, files) is the epoch, so machines
             # with the same inputs build the same digest ("verified" reuse compares them).
             "--timestamp", "0",
+            *[a for host, inside in volumes for a in ("--volume", f"{host}:{inside}:ro")],
             "-f", str(dockerfile or context_dir / "Dockerfile"),
             "-t", tag,
             str(context_dir),
         ]
 
     def argv(self, store: Path, disk_mb: int, context_dir: Path, tag: str,
-             dockerfile: Path | None = None) -> list[str]:
+             dockerfile: Path | None = None,
+             volumes: Sequence[tuple[Path, str]] = ()) -> list[str]:
         graph, run = self.main_store()
         return [self.buildah, "unshare", "/bin/sh", "-c", _SCRIPT, "campugrid-build",
                 str(store), str(disk_mb), str(self.bases_store[0] / "root"), f"{graph}+{run}",
-                tag, *self.bud_args(context_dir, tag, dockerfile)]
+                tag, *self.bud_args(context_dir, tag, dockerfile, volumes)]
 
     def build(self, context_dir: Path, tag: str, *, log: LogFn, timeout_s: float,
               cancel: threading.Event | None = None, memory_mb: int = 4096,
               cpus: float = 2.0, disk_mb: int = 512,
-              bases: Sequence[BaseUse] | None = None, dockerfile: Path | None = None) -> str:
+              bases: Sequence[BaseUse] | None = None, dockerfile: Path | None = None,
+              volumes: Sequence[tuple[Path, str]] = ()) -> str:
         if bases is None:  # not checked by the caller: check here, with this host's policy
             try:
                 bases = check_dockerfile((context_dir / "Dockerfile").read_text()).bases
@@ -127,7 +131,7 @@ class BuildahBuilder:
                                         cpus=cpus, pids=4096, scope=self.scope) as cg:
                 done = run_streaming(
                     host_limits.launcher(cg, self.argv(store, disk_mb, context_dir, tag,
-                                                       dockerfile)),
+                                                       dockerfile, volumes)),
                     log=log, timeout_s=timeout_s, cancel=cancel, on_orphan=(),
                     cgroups=cg.paths if cg is not None else ())
                 oom = done.returncode != 0 and cg is not None and cg.oom_killed()

@@ -43,7 +43,8 @@ class FakeBuilder:
     def build(self, context_dir: Path, tag: str, *, log: LogFn, timeout_s: float,
               cancel: threading.Event | None = None, memory_mb: int = 4096,
               cpus: float = 2.0, disk_mb: int = 512,
-              bases: Sequence[BaseUse] | None = None, dockerfile: Path | None = None) -> str:
+              bases: Sequence[BaseUse] | None = None, dockerfile: Path | None = None,
+              volumes: Sequence[tuple[Path, str]] = ()) -> str:
         self.builds.append((context_dir, tag))
         tail: collections.deque[str] = collections.deque(maxlen=40)
 

@@ -95,12 +95,16 @@ class KanikoBuilder:
     def build(self, context_dir: Path, tag: str, *, log: LogFn, timeout_s: float,
               cancel: threading.Event | None = None, memory_mb: int = 4096,
               cpus: float = 2.0, disk_mb: int = 512,
-              bases: Sequence[BaseUse] | None = None, dockerfile: Path | None = None) -> str:
+              bases: Sequence[BaseUse] | None = None, dockerfile: Path | None = None,
+              volumes: Sequence[tuple[Path, str]] = ()) -> str:
         """memory_mb and cpus are not applied: the API service's containers are outside the
         job cgroups (and rootless cgroup v1 ignores the API's limits). `bases` are checked by
         the policy only: Kaniko resolves FROM inside its own sandbox, which has no registry."""
         import docker.errors
 
+        if volumes:
+            raise BuildFailed("the kaniko builder cannot give RUN steps the Python wheels "
+                              "fetched for them; use the buildah builder")
         if dockerfile is not None:
             raise BuildFailed("the kaniko builder cannot start from images on registries (its "
                               "sandbox has none); use the buildah builder")

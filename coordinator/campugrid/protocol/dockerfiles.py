@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 import dockerfile
 
 from campugrid.protocol.errors import InvalidInput
+from campugrid.protocol.pipwords import PipInstall, pip_installs
 
 DEFAULT_BASES = ("localhost/campugrid/python:bookworm",)
 BASES_ENV = "CAMPUGRID_ALLOWED_BASES"
@@ -149,6 +150,8 @@ class BaseUse:
 class CheckedDockerfile:
     stages: int
     bases: tuple[BaseUse, ...]
+    pip: tuple[PipInstall, ...] = ()  # what its RUN steps install with pip (pipwords.py)
+    froms: tuple[tuple[int, int], ...] = ()  # every FROM's first and last line
 
 
 @dataclasses.dataclass
@@ -173,6 +176,8 @@ def check_dockerfile(text: str, allowed: Sequence[AllowedBase] | None = None,
     global_args: dict[str, str | None] = {}
     stages: list[_Stage] = []
     bases: list[BaseUse] = []
+    pip: list[PipInstall] = []
+    froms: list[tuple[int, int]] = []
     for cmd in commands:
         inst, line = cmd.cmd.upper(), cmd.start_line
         at = f"Dockerfile line {line}"
@@ -185,6 +190,7 @@ def check_dockerfile(text: str, allowed: Sequence[AllowedBase] | None = None,
         if inst not in _INSTRUCTIONS:
             raise InvalidInput(f"{at}: unknown instruction {cmd.cmd!r}")
         if inst == "FROM":
+            froms.append((line, max(cmd.end_line, line)))
             stage, use = _from(cmd, stages, global_args, allowed, registries, at)
             stages.append(stage)
             if use is not None:
@@ -202,11 +208,13 @@ def check_dockerfile(text: str, allowed: Sequence[AllowedBase] | None = None,
             _env(cmd, stage.vars)
         elif inst == "RUN":
             _run_flags(cmd.flags, at)
+            pip.extend(pip_installs(cmd.value, cmd.json, line))
         elif inst in ("ADD", "COPY"):
             _copy(cmd, inst, stage, stages, at)
     if not stages:
         raise InvalidInput("Dockerfile: no FROM instruction")
-    return CheckedDockerfile(stages=len(stages), bases=tuple(bases))
+    return CheckedDockerfile(stages=len(stages), bases=tuple(bases), pip=tuple(pip),
+                             froms=tuple(froms))
 
 
 def _from(cmd: dockerfile.Command, stages: list[_Stage], global_args: dict[str, str | None],
@@ -261,15 +269,24 @@ def _from(cmd: dockerfile.Command, stages: list[_Stage], global_args: dict[str, 
         end_line=cmd.end_line, stage=name)
 
 
-def pin_bases(text: str, local: dict[BaseUse, str]) -> str:
+def pin_bases(text: str, local: dict[BaseUse, str], froms: Sequence[tuple[int, int]] = (),
+              run_args: Sequence[tuple[str, str]] = ()) -> str:
     """The Dockerfile with each FROM of `local` (BaseUses check_dockerfile found in this
     text) starting from that local image instead: its whole instruction's lines replaced
-    (its AS name kept), every other line as it was. Lines only, no parsing: the agent parses
-    a job's Dockerfile only in a confined child."""
+    (its AS name kept); after every FROM of `froms` (check_dockerfile's), an `ARG NAME=value`
+    line for each of `run_args` (what every RUN step of the stage then sees, and the image
+    does not keep); every other line as it was. Lines only, no parsing: the agent parses a
+    job's Dockerfile only in a confined child."""
     lines = text.split("\n")  # as BuildKit counts them (not str.splitlines' other breaks)
-    for use in sorted(local, key=lambda u: u.line, reverse=True):
-        stage = f" AS {use.stage}" if use.stage else ""
-        lines[use.line - 1:max(use.end_line, use.line)] = [f"FROM {local[use]}{stage}"]
+    pinned = {use.line: use for use in local}
+    spans = {start: end for start, end in froms} if run_args else {}
+    spans |= {use.line: max(use.end_line, use.line) for use in local}
+    args = [f"ARG {name}={value}" for name, value in run_args]
+    for start in sorted(spans, reverse=True):
+        use = pinned.get(start)
+        head = lines[start - 1:spans[start]] if use is None else \
+            [f"FROM {local[use]}" + (f" AS {use.stage}" if use.stage else "")]
+        lines[start - 1:spans[start]] = head + args
     return "\n".join(lines)
 
 

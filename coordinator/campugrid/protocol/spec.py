@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from campugrid.protocol.errors import InvalidInput
+from campugrid.protocol.pipwords import requirement
 
 CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
@@ -133,6 +134,16 @@ class ImageOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class BuildOptions:
+    """What the build needs fetched beforehand (RUN steps have no network): `pip`,
+    requirements besides those the Dockerfile's pip lines name; `python`, the base image's
+    Python ("3.11") where the image does not say (its PYTHON_VERSION)."""
+
+    pip: tuple[str, ...] = ()
+    python: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class JobSpec:
     command: tuple[str, ...] | None = None  # None: the image's own CMD
     env: tuple[tuple[str, str], ...] = ()
@@ -146,6 +157,7 @@ class JobSpec:
     shards: tuple[Shard, ...] = ()
     shard_mode: str = "process"
     image: ImageOptions = ImageOptions()
+    build: BuildOptions = BuildOptions()
 
     @classmethod
     def from_json(cls, text: str | bytes) -> JobSpec:
@@ -256,6 +268,7 @@ class JobSpec:
         _require(reuse in IMAGE_REUSE, "image.reuse", f"must be one of {', '.join(IMAGE_REUSE)}")
 
         return cls(
+            build=_build(data.get("build")),
             command=command,
             env=tuple(sorted(env.items())),
             resources=resources,
@@ -310,6 +323,9 @@ class JobSpec:
             out["shard_mode"] = self.shard_mode
         if self.image != ImageOptions():  # likewise: stored specs stay as they were
             out["image"] = dataclasses.asdict(self.image)
+        if self.build != BuildOptions():
+            out["build"] = {k: list(v) if isinstance(v, tuple) else v
+                            for k, v in dataclasses.asdict(self.build).items() if v}
         return out
 
     def to_json(self) -> str:
@@ -317,6 +333,26 @@ class JobSpec:
 
 
 GPU_KINDS = ("nvidia", "apple")
+MAX_BUILD_PIP = 500
+
+
+def _build(value: Any) -> BuildOptions:
+    if value is None:
+        return BuildOptions()
+    _require(isinstance(value, Mapping), "build",
+             'must be an object, e.g. {"pip": ["numpy==2.1.*"], "python": "3.11"}')
+    _no_unknown(value, BuildOptions, "build")
+    pip = value.get("pip") or []
+    _require(isinstance(pip, list) and len(pip) <= MAX_BUILD_PIP
+             and all(isinstance(r, str) for r in pip), "build.pip",
+             f"must be a list of at most {MAX_BUILD_PIP} requirements, e.g. \"numpy==2.1.*\"")
+    python = value.get("python")
+    _require(python is None or (isinstance(python, str)
+                                and re.fullmatch(r"3\.\d{1,2}", python) is not None),
+             "build.python", 'must be a Python version such as "3.11"')
+    return BuildOptions(pip=tuple(requirement(r, f"build.pip[{i}]") for i, r in enumerate(pip)),
+                        python=python)
+
 
 
 def _shards(value: Any) -> tuple[Shard, ...]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from campugrid.agent.images import ImageCache
 from campugrid.agent.messages import BaseImage
-from campugrid.protocol.dockerfiles import AllowedBase, BaseUse, parse_image_ref, pin_bases
+from campugrid.protocol.dockerfiles import AllowedBase, BaseUse, parse_image_ref
 from campugrid.protocol.errors import BuildFailed, SandboxError
 from campugrid.sandbox.process import LogFn
 
@@ -27,13 +27,13 @@ def registries(resolved: Sequence[BaseImage]) -> tuple[str, ...]:
 
 
 def prepare(uses: Sequence[BaseUse], resolved: Sequence[BaseImage], cache: ImageCache | None,
-            dockerfile: Path, work: Path, *, log: LogFn,
-            stop: threading.Event) -> tuple[Path | None, tuple[BaseUse, ...]]:
-    """Pull this Dockerfile's remote bases; returns the Dockerfile to build (None: the
-    context's own, which has none) and the bases as the builder now finds them (local).
-    Raises BuildFailed, naming the line, for a base that cannot be had."""
+            work: Path, *, log: LogFn,
+            stop: threading.Event) -> tuple[dict[BaseUse, str], tuple[BaseUse, ...]]:
+    """Pull this Dockerfile's remote bases; returns the local image of each (for pin_bases:
+    empty when it has none) and the bases as the builder now finds them (local). Raises
+    BuildFailed, naming the line, for a base that cannot be had."""
     if not any(u.remote for u in uses):
-        return None, tuple(uses)
+        return {}, tuple(uses)
     if cache is None or not cache.available:
         raise BuildFailed("this Dockerfile starts from images on registries, and this machine "
                           "cannot pull images (skopeo is missing, or --image-cache-mb is 0)", "")
@@ -54,9 +54,7 @@ def prepare(uses: Sequence[BaseUse], resolved: Sequence[BaseImage], cache: Image
     except BuildFailed:
         cache.in_use.difference_update(local.values())  # the task ends here
         raise
-    pinned = work / "Dockerfile.pinned"
-    pinned.write_text(pin_bases(dockerfile.read_text(), local))
-    return pinned, tuple(out)
+    return local, tuple(out)
 
 
 def _obtain(base: BaseImage, use: BaseUse, cache: ImageCache, work: Path, log: LogFn,

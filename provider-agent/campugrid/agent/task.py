@@ -28,7 +28,7 @@ import httpx
 
 from campugrid import hooks
 from campugrid.agent import bases as remote_bases
-from campugrid.agent import checkpoints, gpus, images
+from campugrid.agent import checkpoints, gpus, images, wheels
 from campugrid.agent.client import CoordinatorApi
 from campugrid.agent.gpus import GpuPolicy
 from campugrid.agent.images import ImageCache
@@ -39,11 +39,12 @@ from campugrid.agent.renewer import Renewer
 from campugrid.agent.shares import Shares
 from campugrid.builders.base import Builder
 from campugrid.protocol import logs
-from campugrid.protocol.dockerfiles import allowed_bases
+from campugrid.protocol.dockerfiles import allowed_bases, pin_bases
 from campugrid.protocol.errors import BuildFailed, CampugridError, InvalidInput, SandboxError
 from campugrid.protocol.spec import ENFORCED, JobSpec
 from campugrid.protocol.tarballs import extract_context_file
 from campugrid.sandbox import confine, slots
+from campugrid.sandbox.podman_ops import CliOps
 from campugrid.sandbox.runtime import RunRequest, Runtime
 
 log = logging.getLogger("campugrid.agent")
@@ -233,23 +234,41 @@ class Task:
         build_log = self.shipper.for_stream("build")
         began = time.monotonic()
         try:
-            dockerfile, uses = remote_bases.prepare(
-                info.checked.bases, lease.bases, self.cache, context_dir / "Dockerfile", work,
-                log=build_log, stop=self.stop)
+            local, uses = remote_bases.prepare(info.checked.bases, lease.bases, self.cache,
+                                               work, log=build_log, stop=self.stop)
         except BuildFailed as e:
             return Outcome(succeeded=False, exit_code=-1, reason=e.reason)
         # The pulled bases stay in use (not evicted from the cache) until the task ends.
         self.held = {new.allowed.name for new, old in zip(uses, info.checked.bases, strict=True)
                      if old.remote}
+        staged: list[wheels.Staged | None] = []
 
         def build() -> None:
+            if not staged:  # only for a build here: a pulled image needs no wheels
+                ops = self.cache.ops if self.cache is not None else CliOps()
+                python = wheels.python_of(next(
+                    (env for u in uses if (env := ops.image_env(u.allowed.name))
+                     and any(e.startswith("PYTHON_VERSION=") for e in env)), None), spec.build)
+                staged.append(wheels.stage(info.checked.pip, spec.build, context_dir, work,
+                                           python=python, disk_mb=spec.resources.disk_mb,
+                                           log=build_log, stop=self.stop))
+            args = staged[0].run_args() if staged[0] else ()
+            dockerfile = None
+            if local or args:  # the agent's copy: bases pinned, pip pointed at the wheels
+                dockerfile = work / "Dockerfile.prepared"
+                dockerfile.write_text(pin_bases((context_dir / "Dockerfile").read_text(), local,
+                                                info.checked.froms, args))
             build_log(f"[campugrid] building with {self.builder.name}, RUN steps under gVisor, "
                       "offline")
-            self.builder.build(context_dir, self.tag, log=build_log,
-                               timeout_s=min(BUILD_TIMEOUT_S, spec.resources.wall_time_s),
-                               cancel=self.stop, memory_mb=spec.resources.memory_mb,
-                               cpus=spec.resources.cpus, disk_mb=spec.resources.disk_mb,
-                               bases=uses, dockerfile=dockerfile)
+            try:
+                self.builder.build(context_dir, self.tag, log=build_log,
+                                   timeout_s=min(BUILD_TIMEOUT_S, spec.resources.wall_time_s),
+                                   cancel=self.stop, memory_mb=spec.resources.memory_mb,
+                                   cpus=spec.resources.cpus, disk_mb=spec.resources.disk_mb,
+                                   bases=uses, dockerfile=dockerfile,
+                                   volumes=staged[0].volumes() if staged[0] else ())
+            except BuildFailed as e:
+                raise wheels.explain(e, staged[0]) from e
 
         try:
             self.image = images.obtain(self.client, lease, self.builder, self.cache,

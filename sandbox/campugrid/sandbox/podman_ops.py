@@ -1,5 +1,5 @@
 """What the agent asks of its own Podman besides starting sandboxes: inspect, signal, remove
-and list containers (by label), and list, inspect (size, layers), tag and remove images.
+and list containers (by label), and list, inspect (size, layers, environment), tag and remove images.
 
 Two implementations with one contract (tests/integration/test_podman_ops.py runs the same
 cases through both):
@@ -60,6 +60,10 @@ class PodmanOps(Protocol):
     def image_layers(self, ref: str) -> list[str] | None:
         """The image's layers as its configuration lists them (diff ids, base first), None if
         there is no such image. Only as trustworthy as whoever wrote that configuration."""
+        ...
+
+    def image_env(self, ref: str) -> list[str] | None:
+        """The image's environment (NAME=value), None if there is no such image."""
         ...
 
     def layer_index(self) -> list[Path]:
@@ -137,6 +141,16 @@ class CliOps:
         except ValueError:
             return None
         return [str(d) for d in got] if isinstance(got, list) else None
+
+    def image_env(self, ref: str) -> list[str] | None:
+        out = self._run("image", "inspect", "--format", "{{json .Config.Env}}", ref)
+        if out.returncode != 0:
+            return None
+        try:
+            got = json.loads(out.stdout)
+        except ValueError:
+            return None
+        return [str(e) for e in got or []] if got is None or isinstance(got, list) else None
 
     def layer_index(self) -> list[Path]:
         out = self._run("info", "--format", "{{.Store.GraphRoot}}\t{{.Store.GraphDriverName}}")
@@ -244,6 +258,15 @@ class ApiOps:
         except ImageNotFound:
             return None
         return [str(d) for d in got] if isinstance(got, list) else None
+
+    def image_env(self, ref: str) -> list[str] | None:
+        from podman.errors import ImageNotFound
+
+        try:
+            got = (self.client.images.get(ref).attrs.get("Config") or {}).get("Env")
+        except ImageNotFound:
+            return None
+        return [str(e) for e in got or []] if got is None or isinstance(got, list) else None
 
     def layer_index(self) -> list[Path]:
         store = self.client.info().get("store") or {}  # type: ignore[no-untyped-call]

@@ -1,0 +1,321 @@
+"""What a Dockerfile's RUN steps install with pip, known before the build.
+
+RUN steps have no network, so the agent fetches a job's Python packages beforehand, as binary
+wheels, outside the sandbox (agent/wheels.py). What to fetch is declared: the packages and
+requirement files named on `pip install` lines (read here, in the confined Dockerfile check),
+the local projects those lines install (their pyproject.toml), and the spec's `build.pip`.
+
+This is a declaration, not a guard: whatever a RUN step installs that the declaration missed
+(a script that calls pip, a spelling not read here) finds no index at build time, and the
+build fails naming the package (agent/wheels.py explains it). What is refused here is what
+could never work offline: a requirement by URL or from version control, a package chosen by a
+shell variable, an index the operator does not allow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shlex
+import tomllib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from packaging.requirements import InvalidRequirement, Requirement
+
+from campugrid.protocol.errors import InvalidInput
+
+# Indexes a RUN line or a requirement file may name: the agent fetches from them (https only).
+DEFAULT_INDEXES = ("pypi.org", "files.pythonhosted.org", "download.pytorch.org",
+                   "pypi.nvidia.com")
+MAX_REQUIREMENTS = 2000
+MAX_FILE_DEPTH = 8
+
+_PIP = re.compile(r"^pip(\d+(\.\d+)?)?$")
+_PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
+_WRAPPERS = {"sudo", "exec", "time", "nice", "nohup", "command", "env", "xargs"}
+_SEPARATORS = {"&&", "||", ";", "|", "&", "(", ")", ";;", "{", "}", "!", "\n"}
+_REDIRECTS = {">", ">>", "<", "<<", ">&", "<&", "&>", ">|"}
+# `pip install` options followed by a value (as a separate word, or after "=").
+_VALUED = {"-r", "--requirement", "-c", "--constraint", "-e", "--editable", "-t", "--target",
+           "--platform", "--python-version", "--implementation", "--abi", "--root", "--prefix",
+           "--src", "--upgrade-strategy", "-C", "--config-settings", "--global-option",
+           "--install-option", "--no-binary", "--only-binary", "--progress-bar",
+           "--root-user-action", "--report", "-i", "--index-url", "--extra-index-url", "-f",
+           "--find-links", "--log", "--cache-dir", "--timeout", "--retries", "--proxy",
+           "--trusted-host", "--exists-action", "--cert", "--client-cert", "--python", "-p",
+           "--keyring-provider", "--use-feature", "--use-deprecated", "--log-file",
+           "--index-strategy", "--extra-index", "--index"}
+
+
+@dataclasses.dataclass(frozen=True)
+class PipInstall:
+    """One `pip install` of a RUN line (Dockerfile line `line`)."""
+
+    line: int
+    requirements: tuple[str, ...] = ()  # as packaging writes them, e.g. "numpy==2.1.*"
+    files: tuple[str, ...] = ()  # -r / -c files, as the line names them (paths in the image)
+    local: tuple[str, ...] = ()  # local projects it installs (".", "/app", "./pkg[extra]")
+    indexes: tuple[str, ...] = ()  # index URLs it names
+    pre: bool = False  # --pre: pre-releases too
+
+
+def allowed_indexes(text: str | None = None) -> tuple[str, ...]:
+    """The index hosts a job may name (CAMPUGRID_PIP_INDEXES, space-separated)."""
+    text = os.environ.get("CAMPUGRID_PIP_INDEXES") if text is None else text
+    return tuple(text.split()) if text and text.strip() else DEFAULT_INDEXES
+
+
+def requirement(text: str, at: str) -> str:
+    """One requirement, checked and written as packaging writes it."""
+    if "$" in text or "`" in text:
+        raise InvalidInput(f"{at}: pip install {text}: a package chosen by a shell variable "
+                           "cannot be fetched before the build; name it, or list it in the "
+                           "spec's build.pip")
+    try:
+        req = Requirement(text)
+    except InvalidRequirement as e:
+        raise InvalidInput(f"{at}: {text!r} is not a requirement pip can read ({e})") from e
+    if req.url:
+        raise InvalidInput(f"{at}: {text}: requirements by URL cannot be fetched for an offline "
+                           "build; name a version on the index, or put the wheel into the "
+                           "context and install it from there")
+    return str(req)
+
+
+def check_index(url: str, at: str, allowed: Sequence[str] | None = None) -> str:
+    allowed = tuple(allowed) if allowed is not None else allowed_indexes()
+    parts = urlsplit(url)
+    if parts.scheme != "https" or (parts.hostname or "") not in allowed:
+        raise InvalidInput(f"{at}: index {url}: the build's packages come only from https "
+                           f"indexes this platform allows ({', '.join(allowed)})")
+    return url
+
+
+def pip_installs(value: Sequence[str], json_form: bool, line: int) -> list[PipInstall]:
+    """The `pip install` commands of one RUN instruction (its words as BuildKit parsed
+    them), in order. Raises InvalidInput for what cannot be fetched before the build."""
+    at = f"Dockerfile line {line}"
+    if json_form:
+        return _from_command(list(value), line, at)
+    found = []
+    for command in _commands(" ".join(value)):
+        found.extend(_from_command(command, line, at))
+    return found
+
+
+def _commands(text: str) -> Iterator[list[str]]:
+    """The simple commands of a shell line: words between separators, redirections left out."""
+    lexer = shlex.shlex(text, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    words: list[str] = []
+    skip = False
+    try:
+        for token in lexer:
+            if skip:
+                skip = False
+            elif token in _SEPARATORS:
+                if words:
+                    yield words
+                words = []
+            elif token in _REDIRECTS or (token and token.strip("<>&|") == ""):
+                if words and words[-1].isdigit():  # 2>&1: the 2 is the redirection's
+                    words.pop()
+                skip = True
+            else:
+                words.append(token)
+    except ValueError:  # an unbalanced quote: BuildKit's shell would fail on it too
+        pass
+    if words:
+        yield words
+
+
+def _from_command(words: list[str], line: int, at: str) -> list[PipInstall]:
+    while words and (re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0])
+                     or os.path.basename(words[0]) in _WRAPPERS
+                     or (words[0].startswith("-") and len(words) > 1)):
+        words = words[1:]  # VAR=value, sudo, env -i ... before the program
+    if not words:
+        return []
+    program = os.path.basename(words[0])
+    rest = words[1:]
+    if program in ("sh", "bash", "dash") and len(rest) >= 2 and rest[0] == "-c":
+        return pip_installs([rest[1]], False, line)
+    if _PYTHON.match(program):
+        while rest and rest[0].startswith("-") and rest[0] not in ("-m", "-mpip"):
+            rest = rest[2:] if rest[0] in ("-W", "-X") else rest[1:]
+        if rest[:1] == ["-mpip"]:
+            rest = ["-m", "pip", *rest[1:]]
+        if rest[:2] != ["-m", "pip"]:
+            return []
+        rest = rest[2:]
+    elif program == "uv":
+        if rest[:1] != ["pip"]:
+            return []
+        rest = rest[1:]
+    elif not _PIP.match(program):
+        return []
+    while rest and rest[0].startswith("-"):  # pip's own options before its command
+        rest = rest[2:] if rest[0] in _VALUED else rest[1:]
+    if rest[:1] != ["install"]:
+        return []
+    return [_install(rest[1:], line, at)]
+
+
+def _install(args: list[str], line: int, at: str) -> PipInstall:
+    reqs, files, local, indexes = [], [], [], []
+    pre = False
+    i = 0
+    while i < len(args):
+        word = args[i]
+        i += 1
+        if word.startswith("-"):
+            if word.startswith("--"):
+                name, eq, value = word.partition("=")
+                wants = not eq and name in _VALUED
+            else:  # -r file, or -rfile: a short option and its value in one word
+                name, value = word[:2], word[2:]
+                wants = not value and name in _VALUED
+            if wants:
+                value, i = (args[i] if i < len(args) else ""), i + 1
+            if name in ("-r", "--requirement", "-c", "--constraint"):
+                files.append(value)
+            elif name in ("-e", "--editable"):
+                local.append(_local(value, at))
+            elif name in ("-i", "--index-url", "--extra-index-url", "--index", "--extra-index"):
+                indexes.append(check_index(value, at))
+            elif name == "--pre":
+                pre = True
+            continue
+        if _is_path(word) or "://" in word or word.startswith("git+"):
+            if "@" in word.split("://")[0]:  # name @ URL: a requirement, refused as one
+                reqs.append(requirement(word, at))
+            else:
+                local.append(_local(word, at))
+        else:
+            reqs.append(requirement(word, at))
+    return PipInstall(line, tuple(reqs), tuple(files), tuple(local), tuple(indexes), pre)
+
+
+def _is_path(word: str) -> bool:
+    return word in (".", "..") or word.startswith(("./", "../", "/", "~", ".[")) \
+        or word.endswith((".whl", ".tar.gz", ".zip"))
+
+
+def _local(word: str, at: str) -> str:
+    if "://" in word or word.startswith("git+"):
+        raise InvalidInput(f"{at}: {word}: installing from version control or a URL cannot "
+                           "work in an offline build; put the project into the context")
+    if "$" in word or "`" in word:
+        raise InvalidInput(f"{at}: {word}: a path chosen by a shell variable cannot be read "
+                           "before the build")
+    return word
+
+
+# The agent's side: reading the declared files out of the unpacked context.
+
+def read_requirements(path: Path, root: Path, at: str, depth: int = 0
+                      ) -> tuple[list[str], list[str], list[str], bool]:
+    """A requirement file in the context: its requirements (with any --hash options), the
+    local projects it installs (-e), the index URLs it names, and whether it allows
+    pre-releases. Nested -r / -c files are read relative to it, within the context."""
+    if depth > MAX_FILE_DEPTH:
+        raise InvalidInput(f"{at}: requirement files nest more than {MAX_FILE_DEPTH} deep")
+    reqs: list[str] = []
+    local: list[str] = []
+    indexes: list[str] = []
+    pre = False
+    root = root.resolve()
+    path = _inside(path, root, at)
+    text = path.read_text(errors="replace")
+    where = f"{at}: {path.relative_to(root)}"
+    for raw in re.sub(r"\\\r?\n", " ", text).splitlines():
+        entry = re.sub(r"(^|\s)#.*$", "", raw).strip()
+        if not entry:
+            continue
+        words = shlex.split(entry, comments=False) if entry.startswith("-") \
+            else [entry.split(" --", 1)[0].strip(), *re.findall(r"--hash[= ](\S+)", entry)]
+        if not entry.startswith("-"):
+            hashes = "".join(f" --hash={h}" for h in words[1:])
+            reqs.append(requirement(words[0], where) + hashes)
+            continue
+        option, _, value = words[0].partition("=")
+        if option[:2] in ("-r", "-c", "-e", "-i", "-f") and len(option) > 2 \
+                and not option.startswith("--"):
+            option, value = option[:2], option[2:]  # -rother.txt
+        value = value or (words[1] if len(words) > 1 else "")
+        if option in ("-r", "--requirement", "-c", "--constraint"):
+            more = read_requirements(path.parent / value, root, at, depth + 1)
+            reqs += more[0]
+            local += more[1]
+            indexes += more[2]
+            pre = pre or more[3]
+        elif option in ("-e", "--editable"):
+            local.append(_local(value, where))
+        elif option in ("-i", "--index-url", "--extra-index-url"):
+            indexes.append(check_index(value, where))
+        elif option == "--pre":
+            pre = True
+        if len(reqs) > MAX_REQUIREMENTS:
+            raise InvalidInput(f"{where}: more than {MAX_REQUIREMENTS} requirements")
+    return reqs, local, indexes, pre
+
+
+def project_requirements(folder: Path, extras: Sequence[str], root: Path, at: str
+                         ) -> tuple[list[str], list[str]]:
+    """A local project's requirements: what its build needs (its build-system.requires, or
+    setuptools' defaults) and what it depends on (with the extras asked for), from its
+    pyproject.toml. Also a warning for dependencies it does not list statically."""
+    root = root.resolve()
+    project = _inside(folder, root, at)
+    file = project / "pyproject.toml"
+    data: dict[str, Any] = {}
+    if file.is_file():
+        try:
+            data = tomllib.loads(_inside(file, root, at).read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise InvalidInput(f"{at}: {file.relative_to(root)} is not valid TOML ({e})") from e
+    where = f"{at}: {file.relative_to(root)}"
+    build = data.get("build-system") or {}
+    needs: list[Any] = list(build.get("requires") or []) \
+        if isinstance(build, dict) and "requires" in build else ["setuptools>=40.8.0", "wheel"]
+    meta = data.get("project") or {}
+    deps = list(meta.get("dependencies") or []) if isinstance(meta, dict) else []
+    optional = (meta.get("optional-dependencies") or {}) if isinstance(meta, dict) else {}
+    for extra in extras:
+        deps += list(optional.get(extra) or []) if isinstance(optional, dict) else []
+    warnings = []
+    if not isinstance(meta, dict) or not meta or "dependencies" in (meta.get("dynamic") or []):
+        warnings.append(f"{where}: the project's dependencies are not listed in "
+                        "[project].dependencies; list any it needs in the spec's build.pip")
+    reqs = [requirement(str(r), where) for r in [*needs, *deps]]
+    return reqs, warnings
+
+
+def locate(name: str, root: Path) -> Path | None:
+    """The context file a RUN line names by its path in the image (as COPY put it there):
+    that path under the context, else with its leading folders dropped one by one."""
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    for start in range(len(parts)):
+        candidate = root.joinpath(*parts[start:])
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def split_extras(word: str) -> tuple[str, tuple[str, ...]]:
+    """"./pkg[a,b]" -> ("./pkg", ("a", "b"))."""
+    m = re.match(r"^(.*?)\[([^\]]*)\]$", word)
+    if m is None:
+        return word, ()
+    return m[1], tuple(e.strip() for e in m[2].split(",") if e.strip())
+
+
+def _inside(path: Path, root: Path, at: str) -> Path:
+    real = path.resolve()
+    if not real.is_relative_to(root.resolve()):
+        raise InvalidInput(f"{at}: {path} lies outside the context")
+    return real

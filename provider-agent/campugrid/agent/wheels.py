@@ -1,0 +1,237 @@
+"""A build's Python packages, fetched before it as binary wheels: RUN steps keep no network.
+
+What to fetch is what the job declares (protocol/pipwords.py): the packages and requirement
+files its Dockerfile's `pip install` lines name (read by the confined Dockerfile check; the
+files are read here, from the unpacked context, as data), the local projects those lines
+install (their pyproject.toml), and the spec's `build.pip`. pip resolves and downloads them
+here, outside any sandbox, as wheels only (`--only-binary=:all:`): a wheel is unpacked, never
+run, so nothing from the job executes outside gVisor. pip checks each file against the
+index's hash (and against any `--hash` a requirement file pins); the build log lists each
+wheel with its size and sha256, and whether it came from pip's cache.
+
+The build then sees the wheels read-only at IN_BUILD, and the agent's copy of the Dockerfile
+declares `ARG PIP_NO_INDEX=1` and `ARG PIP_FIND_LINKS=...` after each FROM (lines added,
+none changed: protocol.dockerfiles.pin_bases), so `pip install` in a RUN step installs from
+them and from nothing else; build arguments do not stay in the image's environment. A
+package only the build knows about finds no index, and the build fails: the agent names the
+package and says how to declare it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import platform
+import re
+import shutil
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from campugrid.protocol.errors import BuildFailed, InvalidInput, SandboxError
+from campugrid.protocol.pipwords import (
+    PipInstall,
+    locate,
+    project_requirements,
+    read_requirements,
+    split_extras,
+)
+from campugrid.protocol.spec import BuildOptions
+from campugrid.sandbox.process import LogFn, run_streaming
+
+# Where RUN steps see the wheels: under /dev, a fresh tmpfs in every RUN step, so the mount
+# point Buildah makes for a volume does not stay in the image.
+IN_BUILD = "/dev/campugrid-wheels"
+DEFAULT_PYTHON = "3.11"
+DEFAULT_INDEX = "https://pypi.org/simple"
+DOWNLOAD_TIMEOUT_S = 1800
+# manylinux wheels up to this glibc (Debian bookworm has 2.36; 2.28 keeps to what most
+# projects publish and what older bases still run).
+GLIBC_MAX = 28
+
+
+@dataclasses.dataclass(frozen=True)
+class Staged:
+    """The wheels of one build: `folder`, mounted at IN_BUILD, and pip's settings for RUN
+    steps (build arguments: every RUN step of a stage sees them, the image does not keep
+    them)."""
+
+    folder: Path
+    count: int
+    bytes: int
+
+    def volumes(self) -> tuple[tuple[Path, str], ...]:
+        return ((self.folder, IN_BUILD),)
+
+    def run_args(self) -> tuple[tuple[str, str], ...]:
+        return (("PIP_NO_INDEX", "1"), ("PIP_FIND_LINKS", IN_BUILD),
+                ("PIP_DISABLE_PIP_VERSION_CHECK", "1"),
+                ("UV_NO_INDEX", "1"), ("UV_FIND_LINKS", IN_BUILD))  # `uv pip install`
+
+
+def index_url() -> str:
+    """Where this agent fetches wheels (CAMPUGRID_PIP_INDEX: the platform's mirror at scale)."""
+    return os.environ.get("CAMPUGRID_PIP_INDEX") or DEFAULT_INDEX
+
+
+def python_of(env: Sequence[str] | None, build: BuildOptions) -> str:
+    """The base's Python: the spec's build.python, else the image's PYTHON_VERSION (as the
+    official python images set it), else DEFAULT_PYTHON."""
+    if build.python:
+        return build.python
+    for item in env or ():
+        name, _, value = item.partition("=")
+        m = re.match(r"^(3\.\d{1,2})", value) if name == "PYTHON_VERSION" else None
+        if m:
+            return m[1]
+    return DEFAULT_PYTHON
+
+
+def declared(installs: Sequence[PipInstall], build: BuildOptions, context: Path
+             ) -> tuple[list[str], list[str], bool, list[str]]:
+    """Everything the build declares: requirements, index URLs, pre-releases, warnings.
+    Raises BuildFailed for a file the Dockerfile names that the context does not have."""
+    reqs: list[str] = list(build.pip)
+    indexes: list[str] = []
+    pre = False
+    warnings: list[str] = []
+    locals_: list[tuple[str, int]] = []
+    try:
+        for use in installs:
+            at = f"Dockerfile line {use.line}"
+            reqs += use.requirements
+            indexes += use.indexes
+            pre = pre or use.pre
+            locals_ += [(word, use.line) for word in use.local]
+            for name in use.files:
+                found = locate(name, context)
+                if found is None or not found.is_file():
+                    raise BuildFailed(
+                        f"{at}: pip install -r {name}: no such file in the context. The "
+                        "agent reads requirement files before the build to fetch their "
+                        "wheels: put it in the context (and COPY it), or list the packages "
+                        "in the spec's build.pip", "")
+                more, more_local, more_indexes, more_pre = read_requirements(found, context, at)
+                reqs += more
+                indexes += more_indexes
+                pre = pre or more_pre
+                locals_ += [(word, use.line) for word in more_local]
+        for word, line in locals_:
+            at = f"Dockerfile line {line}"
+            path, extras = split_extras(word)
+            if path.endswith((".whl", ".tar.gz", ".zip")):
+                warnings.append(f"{at}: {path}: a file in the image; its dependencies are "
+                                "not fetched unless build.pip lists them")
+                continue
+            folder = locate(path, context) if path not in (".", "..") else context
+            if folder is None or not folder.is_dir():
+                folder = context  # `cd /app && pip install .`: the context is the project
+            more, warned = project_requirements(folder, extras, context, at)
+            reqs += more
+            warnings += warned
+    except InvalidInput as e:
+        raise BuildFailed(str(e), "") from e
+    return list(dict.fromkeys(reqs)), list(dict.fromkeys(indexes)), pre, warnings
+
+
+def stage(installs: Sequence[PipInstall], build: BuildOptions, context: Path, work: Path, *,
+          python: str, disk_mb: int, log: LogFn, stop: threading.Event | None
+          ) -> Staged | None:
+    """Fetch the declared wheels into `work`; None when the build installs nothing with pip.
+    Raises BuildFailed for the job's faults (a package with no wheel, more than `disk_mb`),
+    SandboxError when this machine cannot reach the index."""
+    if not installs and not build.pip:
+        return None
+    reqs, indexes, pre, warnings = declared(installs, build, context)
+    for warning in warnings:
+        log(f"[campugrid] {warning}")
+    folder = work / "wheels"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    if reqs:
+        _download(reqs, indexes, pre, python, folder, work, log, stop)
+    wheels = sorted(folder.glob("*.whl"))
+    total = 0
+    for wheel in wheels:
+        size = wheel.stat().st_size
+        total += size
+        log(f"[campugrid] wheel {wheel.name} {size / 1024**2:.1f} MB sha256:{_sha256(wheel)}")
+    log(f"[campugrid] staged {len(wheels)} wheels, {total / 1024**2:.1f} MB, for CPython "
+        f"{python} ({', '.join(reqs) or 'nothing declared'}); RUN steps install from them "
+        "offline")
+    if total > disk_mb * 1024**2:
+        raise BuildFailed(f"the build's Python wheels take {total // 1024**2} MB, more than "
+                          f"resources.disk_mb ({disk_mb} MB)", "")
+    for leftover in folder.iterdir():  # pip keeps only wheels with --only-binary; be sure
+        if not leftover.name.endswith(".whl"):
+            leftover.unlink()
+    return Staged(folder, len(wheels), total)
+
+
+def _download(reqs: list[str], indexes: list[str], pre: bool, python: str, folder: Path,
+              work: Path, log: LogFn, stop: threading.Event | None) -> None:
+    listed = work / "wheels-requirements.txt"
+    listed.write_text("".join(f"{r}\n" for r in reqs))  # checked requirement lines only
+    arch = platform.machine()
+    tag = python.replace(".", "")
+    argv = [sys.executable, "-m", "pip", "download", "--isolated", "--no-input",
+            "--disable-pip-version-check", "--progress-bar", "off",
+            "--only-binary=:all:", "--dest", str(folder),
+            "--python-version", python, "--implementation", "cp", "--abi", f"cp{tag}",
+            *[a for n in range(GLIBC_MAX, 16, -1) for a in ("--platform",
+                                                            f"manylinux_2_{n}_{arch}")],
+            "--platform", f"manylinux2014_{arch}", "--platform", f"manylinux2010_{arch}",
+            "--platform", f"manylinux1_{arch}",
+            "--index-url", index_url(),
+            *[a for url in indexes for a in ("--extra-index-url", url)],
+            *(["--pre"] if pre else []),
+            "-r", str(listed)]
+    log(f"[campugrid] fetching Python wheels for CPython {python} on {arch} from "
+        f"{', '.join([index_url(), *indexes])}")
+    done = run_streaming(argv, log=lambda line: log(f"[pip] {line}"),
+                         timeout_s=DOWNLOAD_TIMEOUT_S, cancel=stop, tail_lines=60)
+    if done.cancelled:
+        raise BuildFailed("stopped while fetching Python wheels", "")
+    if done.returncode == 0 and not done.timed_out:
+        return
+    tail = done.tail
+    if done.timed_out or re.search(r"NewConnectionError|ConnectTimeout|Max retries exceeded|"
+                                   r"Temporary failure in name resolution|ProxyError", tail):
+        raise SandboxError(f"cannot fetch Python wheels from {index_url()} (this machine's "
+                           "network)")
+    missing = re.findall(r"No matching distribution found for (\S+)", tail)
+    if missing:
+        raise BuildFailed(
+            f"Python package {', '.join(dict.fromkeys(missing))}: no binary wheel for CPython "
+            f"{python} on manylinux {arch}. Builds install wheels only (nothing from a job is "
+            "built outside the sandbox): pick a version that publishes a wheel, set "
+            "build.python if the base has another Python, or put the wheel into the context "
+            "and install it from there", tail[-2000:])
+    raise BuildFailed("fetching the build's Python wheels failed (see the build log)",
+                      tail[-2000:])
+
+
+def explain(failure: BuildFailed, staged: Staged | None) -> BuildFailed:
+    """A build that failed because a RUN step's pip found no wheel for a package: say which,
+    and how to declare it."""
+    found = re.findall(r"No matching distribution found for (\S+)", failure.log_tail)
+    if not found:
+        return failure
+    names = ", ".join(dict.fromkeys(found))
+    where = "was not declared" if staged is not None else "cannot be fetched: this build " \
+        "declared no Python packages"
+    return BuildFailed(
+        f"a RUN step installs {names}, which {where}; RUN steps have no network and install "
+        "only the wheels fetched before the build. Declare it: name it on a `pip install` "
+        "line or in a requirements file that such a line names, or list it in the spec's "
+        f"build.pip. ({failure.reason})", failure.log_tail)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
