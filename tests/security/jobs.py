@@ -200,6 +200,21 @@ def privileged(attack: str) -> str:
     return PRELUDE + PRIVILEGED[attack] + "report(attack=attempt(attack))\n"
 
 
+# Runs each script of $ATTACKS ({name: code}) in a process of its own; reports {name: seen}.
+EACH_ATTACK = r'''
+import json, os, subprocess, sys
+seen = {}
+for name, code in json.loads(os.environ["ATTACKS"]).items():
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    try:
+        seen[name] = json.loads(done.stdout.strip().splitlines()[-1])["attack"]
+    except (IndexError, ValueError, KeyError):
+        seen[name] = f"no report (exit {done.returncode}): {done.stderr[-300:]}"
+print(json.dumps(seen), flush=True)
+'''
+
+
 # --- resources --------------------------------------------------------------------------------
 
 FORK_BOMB = PRELUDE + r'''
