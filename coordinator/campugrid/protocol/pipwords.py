@@ -295,13 +295,18 @@ def project_requirements(folder: Path, extras: Sequence[str], root: Path, at: st
     return reqs, warnings
 
 
-def locate(name: str, root: Path) -> Path | None:
+def locate(name: str, root: Path, *, project: bool = False) -> Path | None:
     """The context file a RUN line names by its path in the image (as COPY put it there):
-    that path under the context, else with its leading folders dropped one by one."""
+    that path under the context, else with its leading folders dropped one by one. With
+    `project`: the first such folder that is a Python project, else the context's top if it
+    is one (`COPY . /src` then `pip install /src`)."""
     parts = [p for p in name.split("/") if p not in ("", ".")]
-    for start in range(len(parts)):
-        candidate = root.joinpath(*parts[start:])
-        if candidate.exists():
+    candidates = [root.joinpath(*parts[start:]) for start in range(len(parts))]
+    if not project:
+        return next((c for c in candidates if c.exists()), None)
+    markers = ("pyproject.toml", "setup.py", "setup.cfg")
+    for candidate in [*candidates, root]:
+        if candidate.is_dir() and any((candidate / m).is_file() for m in markers):
             return candidate
     return None
 

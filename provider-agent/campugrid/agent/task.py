@@ -44,7 +44,7 @@ from campugrid.protocol.errors import BuildFailed, CampugridError, InvalidInput,
 from campugrid.protocol.spec import ENFORCED, JobSpec
 from campugrid.protocol.tarballs import extract_context_file
 from campugrid.sandbox import confine, slots
-from campugrid.sandbox.podman_ops import CliOps
+from campugrid.sandbox.podman_ops import CliOps, PodmanOps
 from campugrid.sandbox.runtime import RunRequest, Runtime
 
 log = logging.getLogger("campugrid.agent")
@@ -245,9 +245,8 @@ class Task:
 
         def build() -> None:
             if not staged:  # only for a build here: a pulled image needs no wheels
-                ops = self.cache.ops if self.cache is not None else CliOps()
                 python = wheels.python_of(next(
-                    (env for u in uses if (env := ops.image_env(u.allowed.name))
+                    (env for u in uses if (env := self.ops().image_env(u.allowed.name))
                      and any(e.startswith("PYTHON_VERSION=") for e in env)), None), spec.build)
                 staged.append(wheels.stage(info.checked.pip, spec.build, context_dir, work,
                                            python=python, disk_mb=spec.resources.disk_mb,
@@ -350,12 +349,19 @@ class Task:
             output_uploaded=uploaded)
 
     def job_env(self) -> dict[str, str]:
-        user_pythonpath = dict(self.spec.env).get("PYTHONPATH")
+        # The job's own PYTHONPATH (the spec's, else its image's ENV) first, then the hooks.
+        user_pythonpath = dict(self.spec.env).get("PYTHONPATH") or next(
+            (e.partition("=")[2] for e in self.ops().image_env(self.image) or ()
+             if e.startswith("PYTHONPATH=")), None)
         return dict(self.spec.env) | {
             "CAMPUGRID_JOB_ID": self.lease.job_id, "CAMPUGRID_ATTEMPT": str(self.lease.attempt),
             "CAMPUGRID_OUTPUT": "/output", "CAMPUGRID_CHECKPOINT_DIR": CHECKPOINT_MOUNT,
             "PYTHONPATH": f"{user_pythonpath}:{HOOKS_MOUNT}" if user_pythonpath else HOOKS_MOUNT,
         }
+
+    def ops(self) -> PodmanOps:
+        """This agent's Podman (its API service, where the image cache has it)."""
+        return self.cache.ops if self.cache is not None else CliOps()
 
     def run_request(self, command: tuple[str, ...] | None, env: dict[str, str],
                     mapped: tuple[tuple[str, int], ...], *, writable: bool = True) -> RunRequest:

@@ -125,9 +125,14 @@ def declared(installs: Sequence[PipInstall], build: BuildOptions, context: Path
                 warnings.append(f"{at}: {path}: a file in the image; its dependencies are "
                                 "not fetched unless build.pip lists them")
                 continue
-            folder = locate(path, context) if path not in (".", "..") else context
-            if folder is None or not folder.is_dir():
-                folder = context  # `cd /app && pip install .`: the context is the project
+            # `cd /app && pip install .`: the line's own folder is unknown; the context's
+            # folders that are projects are tried as locate says
+            folder = locate(path if path not in (".", "..") else "", context, project=True)
+            if folder is None:
+                warnings.append(f"{at}: pip install {word}: no Python project (pyproject.toml, "
+                                "setup.py) found for it in the context; list what it needs "
+                                "in the spec's build.pip")
+                continue
             more, warned = project_requirements(folder, extras, context, at)
             reqs += more
             warnings += warned

@@ -1,0 +1,1 @@
+pip install --no-cache-dir idna==3.7
