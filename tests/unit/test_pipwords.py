@@ -84,12 +84,12 @@ def test_allowed_indexes_come_from_configuration(monkeypatch):
 def test_requirement_files_nest_keep_hashes_and_stay_in_the_context(tmp_path: Path):
     (tmp_path / "reqs").mkdir()
     (tmp_path / "reqs" / "base.txt").write_text(
-        "# pinned\nnumpy==2.1.3 \\\n    --hash=sha256:aa --hash=sha256:bb\n"
+        f"# pinned\nnumpy==2.1.3 \\\n    --hash=sha256:{'a' * 64} --hash=sha256:{'b' * 64}\n"
         "requests>=2 ; python_version >= '3.8'  # a comment\n\n--pre\n-c ../constraints.txt\n")
     (tmp_path / "constraints.txt").write_text("idna<4\n--index-url https://pypi.org/simple\n")
     (tmp_path / "requirements.txt").write_text("-r reqs/base.txt\n-e ./lib[fast]\nsix\n")
     reqs, local, indexes, pre = read_requirements(tmp_path / "requirements.txt", tmp_path, "at")
-    assert reqs == ["numpy==2.1.3 --hash=sha256:aa --hash=sha256:bb",
+    assert reqs == [f"numpy==2.1.3 --hash=sha256:{'a' * 64} --hash=sha256:{'b' * 64}",
                     'requests>=2; python_version >= "3.8"', "idna<4", "six"]
     assert local == ["./lib[fast]"] and indexes == ["https://pypi.org/simple"] and pre
     (tmp_path / "escape.txt").write_text("-r ../../etc/passwd\n")
@@ -98,6 +98,9 @@ def test_requirement_files_nest_keep_hashes_and_stay_in_the_context(tmp_path: Pa
     (tmp_path / "loop.txt").write_text("-r loop.txt\n")
     with pytest.raises(InvalidInput, match="nest more than"):
         read_requirements(tmp_path / "loop.txt", tmp_path, "at")
+    (tmp_path / "hash.txt").write_text("six --hash=--index-url=https://evil.example\n")
+    with pytest.raises(InvalidInput, match="a hash is sha256"):
+        read_requirements(tmp_path / "hash.txt", tmp_path, "at")
     (tmp_path / "url.txt").write_text("foo @ https://example.org/foo.whl\n")
     with pytest.raises(InvalidInput, match=r"url\.txt.*by URL"):
         read_requirements(tmp_path / "url.txt", tmp_path, "at")

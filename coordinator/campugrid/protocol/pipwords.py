@@ -35,6 +35,7 @@ MAX_REQUIREMENTS = 2000
 MAX_FILE_DEPTH = 8
 
 _PIP = re.compile(r"^pip(\d+(\.\d+)?)?$")
+_HASH = re.compile(r"^(sha256|sha384|sha512):[0-9a-f]{32,128}$")
 _PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
 _WRAPPERS = {"sudo", "exec", "time", "nice", "nohup", "command", "env", "xargs"}
 _SEPARATORS = {"&&", "||", ";", "|", "&", "(", ")", ";;", "{", "}", "!", "\n"}
@@ -239,6 +240,10 @@ def read_requirements(path: Path, root: Path, at: str, depth: int = 0
         words = shlex.split(entry, comments=False) if entry.startswith("-") \
             else [entry.split(" --", 1)[0].strip(), *re.findall(r"--hash[= ](\S+)", entry)]
         if not entry.startswith("-"):
+            bad = [h for h in words[1:] if not _HASH.match(h)]
+            if bad:
+                raise InvalidInput(f"{where}: --hash={bad[0]}: a hash is sha256:<hex> (or "
+                                   "sha384, sha512)")
             hashes = "".join(f" --hash={h}" for h in words[1:])
             reqs.append(requirement(words[0], where) + hashes)
             continue

@@ -19,6 +19,7 @@ package and says how to declare it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -156,7 +157,8 @@ def stage(installs: Sequence[PipInstall], build: BuildOptions, context: Path, wo
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     if reqs:
-        _download(reqs, indexes, pre, python, folder, work, log, stop)
+        _download(reqs, indexes, pre, python, folder, work, disk_mb, log, stop)
+        _trim_cache(log)
     wheels = sorted(folder.glob("*.whl"))
     total = 0
     for wheel in wheels:
@@ -176,12 +178,17 @@ def stage(installs: Sequence[PipInstall], build: BuildOptions, context: Path, wo
 
 
 def _download(reqs: list[str], indexes: list[str], pre: bool, python: str, folder: Path,
-              work: Path, log: LogFn, stop: threading.Event | None) -> None:
+              work: Path, disk_mb: int, log: LogFn, stop: threading.Event | None) -> None:
+    """pip download, stopped as soon as what it has written (the wheels and its own
+    temporary files) passes `disk_mb`."""
     listed = work / "wheels-requirements.txt"
+    scratch = work / "pip-tmp"
+    scratch.mkdir(exist_ok=True)
     listed.write_text("".join(f"{r}\n" for r in reqs))  # checked requirement lines only
     arch = platform.machine()
     tag = python.replace(".", "")
-    argv = [sys.executable, "-m", "pip", "download", "--isolated", "--no-input",
+    argv = ["env", f"TMPDIR={scratch}", sys.executable, "-m", "pip", "download", "--isolated",
+            "--no-input",
             "--disable-pip-version-check", "--progress-bar", "off",
             "--only-binary=:all:", "--dest", str(folder),
             "--python-version", python, "--implementation", "cp", "--abi", f"cp{tag}",
@@ -195,8 +202,28 @@ def _download(reqs: list[str], indexes: list[str], pre: bool, python: str, folde
             "-r", str(listed)]
     log(f"[campugrid] fetching Python wheels for CPython {python} on {arch} from "
         f"{', '.join([index_url(), *indexes])}")
-    done = run_streaming(argv, log=lambda line: log(f"[pip] {line}"),
-                         timeout_s=DOWNLOAD_TIMEOUT_S, cancel=stop, tail_lines=60)
+    halt, too_big = threading.Event(), threading.Event()
+
+    def watch() -> None:
+        while not halt.wait(0.5):
+            if stop is not None and stop.is_set():
+                halt.set()
+            elif _size(folder) + _size(scratch) > disk_mb * 1024**2:
+                too_big.set()
+                halt.set()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        done = run_streaming(argv, log=lambda line: log(f"[pip] {line}"),
+                             timeout_s=DOWNLOAD_TIMEOUT_S, cancel=halt, tail_lines=60)
+    finally:
+        halt.set()
+        watcher.join()
+        shutil.rmtree(scratch, ignore_errors=True)
+    if too_big.is_set():
+        raise BuildFailed(f"the build's Python wheels take more than resources.disk_mb "
+                          f"({disk_mb} MB); stopped fetching them", done.tail[-2000:])
     if done.cancelled:
         raise BuildFailed("stopped while fetching Python wheels", "")
     if done.returncode == 0 and not done.timed_out:
@@ -232,6 +259,24 @@ def explain(failure: BuildFailed, staged: Staged | None) -> BuildFailed:
         "only the wheels fetched before the build. Declare it: name it on a `pip install` "
         "line or in a requirements file that such a line names, or list it in the spec's "
         f"build.pip. ({failure.reason})", failure.log_tail)
+
+
+def _size(folder: Path) -> int:
+    total = 0
+    for path in folder.rglob("*"):
+        with contextlib.suppress(OSError):  # pip renames and removes as this walks
+            total += path.lstat().st_size
+    return total
+
+
+def _trim_cache(log: LogFn) -> None:
+    """pip's cache (this user's, shared by all builds here) stays under CAMPUGRID_PIP_CACHE_MB
+    (default 2048): past it, it is emptied."""
+    cache = Path(os.environ.get("PIP_CACHE_DIR") or Path.home() / ".cache" / "pip")
+    limit = int(os.environ.get("CAMPUGRID_PIP_CACHE_MB") or 2048)
+    if cache.is_dir() and _size(cache) > limit * 1024**2:
+        shutil.rmtree(cache, ignore_errors=True)
+        log(f"[campugrid] pip's cache passed {limit} MB and was emptied")
 
 
 def _sha256(path: Path) -> str:

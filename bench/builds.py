@@ -1,0 +1,139 @@
+"""What building a researcher's own Dockerfile through campugrid costs, against a plain build.
+
+    .venv/bin/python bench/builds.py [--rounds 3]     (as root, after infra/setup.sh)
+
+The corpus (tests/corpus: the README's train-slim, NumPy + SciPy, a pyproject project, a
+multi-stage build) built two ways on this machine, in the same run, caches warm (one round
+first, not counted: the base pulled, pip's cache filled):
+  - baseline: a plain rootless `buildah bud` as the provider user, RUN steps with the host's
+    network installing from PyPI directly, FROM the same python:3.11-slim stand-in. (Plain
+    `podman build` would be the same Buildah with crun, which cannot start containers on
+    these hosts' hybrid cgroups; chroot isolation is the fastest plain build there is.)
+  - campugrid: submit -> the job running, through the platform as `campugrid up` starts it,
+    its Docker Hub mirror caching a stand-in Hub (no public registry is reachable here):
+    lease, base by digest (cached), the declared wheels fetched outside the sandbox, the
+    build with every RUN step under gVisor and no network, then the sandbox started.
+The goal (issue 14): campugrid at most 1.5x the plain build on a warm cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from recovery import until  # bench/, beside this script
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tests/support: the stand-in python image and open registry
+
+from campugrid.cli.platform import Platform, ProviderUser  # noqa: E402
+from campugrid.cli.seaweed import free_port  # noqa: E402
+from campugrid.client import Api, tar_folder  # noqa: E402
+from campugrid.protocol.spec import JobSpec  # noqa: E402
+from tests.support.oci import OpenRegistry, python_slim  # noqa: E402
+
+HUB_NAME = "docker.io/library/python:3.11-slim"
+
+
+def entries() -> dict[str, tuple[Path, dict[str, Any]]]:
+    """The corpus entries that build (the one that must fail is left out)."""
+    corpus = REPO / "tests" / "corpus"
+    out = {p.name: (p, json.loads((p / "expect.json").read_text()))
+           for p in corpus.iterdir() if p.is_dir()}
+    for named in corpus.glob("*.json"):
+        expect = json.loads(named.read_text())
+        out[named.stem] = (REPO / expect.pop("context"), expect)
+    return {k: v for k, v in sorted(out.items()) if v[1]["state"] == "succeeded"}
+
+
+def context_copy(source: Path, root: Path, user: ProviderUser) -> Path:
+    folder = Path(tempfile.mkdtemp(dir=root))
+    shutil.copytree(source, folder / "ctx", ignore=shutil.ignore_patterns("expect.json"))
+    for path in [folder, *folder.rglob("*")]:
+        os.chown(path, user.uid, user.gid)
+    return folder / "ctx"
+
+
+def plain_build(user: ProviderUser, context: Path, tag: str) -> float:
+    t = time.monotonic()
+    subprocess.run(user.command(["buildah", "bud", "--isolation", "chroot", "--pull-never",
+                                 "--layers=false", "-q", "-t", tag, str(context)]),
+                   capture_output=True, text=True, timeout=900, check=True)
+    took = time.monotonic() - t
+    subprocess.run(user.command(["podman", "rmi", "-f", tag]), capture_output=True, timeout=120)
+    return took
+
+
+def campugrid_build(api: Api, context: Path, expect: dict[str, Any]) -> float:
+    t = time.monotonic()
+    job = api.submit(tar_folder(context), JobSpec.from_dict(expect.get("spec", {})))["id"]
+    until(lambda: api.job(job)["state"] in ("running", "succeeded", "failed"), timeout=900)
+    took = time.monotonic() - t
+    final = api.wait(job, timeout_s=900)
+    if final["state"] != "succeeded":
+        raise RuntimeError(f"job {job} {final['state']}: {final.get('reason')}")
+    return took
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="campugrid-bench-builds-"))
+    os.chmod(root, 0o711)
+    user = ProviderUser.resolve()
+    slim = python_slim(user.command([]))
+    # The plain build finds the base under the name the Dockerfiles use.
+    subprocess.run(user.command(["podman", "tag", slim, HUB_NAME]), check=True, timeout=60)
+    hub = OpenRegistry(root / "hub")
+    hub.push(f"containers-storage:{slim}", "library/python:3.11-slim", as_user=user.command([]))
+    platform = Platform(root / "state", http_port=free_port(),
+                        admin_identity=root / "admin.json", hub_upstream=f"http://{hub.address}")
+    corpus = entries()
+    plain: dict[str, list[float]] = {name: [] for name in corpus}
+    ours: dict[str, list[float]] = {name: [] for name in corpus}
+    try:
+        platform.start()
+        platform.start_agent("bench-builds")
+        with platform.api() as api:
+            for r in range(args.rounds + 1):  # round 0 warms the caches, not counted
+                for name, (source, expect) in corpus.items():
+                    took_plain = plain_build(user, context_copy(source, root, user),
+                                             f"localhost/campugrid-bench/{name}:{r}")
+                    took_ours = campugrid_build(api, context_copy(source, root, user), expect)
+                    if r:
+                        plain[name].append(took_plain)
+                        ours[name].append(took_ours)
+                    print(f"round {r} {name}: plain {took_plain:.1f} s, campugrid "
+                          f"{took_ours:.1f} s", flush=True)
+    finally:
+        platform.stop()
+        hub.stop()
+        subprocess.run(user.command(["podman", "rmi", HUB_NAME]), capture_output=True)
+        shutil.rmtree(root, ignore_errors=True)
+
+    print(f"\nthe corpus built on a warm cache, median of {args.rounds} rounds (campugrid: "
+          "submit -> running)\n")
+    print("| Dockerfile        | plain buildah, network | campugrid, RUN offline in gVisor | vs base |")
+    print("|-------------------|------------------------|----------------------------------|---------|")
+    ratios = []
+    for name in corpus:
+        base, got = statistics.median(plain[name]), statistics.median(ours[name])
+        ratios.append(got / base)
+        print(f"| {name:<17} | {base:20.1f} s | {got:30.1f} s | {got / base:6.2f}x |")
+    geo = statistics.geometric_mean(ratios)
+    print(f"| geometric mean    |                        |                                  "
+          f"| {geo:6.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
