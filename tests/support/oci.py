@@ -63,14 +63,15 @@ def oci_image(layout: Path, files: dict[str, bytes] | list[dict[str, bytes]],
     return f"oci:{layout}:{tag}"
 
 
-PYTHON_SLIM = "localhost/campugrid-test/python-slim:3.11-v3"  # bump when its recipe changes
+PYTHON_SLIM = "localhost/campugrid-test/python-slim:3.11-v4"  # bump when its recipe changes
 
 
 def python_slim(as_user: list[str]) -> str:
     """A stand-in for Docker Hub's `python:3.11-slim`, made from the local Debian base (no
     registry is reachable here): pip installed from Debian's own pip wheel, no
     EXTERNALLY-MANAGED marker, PYTHON_VERSION set as the official image sets it, and no
-    NumPy (the local base has Debian's; the real image has none), `python` on the PATH.
+    NumPy (the local base has Debian's; the real image has none), `python` on the PATH, and
+    the CA certificates a plain build's pip needs (this host's bundle).
     Made once
     in the provider's store (`as_user`: the command prefix that runs as the provider)."""
     if subprocess.run([*as_user, "podman", "image", "exists", PYTHON_SLIM],
@@ -81,13 +82,14 @@ def python_slim(as_user: list[str]) -> str:
         os.chmod(context, 0o755)
         wheels = sorted(Path("/usr/share/python-wheels").glob("pip-*.whl"))
         assert wheels, "Debian's pip wheel is missing: apt-get install python3-pip-whl"
-        for wheel in wheels:
-            shutil.copy(wheel, context / wheel.name)
-            os.chmod(context / wheel.name, 0o644)
+        for file in (*wheels, Path("/etc/ssl/certs/ca-certificates.crt")):
+            shutil.copy(file, context / file.name)
+            os.chmod(context / file.name, 0o644)
         (context / "Dockerfile").write_text(
             "FROM localhost/campugrid/python:bookworm\n"
             "ENV PYTHON_VERSION=3.11.2\n"
             "COPY *.whl /tmp/wheels/\n"
+            "COPY ca-certificates.crt /etc/ssl/certs/ca-certificates.crt\n"
             f"RUN python3 /tmp/wheels/{wheels[-1].name}/pip install --no-index --quiet "
             "--break-system-packages /tmp/wheels/*.whl "
             "&& rm -rf /tmp/wheels /usr/lib/python3.11/EXTERNALLY-MANAGED "

@@ -240,7 +240,18 @@ class ApiOps:
             all=True, filters={"label": f"{key}={value}"})]
 
     def images(self) -> list[str]:
-        return [tag for image in self.client.images.list() for tag in image.tags]
+        from podman.errors import APIError
+
+        for attempt in range(3):
+            try:
+                return [tag for image in self.client.images.list() for tag in image.tags]
+            except APIError:
+                # Podman lists, then inspects each image: one removed in between (by another
+                # process of this user) fails the whole listing. Ask again.
+                if attempt == 2:
+                    raise
+                time.sleep(0.2)
+        return []
 
     def image_size(self, ref: str) -> int | None:
         from podman.errors import ImageNotFound
