@@ -135,15 +135,14 @@ class CliOps:
             else None
 
     def image_layers(self, ref: str) -> list[str] | None:
-        out = self._run("image", "inspect", "--format", "{{json .RootFS.Layers}}", ref)
-        try:
-            got = json.loads(out.stdout) if out.returncode == 0 else None
-        except ValueError:
-            return None
-        return [str(d) for d in got] if isinstance(got, list) else None
+        return self._inspected_list(ref, ".RootFS.Layers")
 
     def image_env(self, ref: str) -> list[str] | None:
-        out = self._run("image", "inspect", "--format", "{{json .Config.Env}}", ref)
+        return self._inspected_list(ref, ".Config.Env")
+
+    def _inspected_list(self, ref: str, field: str) -> list[str] | None:
+        """A list field of `podman image inspect` (null: empty), None if there is no image."""
+        out = self._run("image", "inspect", "--format", f"{{{{json {field}}}}}", ref)
         if out.returncode != 0:
             return None
         try:
