@@ -42,8 +42,8 @@ from campugrid.protocol.pipwords import (
 from campugrid.protocol.spec import BuildOptions
 from campugrid.sandbox.process import LogFn, run_streaming
 
-# Where RUN steps see the wheels: under /dev, a fresh tmpfs in every RUN step, so the mount
-# point Buildah makes for a volume does not stay in the image.
+# Where RUN steps see the wheels. Buildah leaves a volume's mount point in the image (an empty
+# folder); under /dev, which every runtime mounts afresh, no container of the image sees it.
 IN_BUILD = "/dev/campugrid-wheels"
 DEFAULT_PYTHON = "3.11"
 DEFAULT_INDEX = "https://pypi.org/simple"
@@ -171,9 +171,6 @@ def stage(installs: Sequence[PipInstall], build: BuildOptions, context: Path, wo
     if total > disk_mb * 1024**2:
         raise BuildFailed(f"the build's Python wheels take {total // 1024**2} MB, more than "
                           f"resources.disk_mb ({disk_mb} MB)", "")
-    for leftover in folder.iterdir():  # pip keeps only wheels with --only-binary; be sure
-        if not leftover.name.endswith(".whl"):
-            leftover.unlink()
     return Staged(folder, len(wheels), total)
 
 
