@@ -73,6 +73,22 @@ try:
     env = json.loads(subprocess.run(["podman", "image", "inspect", image], capture_output=True,
                                     text=True, check=True).stdout)[0]["Config"].get("Env") or []
     out["env"] = [ops.image_env(image) == env, ops.image_env("localhost/no/such:x")]
+    # a file of the image, through a symlink inside it (/etc/os-release -> ../usr/lib/...)
+    want_release = subprocess.run(["podman", "run", "--rm", "--runtime", "runsc", *RUNSC_FLAGS,
+                                   "--network", "none", image, "cat", "/etc/os-release"],
+                                  capture_output=True, check=True).stdout
+    try:
+        ops.image_file(image, "/etc/os-release", 10)
+        too_big = "read"
+    except ValueError:
+        too_big = "refused"
+    out["file"] = [ops.image_file(image, "/etc/os-release", 1 << 20) == want_release,
+                   ops.image_file(image, "/etc/no-such-file", 1 << 20),
+                   ops.image_file(image, "/etc", 1 << 20),
+                   ops.image_file("localhost/no/such:x", "/etc/os-release", 1 << 20), too_big,
+                   [n for n in subprocess.run(["podman", "ps", "-a", "--format", "{{.Names}}"],
+                                              capture_output=True, text=True).stdout.split()
+                    if n.startswith("campugrid-read-")]]
     index = ops.layer_index()
     store = json.loads(index[0].read_text())
     out["layer_index"] = [str(p.parent) for p in index] == [
@@ -115,6 +131,7 @@ def test_both_paths_answer_alike(kind: str):
         "running_after_term": False, "gone": [None, None, None], "labelled_after": [],
         "absent": [None, None, None], "layers": True, "layer_index": True,
         "env": [True, None],
+        "file": [True, None, None, None, "refused", []],
         "sizes_equal": True, "listed": True,
         "after_one_name": [None, True, True], "after_both": [], "base_kept": True,
     }

@@ -159,3 +159,24 @@ def test_build_arguments_follow_every_from_and_nothing_else_moves():
                    "COPY --from=build /x /y", "FROM build AS again",
                    "ARG PIP_NO_INDEX=1", "ARG PIP_FIND_LINKS=/dev/w", "RUN true", ""]
     assert pin_bases(text, {}, checked.froms, ()) == text  # nothing to do: unchanged
+
+
+def test_apt_lines_belong_to_the_base_their_stage_builds_on():
+    """Each stage's apt packages are fetched for the image that stage builds on (through the
+    earlier stages it names), and its FROM gets that base's APT_CONFIG alone."""
+    text = (f"FROM python:3.11-slim AS build\nRUN apt-get update && apt-get install -y jq\n"
+            f"FROM {BASE}\nRUN apt install -y --no-install-recommends libgl1\n"
+            "FROM build AS again\nRUN sh -c 'apt-get -y dist-upgrade'\nFROM scratch\n")
+    checked = check_dockerfile(text, allowed_bases(BASE), ("docker.io",))
+    assert checked.from_bases == (0, 1, 0, None)
+    assert [(a.line, a.packages, a.recommends, a.upgrade, a.stage) for a in checked.apt] == [
+        (2, ("jq",), True, False, 0), (4, ("libgl1",), False, False, 1),
+        (6, (), True, True, 2)]
+    got = pin_bases(text, {}, checked.froms, (), {0: (("APT_CONFIG", "/a/0"),),
+                                                  1: (("APT_CONFIG", "/a/1"),),
+                                                  2: (("APT_CONFIG", "/a/0"),)}).split("\n")
+    assert got == ["FROM python:3.11-slim AS build", "ARG APT_CONFIG=/a/0",
+                   "RUN apt-get update && apt-get install -y jq", f"FROM {BASE}",
+                   "ARG APT_CONFIG=/a/1", "RUN apt install -y --no-install-recommends libgl1",
+                   "FROM build AS again", "ARG APT_CONFIG=/a/0",
+                   "RUN sh -c 'apt-get -y dist-upgrade'", "FROM scratch", ""]

@@ -14,10 +14,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import dockerfile
 
+from campugrid.protocol.aptwords import AptInstall, apt_installs
 from campugrid.protocol.errors import InvalidInput
 from campugrid.protocol.pipwords import PipInstall, pip_installs
 
@@ -152,6 +153,10 @@ class CheckedDockerfile:
     bases: tuple[BaseUse, ...]
     pip: tuple[PipInstall, ...] = ()  # what its RUN steps install with pip (pipwords.py)
     froms: tuple[tuple[int, int], ...] = ()  # every FROM's first and last line
+    apt: tuple[AptInstall, ...] = ()  # what its RUN steps install with apt (aptwords.py)
+    # for every FROM, the index in `bases` of the image its stage builds on (through earlier
+    # stages it names); None for scratch
+    from_bases: tuple[int | None, ...] = ()
 
 
 @dataclasses.dataclass
@@ -159,6 +164,7 @@ class _Stage:
     index: int
     name: str | None
     vars: dict[str, str | None]  # None: declared, but with no value we can know
+    base: int | None = None  # index in the check's bases of the image it builds on
 
 
 def check_dockerfile(text: str, allowed: Sequence[AllowedBase] | None = None,
@@ -177,6 +183,7 @@ def check_dockerfile(text: str, allowed: Sequence[AllowedBase] | None = None,
     stages: list[_Stage] = []
     bases: list[BaseUse] = []
     pip: list[PipInstall] = []
+    apt: list[AptInstall] = []
     froms: list[tuple[int, int]] = []
     for cmd in commands:
         inst, line = cmd.cmd.upper(), cmd.start_line
@@ -192,9 +199,10 @@ def check_dockerfile(text: str, allowed: Sequence[AllowedBase] | None = None,
         if inst == "FROM":
             froms.append((line, max(cmd.end_line, line)))
             stage, use = _from(cmd, stages, global_args, allowed, registries, at)
-            stages.append(stage)
             if use is not None:
+                stage.base = len(bases)
                 bases.append(use)
+            stages.append(stage)
             continue
         if not stages:
             if inst != "ARG":
@@ -209,12 +217,15 @@ def check_dockerfile(text: str, allowed: Sequence[AllowedBase] | None = None,
         elif inst == "RUN":
             _run_flags(cmd.flags, at)
             pip.extend(pip_installs(cmd.value, cmd.json, line))
+            apt.extend(dataclasses.replace(a, stage=stage.index)
+                       for a in apt_installs(cmd.value, cmd.json, line))
         elif inst in ("ADD", "COPY"):
             _copy(cmd, inst, stage, stages, at)
     if not stages:
         raise InvalidInput("Dockerfile: no FROM instruction")
     return CheckedDockerfile(stages=len(stages), bases=tuple(bases), pip=tuple(pip),
-                             froms=tuple(froms))
+                             froms=tuple(froms), apt=tuple(apt),
+                             from_bases=tuple(s.base for s in stages))
 
 
 def _from(cmd: dockerfile.Command, stages: list[_Stage], global_args: dict[str, str | None],
@@ -237,7 +248,7 @@ def _from(cmd: dockerfile.Command, stages: list[_Stage], global_args: dict[str, 
     index = len(stages)
     for earlier in stages:
         if earlier.name is not None and earlier.name == ref.lower():
-            return _Stage(index, name, dict(earlier.vars)), None  # ENV carries over
+            return _Stage(index, name, dict(earlier.vars), earlier.base), None  # ENV too
     if ref == "scratch":
         return _Stage(index, name, {}), None
     image, _, digest = ref.partition("@")
@@ -270,23 +281,26 @@ def _from(cmd: dockerfile.Command, stages: list[_Stage], global_args: dict[str, 
 
 
 def pin_bases(text: str, local: dict[BaseUse, str], froms: Sequence[tuple[int, int]] = (),
-              run_args: Sequence[tuple[str, str]] = ()) -> str:
+              run_args: Sequence[tuple[str, str]] = (),
+              from_args: Mapping[int, Sequence[tuple[str, str]]] | None = None) -> str:
     """The Dockerfile with each FROM of `local` (BaseUses check_dockerfile found in this
     text) starting from that local image instead: its whole instruction's lines replaced
     (its AS name kept); after every FROM of `froms` (check_dockerfile's), an `ARG NAME=value`
-    line for each of `run_args` (what every RUN step of the stage then sees, and the image
-    does not keep); every other line as it was. Lines only, no parsing: the agent parses a
-    job's Dockerfile only in a confined child."""
+    line for each of `run_args` and of `from_args[i]` for the i-th FROM (what every RUN step
+    of the stage then sees, and the image does not keep); every other line as it was. Lines
+    only, no parsing: the agent parses a job's Dockerfile only in a confined child."""
     lines = text.split("\n")  # as BuildKit counts them (not str.splitlines' other breaks)
     pinned = {use.line: use for use in local}
-    spans = {start: end for start, end in froms} if run_args else {}
+    from_args = from_args or {}
+    args = {start: [f"ARG {name}={value}" for name, value in (*run_args, *from_args.get(i, ()))]
+            for i, (start, _) in enumerate(froms)}
+    spans = {start: end for start, end in froms if args[start]}
     spans |= {use.line: max(use.end_line, use.line) for use in local}
-    args = [f"ARG {name}={value}" for name, value in run_args]
     for start in sorted(spans, reverse=True):
         use = pinned.get(start)
         head = lines[start - 1:spans[start]] if use is None else \
             [f"FROM {local[use]}" + (f" AS {use.stage}" if use.stage else "")]
-        lines[start - 1:spans[start]] = head + args
+        lines[start - 1:spans[start]] = head + args.get(start, [])
     return "\n".join(lines)
 
 

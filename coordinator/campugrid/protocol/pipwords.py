@@ -19,7 +19,7 @@ import os
 import re
 import shlex
 import tomllib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 from packaging.requirements import InvalidRequirement, Requirement
 
 from campugrid.protocol.errors import InvalidInput
+from campugrid.protocol.shellwords import simple_commands
 
 # Indexes a RUN line or a requirement file may name: the agent fetches from them (https only).
 DEFAULT_INDEXES = ("pypi.org", "files.pythonhosted.org", "download.pytorch.org",
@@ -37,9 +38,6 @@ MAX_FILE_DEPTH = 8
 _PIP = re.compile(r"^pip(\d+(\.\d+)?)?$")
 _HASH = re.compile(r"^(sha256|sha384|sha512):[0-9a-f]{32,128}$")
 _PYTHON = re.compile(r"^python(\d+(\.\d+)?)?$")
-_WRAPPERS = {"sudo", "exec", "time", "nice", "nohup", "command", "env", "xargs"}
-_SEPARATORS = {"&&", "||", ";", "|", "&", "(", ")", ";;", "{", "}", "!", "\n"}
-_REDIRECTS = {">", ">>", "<", "<<", ">&", "<&", "&>", ">|"}
 # `pip install` options followed by a value (as a separate word, or after "=").
 _VALUED = {"-r", "--requirement", "-c", "--constraint", "-e", "--editable", "-t", "--target",
            "--platform", "--python-version", "--implementation", "--abi", "--root", "--prefix",
@@ -100,70 +98,32 @@ def pip_installs(value: Sequence[str], json_form: bool, line: int) -> list[PipIn
     """The `pip install` commands of one RUN instruction (its words as BuildKit parsed
     them), in order. Raises InvalidInput for what cannot be fetched before the build."""
     at = f"Dockerfile line {line}"
-    if json_form:
-        return _from_command(list(value), line, at)
-    found = []
-    for command in _commands(" ".join(value)):
-        found.extend(_from_command(command, line, at))
-    return found
+    return [found for words in simple_commands(value, json_form)
+            if (found := _from_command(words, line, at)) is not None]
 
 
-def _commands(text: str) -> Iterator[list[str]]:
-    """The simple commands of a shell line: words between separators, redirections left out."""
-    lexer = shlex.shlex(text, posix=True, punctuation_chars=True)
-    lexer.whitespace_split = True
-    words: list[str] = []
-    skip = False
-    try:
-        for token in lexer:
-            if skip:
-                skip = False
-            elif token in _SEPARATORS:
-                if words:
-                    yield words
-                words = []
-            elif token in _REDIRECTS or (token and token.strip("<>&|") == ""):
-                if words and words[-1].isdigit():  # 2>&1: the 2 is the redirection's
-                    words.pop()
-                skip = True
-            else:
-                words.append(token)
-    except ValueError:  # an unbalanced quote: BuildKit's shell would fail on it too
-        pass
-    if words:
-        yield words
-
-
-def _from_command(words: list[str], line: int, at: str) -> list[PipInstall]:
-    while words and (re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0])
-                     or os.path.basename(words[0]) in _WRAPPERS
-                     or (words[0].startswith("-") and len(words) > 1)):
-        words = words[1:]  # VAR=value, sudo, env -i ... before the program
-    if not words:
-        return []
+def _from_command(words: list[str], line: int, at: str) -> PipInstall | None:
     program = os.path.basename(words[0])
     rest = words[1:]
-    if program in ("sh", "bash", "dash") and len(rest) >= 2 and rest[0] == "-c":
-        return pip_installs([rest[1]], False, line)
     if _PYTHON.match(program):
         while rest and rest[0].startswith("-") and rest[0] not in ("-m", "-mpip"):
             rest = rest[2:] if rest[0] in ("-W", "-X") else rest[1:]
         if rest[:1] == ["-mpip"]:
             rest = ["-m", "pip", *rest[1:]]
         if rest[:2] != ["-m", "pip"]:
-            return []
+            return None
         rest = rest[2:]
     elif program == "uv":
         if rest[:1] != ["pip"]:
-            return []
+            return None
         rest = rest[1:]
     elif not _PIP.match(program):
-        return []
+        return None
     while rest and rest[0].startswith("-"):  # pip's own options before its command
         rest = rest[2:] if rest[0] in _VALUED else rest[1:]
     if rest[:1] != ["install"]:
-        return []
-    return [_install(rest[1:], line, at)]
+        return None
+    return _install(rest[1:], line, at)
 
 
 def _install(args: list[str], line: int, at: str) -> PipInstall:

@@ -13,6 +13,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from campugrid.protocol.aptwords import MAX_PACKAGES, package
 from campugrid.protocol.errors import InvalidInput
 from campugrid.protocol.pipwords import requirement
 
@@ -137,10 +138,12 @@ class ImageOptions:
 class BuildOptions:
     """What the build needs fetched beforehand (RUN steps have no network): `pip`,
     requirements besides those the Dockerfile's pip lines name; `python`, the base image's
-    Python ("3.11") where the image does not say (its PYTHON_VERSION)."""
+    Python ("3.11") where the image does not say (its PYTHON_VERSION); `apt`, Debian
+    packages besides those the Dockerfile's apt-get lines name."""
 
     pip: tuple[str, ...] = ()
     python: str | None = None
+    apt: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,8 +353,13 @@ def _build(value: Any) -> BuildOptions:
     _require(python is None or (isinstance(python, str)
                                 and re.fullmatch(r"3\.\d{1,2}", python) is not None),
              "build.python", 'must be a Python version such as "3.11"')
+    apt = value.get("apt") or []
+    _require(isinstance(apt, list) and len(apt) <= MAX_PACKAGES
+             and all(isinstance(p, str) for p in apt), "build.apt",
+             f"must be a list of at most {MAX_PACKAGES} Debian packages, e.g. \"libgl1\"")
     return BuildOptions(pip=tuple(requirement(r, f"build.pip[{i}]") for i, r in enumerate(pip)),
-                        python=python)
+                        python=python,
+                        apt=tuple(package(p, f"build.apt[{i}]") for i, p in enumerate(apt)))
 
 
 

@@ -1,5 +1,6 @@
 """What the agent asks of its own Podman besides starting sandboxes: inspect, signal, remove
-and list containers (by label), and list, inspect (size, layers, environment), tag and remove images.
+and list containers (by label), and list, inspect (size, layers, environment), read a file
+of, tag and remove images.
 
 Two implementations with one contract (tests/integration/test_podman_ops.py runs the same
 cases through both):
@@ -18,15 +19,18 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import io
 import json
 import logging
 import os
 import re
 import shutil
 import subprocess
+import tarfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 from campugrid.sandbox.process import guard, release_guard
 
@@ -69,6 +73,13 @@ class PodmanOps(Protocol):
     def layer_index(self) -> list[Path]:
         """containers-storage's own index of the layers in this user's store (the files that
         may hold it), as `podman info` places the store."""
+        ...
+
+    def image_file(self, ref: str, path: str, max_bytes: int) -> bytes | None:
+        """One regular file of the image (a symlink followed inside the image's own root, as
+        Podman copies out of a container), read from a container made for it and never
+        started. None if the image or the file is not there, or it is not a regular file;
+        ValueError past `max_bytes`."""
         ...
 
     def tag(self, ref: str, new: str) -> None: ...
@@ -155,6 +166,22 @@ class CliOps:
         out = self._run("info", "--format", "{{.Store.GraphRoot}}\t{{.Store.GraphDriverName}}")
         root, _, driver = out.stdout.strip().partition("\t")
         return _layer_index(root, driver)
+
+    def image_file(self, ref: str, path: str, max_bytes: int) -> bytes | None:
+        name = _reader_name()
+        if self._run("create", "--name", name, "--network", "none", "--entrypoint", "",
+                     ref, "true").returncode != 0:
+            return None
+        try:
+            with subprocess.Popen([self.podman, "cp", f"{name}:{path}", "-"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL) as proc:
+                assert proc.stdout is not None
+                try:
+                    return _file_in_tar(proc.stdout, max_bytes)
+                finally:
+                    proc.kill()
+        finally:
+            self.remove(name)
 
     def tag(self, ref: str, new: str) -> None:
         self._run("tag", ref, new)
@@ -283,6 +310,26 @@ class ApiOps:
         return _layer_index(str(store.get("graphRoot") or ""),
                             str(store.get("graphDriverName") or ""))
 
+    def image_file(self, ref: str, path: str, max_bytes: int) -> bytes | None:
+        from podman.errors import APIError, ImageNotFound, NotFound
+
+        name = _reader_name()
+        if not self.client.images.exists(ref):
+            return None
+        try:
+            made = self.client.containers.create(ref, command=["true"], name=name,
+                                                 network_mode="none", entrypoint=[])
+        except (ImageNotFound, NotFound):  # removed meanwhile
+            return None
+        try:
+            try:
+                chunks, _ = made.get_archive(path)
+            except (NotFound, APIError):
+                return None
+            return _file_in_tar(io.BufferedReader(_ChunkReader(iter(chunks))), max_bytes)
+        finally:
+            self.remove(name)
+
     def tag(self, ref: str, new: str) -> None:
         repo, _, tag = new.rpartition(":")
         self.client.images.get(ref).tag(repo, tag)
@@ -292,6 +339,49 @@ class ApiOps:
 
         with contextlib.suppress(ImageNotFound, APIError):
             self.client.images.remove(ref, force=True)
+
+
+def _reader_name() -> str:
+    return f"campugrid-read-{os.getpid()}-{time.monotonic_ns()}"
+
+
+def _file_in_tar(stream: IO[bytes], max_bytes: int) -> bytes | None:
+    """The first member of a tar stream (what `podman cp` writes): its bytes if it is a
+    regular file of at most `max_bytes`, read no further than that."""
+    with contextlib.ExitStack() as stack:
+        try:
+            tar = stack.enter_context(tarfile.open(fileobj=stream, mode="r|"))
+        except tarfile.ReadError:  # nothing written: no such file
+            return None
+        member = tar.next()
+        if member is None or not member.isfile():
+            return None
+        if member.size > max_bytes:
+            raise ValueError(f"{member.name}: {member.size} bytes, more than {max_bytes}")
+        got = tar.extractfile(member)
+        return got.read(max_bytes) if got is not None else None
+    return None  # not reached: the ExitStack does not swallow exceptions
+
+
+class _ChunkReader(io.RawIOBase):
+    """A file over an iterator of byte chunks (podman-py's archive stream)."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self.chunks = chunks
+        self.left = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self.left:
+            self.left = next(self.chunks, b"")
+            if not self.left:
+                return 0
+        n = min(len(buffer), len(self.left))
+        buffer[:n] = self.left[:n]
+        self.left = self.left[n:]
+        return n
 
 
 def _layer_index(root: str, driver: str) -> list[Path]:

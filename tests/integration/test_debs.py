@@ -1,0 +1,158 @@
+"""The agent's Debian package fetching, against the real Debian mirror (reachable from these
+machines, as the package registries are), as the provider user with no root: the declared
+packages and what they need beyond the base, checked by apt, into a repository that a
+Buildah build under gVisor installs from with no network; clear failures for a package that
+does not exist, one the declaration missed, and more than the job's disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.provider import buildah_build, sandbox_run
+
+pytestmark = pytest.mark.integration
+FROM = "FROM localhost/campugrid/python:bookworm\n"
+
+STAGE = r"""
+import json, sys, threading
+from pathlib import Path
+from campugrid.agent import debs
+from campugrid.protocol.dockerfiles import check_dockerfile, pin_bases
+from campugrid.protocol.errors import BuildFailed, SandboxError
+from campugrid.protocol.spec import BuildOptions
+from campugrid.sandbox.podman_ops import CliOps
+args = json.loads(sys.argv[1])
+ctx = Path(args["context"])
+text = (ctx / "Dockerfile").read_text()
+checked = check_dockerfile(text)
+lines, out = [], {}
+try:
+    got = debs.stage(checked.apt, BuildOptions(apt=tuple(args["apt"])),
+                     [u.allowed.name for u in checked.bases], checked.from_bases, CliOps(),
+                     Path(args["work"]), disk_mb=args["disk_mb"], log=lines.append,
+                     stop=threading.Event())
+    if got is None:
+        out["staged"] = None
+    else:
+        (ctx / "Dockerfile").write_text(pin_bases(text, {}, checked.froms, (),
+                                                  got.from_args(checked.from_bases)))
+        out["staged"] = {"count": got.count, "bytes": got.bytes, "folder": str(got.folder),
+                         "volumes": [[str(h), i] for h, i in got.volumes()],
+                         "files": {r: sorted(p.name for p in (got.folder / r).iterdir())
+                                   for r in got.repos.values()}}
+except BuildFailed as e:
+    out["failed"] = e.reason
+except SandboxError as e:
+    out["machine"] = e.reason
+out["log"] = lines
+print(json.dumps(out))
+"""
+
+
+def stage(provider, root: Path, dockerfile: str, *, apt: tuple[str, ...] = (),
+          disk_mb: int = 256) -> dict[str, Any]:
+    ctx, work = root / "ctx", root / "work"
+    for d in (ctx, work):
+        d.mkdir()
+    (ctx / "Dockerfile").write_text(FROM + dockerfile)
+    if os.geteuid() == 0:
+        for p in (root, ctx, work, ctx / "Dockerfile"):
+            os.chown(p, provider.uid, provider.gid)
+    args = {"context": str(ctx), "work": str(work), "apt": list(apt), "disk_mb": disk_mb}
+    proc = subprocess.run(provider.command([sys.executable, "-c", STAGE, json.dumps(args)]),
+                          capture_output=True, text=True, timeout=900, cwd="/")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got["context"] = str(ctx)
+    return got
+
+
+def explained(res: dict[str, Any], staged: set[str]) -> str:
+    """What the agent says of a failed build, with these packages staged for it."""
+    from campugrid.agent import debs
+    from campugrid.protocol.errors import BuildFailed
+    return debs.explain(BuildFailed(res["reason"], res["tail"]),
+                        debs.Staged(Path("/x"), {}, 0, 0, frozenset(staged))).reason
+
+
+def test_declared_packages_install_offline_in_the_build_from_the_staged_repository(
+        provider, shared_tmp):
+    got = stage(provider, shared_tmp,
+                "RUN apt-get update && apt-get install -y --no-install-recommends jq && "
+                "rm -rf /var/lib/apt/lists/*\n"
+                "RUN echo '{\"answer\": 42}' | jq .answer > /answer\n"
+                "RUN python3 -c \"import socket; socket.create_connection(('deb.debian.org', "
+                "80), timeout=3)\" 2>/dev/null && echo NET-REACHED > /net || echo offline > /net\n",
+                apt=("libonig5",))
+    staged = got["staged"]
+    assert staged is not None, got
+    # jq and what it needs beyond the base (libjq1, libonig5): nothing the base already has
+    debs = [f for f in staged["files"]["0"] if f.endswith(".deb")]
+    assert sorted(f.split("_")[0] for f in debs) == ["jq", "libjq1", "libonig5"], debs
+    assert {"Packages", "apt.conf", "sources.list"} <= set(staged["files"]["0"])
+    assert staged["volumes"] == [[staged["folder"], "/dev/campugrid-apt"]]
+    log = "\n".join(got["log"])
+    assert "fetching Debian packages for debian bookworm (amd64) from http://deb.debian.org" in log
+    assert "staged 3 Debian packages" in log and "[campugrid] deb jq " in log
+    dockerfile = Path(got["context"], "Dockerfile").read_text()
+    assert "ARG APT_CONFIG=/dev/campugrid-apt/0/apt.conf" in dockerfile
+    tag = "localhost/campugrid-test/apt-offline:1"
+    res = buildah_build(provider, got["context"], tag,
+                        volumes=[tuple(v) for v in staged["volumes"]])  # type: ignore[misc]
+    try:
+        assert res["ok"], res
+        out = "\n".join(res["lines"])
+        assert "file:/dev/campugrid-apt/0 ./ Packages" in out  # apt's only source
+        assert not re.search(r"^(Get|Hit|Ign|Err):\d+ http", out, re.M), out
+        out_dir = shared_tmp / "out"
+        out_dir.mkdir()
+        os.chown(out_dir, provider.uid, provider.gid) if os.geteuid() == 0 else None
+        run = sandbox_run(provider, name="t-apt", image=tag, output_dir=str(out_dir),
+                          command=["sh", "-c", "cat /answer /net; jq --version; "
+                                               "ls -A /dev/campugrid-apt 2>&1 | wc -l"])
+        # the job's image runs jq; the build's RUN had no network; the repository's mount
+        # point stays only as an empty folder under /dev, which the sandbox mounts afresh
+        assert run["exit_code"] == 0 and run["lines"][:3] == ["42", "offline", "jq-1.6"], run
+        assert run["lines"][3] in ("0", "1"), run
+    finally:
+        subprocess.run(provider.command(["podman", "rmi", "-f", tag]), capture_output=True)
+
+
+def test_a_package_the_declaration_missed_fails_the_build_naming_it(provider, shared_tmp):
+    """jq is declared; the script the build runs installs tree too, unseen before the build."""
+    got = stage(provider, shared_tmp, "RUN apt-get update && apt-get install -y jq\n"
+                "RUN sh -c \"$(printf 'apt-get install -y tree')\"\n")
+    assert got["staged"] is not None, got
+    res = buildah_build(provider, got["context"], "localhost/campugrid-test/apt-missed:1",
+                        volumes=[tuple(v) for v in got["staged"]["volumes"]])  # type: ignore[misc]
+    assert not res["ok"]
+    assert explained(res, {"jq", "libjq1", "libonig5"}).startswith(
+        "a RUN step installs tree with apt, which was not declared")
+    # a declared package apt does not find: its lists were never read (no apt-get update)
+    assert explained({"reason": "build failed", "tail": "E: Unable to locate package jq"},
+                     {"jq"}).startswith("a RUN step's apt found no jq, which was fetched for "
+                                        "it: run `apt-get update` before `apt-get install`")
+
+
+def test_no_such_package_is_refused_before_the_build_naming_it(provider, shared_tmp):
+    got = stage(provider, shared_tmp, "RUN apt-get install -y jq no-such-package-x7\n")
+    assert got.get("failed", "").startswith(
+        "Debian package no-such-package-x7: not in debian bookworm"), got
+
+
+def test_the_packages_count_against_the_jobs_disk_before_they_are_fetched(provider, shared_tmp):
+    got = stage(provider, shared_tmp, "RUN apt-get install -y gcc\n", disk_mb=1)
+    assert "Debian packages take" in got.get("failed", "") and "disk_mb" in got["failed"], got
+    assert not [line for line in got["log"] if "[apt] Get:" in line and " gcc" in line]
+
+
+def test_nothing_is_fetched_when_no_stage_uses_apt(provider, shared_tmp):
+    assert stage(provider, shared_tmp, "RUN echo no apt here\n")["staged"] is None
