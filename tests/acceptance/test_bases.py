@@ -125,9 +125,10 @@ def corpus() -> dict[str, tuple[Path, dict]]:
 def test_a_researchers_dockerfile_builds_unchanged_with_no_network_in_run(hubbed, tmp_path,
                                                                           name):
     """tests/corpus: python slim + a requirements file (the README's example), a scientific
-    stack, a pyproject project, a multi-stage build, and one that installs what it never
-    declared. Each builds as written (wheels fetched beforehand for the base's CPython), its
-    RUN steps have no network, and the job ends as its expect.json says."""
+    stack, a pyproject project, apt-get then pip, a multi-stage build, and one that installs
+    what it never declared. Each builds as written (wheels and Debian packages fetched
+    beforehand for the base), its RUN steps have no network, and the job ends as its
+    expect.json says."""
     platform, _, _ = hubbed
     source, expect = corpus()[name]
     context = tmp_path / name
@@ -151,6 +152,9 @@ def test_a_researchers_dockerfile_builds_unchanged_with_no_network_in_run(hubbed
                   if line.startswith("[campugrid] wheel ")]
         for wheel in expect["wheels"]:
             assert any(wheel in w for w in listed), (wheel, listed)
+        debs = [line.split()[2] for line in build.splitlines()
+                if line.startswith("[campugrid] deb ")]
+        assert debs == expect.get("debs", []), debs  # what apt fetched beyond the base
         net = [line.split()[1] for line in build.splitlines() if line.startswith("NET ")]
         assert net and net[-1] != "0", build[-2000:]  # connect_ex: an errno, never 0
         if "checkpoints" in expect:

@@ -28,7 +28,7 @@ import httpx
 
 from campugrid import hooks
 from campugrid.agent import bases as remote_bases
-from campugrid.agent import checkpoints, gpus, images, wheels
+from campugrid.agent import checkpoints, debs, gpus, images, wheels
 from campugrid.agent.client import CoordinatorApi
 from campugrid.agent.gpus import GpuPolicy
 from campugrid.agent.images import ImageCache
@@ -241,22 +241,28 @@ class Task:
         # The pulled bases stay in use (not evicted from the cache) until the task ends.
         self.held = {new.allowed.name for new, old in zip(uses, info.checked.bases, strict=True)
                      if old.remote}
-        staged: list[wheels.Staged | None] = []
+        staged: list[tuple[wheels.Staged | None, debs.Staged | None]] = []
+        checked = info.checked
 
         def build() -> None:
-            if not staged:  # only for a build here: a pulled image needs no wheels
+            if not staged:  # only for a build here: a pulled image needs no packages
                 python = wheels.python_of(next(
                     (env for u in uses if (env := self.ops().image_env(u.allowed.name))
                      and any(e.startswith("PYTHON_VERSION=") for e in env)), None), spec.build)
-                staged.append(wheels.stage(info.checked.pip, spec.build, context_dir, work,
-                                           python=python, disk_mb=spec.resources.disk_mb,
-                                           log=build_log, stop=self.stop))
-            args = staged[0].run_args() if staged[0] else ()
+                staged.append((
+                    wheels.stage(checked.pip, spec.build, context_dir, work, python=python,
+                                 disk_mb=spec.resources.disk_mb, log=build_log, stop=self.stop),
+                    debs.stage(checked.apt, spec.build, [u.allowed.name for u in uses],
+                               checked.from_bases, self.ops(), work,
+                               disk_mb=spec.resources.disk_mb, log=build_log, stop=self.stop)))
+            wheeled, debbed = staged[0]
+            args = wheeled.run_args() if wheeled else ()
+            from_args = debbed.from_args(checked.from_bases) if debbed else {}
             dockerfile = None
-            if local or args:  # the agent's copy: bases pinned, pip pointed at the wheels
-                dockerfile = work / "Dockerfile.prepared"
+            if local or args or from_args:  # the agent's copy: bases pinned, pip and apt
+                dockerfile = work / "Dockerfile.prepared"  # pointed at what was fetched
                 dockerfile.write_text(pin_bases((context_dir / "Dockerfile").read_text(), local,
-                                                info.checked.froms, args))
+                                                checked.froms, args, from_args))
             build_log(f"[campugrid] building with {self.builder.name}, RUN steps under gVisor, "
                       "offline")
             try:
@@ -265,9 +271,10 @@ class Task:
                                    cancel=self.stop, memory_mb=spec.resources.memory_mb,
                                    cpus=spec.resources.cpus, disk_mb=spec.resources.disk_mb,
                                    bases=uses, dockerfile=dockerfile,
-                                   volumes=staged[0].volumes() if staged[0] else ())
+                                   volumes=tuple(v for got in (wheeled, debbed) if got
+                                                 for v in got.volumes()))
             except BuildFailed as e:
-                raise wheels.explain(e, staged[0]) from e
+                raise debs.explain(wheels.explain(e, wheeled), debbed) from e
 
         try:
             self.image = images.obtain(self.client, lease, self.builder, self.cache,
