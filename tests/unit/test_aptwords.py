@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from campugrid.agent.debs import Release, release_of
+from campugrid.agent.debs import Release, installed, release_of
 from campugrid.protocol.aptwords import apt_installs
 from campugrid.protocol.errors import BuildFailed, InvalidInput
 from campugrid.protocol.spec import JobSpec
@@ -87,3 +87,20 @@ def test_a_base_apt_cannot_serve_fails_the_build_saying_so(text):
     with pytest.raises(BuildFailed) as e:
         release_of(text, "docker.io/library/x:1")
     assert "Debian and Ubuntu bases only" in e.value.reason
+
+
+def test_apt_here_reads_only_the_installed_packages_relations_of_the_images_status():
+    """The base image's dpkg status is the job's: the agent's apt reads a re-written copy,
+    each installed package's relation fields in plain text, nothing else."""
+    raw = (b"Package: libc6\nStatus: install ok installed\nPriority: optional\n"
+           b"Architecture: amd64\nVersion: 2.36-9+deb12u4\nDepends: libgcc-s1\n"
+           b"Description: GNU C Library\n long text\nConffiles:\n /etc/x 0123\n\n"
+           b"Package: gone\nStatus: deinstall ok config-files\nVersion: 1.0\n\n"
+           b"Package: Bad Name\nStatus: install ok installed\nVersion: 1\n\n"
+           b"Package: odd\nStatus: install ok installed\nVersion: 1\nDepends: a\x00b,\n"
+           b" c (>= 1)\nX-Custom: whatever\n")
+    assert installed(raw).decode() == (
+        "Package: libc6\nStatus: install ok installed\nPriority: optional\n"
+        "Architecture: amd64\nVersion: 2.36-9+deb12u4\nDepends: libgcc-s1\n\n"
+        "Package: odd\nStatus: install ok installed\nVersion: 1\n")
+    assert installed(b"") == b"\n" and installed(b"\xff\xfe garbage") == b"\n"

@@ -56,6 +56,9 @@ MIRRORS = {
 }
 PORTS = "http://ports.ubuntu.com/ubuntu-ports"  # Ubuntu's mirror for arm64 and others
 KEYRINGS = {"debian": "debian-archive-keyring.gpg", "ubuntu": "ubuntu-archive-keyring.gpg"}
+_STATUS_FIELDS = ("Package", "Status", "Version", "Architecture", "Multi-Arch", "Essential",
+                  "Priority", "Source", "Provides", "Depends", "Pre-Depends", "Conflicts",
+                  "Breaks", "Replaces")
 DPKG_ARCH = {"x86_64": "amd64", "aarch64": "arm64", "ppc64le": "ppc64el", "s390x": "s390x"}
 _NETWORK = re.compile(r"Could not resolve|Temporary failure resolving|Could not connect|"
                       r"Connection failed|Unable to connect|Failed to fetch|timed out")
@@ -159,7 +162,8 @@ def stage(installs: Sequence[AptInstall], build: BuildOptions, bases: Sequence[s
         image = bases[base]
         release = release_of(ops.image_file(image, "/etc/os-release", 64 * 1024), image)
         try:
-            status = ops.image_file(image, "/var/lib/dpkg/status", MAX_STATUS_BYTES) or b""
+            status = installed(ops.image_file(image, "/var/lib/dpkg/status",
+                                              MAX_STATUS_BYTES) or b"")
         except ValueError as e:
             raise BuildFailed(f"{image}: its dpkg status is too large to read ({e})", "") from e
         packages = list(dict.fromkeys([p for u in uses for p in u.packages] + list(build.apt)))
@@ -176,6 +180,24 @@ def stage(installs: Sequence[AptInstall], build: BuildOptions, bases: Sequence[s
     for path in (folder, *folder.rglob("*")):  # RUN steps read them as apt's own user too
         path.chmod(0o755 if path.is_dir() else 0o644)
     return Staged(folder, repos, count, total, frozenset(names))
+
+
+def installed(status: bytes) -> bytes:
+    """What apt here needs of an image's dpkg status, and nothing else: each installed
+    package's relation fields, in plain printable text. The file is the job's (its base
+    image's); apt reads only this re-written copy."""
+    keep = []
+    for stanza in status.decode("utf-8", "replace").split("\n\n"):
+        fields = dict(re.findall(r"^([A-Za-z-]+): ?([^\n]*(?:\n [^\n]*)*)", stanza, re.M))
+        name, version = fields.get("Package", ""), fields.get("Version", "")
+        if fields.get("Status") != "install ok installed" or not re.fullmatch(
+                r"[a-z0-9][a-z0-9+.-]+", name) or not re.fullmatch(r"[A-Za-z0-9.+:~_-]+",
+                                                                     version):
+            continue
+        lines = [f"{field}: {' '.join(value.split())}" for field, value in fields.items()
+                 if field in _STATUS_FIELDS and re.fullmatch(r"[ -~\n]*", value)]
+        keep.append("\n".join(lines))
+    return ("\n\n".join(keep) + "\n").encode()
 
 
 def _fetch(release: Release, status: bytes, packages: list[str], recommends: bool,
