@@ -335,12 +335,35 @@ class PullOnly:
     machine_id = "machine-test"
 
     def __init__(self, step: ImageStep) -> None:
-        self.step, self.asked = step, []
+        self.step, self.asked, self.inputs = step, [], []
 
     def image(self, job_id: str, token: int, step: str, inputs_json: str,
               digest: str = "") -> ImageStep:
         self.asked.append(step)
+        self.inputs.append(inputs_json)
         return self.step
+
+
+def test_the_packages_a_spec_declares_for_its_build_are_part_of_the_build_key(tmp_path):
+    """Two jobs of one context whose specs fetch other packages for the build (build.pip,
+    build.apt, build.python) must not share an image; a spec that declares none keeps the
+    key builds had before."""
+    from campugrid.agent.images import declared
+    from campugrid.protocol.spec import BuildOptions
+
+    sent = []
+    for build in (BuildOptions(), BuildOptions(pip=("six==1.17.0",)),
+                  BuildOptions(pip=("six==1.16.0",)), BuildOptions(apt=("jq",)),
+                  BuildOptions(pip=("six==1.17.0",), python="3.12")):
+        client = PullOnly(ImageStep(True, action="build"))
+        lease = Lease(job_id="j", attempt=1, fencing_token=1, spec_json="{}", lease_seconds=10,
+                      context_url="", output_url="")
+        obtain(client, lease, FakeBuilder(), ImageCache(tmp_path, "test"), bases=(),  # type: ignore[arg-type]
+               tag="localhost/t:1", work=tmp_path, log=lambda line: None,
+               stop=threading.Event(), build=lambda: None, disk_mb=1, declared=declared(build))
+        sent.append(client.inputs[0])
+    assert len({build_key("c" * 64, inputs) for inputs in sent}) == 5
+    assert sent[0] == json.dumps(FakeBuilder().inputs(()), sort_keys=True)
 
 
 def test_an_image_larger_than_a_build_here_could_make_is_built_here_instead(registry, tmp_path):

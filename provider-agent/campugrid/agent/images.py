@@ -14,6 +14,7 @@ coordinator has no registry, every image is built here, as before.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import shutil
@@ -21,7 +22,7 @@ import subprocess
 import tarfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from campugrid.agent.metrics import METRICS
 from campugrid.builders.base import Builder
 from campugrid.protocol.dockerfiles import BaseUse
 from campugrid.protocol.errors import BuildFailed, SandboxError
+from campugrid.protocol.spec import BuildOptions
 from campugrid.sandbox.podman_ops import CliOps, PodmanOps
 from campugrid.sandbox.process import LogFn, run_streaming
 
@@ -336,16 +338,28 @@ def unpacked_bytes(staged: Path, limit: int, skip: set[str] | frozenset[str] = f
     return total
 
 
+def declared(build: BuildOptions) -> dict[str, str]:
+    """The spec's build options as a build input: two jobs of one context that fetch other
+    packages for their builds do not share an image (none when the spec sets none, so the
+    keys of such builds stay as they were)."""
+    if build == BuildOptions():
+        return {}
+    return {"build": json.dumps(dataclasses.asdict(build), sort_keys=True)}
+
+
 def obtain(client: CoordinatorApi, lease: Lease, builder: Builder, cache: ImageCache | None,
            *, bases: Sequence[BaseUse], tag: str, work: Path, log: LogFn,
-           stop: threading.Event, build: Callable[[], None], disk_mb: int) -> str:
+           stop: threading.Event, build: Callable[[], None], disk_mb: int,
+           declared: Mapping[str, str] | None = None) -> str:
     """The local image this task runs: from the cache, pulled, or built here (`build`
-    builds `tag`, within `disk_mb`) and pushed when the coordinator says so. Raises
-    BuildFailed for the job's own faults; SandboxError or grpc errors for this machine's."""
+    builds `tag`, within `disk_mb`) and pushed when the coordinator says so. `declared`:
+    what else decides the build besides the builder and the bases (the spec's build
+    options: the packages fetched for it), part of the build's key. Raises BuildFailed for
+    the job's own faults; SandboxError or grpc errors for this machine's."""
     if cache is None or not cache.available:
         build()
         return tag
-    inputs = json.dumps(builder.inputs(bases), sort_keys=True)
+    inputs = json.dumps({**builder.inputs(bases), **(declared or {})}, sort_keys=True)
     job, token = lease.job_id, lease.fencing_token
     since = time.monotonic()
     step = _accepted(client.image(job, token, "resolve", inputs))

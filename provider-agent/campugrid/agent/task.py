@@ -280,7 +280,8 @@ class Task:
             self.image = images.obtain(self.client, lease, self.builder, self.cache,
                                        bases=uses, tag=self.tag, work=work,
                                        log=build_log, stop=self.stop, build=build,
-                                       disk_mb=spec.resources.disk_mb)
+                                       disk_mb=spec.resources.disk_mb,
+                                       declared=images.declared(spec.build))
         except BuildFailed as e:
             METRICS.build_seconds.labels("failed").observe(time.monotonic() - began)
             return Outcome(succeeded=False, exit_code=-1,
