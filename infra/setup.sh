@@ -8,6 +8,7 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 user=${CAMPUGRID_AGENT_USER:-campugrid}
 packages=(podman buildah runsc crun runc uidmap slirp4netns fuse-overlayfs debootstrap skopeo docker-registry
+          apt-cacher-ng debian-archive-keyring
           python3 python3-venv python3-dev gcc postgresql busybox-static iproute2 procps)
 # infra/test adds what only the tests need: the browser the console's tests drive.
 if [ "${CAMPUGRID_TEST_TOOLS:-}" = 1 ]; then
@@ -28,9 +29,10 @@ if [ "$(id -u)" = 0 ]; then
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   fi
   # The packages' own services are not used; tests and `up` start their own (the registry's
-  # would listen on :5000 without authentication).
+  # would listen on :5000 without authentication, apt-cacher-ng's on :3142 as anyone's proxy).
   systemctl disable --now postgresql >/dev/null 2>&1 || true
   systemctl disable --now docker-registry >/dev/null 2>&1 || true
+  systemctl disable --now apt-cacher-ng >/dev/null 2>&1 || true
 else
   for t in podman buildah runsc python3; do
     command -v "$t" >/dev/null || { say "missing $t: as root, apt-get install ${packages[*]}"; exit 1; }

@@ -155,6 +155,11 @@ def test_a_researchers_dockerfile_builds_unchanged_with_no_network_in_run(hubbed
         debs = [line.split()[2] for line in build.splitlines()
                 if line.startswith("[campugrid] deb ")]
         assert debs == expect.get("debs", []), debs  # what apt fetched beyond the base
+        # both through the platform's caches, which `up` runs (coordinator/mirrors.py)
+        fetched = [line for line in build.splitlines() if line.startswith(
+            ("[campugrid] fetching Python wheels", "[campugrid] fetching Debian packages"))]
+        assert len(fetched) == bool(expect["wheels"]) + bool(debs), fetched
+        assert all("the platform's cache at http://127.0.0.1:" in f for f in fetched), fetched
         net = [line.split()[1] for line in build.splitlines() if line.startswith("NET ")]
         assert net and net[-1] != "0", build[-2000:]  # connect_ex: an errno, never 0
         if "checkpoints" in expect:

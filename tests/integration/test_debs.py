@@ -25,6 +25,7 @@ STAGE = r"""
 import json, sys, threading
 from pathlib import Path
 from campugrid.agent import debs
+from campugrid.agent.messages import Mirror
 from campugrid.protocol.dockerfiles import check_dockerfile, pin_bases
 from campugrid.protocol.errors import BuildFailed, SandboxError
 from campugrid.protocol.spec import BuildOptions
@@ -38,7 +39,8 @@ try:
     got = debs.stage(checked.apt, BuildOptions(apt=tuple(args["apt"])),
                      [u.allowed.name for u in checked.bases], checked.from_bases, CliOps(),
                      Path(args["work"]), disk_mb=args["disk_mb"], log=lines.append,
-                     stop=threading.Event())
+                     stop=threading.Event(),
+                     mirror=Mirror(**args["mirror"]) if args.get("mirror") else None)
     if got is None:
         out["staged"] = None
     else:
@@ -58,7 +60,9 @@ print(json.dumps(out))
 
 
 def stage(provider, root: Path, dockerfile: str, *, apt: tuple[str, ...] = (),
-          disk_mb: int = 256) -> dict[str, Any]:
+          disk_mb: int = 256, mirror: dict[str, str] | None = None) -> dict[str, Any]:
+    """debs.stage as the provider user (its Podman holds the base), for `dockerfile` on the
+    local base; `mirror`: a Mirror's fields, to fetch through the platform's apt cache."""
     ctx, work = root / "ctx", root / "work"
     for d in (ctx, work):
         d.mkdir()
@@ -66,7 +70,8 @@ def stage(provider, root: Path, dockerfile: str, *, apt: tuple[str, ...] = (),
     if os.geteuid() == 0:
         for p in (root, ctx, work, ctx / "Dockerfile"):
             os.chown(p, provider.uid, provider.gid)
-    args = {"context": str(ctx), "work": str(work), "apt": list(apt), "disk_mb": disk_mb}
+    args = {"context": str(ctx), "work": str(work), "apt": list(apt), "disk_mb": disk_mb,
+            "mirror": mirror}
     proc = subprocess.run(provider.command([sys.executable, "-c", STAGE, json.dumps(args)]),
                           capture_output=True, text=True, timeout=900, cwd="/")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,7 +1,8 @@
 """`campugrid up`: the whole platform on one machine, on embedded defaults.
 
 SeaweedFS (S3), the OCI registry (unless CAMPUGRID_REGISTRY names one), a pull-through mirror
-of Docker Hub (unless CAMPUGRID_REGISTRY_MIRRORS names mirrors) and the coordinator
+of Docker Hub (unless CAMPUGRID_REGISTRY_MIRRORS names mirrors), the apt cache (unless
+CAMPUGRID_APT_CACHE names one; the PyPI cache runs inside the coordinator) and the coordinator
 run in this process's care; the agent runs as a separate
 process, as the unprivileged provider user when started by root. Nothing outlives this process
 (each child has a guard that kills it if we die, even by SIGKILL), and what an earlier, killed
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from campugrid.cli.aptcache import EmbeddedAptCache
 from campugrid.cli.registry import EmbeddedRegistry
 from campugrid.cli.seaweed import EmbeddedS3, end_processes, free_port, guard_group
 from campugrid.client import Api, Identity
@@ -114,8 +116,11 @@ class ProviderUser:
         return Path(f"/run/user/{self.uid}")
 
     def env(self) -> dict[str, str]:
+        """A clean environment, but for the locale and the agent's own settings by
+        environment (the tests ask agents for work more often than every second)."""
         keep = {k: v for k, v in os.environ.items()
-                if k in ("LANG", "LC_ALL", "TZ", "CAMPUGRID_LOG_FORMAT")}
+                if k in ("LANG", "LC_ALL", "TZ", "CAMPUGRID_LOG_FORMAT",
+                         "CAMPUGRID_AGENT_POLL_SECONDS")}
         return {**keep, "HOME": str(self.home), "USER": self.name, "LOGNAME": self.name,
                 "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
                 "XDG_RUNTIME_DIR": str(self.runtime_dir), "PYTHONUNBUFFERED": "1"}
@@ -194,6 +199,7 @@ class Platform:
     s3: EmbeddedS3 | None = None
     registry: EmbeddedRegistry | None = None
     mirror: EmbeddedRegistry | None = None
+    apt_cache: EmbeddedAptCache | None = None
     hub_upstream: str = ""  # what the mirror caches (default: CAMPUGRID_HUB_UPSTREAM, else HUB)
     running: server.Running | None = None
     agents: list[AgentHandle] = dataclasses.field(default_factory=list)
@@ -259,6 +265,17 @@ class Platform:
             except StorageError as e:  # the registry will not start without its upstream
                 log.warning("no Docker Hub mirror: %s cannot be reached (%s); FROMs on Docker "
                             "Hub are resolved and pulled from it directly", upstream, e)
+        # The machines' package caches (coordinator/mirrors.py): a build's wheels and Debian
+        # packages come from the internet once for a sweep over many machines.
+        settings = dataclasses.replace(settings, pip_mirror_dir=settings.pip_mirror_dir or
+                                       str(self.state_dir / "pypi"))
+        if not settings.apt_cache:
+            try:
+                self.apt_cache = EmbeddedAptCache(self.state_dir / "apt-cache").start()
+                settings = dataclasses.replace(settings, apt_cache=self.apt_cache.address)
+            except StorageError as e:
+                log.warning("no apt cache (%s): agents fetch Debian packages from the "
+                            "distributions' mirrors directly", e)
         self.running = server.start(settings)
         if self.registry is not None:
             threading.Thread(target=self._collect_registry, daemon=True,
@@ -401,9 +418,9 @@ class Platform:
             self.running.stop()
             if self._http_thread is not None:
                 self._http_thread.join(timeout=10)
-        for registry in (self.registry, self.mirror):
-            if registry is not None:
-                registry.stop()
+        for service in (self.registry, self.mirror, self.apt_cache):
+            if service is not None:
+                service.stop()
         if self.s3 is not None:
             self.s3.stop()
 

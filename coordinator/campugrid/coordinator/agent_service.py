@@ -24,6 +24,8 @@ from campugrid.coordinator.apps import Nonces
 from campugrid.coordinator.gpu_history import GpuMemory
 from campugrid.coordinator.machines import MachineRecord, Status
 from campugrid.coordinator.metrics import CoordinatorMetrics
+from campugrid.coordinator.mirrors import PREFIX as MIRRORS_PREFIX
+from campugrid.coordinator.mirrors import MirrorTokens
 from campugrid.coordinator.scheduler import GpuView, MachineView
 from campugrid.coordinator.service import Coordinator
 from campugrid.coordinator.views import ShardResult, ShardTask
@@ -113,8 +115,16 @@ def peer_address(context: grpc.ServicerContext) -> str:
 
 
 class AgentService(pb_grpc.AgentServiceServicer):
-    def __init__(self, coord: Coordinator, register_per_minute: int = 20) -> None:
+    def __init__(self, coord: Coordinator, register_per_minute: int = 20,
+                 rest_url: str = "", rest_pem: str = "") -> None:
         self.coord = coord
+        # The package caches this coordinator serves, each at rest_url/v1/mirrors/<kind>
+        settings = coord.settings
+        self._mirrors = [kind for kind, on in (("pypi", settings.pip_mirror_dir),
+                                               ("apt", settings.apt_cache)) if on and rest_url]
+        self._mirror_url = rest_url.rstrip("/") + MIRRORS_PREFIX
+        self._mirror_tokens = MirrorTokens(settings.registry_dir) if self._mirrors else None
+        self._mirror_pem = rest_pem  # REST's certificate, when it serves TLS (our own)
         self.metrics = CoordinatorMetrics.of(coord)
         self._limiter = coord.store.limiter  # shared by every coordinator process
         self._register_limit = RateLimitItemPerMinute(register_per_minute)
@@ -213,7 +223,17 @@ class AgentService(pb_grpc.AgentServiceServicer):
                     if lease.resume is not None else None),
             gpu_uuids=lease.gpu_uuids, gpu_memory_mb=job.spec.resources.gpu_memory_mb,
             shard=_shard_pb(lease.shard), bases=self._bases_pb(job.bases, machine),
+            mirrors=self._mirrors_pb(machine),
         ), first
+
+    def _mirrors_pb(self, machine: str) -> list[pb.Mirror]:
+        """The package caches, with a token for this machine (coordinator/mirrors.py)."""
+        if self._mirror_tokens is None:
+            return []
+        token = self._mirror_tokens.mint(machine)
+        pem = self._mirror_pem if self._mirror_url.startswith("https:") else ""
+        return [pb.Mirror(kind=kind, url=f"{self._mirror_url}/{kind}", token=token,
+                          certificate=pem) for kind in self._mirrors]
 
     def _bases_pb(self, bases: dict[str, str], machine: str) -> list[pb.BaseImage]:
         """The job's remote bases, each with where to pull it from (mirrors first)."""

@@ -6,6 +6,7 @@ import dataclasses
 import datetime as dt
 import re
 import uuid
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, File, Form, HTTPException, Query, Request, UploadFile
@@ -19,6 +20,8 @@ from campugrid.coordinator.apps import AppView
 from campugrid.coordinator.auth import Guard, RateLimits, SignedRequests
 from campugrid.coordinator.machines import MachineRecord
 from campugrid.coordinator.metrics import CONTENT_TYPE, CoordinatorMetrics, TokenView
+from campugrid.coordinator.mirrors import PREFIX as MIRRORS_PREFIX
+from campugrid.coordinator.mirrors import MirrorTokens, create_mirrors
 from campugrid.coordinator.service import Coordinator
 from campugrid.coordinator.users import UserView
 from campugrid.coordinator.views import JobView
@@ -538,5 +541,11 @@ def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
         return {"revoked": meter.tokens.revoke(name)}
 
     app.mount("/console", create_console(coord))
+    settings = coord.settings
+    if settings.pip_mirror_dir or settings.apt_cache:
+        app.mount(MIRRORS_PREFIX, create_mirrors(
+            MirrorTokens(settings.registry_dir),
+            pypi_dir=Path(settings.pip_mirror_dir) if settings.pip_mirror_dir else None,
+            apt_address=settings.apt_cache))
     return app
 

@@ -2,7 +2,8 @@
 and per-key and per-address rate limits.
 
 Every request (but the health check, the invite redemption, the API's own docs, /metrics
-(a scrape token of its own) and the web console, which has its own sign-in) must be signed
+(a scrape token of its own), the package caches under /v1/mirrors/ (a machine's token of
+their own) and the web console, which has its own sign-in) must be signed
 over `@method`, `@target-uri` and `content-digest` (RFC 9530), with `created`, `nonce` and
 the app's id as `keyid`. The body is read (spooled to disk past 1 MiB) and checked against
 its signed digest before the application sees a byte of it. The library
@@ -53,6 +54,11 @@ CONSOLE = "/console"
 
 def in_console(path: str) -> bool:
     return path == CONSOLE or path.startswith(CONSOLE + "/")
+
+
+# The package caches check a machine's mirror token of their own (pip and apt cannot sign;
+# coordinator.mirrors).
+MIRRORS = "/v1/mirrors/"
 
 
 # What an opted-in unsigned local caller acts as (CAMPUGRID_ALLOW_UNSIGNED, loopback only).
@@ -141,7 +147,8 @@ class SignedRequests:
         try:
             await run_in_threadpool(self.guard.limit, "address", address,
                                     RateLimitItemPerSecond(limits.per_address_per_s))
-            if scope["path"] in PUBLIC or in_console(scope["path"]):
+            if scope["path"] in PUBLIC or in_console(scope["path"]) or \
+                    scope["path"].startswith(MIRRORS):
                 await self.app(scope, receive, send)
                 return
             body, replay = await _spool(receive)

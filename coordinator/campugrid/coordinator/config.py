@@ -70,6 +70,11 @@ class Settings:
     # A pushed image no queued or running job can use is deleted from the registry once
     # nobody pulled it for this long (CAMPUGRID_IMAGE_KEEP_SECONDS).
     image_keep_seconds: float = 3600.0
+    # The package caches machines fetch a build's packages through (coordinator/mirrors.py):
+    # proxpi's cache folder (CAMPUGRID_PIP_MIRROR_DIR; empty: no PyPI cache) and the
+    # apt-cacher-ng to pass /v1/mirrors/apt to (CAMPUGRID_APT_CACHE, host:port; empty: none).
+    pip_mirror_dir: str = ""
+    apt_cache: str = ""
 
     @property
     def tls_dir(self) -> Path:
@@ -101,6 +106,8 @@ class Settings:
             "public_grpc": env.get("CAMPUGRID_PUBLIC_GRPC", ""),
             "rest_tls": {"1": True, "0": False}.get(env.get("CAMPUGRID_REST_TLS", "")),
             "registry": env.get("CAMPUGRID_REGISTRY", "").strip(),
+            "pip_mirror_dir": env.get("CAMPUGRID_PIP_MIRROR_DIR", "").strip(),
+            "apt_cache": env.get("CAMPUGRID_APT_CACHE", "").strip(),
         }
         if values["s3_addressing"] not in ("auto", "path", "virtual"):
             raise ValueError(f"CAMPUGRID_S3_ADDRESSING={env['CAMPUGRID_S3_ADDRESSING']!r}: "

@@ -127,16 +127,17 @@ def start(settings: Settings) -> Running:
     lead = leadership(coord.store.engine)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32),
                          interceptors=[SignedCalls(coord, coord.store.nonces), AboutJob()])
+    rest_tls = not local_rest if settings.rest_tls is None else settings.rest_tls
+    scheme = "https" if rest_tls else "http"
+    url = settings.public_url or f"{scheme}://{_host(settings.http_host)}:{settings.http_port}"
     pb_grpc.add_AgentServiceServicer_to_server(
-        AgentService(coord, settings.registrations_per_minute), server)
+        AgentService(coord, settings.registrations_per_minute, rest_url=url,
+                     rest_pem=cert.pem.decode()), server)
     credentials = grpc.ssl_server_credentials([(cert.key_pem, cert.pem)])
     port = server.add_secure_port(f"{settings.grpc_host}:{settings.grpc_port}", credentials)
     if port == 0:
         raise CampugridError(f"cannot listen for agents on {settings.grpc_host}:{settings.grpc_port}")
     server.start()
-    rest_tls = not local_rest if settings.rest_tls is None else settings.rest_tls
-    scheme = "https" if rest_tls else "http"
-    url = settings.public_url or f"{scheme}://{_host(settings.http_host)}:{settings.http_port}"
     grpc_address = settings.public_grpc or f"{_host(settings.grpc_host)}:{port}"
     admin = ensure_admin(coord, settings, url, cert.fingerprint)
     stop = threading.Event()

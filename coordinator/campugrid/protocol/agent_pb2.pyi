@@ -142,7 +142,7 @@ class Dataset(_message.Message):
     def __init__(self, name: _Optional[str] = ..., share: _Optional[str] = ..., files: _Optional[_Iterable[_Union[Dataset.File, _Mapping]]] = ...) -> None: ...
 
 class LeaseReply(_message.Message):
-    __slots__ = ("has_task", "job_id", "attempt", "fencing_token", "lease_seconds", "spec_json", "context_url", "output_url", "datasets", "resume", "gpu_uuids", "gpu_memory_mb", "shard", "bases")
+    __slots__ = ("has_task", "job_id", "attempt", "fencing_token", "lease_seconds", "spec_json", "context_url", "output_url", "datasets", "resume", "gpu_uuids", "gpu_memory_mb", "shard", "bases", "mirrors")
     HAS_TASK_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,7 @@ class LeaseReply(_message.Message):
     GPU_MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     BASES_FIELD_NUMBER: _ClassVar[int]
+    MIRRORS_FIELD_NUMBER: _ClassVar[int]
     has_task: bool
     job_id: str
     attempt: int
@@ -171,7 +172,20 @@ class LeaseReply(_message.Message):
     gpu_memory_mb: int
     shard: ShardTask
     bases: _containers.RepeatedCompositeFieldContainer[BaseImage]
-    def __init__(self, has_task: _Optional[bool] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., fencing_token: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., spec_json: _Optional[str] = ..., context_url: _Optional[str] = ..., output_url: _Optional[str] = ..., datasets: _Optional[_Iterable[_Union[Dataset, _Mapping]]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., gpu_memory_mb: _Optional[int] = ..., shard: _Optional[_Union[ShardTask, _Mapping]] = ..., bases: _Optional[_Iterable[_Union[BaseImage, _Mapping]]] = ...) -> None: ...
+    mirrors: _containers.RepeatedCompositeFieldContainer[Mirror]
+    def __init__(self, has_task: _Optional[bool] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., fencing_token: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., spec_json: _Optional[str] = ..., context_url: _Optional[str] = ..., output_url: _Optional[str] = ..., datasets: _Optional[_Iterable[_Union[Dataset, _Mapping]]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., gpu_memory_mb: _Optional[int] = ..., shard: _Optional[_Union[ShardTask, _Mapping]] = ..., bases: _Optional[_Iterable[_Union[BaseImage, _Mapping]]] = ..., mirrors: _Optional[_Iterable[_Union[Mirror, _Mapping]]] = ...) -> None: ...
+
+class Mirror(_message.Message):
+    __slots__ = ("kind", "url", "token", "certificate")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    URL_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    url: str
+    token: str
+    certificate: str
+    def __init__(self, kind: _Optional[str] = ..., url: _Optional[str] = ..., token: _Optional[str] = ..., certificate: _Optional[str] = ...) -> None: ...
 
 class BaseImage(_message.Message):
     __slots__ = ("ref", "digest", "sources")

@@ -436,4 +436,5 @@ def lease_from_pb(r: pb.LeaseReply) -> m.Lease:
         gpu_uuids=tuple(r.gpu_uuids), gpu_memory_mb=r.gpu_memory_mb,
         shard=shard_from_pb(r.shard) if r.HasField("shard") else None,
         bases=tuple(m.BaseImage(b.ref, b.digest, tuple(m.Source(s.address, s.insecure, s.token)
-                                                        for s in b.sources)) for b in r.bases))
+                                                        for s in b.sources)) for b in r.bases),
+        mirrors=tuple(m.Mirror(x.kind, x.url, x.token, x.certificate) for x in r.mirrors))

@@ -38,6 +38,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
+from campugrid.agent.messages import Mirror
 from campugrid.protocol.aptwords import AptInstall
 from campugrid.protocol.errors import BuildFailed, SandboxError
 from campugrid.protocol.spec import BuildOptions
@@ -80,10 +81,15 @@ class Release:
     def name(self) -> str:
         return f"{self.distro}-{self.codename}-{self.arch}"
 
-    def sources(self) -> str:
+    def sources(self, through: str = "") -> str:
+        """The release's sources.list; with `through`, each URL as the platform's apt cache
+        serves it (<through>/<host>/<path>)."""
         main, security, components = MIRRORS[self.distro]
         if self.distro == "ubuntu" and self.arch not in ("amd64", "i386"):
             main = security = PORTS
+        if through:
+            main, security = (url.replace("http://", through.rstrip("/") + "/", 1)
+                              for url in (main, security))
         return (f"deb {main} {self.codename} {components}\n"
                 f"deb {main} {self.codename}-updates {components}\n"
                 f"deb {security} {self.codename}-security {components}\n")
@@ -135,10 +141,12 @@ def cache_root() -> Path:
 
 def stage(installs: Sequence[AptInstall], build: BuildOptions, bases: Sequence[str],
           from_bases: Sequence[int | None], ops: PodmanOps, work: Path, *, disk_mb: int,
-          log: LogFn, stop: threading.Event | None) -> Staged | None:
+          log: LogFn, stop: threading.Event | None, mirror: Mirror | None = None
+          ) -> Staged | None:
     """Fetch the declared packages for each base image (`bases`: the local image of each of
     the Dockerfile's bases) into repositories under `work`; None when the build installs
-    nothing with apt. Raises BuildFailed for the job's faults (a package no release has, more
+    nothing with apt; through the platform's apt cache when `mirror` is given (and
+    CAMPUGRID_APT_PROXY is not set). Raises BuildFailed for the job's faults (a package no release has, more
     than `disk_mb`), SandboxError when this machine cannot fetch."""
     groups: dict[int, list[AptInstall]] = {}
     for use in installs:
@@ -173,7 +181,7 @@ def stage(installs: Sequence[AptInstall], build: BuildOptions, bases: Sequence[s
         upgrade = any(u.upgrade for u in uses)
         repo = folder / str(n)
         got, size = _fetch(release, status, packages, recommends, upgrade, repo,
-                           work / f"apt-{n}", disk_mb * 1024**2 - total, log, stop)
+                           work / f"apt-{n}", disk_mb * 1024**2 - total, log, stop, mirror)
         repos[base] = str(n)
         names |= {name for name, _, _ in got}
         count, total = count + len(got), total + size
@@ -202,7 +210,8 @@ def installed(status: bytes) -> bytes:
 
 def _fetch(release: Release, status: bytes, packages: list[str], recommends: bool,
            upgrade: bool, repo: Path, scratch: Path, budget: int, log: LogFn,
-           stop: threading.Event | None) -> tuple[list[tuple[str, str, str]], int]:
+           stop: threading.Event | None, mirror: Mirror | None
+           ) -> tuple[list[tuple[str, str, str]], int]:
     """One base's packages into `repo`: the .debs, their Packages index, and the apt
     configuration RUN steps use. Returns the packages (name, version, arch) and bytes."""
     cache = cache_root() / release.name
@@ -212,7 +221,17 @@ def _fetch(release: Release, status: bytes, packages: list[str], recommends: boo
     shutil.rmtree(scratch, ignore_errors=True)
     (scratch / "empty").mkdir(parents=True)
     (scratch / "status").write_bytes(status)
-    (scratch / "sources.list").write_text(release.sources())
+    proxy = os.environ.get("CAMPUGRID_APT_PROXY", "")
+    through = mirror.url if mirror is not None and not proxy else ""
+    (scratch / "sources.list").write_text(release.sources(through))
+    auth = scratch / "auth.conf"  # the mirror token, as apt sends a password (0600)
+    with os.fdopen(os.open(auth, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        if through and mirror is not None:
+            # apt gives a machine without a scheme its password over https only
+            machine = through if through.startswith("http:") else through.split("://", 1)[1]
+            f.write(f"machine {machine}\nlogin campugrid\npassword {mirror.token}\n")
+    if through and mirror is not None and mirror.certificate:
+        (scratch / "coordinator.pem").write_text(mirror.certificate)
     keys = scratch / "keys"
     keys.mkdir()
     keyring = Path(os.environ.get("CAMPUGRID_APT_KEYRINGS") or "/usr/share/keyrings") / \
@@ -226,8 +245,8 @@ def _fetch(release: Release, status: bytes, packages: list[str], recommends: boo
     env = {**os.environ, "APT_CONFIG": str(config), "LC_ALL": "C"}
     log(f"[campugrid] fetching Debian packages for {release.distro} {release.codename} "
         f"({release.arch}) from {MIRRORS[release.distro][0]}"
-        + (f" through {os.environ['CAMPUGRID_APT_PROXY']}"
-           if os.environ.get("CAMPUGRID_APT_PROXY") else ""))
+        + (f" through {proxy}" if proxy else
+           f" through the platform's cache at {through}" if through else ""))
     with _locked(cache / "lock"):
         _apt(["apt-get", "update"], env, log, stop, release)
         wanted: dict[str, tuple[str, str, str]] = {}  # file name -> (name, version, arch)
@@ -270,6 +289,7 @@ def _host_config(release: Release, cache: Path, scratch: Path) -> str:
     """apt as this user, on private folders: the image's status, our sources and keys only
     (none of the host's apt configuration), no locks on the host's dpkg."""
     proxy = os.environ.get("CAMPUGRID_APT_PROXY")
+    pem = scratch / "coordinator.pem"
     settings = {
         "Dir::State::lists": cache / "lists", "Dir::State::status": scratch / "status",
         "Dir::State::extended_states": scratch / "extended_states",
@@ -283,6 +303,9 @@ def _host_config(release: Release, cache: Path, scratch: Path) -> str:
         "Dir::Log": scratch / "log", "Debug::NoLocking": "true", "APT::Sandbox::User": "",
         "APT::Architecture": release.arch, "Acquire::Languages": "none",
         "Acquire::Retries": "3", "Acquire::http::Proxy": proxy or "DIRECT",
+        "Acquire::https::Proxy": "DIRECT", "Dir::Etc::netrc": scratch / "auth.conf",
+        "Dir::Etc::netrcparts": scratch / "empty",
+        **({"Acquire::https::CAInfo": pem} if pem.exists() else {}),
     }
     return "".join(f'{k} "{v}";\n' for k, v in settings.items()) + \
         f'APT::Architectures {{ "{release.arch}"; }};\n'

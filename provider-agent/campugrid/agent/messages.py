@@ -4,7 +4,7 @@ them to and from protobuf at the edge, so nothing past it sees a generated type.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +88,25 @@ class Source:
 
 
 @dataclasses.dataclass(frozen=True)
+class Mirror:
+    """One of the platform's package caches (coordinator/mirrors.py), for this machine."""
+
+    kind: str  # "pypi" or "apt"
+    url: str
+    token: str  # HTTP Basic password (any user name)
+    certificate: str = ""  # PEM to trust for an https url
+
+    def with_login(self) -> str:
+        """The url with the token in it, as pip takes an index's credentials."""
+        scheme, _, rest = self.url.partition("://")
+        return f"{scheme}://campugrid:{self.token}@{rest}"
+
+
+def mirror(mirrors: Sequence[Mirror], kind: str) -> Mirror | None:
+    return next((m for m in mirrors if m.kind == kind), None)
+
+
+@dataclasses.dataclass(frozen=True)
 class ShardTask:
     index: int
     payload_json: str = ""
@@ -111,6 +130,7 @@ class Lease:
     gpu_memory_mb: int = 0  # reserved on each of them
     shard: ShardTask | None = None
     bases: tuple[BaseImage, ...] = ()
+    mirrors: tuple[Mirror, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,7 @@ from campugrid.agent.client import CoordinatorApi
 from campugrid.agent.gpus import GpuPolicy
 from campugrid.agent.images import ImageCache
 from campugrid.agent.logship import LogShipper
-from campugrid.agent.messages import Gpu, Lease, Outcome
+from campugrid.agent.messages import Gpu, Lease, Outcome, mirror
 from campugrid.agent.metrics import METRICS
 from campugrid.agent.renewer import Renewer
 from campugrid.agent.shares import Shares
@@ -251,10 +251,12 @@ class Task:
                      and any(e.startswith("PYTHON_VERSION=") for e in env)), None), spec.build)
                 staged.append((
                     wheels.stage(checked.pip, spec.build, context_dir, work, python=python,
-                                 disk_mb=spec.resources.disk_mb, log=build_log, stop=self.stop),
+                                 disk_mb=spec.resources.disk_mb, log=build_log, stop=self.stop,
+                                 mirror=mirror(lease.mirrors, "pypi")),
                     debs.stage(checked.apt, spec.build, [u.allowed.name for u in uses],
                                checked.from_bases, self.ops(), work,
-                               disk_mb=spec.resources.disk_mb, log=build_log, stop=self.stop)))
+                               disk_mb=spec.resources.disk_mb, log=build_log, stop=self.stop,
+                               mirror=mirror(lease.mirrors, "apt"))))
             wheeled, debbed = staged[0]
             args = wheeled.run_args() if wheeled else ()
             from_args = debbed.from_args(checked.from_bases) if debbed else {}

@@ -31,6 +31,9 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+import certifi
+
+from campugrid.agent.messages import Mirror
 from campugrid.protocol.errors import BuildFailed, InvalidInput, SandboxError
 from campugrid.protocol.pipwords import (
     PipInstall,
@@ -72,9 +75,14 @@ class Staged:
                 ("UV_NO_INDEX", "1"), ("UV_FIND_LINKS", IN_BUILD))  # `uv pip install`
 
 
-def index_url() -> str:
-    """Where this agent fetches wheels (CAMPUGRID_PIP_INDEX: the platform's mirror at scale)."""
-    return os.environ.get("CAMPUGRID_PIP_INDEX") or DEFAULT_INDEX
+def index_url(mirror: Mirror | None = None) -> tuple[str, str]:
+    """Where this agent fetches wheels, and how to name it in the log (no token):
+    CAMPUGRID_PIP_INDEX if set, else the platform's PyPI cache (from the lease), else PyPI."""
+    if os.environ.get("CAMPUGRID_PIP_INDEX"):
+        return os.environ["CAMPUGRID_PIP_INDEX"], os.environ["CAMPUGRID_PIP_INDEX"]
+    if mirror is not None:
+        return mirror.with_login() + "/index/", f"the platform's cache at {mirror.url}"
+    return DEFAULT_INDEX, DEFAULT_INDEX
 
 
 def python_of(env: Sequence[str] | None, build: BuildOptions) -> str:
@@ -143,8 +151,8 @@ def declared(installs: Sequence[PipInstall], build: BuildOptions, context: Path
 
 
 def stage(installs: Sequence[PipInstall], build: BuildOptions, context: Path, work: Path, *,
-          python: str, disk_mb: int, log: LogFn, stop: threading.Event | None
-          ) -> Staged | None:
+          python: str, disk_mb: int, log: LogFn, stop: threading.Event | None,
+          mirror: Mirror | None = None) -> Staged | None:
     """Fetch the declared wheels into `work`; None when the build installs nothing with pip.
     Raises BuildFailed for the job's faults (a package with no wheel, more than `disk_mb`),
     SandboxError when this machine cannot reach the index."""
@@ -157,7 +165,7 @@ def stage(installs: Sequence[PipInstall], build: BuildOptions, context: Path, wo
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     if reqs:
-        _download(reqs, indexes, pre, python, folder, work, disk_mb, log, stop)
+        _download(reqs, indexes, pre, python, folder, work, disk_mb, log, stop, mirror)
         _trim_cache(log)
     wheels = sorted(folder.glob("*.whl"))
     total = 0
@@ -175,7 +183,8 @@ def stage(installs: Sequence[PipInstall], build: BuildOptions, context: Path, wo
 
 
 def _download(reqs: list[str], indexes: list[str], pre: bool, python: str, folder: Path,
-              work: Path, disk_mb: int, log: LogFn, stop: threading.Event | None) -> None:
+              work: Path, disk_mb: int, log: LogFn, stop: threading.Event | None,
+              mirror: Mirror | None) -> None:
     """pip download, stopped as soon as what it has written (the wheels and its own
     temporary files) passes `disk_mb`."""
     listed = work / "wheels-requirements.txt"
@@ -184,6 +193,12 @@ def _download(reqs: list[str], indexes: list[str], pre: bool, python: str, folde
     listed.write_text("".join(f"{r}\n" for r in reqs))  # checked requirement lines only
     arch = platform.machine()
     tag = python.replace(".", "")
+    index, shown = index_url(mirror)
+    trust = []
+    if mirror is not None and mirror.certificate and index.startswith(mirror.with_login()):
+        bundle = work / "pip-ca.pem"  # the usual roots, and the coordinator's own certificate
+        bundle.write_text(Path(certifi.where()).read_text() + "\n" + mirror.certificate)
+        trust = ["--cert", str(bundle)]
     argv = ["env", f"TMPDIR={scratch}", sys.executable, "-m", "pip", "download", "--isolated",
             "--no-input",
             "--disable-pip-version-check", "--progress-bar", "off",
@@ -193,12 +208,12 @@ def _download(reqs: list[str], indexes: list[str], pre: bool, python: str, folde
                                                             f"manylinux_2_{n}_{arch}")],
             "--platform", f"manylinux2014_{arch}", "--platform", f"manylinux2010_{arch}",
             "--platform", f"manylinux1_{arch}",
-            "--index-url", index_url(),
+            "--index-url", index, *trust,
             *[a for url in indexes for a in ("--extra-index-url", url)],
             *(["--pre"] if pre else []),
             "-r", str(listed)]
     log(f"[campugrid] fetching Python wheels for CPython {python} on {arch} from "
-        f"{', '.join([index_url(), *indexes])}")
+        f"{', '.join([shown, *indexes])}")
     halt, too_big = threading.Event(), threading.Event()
 
     def watch() -> None:
@@ -228,7 +243,7 @@ def _download(reqs: list[str], indexes: list[str], pre: bool, python: str, folde
     tail = done.tail
     if done.timed_out or re.search(r"NewConnectionError|ConnectTimeout|Max retries exceeded|"
                                    r"Temporary failure in name resolution|ProxyError", tail):
-        raise SandboxError(f"cannot fetch Python wheels from {index_url()} (this machine's "
+        raise SandboxError(f"cannot fetch Python wheels from {shown} (this machine's "
                            "network)")
     missing = re.findall(r"No matching distribution found for (\S+)", tail)
     if missing:

@@ -1,0 +1,178 @@
+"""The platform's package caches, for machines only: /v1/mirrors on the coordinator's REST.
+
+A sweep over many machines fetches each wheel and each Debian package from the internet once:
+
+- `/v1/mirrors/pypi/index/` is a PyPI simple index (proxpi, in this process), caching what
+  it serves (CAMPUGRID_PIP_UPSTREAM, default PyPI) under the coordinator's state folder;
+- `/v1/mirrors/apt/<host>/<path>` is the embedded apt-cacher-ng (cli/aptcache.py, listening
+  on 127.0.0.1), for the distributions' own mirrors (APT_HOSTS) and nothing else.
+
+Only machines get in: every request carries a token the coordinator minted for one machine
+in its lease (HTTP Basic password, any user name, as pip and apt send them), an ES256 JWT with
+this audience, checked here for signature, expiry and kind; and only reading (GET, HEAD) under
+those two paths reaches either cache. Package files are public: what the token guards is the
+platform's bandwidth and disk, so a revoked machine keeps its last token until it expires.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import secrets
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jwt
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+
+from campugrid.coordinator.registry import ISSUER, ensure_signing_key
+
+AUDIENCE = "campugrid-mirror"
+KINDS = ("pypi", "apt")
+PREFIX = "/v1/mirrors"
+# The distributions' own mirrors: the only hosts the apt cache fetches from (agent/debs.py
+# names no others; apt-cacher-ng is configured with the same list).
+APT_HOSTS = ("deb.debian.org", "security.debian.org", "archive.ubuntu.com",
+             "security.ubuntu.com", "ports.ubuntu.com")
+DEFAULT_UPSTREAM = "https://pypi.org/simple/"
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class MirrorTokens:
+    """Tokens for the mirrors, signed with the registry's key (registry/token.key)."""
+
+    def __init__(self, folder: Path, ttl_s: float = 1800) -> None:
+        key_path, cert_path = ensure_signing_key(folder)
+        self.ttl_s = ttl_s
+        self._key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+        self._public = x509.load_pem_x509_certificate(cert_path.read_bytes()).public_key()
+
+    def mint(self, machine_id: str) -> str:
+        now = int(time.time())
+        return jwt.encode({"iss": ISSUER, "aud": AUDIENCE, "sub": f"machine:{machine_id}",
+                           "iat": now, "nbf": now - 5, "exp": now + int(self.ttl_s),
+                           "jti": secrets.token_hex(8), "kinds": list(KINDS)},
+                          self._key, algorithm="ES256")  # type: ignore[arg-type]
+
+    def check(self, token: str, kind: str) -> str | None:
+        """The machine a valid token for `kind` was minted for; None for any other token."""
+        try:
+            claims = jwt.decode(token, self._public, algorithms=["ES256"],  # type: ignore[arg-type]
+                                audience=AUDIENCE, issuer=ISSUER,
+                                options={"require": ["exp", "sub", "aud", "iss"]})
+        except jwt.PyJWTError:
+            return None
+        sub = str(claims.get("sub", ""))
+        return sub if kind in (claims.get("kinds") or []) and sub.startswith("machine:") else None
+
+
+def create_mirrors(tokens: MirrorTokens, *, pypi_dir: Path | None, apt_address: str) -> App:
+    """The ASGI app mounted at PREFIX: each configured cache behind the token check."""
+    pypi = _pypi(pypi_dir) if pypi_dir is not None else None
+    apt = _apt(apt_address) if apt_address else None
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        kind, _, rest = _relative(scope).lstrip("/").partition("/")
+        target = {"pypi": pypi, "apt": apt}.get(kind)
+        if target is None:
+            return await _answer(send, 404, f"no mirror {kind!r} here")
+        if scope["method"] not in ("GET", "HEAD"):
+            return await _answer(send, 405, "the mirrors are read-only")
+        if tokens.check(_token(scope), kind) is None:
+            return await _answer(send, 401, "a machine's mirror token is needed (from its "
+                                 "lease)", {"www-authenticate": 'Basic realm="campugrid"'})
+        if kind == "pypi" and not rest.startswith("index/"):
+            return await _answer(send, 404, "only the index is served: /index/")
+        root = scope["path"][:len(scope["path"]) - len(rest) - 1]  # .../v1/mirrors/<kind>
+        await target(dict(scope, root_path=root), receive, send)
+
+    return app
+
+
+def _relative(scope: Scope) -> str:
+    """The path below the app's mount point (Starlette keeps the whole path in `path`, the
+    mount point in `root_path`)."""
+    path, root = str(scope["path"]), str(scope.get("root_path", ""))
+    return path[len(root):] if root and path.startswith(root) else path
+
+
+def _token(scope: Scope) -> str:
+    for name, value in scope.get("headers") or []:
+        if name.lower() != b"authorization":
+            continue
+        kind, _, credentials = value.decode("latin-1").partition(" ")
+        if kind.lower() == "bearer":
+            return str(credentials.strip())
+        if kind.lower() == "basic":
+            try:
+                return str(base64.b64decode(credentials.strip()).decode().partition(":")[2])
+            except (ValueError, UnicodeDecodeError):
+                return ""
+    return ""
+
+
+async def _answer(send: Send, status: int, text: str,
+                  headers: dict[str, str] | None = None) -> None:
+    body = (text + "\n").encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"text/plain; charset=utf-8"),
+        (b"content-length", str(len(body)).encode()),
+        *[(k.encode(), v.encode()) for k, v in (headers or {}).items()]]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _pypi(folder: Path) -> App:
+    """proxpi's Flask app, in this process. It reads its settings once, at import."""
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.environ["PROXPI_CACHE_DIR"] = str(folder)
+    os.environ["PROXPI_INDEX_URL"] = os.environ.get("CAMPUGRID_PIP_UPSTREAM") or DEFAULT_UPSTREAM
+    # Serve every file from the cache, however long its first download takes (proxpi would
+    # otherwise send the client to the upstream after 0.9 s, past the cache)
+    os.environ["PROXPI_DOWNLOAD_TIMEOUT"] = "900"
+    os.environ.setdefault("PROXPI_CACHE_SIZE", str(
+        int(os.environ.get("CAMPUGRID_PIP_MIRROR_MB") or 8192) * 1024**2))
+    os.environ.setdefault("PROXPI_LOGGING_LEVEL", "WARNING")
+    from a2wsgi import WSGIMiddleware
+    from proxpi.server import app as proxpi  # type: ignore[import-untyped]
+
+    return WSGIMiddleware(proxpi)  # type: ignore[return-value]
+
+
+def _apt(address: str) -> App:
+    """A streaming pass-through to apt-cacher-ng, for APT_HOSTS' paths only."""
+    client = httpx.AsyncClient(base_url=f"http://{address}", timeout=httpx.Timeout(60, read=900))
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        path = _relative(scope)
+        host = path.lstrip("/").partition("/")[0]
+        if host not in APT_HOSTS or not re.fullmatch(r"/[A-Za-z0-9._~+/-]+", path) \
+                or "/../" in path + "/":
+            return await _answer(send, 404, f"the apt cache serves only {', '.join(APT_HOSTS)}")
+        request = client.build_request(scope["method"], path, headers={
+            k.decode(): v.decode("latin-1") for k, v in scope.get("headers") or []
+            if k.lower() in (b"if-modified-since", b"range", b"if-range", b"cache-control")})
+        response = await client.send(request, stream=True)
+        try:
+            await send({"type": "http.response.start", "status": response.status_code,
+                        "headers": [(k.encode(), v.encode("latin-1"))
+                                    for k, v in response.headers.items()
+                                    if k.lower() in ("content-type", "content-length",
+                                                     "last-modified", "content-range",
+                                                     "accept-ranges", "etag")]})
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            await response.aclose()
+
+    return app

@@ -1,0 +1,109 @@
+"""The platform's package caches (coordinator/mirrors.py) for real: proxpi in the app and the
+embedded apt-cacher-ng, behind machine tokens, served over HTTP as the coordinator serves
+them; the agent's pip and apt fetch through them (from the real PyPI and Debian mirror) and
+what they fetched stays cached."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from campugrid.agent.messages import Mirror
+from campugrid.agent.wheels import stage as stage_wheels
+from campugrid.cli.aptcache import EmbeddedAptCache
+from campugrid.cli.seaweed import free_port
+from campugrid.coordinator.mirrors import MirrorTokens, create_mirrors
+from campugrid.protocol.dockerfiles import check_dockerfile
+from campugrid.protocol.spec import BuildOptions
+from tests.integration.test_debs import stage as stage_debs
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> Iterator[tuple[str, MirrorTokens, Path, EmbeddedAptCache]]:
+    root = tmp_path_factory.mktemp("mirrors")
+    apt = EmbeddedAptCache(root / "apt").start()
+    tokens = MirrorTokens(root / "registry")
+    app = create_mirrors(tokens, pypi_dir=root / "pypi", apt_address=apt.address)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,  # type: ignore[arg-type]
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "the mirrors did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", tokens, root, apt
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        apt.stop()
+
+
+def test_only_a_machines_token_reads_and_only_what_the_caches_are_for(served, tmp_path):
+    url, tokens, _, _ = served
+    good = ("campugrid", tokens.mint("m-1"))
+    other = MirrorTokens(tmp_path / "other-key").mint("m-1")  # signed by another coordinator
+    index = f"{url}/pypi/index/six/"
+    release = f"{url}/apt/deb.debian.org/debian/dists/bookworm/InRelease"
+    for target in (index, release):
+        assert httpx.get(target).status_code == 401
+        assert httpx.get(target, auth=("campugrid", other)).status_code == 401
+        assert httpx.get(target, auth=("campugrid", "not-a-token")).status_code == 401
+        assert httpx.post(target, auth=good).status_code == 405
+    assert httpx.get(index, auth=good).status_code == 200
+    got = httpx.get(release, auth=good)
+    assert got.status_code == 200 and got.content.startswith(b"-----BEGIN PGP SIGNED MESSAGE")
+    # no way around the allow-list: another host, a climb out of the path, proxpi's own
+    # cache controls, a mirror that is not there
+    for path in ("/apt/example.com/debian/dists/bookworm/InRelease",
+                 "/apt/deb.debian.org/../example.com/x", "/pypi/cache/list", "/pypi/health",
+                 "/nothing/here"):
+        assert httpx.get(url + path, auth=good).status_code == 404, path
+    assert httpx.delete(f"{url}/pypi/cache/list", auth=good).status_code == 405
+
+
+def test_the_agents_pip_fetches_through_the_cache_which_keeps_the_wheel(served, tmp_path):
+    url, tokens, root, _ = served
+    mirror = Mirror("pypi", f"{url}/pypi", tokens.mint("m-1"))
+    lines: list[str] = []
+    context = tmp_path / "context"
+    context.mkdir()
+    got = stage_wheels(check_dockerfile("FROM localhost/campugrid/python:bookworm\n"
+                                        "RUN pip install jmespath==1.0.1\n").pip,
+                       BuildOptions(), context, tmp_path, python="3.11", disk_mb=64,
+                       log=lines.append, stop=threading.Event(), mirror=mirror)
+    assert got is not None and got.count == 1, lines
+    log = "\n".join(lines)
+    assert f"from the platform's cache at {url}/pypi" in log
+    assert mirror.token not in log  # the token never reaches the build log
+    cached = [p.name for p in (root / "pypi").rglob("*.whl")]
+    assert "jmespath-1.0.1-py3-none-any.whl" in cached, cached
+
+
+def test_the_agents_apt_fetches_through_the_cache_which_keeps_the_packages(
+        served, provider, shared_tmp):
+    url, tokens, _, apt = served
+    token = tokens.mint("m-1")
+    # tree: a package the agent's own cache does not hold (the fetch must go to the mirror)
+    for kept in (provider.home / ".cache/campugrid/apt").glob("*/archives/tree_*.deb"):
+        kept.unlink()
+    got = stage_debs(provider, shared_tmp, "RUN apt-get update && apt-get install -y tree\n",
+                     mirror={"kind": "apt", "url": f"{url}/apt", "token": token})
+    assert got.get("staged") is not None, got
+    log = "\n".join(got["log"])
+    assert f"through the platform's cache at {url}/apt" in log
+    assert f"{url}/apt/deb.debian.org/debian bookworm InRelease" in log.replace("Get:1 ", "")
+    assert token not in log
+    assert "[campugrid] deb tree " in log and "(fetched)" in log
+    kept = {p.name.split("_")[0] for p in (apt.data_dir / "cache").rglob("*.deb")}
+    assert "tree" in kept, kept
