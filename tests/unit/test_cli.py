@@ -125,3 +125,20 @@ def test_output_to_a_folder_that_is_not_there_says_what_to_do(tmp_path):
                           f"http://127.0.0.1:{free_port()}"], capture_output=True, text=True,
                          timeout=60, env=identity(tmp_path))
     assert out.returncode == 2 and "does not exist; create it or save elsewhere" in out.stderr
+
+
+def test_the_agents_poll_interval_must_be_a_positive_number_of_seconds(tmp_path):
+    from campugrid.agent.worker import AgentSettings
+
+    for flag, value, env in (("--poll-seconds", "0", {}), ("--poll-seconds", "nan", {}),
+                             ("--poll-seconds", "3601", {}),
+                             (None, "-1", {"CAMPUGRID_AGENT_POLL_SECONDS": "-1"})):
+        argv = [*CLI, "agent", "run", "--state-dir", str(tmp_path / "agent")]
+        out = subprocess.run([*argv, flag, value] if flag else argv, capture_output=True,
+                             text=True, timeout=60, env={**os.environ, **env})
+        assert out.returncode == 2 and "Traceback" not in out.stderr, (value, out.stderr)
+        says = f"error: --poll-seconds {float(value)}: must be a number of seconds above 0"
+        assert says in out.stderr and "at most 3600" in out.stderr, out.stderr
+        assert not (tmp_path / "agent").exists()  # refused before anything was made
+    assert AgentSettings("c:1", tmp_path, "m").poll_seconds == 1.0  # the product's default
+    assert AgentSettings("c:1", tmp_path, "m", poll_seconds=0.2).poll_seconds == 0.2

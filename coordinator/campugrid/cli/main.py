@@ -329,6 +329,9 @@ def agent_run(
         min=0, help="Keep images built or pulled through the coordinator's registry, up to "
                     "this many MB, for later tasks of the same build; 0: never pull another "
                     "machine's build, always build here.")] = 20480,
+    poll_seconds: Annotated[float, typer.Option(
+        envvar="CAMPUGRID_AGENT_POLL_SECONDS",
+        help="How often an idle agent asks the coordinator for work, in seconds.")] = 1.0,
     log_format: LogFormat = "text",
 ) -> None:
     """Run a provider agent as this (unprivileged) user."""
@@ -337,10 +340,11 @@ def agent_run(
     from campugrid.agent.install import AgentConfig
     from campugrid.agent.metrics import METRICS_PORT
     from campugrid.agent.owner import Hours, OwnerPolicy
-    from campugrid.agent.worker import Agent, AgentSettings
+    from campugrid.agent.worker import Agent, AgentSettings, check_poll_seconds
 
     _logging(log_format)
     try:
+        check_poll_seconds(poll_seconds)  # before anything is made
         cfg = AgentConfig.load(config) if config else AgentConfig(state_dir=AGENT_DIR)
         state_dir = state_dir or (cfg.state_dir if cfg.state_dir != Path() else AGENT_DIR)
         name = name or cfg.name
@@ -357,8 +361,9 @@ def agent_run(
         owner = OwnerPolicy(hours=Hours.parse(hours) if hours else None,
                             programs=tuple(protect or ()))
         agent = Agent(AgentSettings(coordinator=coordinator or "", state_dir=state_dir, name=name,
-                                    gpu_policy=policy, require_limits=required,
-                                    pin=pin or "", shares=shares.parse(share or []), owner=owner,
+                                    poll_seconds=poll_seconds, gpu_policy=policy,
+                                    require_limits=required, pin=pin or "",
+                                    shares=shares.parse(share or []), owner=owner,
                                     metrics_port=METRICS_PORT if metrics_port is None else metrics_port,
                                     image_cache_mb=image_cache_mb),
                       chosen, sandbox)

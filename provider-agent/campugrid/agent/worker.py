@@ -43,6 +43,7 @@ from campugrid.sandbox.runtime import Runtime
 
 log = logging.getLogger("campugrid.agent")
 OWNER_POLL_S = 0.5  # how often the owner's say is checked: drains start within this
+MAX_POLL_S = 3600.0  # the longest wait between two asks for work that --poll-seconds takes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,7 @@ class AgentSettings:
     coordinator: str
     state_dir: Path
     name: str
+    # How often an idle agent asks for work (`--poll-seconds`); a pending machine, twice that.
     poll_seconds: float = 1.0
     drain_grace_seconds: float = 30.0
     gpu_policy: GpuPolicy = dataclasses.field(default_factory=GpuPolicy)
@@ -67,6 +69,15 @@ class AgentSettings:
     # Images shared through the coordinator's registry are kept here for later tasks of the
     # same build, up to this many MB (`--image-cache-mb`); 0: never pull, always build here.
     image_cache_mb: int = 20480
+
+    def __post_init__(self) -> None:
+        check_poll_seconds(self.poll_seconds)
+
+
+def check_poll_seconds(seconds: float) -> None:
+    if not 0 < seconds <= MAX_POLL_S:  # NaN fails this too
+        raise CampugridError(f"--poll-seconds {seconds}: must be a number of seconds above 0 "
+                             f"and at most {MAX_POLL_S:.0f}")
 
 
 class Agent:
@@ -208,7 +219,7 @@ class Agent:
                     if time.monotonic() - told_pending > 60:
                         log.warning("waiting for approval: %s", e.details())
                         told_pending = time.monotonic()
-                    self.stopping.wait(max(2.0, self.settings.poll_seconds))
+                    self.stopping.wait(2 * self.settings.poll_seconds)
                     continue
                 log.warning("coordinator unreachable (%s)", e.code())
                 self.stopping.wait(2)
