@@ -10,25 +10,21 @@ any registry configured the same way replaces it (README: "Shared images").
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import logging
 import os
 import secrets
 import shutil
 import subprocess
-import time
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
 
-from campugrid.cli.seaweed import end_group, end_processes, free_port, guard_group, start_time
+from campugrid.cli.daemon import Daemon
+from campugrid.cli.seaweed import free_port
 from campugrid.coordinator.registry import ISSUER, SERVICE
 from campugrid.protocol.errors import StorageError
-from campugrid.sandbox.process import release_guard
-
-log = logging.getLogger(__name__)
 
 
 def registry_binary() -> str:
@@ -56,72 +52,39 @@ def _config(data_dir: Path, port: int, cert: Path, proxy: str) -> dict[str, obje
     return config
 
 
+def _answers_with_a_challenge(address: str) -> bool:
+    """Up, and asking for our tokens: 401 with a bearer challenge."""
+    try:
+        return httpx.get(f"http://{address}/v2/", timeout=2).status_code == 401
+    except httpx.HTTPError:
+        return False
+
+
 @dataclasses.dataclass
-class EmbeddedRegistry:
-    data_dir: Path
+class EmbeddedRegistry(Daemon):
     certificate: Path  # the coordinator's token certificate (registry/token.crt)
     port: int = 0
     proxy: str = ""  # set: a pull-through mirror of the registry at this URL
-    process: subprocess.Popen[bytes] | None = None
-    _guard_proc: subprocess.Popen[bytes] | None = None
+    what: ClassVar[str] = "the registry"
+    name: ClassVar[str] = "registry"
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    @property
-    def pidfile(self) -> Path:
-        return self.data_dir / "registry.pid"
-
     def start(self, timeout_s: float = 30) -> EmbeddedRegistry:
         self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.data_dir = self.data_dir.resolve()
-        self._stop_stale()
-        self.port = self.port or free_port()  # kept when started again (garbage_collect)
         config = self.data_dir / "config.yml"
+        self._stop_stale(config)
+        self.port = self.port or free_port()  # kept when started again (garbage_collect)
         fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:  # JSON is YAML; the upload-state secret is in it
             json.dump(_config(self.data_dir, self.port, self.certificate, self.proxy), f)
-        with open(self.data_dir / "registry.log", "ab") as out:
-            self.process = subprocess.Popen([registry_binary(), "serve", str(config)],
-                                            stdout=out, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, cwd=self.data_dir,
-                                            start_new_session=True)
-        self._guard_proc = guard_group(self.process.pid)
-        self.pidfile.write_text(json.dumps({"pid": self.process.pid,
-                                            "start_time": start_time(self.process.pid)}))
-        self._wait_ready(timeout_s)
+        self._launch([registry_binary(), "serve", str(config)])
+        self._wait_ready(lambda: _answers_with_a_challenge(self.address), self.address,
+                         timeout_s)
         return self
-
-    def _stop_stale(self) -> None:
-        """A registry left by an owner killed with its guard, on this folder."""
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            recorded = json.loads(self.pidfile.read_text())
-            pid = int(recorded["pid"])
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if start_time(pid) == recorded["start_time"] and \
-                    os.fsencode(self.data_dir / "config.yml") in cmdline:
-                log.warning("stopping the registry left running on %s (pid %d)",
-                            self.data_dir, pid)
-                end_processes([pid], "the registry")
-
-    def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is not None:
-                code = self.process.returncode
-                self.stop()
-                raise StorageError(f"the registry exited ({code}); see "
-                                   f"{self.data_dir / 'registry.log'}")
-            try:
-                # 401 with a bearer challenge: up, and asking for our tokens.
-                if httpx.get(f"http://{self.address}/v2/", timeout=2).status_code == 401:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise StorageError(f"the registry did not answer on {self.address} in {timeout_s:.0f} s")
 
     def garbage_collect(self) -> str:
         """Remove the blobs no manifest references any more. The registry is stopped while
@@ -137,11 +100,3 @@ class EmbeddedRegistry:
         if done.returncode != 0:
             raise StorageError(f"registry garbage collection failed: {done.stderr[-500:]}")
         return done.stdout
-
-    def stop(self) -> None:
-        if self.process is not None:
-            end_group(self.process, timeout_s=10)
-        if self._guard_proc is not None:
-            release_guard(self._guard_proc)
-            self._guard_proc = None
-        self.pidfile.unlink(missing_ok=True)
