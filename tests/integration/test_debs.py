@@ -22,7 +22,7 @@ pytestmark = pytest.mark.integration
 FROM = "FROM localhost/campugrid/python:bookworm\n"
 
 STAGE = r"""
-import json, sys, threading
+import json, os, sys, threading
 from pathlib import Path
 from campugrid.agent import debs
 from campugrid.agent.messages import Mirror
@@ -31,6 +31,7 @@ from campugrid.protocol.errors import BuildFailed, SandboxError
 from campugrid.protocol.spec import BuildOptions
 from campugrid.sandbox.podman_ops import CliOps
 args = json.loads(sys.argv[1])
+os.environ.update(args.get("env") or {})
 ctx = Path(args["context"])
 text = (ctx / "Dockerfile").read_text()
 checked = check_dockerfile(text)
@@ -60,7 +61,8 @@ print(json.dumps(out))
 
 
 def stage(provider, root: Path, dockerfile: str, *, apt: tuple[str, ...] = (),
-          disk_mb: int = 256, mirror: dict[str, str] | None = None) -> dict[str, Any]:
+          disk_mb: int = 256, mirror: dict[str, str] | None = None,
+          env: dict[str, str] | None = None) -> dict[str, Any]:
     """debs.stage as the provider user (its Podman holds the base), for `dockerfile` on the
     local base; `mirror`: a Mirror's fields, to fetch through the platform's apt cache."""
     ctx, work = root / "ctx", root / "work"
@@ -71,7 +73,7 @@ def stage(provider, root: Path, dockerfile: str, *, apt: tuple[str, ...] = (),
         for p in (root, ctx, work, ctx / "Dockerfile"):
             os.chown(p, provider.uid, provider.gid)
     args = {"context": str(ctx), "work": str(work), "apt": list(apt), "disk_mb": disk_mb,
-            "mirror": mirror}
+            "mirror": mirror, "env": env}
     proc = subprocess.run(provider.command([sys.executable, "-c", STAGE, json.dumps(args)]),
                           capture_output=True, text=True, timeout=900, cwd="/")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -157,6 +159,16 @@ def test_the_packages_count_against_the_jobs_disk_before_they_are_fetched(provid
     got = stage(provider, shared_tmp, "RUN apt-get install -y gcc\n", disk_mb=1)
     assert "Debian packages take" in got.get("failed", "") and "disk_mb" in got["failed"], got
     assert not [line for line in got["log"] if "[apt] Get:" in line and " gcc" in line]
+
+
+def test_without_the_distributions_keyring_here_the_bases_own_is_used(provider, shared_tmp):
+    """Debian hosts have no Ubuntu keyring: then the base image's copy checks the release
+    (in a cache of its own per keyring)."""
+    got = stage(provider, shared_tmp, "RUN apt-get install -y jq\n",
+                env={"CAMPUGRID_APT_KEYRINGS": "/nonexistent"})
+    assert got.get("staged") is not None, got
+    assert any("with the base image's own debian-archive-keyring.gpg" in line
+               for line in got["log"]), got["log"]
 
 
 def test_nothing_is_fetched_when_no_stage_uses_apt(provider, shared_tmp):

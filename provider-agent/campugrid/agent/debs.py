@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import hashlib
 import os
 import platform
 import re
@@ -57,6 +58,7 @@ MIRRORS = {
 }
 PORTS = "http://ports.ubuntu.com/ubuntu-ports"  # Ubuntu's mirror for arm64 and others
 KEYRINGS = {"debian": "debian-archive-keyring.gpg", "ubuntu": "ubuntu-archive-keyring.gpg"}
+KEYRING_PACKAGES = {"debian": "debian-archive-keyring", "ubuntu": "ubuntu-keyring"}
 _STATUS_FIELDS = ("Package", "Status", "Version", "Architecture", "Multi-Arch", "Essential",
                   "Priority", "Source", "Provides", "Depends", "Pre-Depends", "Conflicts",
                   "Breaks", "Replaces")
@@ -145,9 +147,9 @@ def stage(installs: Sequence[AptInstall], build: BuildOptions, bases: Sequence[s
           ) -> Staged | None:
     """Fetch the declared packages for each base image (`bases`: the local image of each of
     the Dockerfile's bases) into repositories under `work`; None when the build installs
-    nothing with apt; through the platform's apt cache when `mirror` is given (and
-    CAMPUGRID_APT_PROXY is not set). Raises BuildFailed for the job's faults (a package no release has, more
-    than `disk_mb`), SandboxError when this machine cannot fetch."""
+    nothing with apt. Through the platform's apt cache when `mirror` is given (and
+    CAMPUGRID_APT_PROXY is not set). Raises BuildFailed for the job's faults (a package no
+    release has, more than `disk_mb`), SandboxError when this machine cannot fetch."""
     groups: dict[int, list[AptInstall]] = {}
     for use in installs:
         base = from_bases[use.stage] if use.stage < len(from_bases) else None
@@ -180,14 +182,37 @@ def stage(installs: Sequence[AptInstall], build: BuildOptions, bases: Sequence[s
             not any(u.packages for u in uses)
         upgrade = any(u.upgrade for u in uses)
         repo = folder / str(n)
+        keyring = _keyring(release, ops, image, log)
         got, size = _fetch(release, status, packages, recommends, upgrade, repo,
-                           work / f"apt-{n}", disk_mb * 1024**2 - total, log, stop, mirror)
+                           work / f"apt-{n}", disk_mb * 1024**2 - total, log, stop, mirror,
+                           keyring)
         repos[base] = str(n)
         names |= {name for name, _, _ in got}
         count, total = count + len(got), total + size
     for path in (folder, *folder.rglob("*")):  # RUN steps read them as apt's own user too
         path.chmod(0o755 if path.is_dir() else 0o644)
     return Staged(folder, repos, count, total, frozenset(names))
+
+
+def _keyring(release: Release, ops: PodmanOps, image: str, log: LogFn) -> bytes:
+    """The keys apt checks the release's signature with: this machine's keyring for the
+    distribution (CAMPUGRID_APT_KEYRINGS), else the base image's own copy of it (Debian hosts
+    have no Ubuntu keyring). An image's keys are the job's: they get a cache of their own."""
+    name = KEYRINGS[release.distro]
+    here = Path(os.environ.get("CAMPUGRID_APT_KEYRINGS") or "/usr/share/keyrings") / name
+    if here.is_file():
+        return here.read_bytes()
+    try:
+        theirs = ops.image_file(image, f"/usr/share/keyrings/{name}", 1024**2)
+    except ValueError:
+        theirs = None
+    if not theirs:
+        raise SandboxError(f"neither this machine nor {image} has {name} to check "
+                           f"{release.distro}'s packages with (Debian: apt-get install "
+                           f"{KEYRING_PACKAGES[release.distro]})")
+    log(f"[campugrid] checking {release.distro}'s signatures with the base image's own {name} "
+        "(this machine has none)")
+    return theirs
 
 
 def installed(status: bytes) -> bytes:
@@ -210,11 +235,12 @@ def installed(status: bytes) -> bytes:
 
 def _fetch(release: Release, status: bytes, packages: list[str], recommends: bool,
            upgrade: bool, repo: Path, scratch: Path, budget: int, log: LogFn,
-           stop: threading.Event | None, mirror: Mirror | None
+           stop: threading.Event | None, mirror: Mirror | None, keyring: bytes
            ) -> tuple[list[tuple[str, str, str]], int]:
     """One base's packages into `repo`: the .debs, their Packages index, and the apt
     configuration RUN steps use. Returns the packages (name, version, arch) and bytes."""
-    cache = cache_root() / release.name
+    # one cache per release and keyring: lists one set of keys accepted never serve another
+    cache = cache_root() / f"{release.name}-{hashlib.sha256(keyring).hexdigest()[:12]}"
     archives = cache / "archives"
     (cache / "lists" / "partial").mkdir(parents=True, exist_ok=True)
     (archives / "partial").mkdir(parents=True, exist_ok=True)
@@ -234,12 +260,7 @@ def _fetch(release: Release, status: bytes, packages: list[str], recommends: boo
         (scratch / "coordinator.pem").write_text(mirror.certificate)
     keys = scratch / "keys"
     keys.mkdir()
-    keyring = Path(os.environ.get("CAMPUGRID_APT_KEYRINGS") or "/usr/share/keyrings") / \
-        KEYRINGS[release.distro]
-    if not keyring.is_file():
-        raise SandboxError(f"this machine has no {keyring} to check {release.distro}'s "
-                           f"packages (install {release.distro}-keyring)")
-    shutil.copy(keyring, keys / keyring.name)
+    (keys / KEYRINGS[release.distro]).write_bytes(keyring)
     config = scratch / "apt.conf"
     config.write_text(_host_config(release, cache, scratch))
     env = {**os.environ, "APT_CONFIG": str(config), "LC_ALL": "C"}
