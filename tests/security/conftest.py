@@ -1,18 +1,20 @@
 """The hostile-job suite's platform: coordinator, SeaweedFS and one agent as the provider
-user, exactly as `campugrid up` runs them, with canaries planted where no job may reach and a
-`guard` that proves, after each attack, that the host is as it was and the agent still works.
+user, exactly as `campugrid up` runs them, with canaries planted where no job may reach, a
+`guard` that proves, after each attack, that the host is as it was and (with a probe job) the
+agent still works, and `serves_a_job_at_the_end`: a probe job once the module's tests are over.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import json
 import os
 import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +82,21 @@ def result_of(job: dict[str, Any]) -> Any:
         raise AssertionError(f"the job's last line is not JSON: {job['result'][:300]!r}") from e
 
 
+def stamp(s: str) -> float:
+    return dt.datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
+
+
+def seconds_running(job: dict[str, Any]) -> float:
+    """From the lease to the end, by the job's own events."""
+    events = {e["kind"]: e["at"] for e in job["events"]}
+    return stamp(events[job["state"]]) - stamp(events["leased"])
+
+
+def brief(job: dict[str, Any]) -> str:
+    return (f"job {job['id']}: {job['state']}, exit {job.get('exit_code')}, reason "
+            f"{(job.get('reason') or '')[:600]!r}, result {(job.get('result') or '')[:300]!r}")
+
+
 def rss_kb(pid: int, field: str = "VmRSS") -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -90,6 +107,16 @@ def rss_kb(pid: int, field: str = "VmRSS") -> int:
 def reset_peak_rss(pid: int) -> None:
     """Reset VmHWM (Linux >= 4.0): what it reads afterwards is the peak since now."""
     Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+def measure_agent_peak(agent: AgentHandle, run: Callable[[], dict[str, Any]]
+                       ) -> tuple[dict[str, Any], int]:
+    """Run `run()` and return its job and the agent's peak resident memory growth in KiB."""
+    pid = agent.pid()
+    base = rss_kb(pid)
+    reset_peak_rss(pid)
+    job = run()
+    return job, rss_kb(pid, "VmHWM") - base
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +176,23 @@ def canaries(agent: AgentHandle, provider: ProviderUser) -> Iterator[Canaries]:
         state.remove()
 
 
+def probe(api: Api) -> dict[str, Any]:
+    """(c) the agent serves the next job: a trivial one, to its result."""
+    job = run_job(api, PLAIN, {}, {"command": ["echo", "probe ok"]}, timeout=120)
+    assert job["state"] == "succeeded" and job["result"] == "probe ok", (
+        f"the agent did not serve the job after the attack: {job['state']}, {job['reason']}")
+    return job
+
+
+@pytest.fixture(scope="module")
+def serves_a_job_at_the_end(api: Api) -> Iterator[None]:
+    """(c) after a module's last test, whichever ran (`-k` too): a probe job, which the
+    attacks that only read or probe (`guard.check(probe=False)`) otherwise leave to the next
+    test's job. A module uses it for all its tests (pytest.mark.usefixtures)."""
+    yield
+    probe(api)
+
+
 @dataclasses.dataclass
 class Guard:
     """The before-picture of one test, and the after-checks every attack ends with."""
@@ -167,11 +211,7 @@ class Guard:
                                        self.canaries.credentials])
 
     def probe(self) -> dict[str, Any]:
-        """(c) the agent serves the next job: a trivial one, to its result."""
-        job = run_job(self.api, PLAIN, {}, {"command": ["echo", "probe ok"]}, timeout=120)
-        assert job["state"] == "succeeded" and job["result"] == "probe ok", (
-            f"the agent did not serve the job after the attack: {job['state']}, {job['reason']}")
-        return job
+        return probe(self.api)
 
     def check(self, *, probe: bool = True, timeout_s: float = 45) -> hostile.HostSnapshot:
         """(b) and (c): the next job runs, then the host matches the before-picture."""

@@ -1,6 +1,10 @@
 """Hostile jobs, run side: each submits one attack through the REST API as a researcher would,
 and asserts (a) the attack failed (what the job saw, its state and reason), (b) the host is
-as it was (tests/support/hostile.py) and (c) the agent serves the next job (`guard.check`).
+as it was (tests/support/hostile.py, `guard.check`, after every attack) and (c) the agent
+serves the next job: a probe job right after each attack on the agent itself (floods, bombs,
+signals, lying runners, the last of the output_mb attacks: `guard.check()`), and after the
+module's last test, whichever ran (`serves_a_job_at_the_end`). The attacks that only read or
+probe skip their own probe (`guard.check(probe=False)`): the next test's job is the next job.
 
 Every assertion says, in a comment, which protection it stands for: remove that protection
 and the assertion fails. The job's code is in tests/security/jobs.py.
@@ -29,33 +33,18 @@ from tests.security import jobs
 from tests.security.conftest import (
     BASE,
     PLAIN,
-    reset_peak_rss,
+    brief,
+    measure_agent_peak,
     result_of,
-    rss_kb,
     run_job,
     run_log,
     run_python,
+    seconds_running,
 )
 from tests.support import hostile
 
-pytestmark = pytest.mark.acceptance
+pytestmark = [pytest.mark.acceptance, pytest.mark.usefixtures("serves_a_job_at_the_end")]
 REFUSED = ("ENOENT", "EACCES", "EPERM")
-
-
-def stamp(s: str) -> float:
-    from datetime import datetime
-    return datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
-
-
-def seconds_running(job: dict) -> float:
-    """From the lease to the end, by the job's own events."""
-    events = {e["kind"]: e["at"] for e in job["events"]}
-    return stamp(events[job["state"]]) - stamp(events["leased"])
-
-
-def brief(job: dict) -> str:
-    return (f"job {job['id']}: {job['state']}, exit {job.get('exit_code')}, reason "
-            f"{(job.get('reason') or '')[:600]!r}, result {(job.get('result') or '')[:300]!r}")
 
 
 # --- (1) host files ---------------------------------------------------------------------------
@@ -102,7 +91,7 @@ def test_a_job_cannot_read_host_files(api, guard, agent, canaries, provider):
     assert set(kinds.values()) == set(HOST_FILE_TARGETS)
     guard.assert_not_leaked(job)
     hostile.assert_not_leaked([other.token], logs=run_log(api, job["id"]), result=job["result"])
-    guard.check()
+    guard.check(probe=False)
 
 
 def test_the_mount_table_shows_no_host_paths(api, guard, agent, provider):
@@ -112,7 +101,7 @@ def test_the_mount_table_shows_no_host_paths(api, guard, agent, provider):
     # gVisor shows its own mounts ("none" as every source), not the host's bind paths:
     # with runc, /proc/self/mountinfo would name the agent's work folder.
     assert result_of(job) == {n: [] for n in needles}
-    guard.check()
+    guard.check(probe=False)
 
 
 # --- (2) network ------------------------------------------------------------------------------
@@ -164,7 +153,7 @@ def test_a_job_reaches_no_port_listening_on_the_host(api, guard, platform):
                if seen[f"tcp:{h}:{p}"].startswith("ok")}
     assert not reached, f"the job reached: {reached}"
     print(f"{len(targets)} host ports tried from the sandbox, none reached")
-    guard.check()
+    guard.check(probe=False)
 
 
 def test_a_job_reaches_nothing_beyond_its_sandbox(api, guard, provider):
@@ -207,7 +196,7 @@ def test_a_job_reaches_nothing_beyond_its_sandbox(api, guard, provider):
     # No route out and no host socket mounted in: every attempt fails.
     reached = {t: v for t, v in seen.items() if v.startswith("ok")}
     assert not reached, f"the job reached: {reached}"
-    guard.check()
+    guard.check(probe=False)
 
 
 # --- (3) privileged operations ----------------------------------------------------------------
@@ -255,7 +244,7 @@ def test_privileged_operations_are_refused(api, guard, agent):
     assert {k: Path("/proc/sys", k).read_text() for k in sysctls} == sysctls
     assert loaded_modules() == modules
     assert "TracerPid:\t0" in Path(f"/proc/{agent.pid()}/status").read_text()
-    guard.check()
+    guard.check(probe=False)
 
 
 # --- (4) resources ----------------------------------------------------------------------------
@@ -301,7 +290,7 @@ def test_a_busy_loop_is_throttled_to_its_cpu_quota(api, guard):
     ratio = int(full["result"]) / int(quarter["result"])
     assert ratio > 2, f"cpus=2 did {full['result']} iterations, cpus=0.25 did {quarter['result']}"
     print(f"cpu quota: cpus=0.25 ran {ratio:.1f}x fewer loop iterations than cpus=2")
-    guard.check()
+    guard.check(probe=False)
 
 
 @pytest.mark.parametrize(("where", "limit_mb"), [("/tmp/fill", 16), ("/dev/shm/fill", 64)])
@@ -314,16 +303,7 @@ def test_filling_a_writable_folder_stops_at_its_size(api, guard, where, limit_mb
     assert seen["stopped_by"] == "ENOSPC", seen
     assert (limit_mb - 4) * 2**20 <= seen["written"] <= limit_mb * 2**20, seen
     print(f"{where}: {seen['written']} bytes written, then ENOSPC (size {limit_mb} MB)")
-    guard.check()
-
-
-def measure_agent_peak(agent, run) -> tuple[dict, int]:
-    """Run `run()` and return its job and the agent's peak resident memory growth in KiB."""
-    pid = agent.pid()
-    base = rss_kb(pid)
-    reset_peak_rss(pid)
-    job = run()
-    return job, rss_kb(pid, "VmHWM") - base
+    guard.check(probe=False)
 
 
 @pytest.mark.parametrize(("newlines", "size"), [(True, 2**29), (False, 2**29)],
@@ -422,7 +402,7 @@ def test_writing_past_output_mb_stops_the_job(api, guard, agent, target, mode):
     last = [line for line in log.splitlines() if line.startswith(("wrote ", "made ", "stopped "))]
     print(f"output_mb=8, {mode} in {target}: {last[-1] if last else '-'}; the host folder "
           f"peaked at {peak[0] / 2**20:.1f} MiB on disk")
-    guard.check()
+    guard.check(probe=mode == "sparse-files")  # the last of them: the agent stopped each alike
 
 
 def test_links_in_output_are_not_followed(api, guard, canaries, agent):
@@ -440,7 +420,7 @@ def test_links_in_output_are_not_followed(api, guard, canaries, agent):
         assert not [n for n in names if name in n], (name, names)
     assert names == ["real.txt"], names
     guard.assert_not_leaked(job, output=output)
-    guard.check()  # the canaries and credentials are unchanged
+    guard.check(probe=False)  # the canaries and credentials are unchanged
 
 
 @pytest.mark.parametrize("how", ["epoch-folder-is-a-link", "file-in-epoch-is-a-link",
@@ -465,7 +445,7 @@ def test_links_in_checkpoints_are_not_followed(api, guard, platform, canaries, h
     if how in ("epoch-folder-is-a-link", "manifest-is-a-link"):
         assert [c.epoch for c in recorded] == [1]  # the linked epoch was never uploaded
     guard.assert_not_leaked(job)
-    guard.check()  # the canary the links point at is still there, unchanged
+    guard.check(probe=False)  # the canary the links point at is still there, unchanged
 
 
 # --- (5) hostile build contexts at the REST boundary -----------------------------------------
