@@ -359,11 +359,13 @@ for name, target in json.loads(os.environ["TARGETS"]).items():
 print("planted")
 '''
 
-# Checkpoint folders with links in them, in four shapes (the agent uploads while the job runs).
+# Checkpoint folders with links in them, one epoch per shape ($SHAPES: {shape: epoch}), while
+# the agent's uploader polls the folder (every second) and once more after the job ends.
 CHECKPOINT_LINK = r'''
-import json, os, shutil, time
+import json, os, time
+from pathlib import Path
 from campugrid import hooks
-target, how = os.environ["TARGET"], os.environ["HOW"]
+target, shapes = os.environ["TARGET"], json.loads(os.environ["SHAPES"])
 
 def manual(epoch, files, links):
     """An epoch folder as hooks.save makes it, with links added before it is complete."""
@@ -373,7 +375,7 @@ def manual(epoch, files, links):
     for name, text in files.items():
         with open(f"{tmp}/{name}", "w") as f:
             f.write(text)
-        listed[name] = {"size": len(text), "sha256": hooks.sha256_file(__import__("pathlib").Path(f"{tmp}/{name}"))}
+        listed[name] = {"size": len(text), "sha256": hooks.sha256_file(Path(f"{tmp}/{name}"))}
     for name in links:
         os.symlink(target, f"{tmp}/{name}")
     with open(f"{tmp}/MANIFEST.json", "w") as f:
@@ -382,22 +384,31 @@ def manual(epoch, files, links):
 
 with hooks.save(1) as folder:
     (folder / "w").write_text("genuine weights 1")
-if how == "epoch-folder-is-a-link":
-    os.symlink(os.path.dirname(target), f"/checkpoints/{hooks.folder_name(2)}")
-elif how == "file-in-epoch-is-a-link":
-    manual(2, {"w": "genuine weights 2"}, ["leak"])
-elif how == "manifest-is-a-link":
-    os.makedirs(f"/checkpoints/{hooks.folder_name(2)}")
-    os.symlink(target, f"/checkpoints/{hooks.folder_name(2)}/MANIFEST.json")
-elif how == "swap-file-for-link":  # race the uploader: each epoch's file turns into a link
-    for epoch in range(2, 40):
-        with hooks.save(epoch) as folder:
-            (folder / "w").write_text(f"genuine weights {epoch}")
-        final = f"/checkpoints/{hooks.folder_name(epoch)}"
-        os.symlink(target, f"{final}/w.new")
-        os.replace(f"{final}/w.new", f"{final}/w")
-        time.sleep(0.05)
-time.sleep(3)  # the uploader polls every second: let it see everything
+for how, epoch in shapes.items():
+    final = f"/checkpoints/{hooks.folder_name(epoch)}"
+    if how == "epoch-folder-is-a-link":
+        os.symlink(os.path.dirname(target), final)
+    elif how == "file-in-epoch-is-a-link":
+        manual(epoch, {"w": f"genuine weights {epoch}"}, ["leak"])
+    elif how == "manifest-is-a-link":
+        os.makedirs(final)
+        os.symlink(target, f"{final}/MANIFEST.json")
+    elif how == "swap-file-for-link":  # race the uploader: each epoch's file turns into a link
+        for n in range(epoch, epoch + 38):
+            with hooks.save(n) as folder:
+                (folder / "w").write_text(f"genuine weights {n}")
+            final = f"/checkpoints/{hooks.folder_name(n)}"
+            os.symlink(target, f"{final}/w.new")
+            os.replace(f"{final}/w.new", f"{final}/w")
+            time.sleep(0.05)
+    else:
+        raise SystemExit(f"no such shape: {how}")
+# Until the uploader has taken a later epoch while the job runs (it then removes epoch 1's
+# folder here), at most 10 s; the agent's last pass after the job ends sees everything too.
+first, deadline = f"/checkpoints/{hooks.folder_name(1)}", time.monotonic() + 10
+while os.path.exists(first) and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("taken while running:", not os.path.exists(first), flush=True)
 print("planted")
 '''
 

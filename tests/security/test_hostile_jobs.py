@@ -423,11 +423,17 @@ def test_links_in_output_are_not_followed(api, guard, canaries, agent):
     guard.check(probe=False)  # the canaries and credentials are unchanged
 
 
-@pytest.mark.parametrize("how", ["epoch-folder-is-a-link", "file-in-epoch-is-a-link",
-                                 "manifest-is-a-link", "swap-file-for-link"])
-def test_links_in_checkpoints_are_not_followed(api, guard, platform, canaries, how):
+CHECKPOINT_SHAPES = {  # one job each: the static shapes side by side (an epoch each), the race
+    "folder-file-and-manifest-links": {"epoch-folder-is-a-link": 2, "manifest-is-a-link": 3,
+                                       "file-in-epoch-is-a-link": 4},
+    "swap-file-for-link": {"swap-file-for-link": 2}}
+
+
+@pytest.mark.parametrize("case", list(CHECKPOINT_SHAPES))
+def test_links_in_checkpoints_are_not_followed(api, guard, platform, canaries, case):
+    shapes = CHECKPOINT_SHAPES[case]
     job = run_python(api, jobs.CHECKPOINT_LINK, {"env": {"TARGET": str(canaries.state.path),
-                                                         "HOW": how}})
+                                                         "SHAPES": json.dumps(shapes)}})
     assert job["state"] == "succeeded" and job["result"] == "planted", brief(job)
     coord = platform.running.coord
     recorded = coord.store.checkpoints(job["id"])
@@ -442,8 +448,13 @@ def test_links_in_checkpoints_are_not_followed(api, guard, platform, canaries, h
         assert names == ["MANIFEST.json", "w"], (ckpt.epoch, names)
         assert weights == f"genuine weights {ckpt.epoch}", (ckpt.epoch, weights)
         hostile.assert_not_leaked(canaries.secrets(), checkpoint=blob)
-    if how in ("epoch-folder-is-a-link", "manifest-is-a-link"):
-        assert [c.epoch for c in recorded] == [1]  # the linked epoch was never uploaded
+    epochs = [c.epoch for c in recorded]
+    for how in ("epoch-folder-is-a-link", "manifest-is-a-link"):
+        if how in shapes:  # the linked epoch was never uploaded
+            assert shapes[how] not in epochs, (how, epochs)
+    if "file-in-epoch-is-a-link" in shapes:  # uploaded, with its genuine file only (above)
+        assert shapes["file-in-epoch-is-a-link"] in epochs, epochs
+    print(f"{case}: epochs {epochs} recorded, {run_log(api, job['id']).splitlines()[-2:-1]}")
     guard.assert_not_leaked(job)
     guard.check(probe=False)  # the canary the links point at is still there, unchanged
 
