@@ -246,16 +246,22 @@ print("survived", flush=True)
 BUSY_LOOP = "import time\nt, n = time.time(), 0\nwhile time.time() - t < 3:\n    n += 1\nprint(n)\n"
 
 FILL = PRELUDE + r'''
-fd = os.open(os.environ["TARGET"], os.O_WRONLY | os.O_CREAT, 0o600)
-written, stopped_by, block = 0, None, b"x" * 2**20
-while written < 4 * 2**30:
-    try:
-        written += os.write(fd, block)
-    except OSError as e:
-        stopped_by = why(e)
-        break
-report(written=written, stopped_by=stopped_by)
+def attack(target):
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT, 0o600)
+    written, stopped_by, block = 0, None, b"x" * 2**20
+    while written < 4 * 2**30:
+        try:
+            written += os.write(fd, block)
+        except OSError as e:
+            stopped_by = why(e)
+            break
+    return {"written": written, "stopped_by": stopped_by}
 '''
+
+
+def fill(target: str) -> str:
+    """For EACH_ATTACK: write to `target` until refused; {"written", "stopped_by"}."""
+    return FILL + f"report(attack=attack({target!r}))\n"
 
 STDOUT_FLOOD = r'''
 import os

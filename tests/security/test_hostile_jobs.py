@@ -293,16 +293,23 @@ def test_a_busy_loop_is_throttled_to_its_cpu_quota(api, guard):
     guard.check(probe=False)
 
 
-@pytest.mark.parametrize(("where", "limit_mb"), [("/tmp/fill", 16), ("/dev/shm/fill", 64)])
-def test_filling_a_writable_folder_stops_at_its_size(api, guard, where, limit_mb):
-    job = run_python(api, jobs.FILL, {"env": {"TARGET": where}, "resources": {"disk_mb": 16}})
+FILLS = {"/tmp/fill": 16, "/dev/shm/fill": 64}  # where -> its size in MB (disk_mb=16)
+
+
+def test_filling_a_writable_folder_stops_at_its_size(api, guard):
+    """Both folders, one job: each filled by a process of its own, each asserted on its own."""
+    job = run_python(api, jobs.EACH_ATTACK, {"env": {"ATTACKS": json.dumps(
+        {where: jobs.fill(where) for where in FILLS})}, "resources": {"disk_mb": 16}})
     assert job["state"] == "succeeded", brief(job)
-    seen = result_of(job)
-    # /tmp is a tmpfs of resources.disk_mb; /dev/shm is podman's 64 MB shm: both stop the
-    # writer with ENOSPC (an unbounded tmpfs would take 4 GiB of the host's memory).
-    assert seen["stopped_by"] == "ENOSPC", seen
-    assert (limit_mb - 4) * 2**20 <= seen["written"] <= limit_mb * 2**20, seen
-    print(f"{where}: {seen['written']} bytes written, then ENOSPC (size {limit_mb} MB)")
+    got = result_of(job)
+    assert set(got) == set(FILLS), got
+    for where, limit_mb in FILLS.items():
+        seen = got[where]
+        # /tmp is a tmpfs of resources.disk_mb; /dev/shm is podman's 64 MB shm: both stop the
+        # writer with ENOSPC (an unbounded tmpfs would take 4 GiB of the host's memory).
+        assert isinstance(seen, dict) and seen["stopped_by"] == "ENOSPC", (where, seen)
+        assert (limit_mb - 4) * 2**20 <= seen["written"] <= limit_mb * 2**20, (where, seen)
+        print(f"{where}: {seen['written']} bytes written, then ENOSPC (size {limit_mb} MB)")
     guard.check(probe=False)
 
 
