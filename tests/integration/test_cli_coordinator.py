@@ -17,7 +17,7 @@ import sys
 import tarfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -73,15 +73,15 @@ def cli_json(env: dict[str, str], *args: str) -> object:
     return json.loads(out.stdout)  # exactly one document: json.loads refuses anything after it
 
 
-def on_a_terminal(env: dict[str, str], *args: str, code: int = 0,
-                  stdout_too: bool = False) -> tuple[str, str]:
+def on_a_terminal(env: dict[str, str], *args: str, code: int = 0, stdout_too: bool = False,
+                  shown: list[bytes] | None = None) -> tuple[str, str]:
     """Run with stderr on a pseudo-terminal (as a person's shell has it) and stdout piped,
-    or on the terminal too: (stdout, what the terminal showed)."""
+    or on the terminal too: (stdout, what the terminal showed; `shown` has it meanwhile)."""
     master, slave = pty.openpty()
     proc = subprocess.Popen([*CLI, *args], stdout=slave if stdout_too else subprocess.PIPE,
                             stderr=slave, stdin=subprocess.DEVNULL, env=env)
     os.close(slave)
-    shown: list[bytes] = []
+    shown = [] if shown is None else shown
 
     def read() -> None:
         while True:
@@ -209,10 +209,18 @@ def machine(coord: server.Running, tmp_path_factory: pytest.TempPathFactory) -> 
     client.close()
 
 
-def drive(coord: server.Running, machine_id: str, client_id: str, output: bytes) -> threading.Thread:
+def drive(coord: server.Running, machine_id: str, client_id: str, output: bytes,
+          shown: Callable[[], str], building: str, saved: str) -> threading.Thread:
     """Play the machine for the job `client_id` once it is submitted: build (with a log), run
-    (with a log), leave `output`, succeed; slowly enough that a follower sees each phase."""
+    (with a log and a checkpoint), leave `output`, succeed; each step once the follower showed
+    the last (`shown()`: what it printed so far, `building` and `saved` its words for them),
+    so that it sees each phase."""
     store = coord.coord.store
+
+    def until(words: str) -> None:  # then on regardless: the test's assertions say what is missing
+        deadline = time.monotonic() + 30
+        while words not in shown() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def run() -> None:
         deadline = time.monotonic() + 60
@@ -221,13 +229,13 @@ def drive(coord: server.Running, machine_id: str, client_id: str, output: bytes)
             time.sleep(0.1)
         assert job.client_job_id == client_id
         store.append_logs(job.id, job.attempt, machine_id, "build", 0, "STEP 1/2: FROM python\n")
-        time.sleep(1.5)
+        until(building)
         store.renew_lease(job.id, job.attempt, machine_id, JobState.RUNNING, 30)
         store.append_logs(job.id, job.attempt, machine_id, "run", 0, "epoch 1 loss 0.5\n")
         store.record_checkpoint(job.id, job.attempt, machine_id, epoch=1,
                                 key=f"checkpoints/{job.id}/1", size=3 * 1024 * 1024,
                                 sha256="0" * 64, keep=3)
-        time.sleep(2.5)  # the follower looks at the job's events every 2 s
+        until(saved)  # the follower looks at the job's events every 2 s
         key = f"outputs/{job.id}.tar.gz"
         coord.coord.objects.put_bytes(key, output)
         store.finish(job.id, job.attempt, machine_id, succeeded=True, exit_code=0, reason=None,
@@ -241,12 +249,21 @@ def drive(coord: server.Running, machine_id: str, client_id: str, output: bytes)
 def test_submit_wait_streams_json_lines_and_the_output_downloads(coord, env, machine, tmp_path):
     folder = context_folder(tmp_path)
     output = os.urandom(5 * 1024 * 1024)
-    driver = drive(coord, machine, "waited-1", output)
-    out = subprocess.run([*CLI, "submit", str(folder), "--client-id", "waited-1", "--wait", "--json"],
-                         capture_output=True, text=True, timeout=120, env=env)
+    printed: list[str] = []
+    driver = drive(coord, machine, "waited-1", output, lambda: "".join(printed),
+                   building="STEP 1/2: FROM python", saved=f"epoch 1, {3 * 1024 * 1024} bytes")
+    with subprocess.Popen([*CLI, "submit", str(folder), "--client-id", "waited-1", "--wait",
+                           "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env) as proc:
+        timer = threading.Timer(120, proc.kill)
+        timer.start()
+        assert proc.stdout is not None and proc.stderr is not None
+        printed.extend(proc.stdout)  # line by line, as the follower prints them
+        stderr = proc.stderr.read()
+        timer.cancel()
     driver.join(10)
-    assert out.returncode == 0 and out.stderr == "", out
-    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert proc.returncode == 0 and stderr == "", (printed, stderr)
+    lines = [json.loads(line) for line in printed]
     assert lines[0]["event"] == "submitted" and lines[0]["job"]["client_job_id"] == "waited-1"
     job_id = lines[0]["job"]["id"]
     states = [x["state"] for x in lines if x["event"] == "state"]
@@ -270,8 +287,16 @@ def test_submit_wait_streams_json_lines_and_the_output_downloads(coord, env, mac
 
 def test_submit_wait_shows_the_phase_on_a_terminal(coord, env, machine, tmp_path):
     folder = context_folder(tmp_path)
-    driver = drive(coord, machine, "waited-2", b"out")
-    stdout, terminal = on_a_terminal(env, "submit", str(folder), "--client-id", "waited-2", "--wait")
+    live: list[bytes] = []  # what the terminal shows, as it shows it
+
+    def driving(client_id: str) -> threading.Thread:
+        live.clear()
+        return drive(coord, machine, client_id, b"out", lambda: b"".join(live).decode(
+            errors="replace"), building="building its image", saved="checkpoint epoch 1 saved")
+
+    driver = driving("waited-2")
+    stdout, terminal = on_a_terminal(env, "submit", str(folder), "--client-id", "waited-2", "--wait",
+                                     shown=live)
     driver.join(10)
     lines = stdout.splitlines()
     assert lines[1:3] == ["build| STEP 1/2: FROM python", "epoch 1 loss 0.5"], stdout
@@ -280,9 +305,9 @@ def test_submit_wait_shows_the_phase_on_a_terminal(coord, env, machine, tmp_path
     assert "checkpoint epoch 1 saved (3.0 MB)" in terminal, terminal
     assert "STEP 1/2" not in terminal  # the logs went to stdout, and only there
     # stdout on the same terminal: each log line is a line of its own above the spinner
-    driver = drive(coord, machine, "waited-3", b"out")
+    driver = driving("waited-3")
     _, terminal = on_a_terminal(env, "submit", str(folder), "--client-id", "waited-3", "--wait",
-                                stdout_too=True)
+                                stdout_too=True, shown=live)
     driver.join(10)
     shown = screen_lines(terminal)
     assert "build| STEP 1/2: FROM python" in shown and "epoch 1 loss 0.5" in shown, shown
