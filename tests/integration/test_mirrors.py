@@ -107,3 +107,24 @@ def test_the_agents_apt_fetches_through_the_cache_which_keeps_the_packages(
     assert "[campugrid] deb tree " in log and "(fetched)" in log
     kept = {p.name.split("_")[0] for p in (apt.data_dir / "cache").rglob("*.deb")}
     assert "tree" in kept, kept
+
+
+def test_a_cache_out_of_reach_costs_a_log_line_not_the_build(provider, shared_tmp, tmp_path):
+    """A coordinator serving REST on its own loopback only hands remote machines caches
+    they cannot reach: they fetch from the index and the distribution's mirrors directly."""
+    dead = "http://127.0.0.1:9"
+    lines: list[str] = []
+    context = tmp_path / "context"
+    context.mkdir()
+    got = stage_wheels(check_dockerfile("FROM localhost/campugrid/python:bookworm\n"
+                                        "RUN pip install jmespath==1.0.1\n").pip,
+                       BuildOptions(), context, tmp_path, python="3.11", disk_mb=64,
+                       log=lines.append, stop=threading.Event(),
+                       mirror=Mirror("pypi", f"{dead}/pypi", "token"))
+    assert got is not None and got.count == 1, lines
+    assert any("instead" in line and "pypi.org" in line for line in lines), lines
+    debs = stage_debs(provider, shared_tmp, "RUN apt-get update && apt-get install -y jq\n",
+                      mirror={"kind": "apt", "url": f"{dead}/apt", "token": "token"})
+    assert debs.get("staged") is not None, debs
+    assert any("fetching from the distribution's mirrors instead" in line
+               for line in debs["log"]), debs["log"]

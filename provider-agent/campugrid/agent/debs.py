@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import os
 import platform
@@ -183,9 +184,19 @@ def stage(installs: Sequence[AptInstall], build: BuildOptions, bases: Sequence[s
         upgrade = any(u.upgrade for u in uses)
         repo = folder / str(n)
         keyring = _keyring(release, ops, image, log)
-        got, size = _fetch(release, status, packages, recommends, upgrade, repo,
-                           work / f"apt-{n}", disk_mb * 1024**2 - total, log, stop, mirror,
-                           keyring)
+        fetch = functools.partial(_fetch, release, status, packages, recommends, upgrade,
+                                  repo, work / f"apt-{n}", disk_mb * 1024**2 - total, log,
+                                  stop, keyring=keyring)
+        try:
+            got, size = fetch(mirror=mirror)
+        except SandboxError as e:
+            if mirror is None or os.environ.get("CAMPUGRID_APT_PROXY"):
+                raise
+            # The platform's cache is out of this machine's reach: the mirrors themselves.
+            log(f"[campugrid] {e.reason} through the platform's cache; fetching from the "
+                "distribution's mirrors instead")
+            shutil.rmtree(repo, ignore_errors=True)
+            got, size = fetch(mirror=None)
         repos[base] = str(n)
         names |= {name for name, _, _ in got}
         count, total = count + len(got), total + size
@@ -235,7 +246,7 @@ def installed(status: bytes) -> bytes:
 
 def _fetch(release: Release, status: bytes, packages: list[str], recommends: bool,
            upgrade: bool, repo: Path, scratch: Path, budget: int, log: LogFn,
-           stop: threading.Event | None, mirror: Mirror | None, keyring: bytes
+           stop: threading.Event | None, *, mirror: Mirror | None, keyring: bytes
            ) -> tuple[list[tuple[str, str, str]], int]:
     """One base's packages into `repo`: the .debs, their Packages index, and the apt
     configuration RUN steps use. Returns the packages (name, version, arch) and bytes."""

@@ -165,7 +165,17 @@ def stage(installs: Sequence[PipInstall], build: BuildOptions, context: Path, wo
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     if reqs:
-        _download(reqs, indexes, pre, python, folder, work, disk_mb, log, stop, mirror)
+        try:
+            _download(reqs, indexes, pre, python, folder, work, disk_mb, log, stop, mirror)
+        except SandboxError as e:
+            if mirror is None or os.environ.get("CAMPUGRID_PIP_INDEX"):
+                raise
+            # The platform's cache is out of this machine's reach (a coordinator that
+            # serves REST on its own loopback only): the index itself, then.
+            log(f"[campugrid] {e.reason}; fetching from {DEFAULT_INDEX} instead")
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            _download(reqs, indexes, pre, python, folder, work, disk_mb, log, stop, None)
         _trim_cache(log)
     wheels = sorted(folder.glob("*.whl"))
     total = 0
