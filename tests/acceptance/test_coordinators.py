@@ -133,7 +133,7 @@ def test_two_coordinators_survive_the_loss_of_one_and_every_acknowledged_job_fin
 
         stored = {j["id"] for j in b.jobs(limit=500)}
         assert set(acknowledged) <= stored
-        finals = {j: b.wait(j, timeout_s=400) for j in acknowledged}
+        finals = {j: b.wait(j, timeout_s=400, poll_s=0.2) for j in acknowledged}
         assert {j: f["state"] for j, f in finals.items()} == dict.fromkeys(acknowledged, "succeeded")
         for job_id, final in finals.items():
             # Once: one attempt, no lease lost to the dead coordinator, every epoch done once.

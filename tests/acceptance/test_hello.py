@@ -50,7 +50,7 @@ def test_the_sample_job_builds_and_runs_in_gvisor_offline_as_non_root(api, platf
         spec = JobSpec.from_dict({"command": ["sh", "-c", "sleep 3; python3 /app/hello.py"],
                                   "env": {"PROBE_PORT": str(platform.http_port)}})
         job = api.submit(tar_folder(HELLO), spec)
-        final = api.wait(job["id"], timeout_s=240)
+        final = api.wait(job["id"], timeout_s=240, poll_s=0.2)
     finally:
         stop.set()
         watcher.join()
@@ -80,7 +80,7 @@ def test_the_sample_job_builds_and_runs_in_gvisor_offline_as_non_root(api, platf
 
 def test_the_cli_shows_the_job(api, platform):
     job = api.submit(tar_folder(HELLO), JobSpec(name="cli check"))
-    api.wait(job["id"], timeout_s=240)
+    api.wait(job["id"], timeout_s=240, poll_s=0.2)
     cli = [sys.executable, "-m", "campugrid.cli"]
     out = subprocess.run([*cli, "status", job["id"], "--server", platform.url],
                          capture_output=True, env=platform.cli_env(), text=True, timeout=60)
@@ -101,7 +101,7 @@ def test_a_failed_build_fails_the_job_with_the_build_log_tail(api, tmp_path):
     (tmp_path / "Dockerfile").write_text(
         "FROM localhost/campugrid/python:bookworm\nRUN echo preparing-step-91c && exit 4\n")
     job = api.submit(tar_folder(tmp_path), JobSpec())
-    final = api.wait(job["id"], timeout_s=240)
+    final = api.wait(job["id"], timeout_s=240, poll_s=0.2)
     assert final["state"] == "failed"
     assert final["reason"].startswith("build failed")
     assert "preparing-step-91c" in final["reason"]
@@ -109,7 +109,7 @@ def test_a_failed_build_fails_the_job_with_the_build_log_tail(api, tmp_path):
 
 def test_a_failing_command_gives_its_exit_status(api):
     job = api.submit(tar_folder(HELLO), JobSpec.from_dict({"command": "echo partial; exit 7"}))
-    final = api.wait(job["id"], timeout_s=240)
+    final = api.wait(job["id"], timeout_s=240, poll_s=0.2)
     assert final["state"] == "failed" and final["exit_code"] == 7
     assert final["reason"] == "the job's command exited with status 7"
     assert final["result"] == "partial"
@@ -157,7 +157,7 @@ def test_a_dataset_is_mounted_read_only(api, platform):
     spec = JobSpec.from_dict({"command": ["python3", "-c", reader],
                               "datasets": [{"name": "iris", "uri": "s3://datasets/iris/",
                                             "sha256": sha}]})
-    final = api.wait(api.submit(tar_folder(HELLO), spec)["id"], timeout_s=240)
+    final = api.wait(api.submit(tar_folder(HELLO), spec)["id"], timeout_s=240, poll_s=0.2)
     assert final["state"] == "succeeded", final
     assert final["result"] == "2 two rows read-only"
 
@@ -178,7 +178,7 @@ def test_links_a_job_plants_never_make_the_agent_read_host_files(api, platform):
         "import time; time.sleep(3)\n"
         "print('planted')\n")
     job = api.submit(tar_folder(HELLO), JobSpec.from_dict({"command": ["python3", "-c", job_code]}))
-    final = api.wait(job["id"], timeout_s=240)
+    final = api.wait(job["id"], timeout_s=240, poll_s=0.2)
     assert final["state"] == "succeeded" and final["result"] == "planted", final
     with tarfile.open(fileobj=io.BytesIO(api.output(job["id"]))) as tar:
         assert tar.getnames() == ["real.txt"]
@@ -206,7 +206,7 @@ def test_a_gpu_job_on_a_cpu_only_platform_waits_and_says_why(api, platform):
 def test_writing_past_the_output_limit_stops_the_job(api):
     spec = JobSpec.from_dict({"command": ["sh", "-c", "dd if=/dev/zero of=/output/big bs=1M count=64; sleep 30"],
                               "resources": {"output_mb": 8}})
-    final = api.wait(api.submit(tar_folder(HELLO), spec)["id"], timeout_s=240)
+    final = api.wait(api.submit(tar_folder(HELLO), spec)["id"], timeout_s=240, poll_s=0.2)
     assert final["state"] == "failed"
     assert "wrote more than 8 MB to /output and /checkpoints" in final["reason"]
 

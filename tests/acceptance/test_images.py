@@ -66,7 +66,7 @@ def test_a_sharded_job_over_three_agents_builds_its_image_once(three, tmp_path):
         spec = JobSpec.from_dict({"command": ["python3", "-c", SHARD],
                                   "shards": [{"payload": i} for i in range(40)]})
         job = api.submit(context(tmp_path, "once"), spec)
-        final = api.wait(job["id"], timeout_s=600)
+        final = api.wait(job["id"], timeout_s=600, poll_s=0.2)
         assert final["state"] == "succeeded", final
         shards = list(api.shards(job["id"]))
         assert all(s["result"] == f"once {s['index']}" for s in shards), shards[:3]
@@ -91,7 +91,7 @@ def test_verified_reuse_builds_on_two_machines_then_pulls(three, tmp_path):
         ctx = context(tmp_path, "verified")
         spec = JobSpec.from_dict({"command": ["python3", "-c", SHARD], "image": {"reuse": "verified"},
                                   "shards": [{"payload": i} for i in range(24)]})
-        first = api.wait(api.submit(ctx, spec)["id"], timeout_s=600)
+        first = api.wait(api.submit(ctx, spec)["id"], timeout_s=600, poll_s=0.2)
         assert first["state"] == "succeeded", first
         built = [e for e in image_events(api, first["id"]) if "built and pushed" in e]
         assert len({e.split()[1] for e in built}) >= 2, built  # independent machines
@@ -100,7 +100,7 @@ def test_verified_reuse_builds_on_two_machines_then_pulls(three, tmp_path):
         assert sum("building with buildah" in line for line in build_lines(api, first["id"])) >= 2
         # Verified now: the next job of the same context builds nowhere.
         again = JobSpec.from_dict({"command": ["cat", "/built.txt"], "image": {"reuse": "verified"}})
-        second = api.wait(api.submit(ctx, again)["id"], timeout_s=300)
+        second = api.wait(api.submit(ctx, again)["id"], timeout_s=300, poll_s=0.2)
         assert second["state"] == "succeeded" and second["result"] == "verified", second
         assert not any("building with" in line for line in build_lines(api, second["id"]))
         [pulled] = [e for e in image_events(api, second["id"]) if "pulls image" in e]

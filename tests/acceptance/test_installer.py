@@ -148,7 +148,7 @@ def test_a_provider_installs_runs_a_job_and_uninstalls_leaving_nothing():
                                                   str(config)),
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             job = api.submit(tar_folder(HELLO), JobSpec())
-            done = api.wait(job["id"], timeout_s=240)
+            done = api.wait(job["id"], timeout_s=240, poll_s=0.2)
             assert done["state"] == "succeeded" and done["machine_id"] == info["machine_id"], done
         status = cli_json(account.run(campugrid, "provider", "status",
                                       "--state-dir", info["state_dir"], "--json"))

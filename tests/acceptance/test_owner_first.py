@@ -107,7 +107,7 @@ def test_the_owner_takes_the_machine_back_and_the_job_moves_on(owned_agents, tmp
         playing.wait()
 
     # 3. The game ends: the first machine takes the job back and finishes it.
-    final = api.wait(job, timeout_s=300)
+    final = api.wait(job, timeout_s=300, poll_s=0.2)
     assert final["state"] == "succeeded", final
     assert final["attempt"] == 3 and final["machine_id"] == first.machine_id()
     by_attempt = epochs_by_attempt(api, job)

@@ -114,7 +114,7 @@ def containers(job_id: str) -> list[str]:
 
 def reference_weights(api: Api) -> str:
     job = api.submit(tar_folder(TRAIN), JobSpec.from_dict(SPEC))
-    final = api.wait(job["id"], timeout_s=300)
+    final = api.wait(job["id"], timeout_s=300, poll_s=0.2)
     assert final["state"] == "succeeded", final
     return json.loads(final["result"])["weights_sha256"]
 
@@ -130,7 +130,7 @@ def test_kill_9_of_the_running_agent_resumes_elsewhere_from_the_last_checkpoint(
     # its sandbox does not keep computing beside the replacement
     wait_for("the lost sandbox to be gone", lambda: f"campugrid-{job}-1" not in containers(job),
              timeout=30)
-    final = api.wait(job, timeout_s=300)
+    final = api.wait(job, timeout_s=300, poll_s=0.2)
     assert final["state"] == "succeeded", final
     assert final["attempt"] == 2 and final["machine_id"] != victim.machine_id()
     # bit for bit the model of the uninterrupted run
@@ -162,7 +162,7 @@ def test_a_drained_agent_hands_over_after_a_final_checkpoint(two_agents):
     draining = holder(p, api, job)
     os.kill(draining.pid(), signal.SIGTERM)
     draining.proc.wait(timeout=60)  # the agent exits once it has handed the task back
-    final = api.wait(job, timeout_s=300)
+    final = api.wait(job, timeout_s=300, poll_s=0.2)
     assert final["state"] == "succeeded", final
     kinds = [(e["kind"], e["attempt"]) for e in final["events"]]
     assert ("drained", 1) in kinds and ("leased", 2) in kinds
@@ -205,7 +205,7 @@ def test_coordinator_kill_9_loses_nothing_and_jobs_finish(tmp_path):
         coord = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for("the coordinator again", lambda: _up(api), timeout=60)
         assert {j["id"] for j in api.jobs(limit=100)} == set(jobs)  # every acknowledged job
-        finals = [api.wait(j, timeout_s=300) for j in jobs]
+        finals = [api.wait(j, timeout_s=300, poll_s=0.2) for j in jobs]
         assert [f["state"] for f in finals] == ["succeeded"] * 3, finals
     finally:
         if api is not None:
@@ -290,7 +290,7 @@ def test_kill_9_during_a_sharded_job_runs_the_lost_shard_elsewhere_once(two_agen
     assert in_hand, "the victim held no shard when it was killed"
     victim_shard = in_hand[0]
     wait_for("the lost sandbox to be gone", lambda: not sandbox(), timeout=30)
-    final = api.wait(job, timeout_s=300)
+    final = api.wait(job, timeout_s=300, poll_s=0.2)
     assert final["state"] == "succeeded", final
     shards = list(api.shards(job))
     assert [s["result"]["square"] for s in shards] == [i * i for i in range(count)]

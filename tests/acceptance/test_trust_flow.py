@@ -86,7 +86,7 @@ def test_a_laptop_joins_by_invite_and_a_machine_by_approval_until_revoked():
             reads = lab.submit(tar_folder(HELLO), JobSpec.from_dict({
                 "command": ["cat", "/data/d/train/a.csv"],
                 "datasets": [{"name": "d", "share": "pics", "sha256": {"train/a.csv": digest}}]}))
-            done = lab.wait(reads["id"], timeout_s=240)
+            done = lab.wait(reads["id"], timeout_s=240, poll_s=0.2)
             assert done["state"] == "succeeded" and done["result"] == "4,2", done
             log = "".join(c["text"] for c in lab.logs(reads["id"])["chunks"])
             assert "dataset d: 1 file" in log
