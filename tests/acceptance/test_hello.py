@@ -18,6 +18,7 @@ import pytest
 
 from campugrid.cli.platform import ProviderUser
 from campugrid.client import tar_folder
+from campugrid.coordinator.metrics import CoordinatorMetrics
 from campugrid.protocol.spec import JobSpec
 
 pytestmark = pytest.mark.acceptance
@@ -193,7 +194,17 @@ def test_links_a_job_plants_never_make_the_agent_read_host_files(api, platform):
 def test_a_gpu_job_on_a_cpu_only_platform_waits_and_says_why(api, platform):
     spec = JobSpec.from_dict({"resources": {"gpus": 1, "gpu_memory_mb": 8192}})
     job = api.submit(tar_folder(HELLO), spec)
-    time.sleep(3)  # the agent polls every second: it must keep passing this job over
+    # The agent asks for work three times more (the coordinator counts the empty answers): it
+    # must keep passing this job over.
+    metrics = CoordinatorMetrics.of(platform.running.coord).registry
+
+    def empty() -> float:
+        return metrics.get_sample_value("campugrid_leases_total", {"outcome": "empty"}) or 0.0
+
+    asked, deadline = empty(), time.monotonic() + 60
+    while empty() < asked + 3:
+        assert time.monotonic() < deadline, "the agent stopped asking for work"
+        time.sleep(0.1)
     seen = api.job(job["id"])
     assert seen["state"] == "queued"
     assert seen["waiting_reason"] == "no online machine has a GPU (1 CPU-only online)"

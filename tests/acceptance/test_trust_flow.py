@@ -67,7 +67,9 @@ def test_a_laptop_joins_by_invite_and_a_machine_by_approval_until_revoked():
         machine = wait_until("the machine's id", agent.machine_id)
         listed = run(admin, "machines")
         assert f"{machine}  pending" in listed
-        time.sleep(3)  # the agent polls every second: it must get nothing while pending
+        # It has asked for work (and logged the refusal): it must get nothing while pending.
+        wait_until("the pending agent to ask for work", lambda: "waiting for approval" in (
+            agent.log_file.read_text() if agent.log_file else ""))
         status = run(laptop, "status", job)
         assert "state    queued" in status and "wait for their owner's approval" in status
         # Approved: it takes the laptop's job and runs it.
@@ -101,7 +103,7 @@ def test_a_laptop_joins_by_invite_and_a_machine_by_approval_until_revoked():
         log = agent.log_file.read_text() if agent.log_file else ""
         assert "revoked by its owner" in log
         second = run(laptop, "submit", str(HELLO)).strip()
-        time.sleep(2)
+        # No wait: its only machine is revoked and its agent gone (above), none could take it.
         status = run(laptop, "status", second)
         assert "state    queued" in status and "no approved machine online" in status
     finally:
