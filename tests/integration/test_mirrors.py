@@ -67,8 +67,14 @@ def test_only_a_machines_token_reads_and_only_what_the_caches_are_for(served, tm
     # cache controls, a mirror that is not there
     for path in ("/apt/example.com/debian/dists/bookworm/InRelease",
                  "/apt/deb.debian.org/../example.com/x", "/pypi/cache/list", "/pypi/health",
+                 "/pypi/index/../cache/list", "/pypi/index/./six/",
                  "/nothing/here"):
-        assert httpx.get(url + path, auth=good).status_code == 404, path
+        # sent as written: httpx would remove the dot segments itself
+        with httpx.Client(auth=good) as client:
+            request = client.build_request("GET", url + path,
+                                           extensions={"target": path.encode()})
+            got = client.send(request)
+        assert got.status_code == 404, (path, got.status_code)
     assert httpx.delete(f"{url}/pypi/cache/list", auth=good).status_code == 405
 
 

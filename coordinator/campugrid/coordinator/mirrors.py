@@ -84,8 +84,8 @@ def create_mirrors(tokens: MirrorTokens, *, pypi_dir: Path | None, apt_address: 
             return
         kind, _, rest = _relative(scope).lstrip("/").partition("/")
         target = {"pypi": pypi, "apt": apt}.get(kind)
-        if target is None:
-            return await _answer(send, 404, f"no mirror {kind!r} here")
+        if target is None or {".", ".."} & set(rest.split("/")):
+            return await _answer(send, 404, f"no mirror {kind!r} here, or a path that climbs")
         if scope["method"] not in ("GET", "HEAD"):
             return await _answer(send, 405, "the mirrors are read-only")
         if tokens.check(_token(scope), kind) is None:
