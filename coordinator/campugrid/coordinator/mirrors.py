@@ -132,37 +132,39 @@ async def _answer(send: Send, status: int, text: str,
 
 
 def _pypi(folder: Path) -> App:
-    """proxpi's Flask app, in this process. It reads its settings once, at import."""
+    """proxpi's Flask app, in this process, caching under `folder`. proxpi keeps one app and
+    one cache per process, configured from its module's settings: they are set here and the
+    cache made anew, so the last mirrors app made in a process is the one that serves."""
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.environ["PROXPI_CACHE_DIR"] = str(folder)
-    os.environ["PROXPI_INDEX_URL"] = os.environ.get("CAMPUGRID_PIP_UPSTREAM") or DEFAULT_UPSTREAM
+    os.environ.setdefault("PROXPI_LOGGING_LEVEL", "WARNING")  # read once, at import
+    from a2wsgi import WSGIMiddleware
+    from proxpi import _cache, server  # type: ignore[import-untyped]
+
+    _cache.INDEX_URL = os.environ.get("CAMPUGRID_PIP_UPSTREAM") or DEFAULT_UPSTREAM
+    _cache.CACHE_DIR = str(folder)
+    _cache.CACHE_SIZE = int(os.environ.get("CAMPUGRID_PIP_MIRROR_MB") or 8192) * 1024**2
     # Serve every file from the cache, however long its first download takes (proxpi would
     # otherwise send the client to the upstream after 0.9 s, past the cache)
-    os.environ["PROXPI_DOWNLOAD_TIMEOUT"] = "900"
-    os.environ.setdefault("PROXPI_CACHE_SIZE", str(
-        int(os.environ.get("CAMPUGRID_PIP_MIRROR_MB") or 8192) * 1024**2))
-    os.environ.setdefault("PROXPI_LOGGING_LEVEL", "WARNING")
-    from a2wsgi import WSGIMiddleware
-    from proxpi.server import app as proxpi  # type: ignore[import-untyped]
-
-    return WSGIMiddleware(proxpi)  # type: ignore[return-value]
+    _cache.DOWNLOAD_TIMEOUT = 900.0
+    server.cache = _cache.Cache.from_config()
+    return WSGIMiddleware(server.app)  # type: ignore[return-value]
 
 
 def _apt(address: str) -> App:
     """A streaming pass-through to apt-cacher-ng, for APT_HOSTS' paths only."""
-    client = httpx.AsyncClient(base_url=f"http://{address}", timeout=httpx.Timeout(60, read=900))
-
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         path = _relative(scope)
         host = path.lstrip("/").partition("/")[0]
         if host not in APT_HOSTS or not re.fullmatch(r"/[A-Za-z0-9._~+/-]+", path) \
                 or "/../" in path + "/":
             return await _answer(send, 404, f"the apt cache serves only {', '.join(APT_HOSTS)}")
-        request = client.build_request(scope["method"], path, headers={
-            k.decode(): v.decode("latin-1") for k, v in scope.get("headers") or []
-            if k.lower() in (b"if-modified-since", b"range", b"if-range", b"cache-control")})
-        response = await client.send(request, stream=True)
-        try:
+        headers = {k.decode(): v.decode("latin-1") for k, v in scope.get("headers") or []
+                   if k.lower() in (b"if-modified-since", b"range", b"if-range",
+                                    b"cache-control")}
+        # A client per request, closed with it: nothing stays open past the answer
+        async with httpx.AsyncClient(base_url=f"http://{address}",
+                                     timeout=httpx.Timeout(60, read=900)) as client, \
+                client.stream(scope["method"], path, headers=headers) as response:
             await send({"type": "http.response.start", "status": response.status_code,
                         "headers": [(k.encode(), v.encode("latin-1"))
                                     for k, v in response.headers.items()
@@ -172,7 +174,5 @@ def _apt(address: str) -> App:
             async for chunk in response.aiter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
-        finally:
-            await response.aclose()
 
     return app
