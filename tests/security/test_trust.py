@@ -211,10 +211,13 @@ def test_rate_limits_answer_429_with_retry_after(s3_server, tmp_path):
     running, t = start(s3_server, tmp_path, "trust-limits", rest_per_key_per_s=3)
     try:
         with Api(running.url, Identity.load(tmp_path / "admin.json")) as api:
-            codes = [api.http.get("/v1/jobs").status_code for _ in range(8)]
+            answers = [api.http.get("/v1/jobs") for _ in range(8)]
+            codes = [r.status_code for r in answers]
             assert codes[:3] == [200, 200, 200] and 429 in codes
-            resp = api.http.get("/v1/jobs")
-            assert resp.status_code == 429 and int(resp.headers["retry-after"]) >= 1
+            # each refusal says when to come back (checked on the refusals themselves: on a
+            # slow machine the window may have moved on by the next request)
+            refused = [r for r in answers if r.status_code == 429]
+            assert all(int(r.headers["retry-after"]) >= 1 for r in refused), refused
             time.sleep(1.1)
             assert api.http.get("/v1/jobs").status_code == 200  # the window moved on
     finally:
