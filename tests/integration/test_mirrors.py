@@ -78,9 +78,8 @@ def test_only_a_machines_token_reads_and_only_what_the_caches_are_for(served, tm
     assert httpx.delete(f"{url}/pypi/cache/list", auth=good).status_code == 405
 
 
-def test_the_agents_pip_fetches_through_the_cache_which_keeps_the_wheel(served, tmp_path):
-    url, tokens, root, _ = served
-    mirror = Mirror("pypi", f"{url}/pypi", tokens.mint("m-1"))
+def jmespath_through(mirror: Mirror, tmp_path: Path) -> list[str]:
+    """The agent's wheel fetch for `pip install jmespath==1.0.1`, given this mirror; its log."""
     lines: list[str] = []
     context = tmp_path / "context"
     context.mkdir()
@@ -89,6 +88,13 @@ def test_the_agents_pip_fetches_through_the_cache_which_keeps_the_wheel(served, 
                        BuildOptions(), context, tmp_path, python="3.11", disk_mb=64,
                        log=lines.append, stop=threading.Event(), mirror=mirror)
     assert got is not None and got.count == 1, lines
+    return lines
+
+
+def test_the_agents_pip_fetches_through_the_cache_which_keeps_the_wheel(served, tmp_path):
+    url, tokens, root, _ = served
+    mirror = Mirror("pypi", f"{url}/pypi", tokens.mint("m-1"))
+    lines = jmespath_through(mirror, tmp_path)
     log = "\n".join(lines)
     assert f"from the platform's cache at {url}/pypi" in log
     assert mirror.token not in log  # the token never reaches the build log
@@ -119,15 +125,7 @@ def test_a_cache_out_of_reach_costs_a_log_line_not_the_build(provider, shared_tm
     """A coordinator serving REST on its own loopback only hands remote machines caches
     they cannot reach: they fetch from the index and the distribution's mirrors directly."""
     dead = "http://127.0.0.1:9"
-    lines: list[str] = []
-    context = tmp_path / "context"
-    context.mkdir()
-    got = stage_wheels(check_dockerfile("FROM localhost/campugrid/python:bookworm\n"
-                                        "RUN pip install jmespath==1.0.1\n").pip,
-                       BuildOptions(), context, tmp_path, python="3.11", disk_mb=64,
-                       log=lines.append, stop=threading.Event(),
-                       mirror=Mirror("pypi", f"{dead}/pypi", "token"))
-    assert got is not None and got.count == 1, lines
+    lines = jmespath_through(Mirror("pypi", f"{dead}/pypi", "token"), tmp_path)
     assert any("instead" in line and "pypi.org" in line for line in lines), lines
     debs = stage_debs(provider, shared_tmp, "RUN apt-get update && apt-get install -y jq\n",
                       mirror={"kind": "apt", "url": f"{dead}/apt", "token": "token"})
