@@ -4,6 +4,10 @@ clear failure for what has no wheel or is not in the context."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -16,6 +20,7 @@ from campugrid.protocol.spec import BuildOptions
 
 pytestmark = pytest.mark.integration
 FROM = "FROM localhost/campugrid/python:bookworm\n"
+CORPUS = Path(__file__).resolve().parents[1] / "corpus"
 
 
 def staged(tmp_path: Path, dockerfile: str, build: BuildOptions = BuildOptions(), *,
@@ -83,5 +88,50 @@ def test_a_build_that_finds_no_wheel_says_how_to_declare_it():
     failed = BuildFailed("build failed (buildah exit 1)",
                          "ERROR: No matching distribution found for idna==3.7\n")
     assert "installs idna==3.7, which was not declared" in explain(failed, object()).reason  # type: ignore[arg-type]
+    uv = BuildFailed("build failed (buildah exit 1)",
+                     "error: Failed to download `docopt==0.6.2`\n  cause: Network connectivity "
+                     "is disabled\n")
+    assert "`uv sync` needs docopt==0.6.2 from uv.lock" in explain(uv, object()).reason  # type: ignore[arg-type]
+    undeclared = BuildFailed("build failed (buildah exit 1)", "cause: Because requests was not "
+                             "found in the cache and you require requests, we can conclude")
+    assert "installs requests, which was not declared" in explain(undeclared, object()).reason  # type: ignore[arg-type]
     other = BuildFailed("build failed (buildah exit 1)", "exit 3")
     assert explain(other, None) is other
+
+
+def test_a_uv_lock_is_fetched_as_locked_and_real_uv_syncs_from_it_offline(tmp_path):
+    """tests/corpus/uv-project: `uv sync --locked` lines. The lock's pins arrive, checked
+    against its hashes (jmespath 1.0.1, older than the newest: nothing is resolved anew),
+    with what uv needs to build the project (setuptools); the lock's wheel URLs, and nothing
+    else in it, now name the copies. Real uv then syncs the project from them with no
+    network, as a RUN step would."""
+    context = tmp_path / "context"
+    shutil.copytree(CORPUS / "uv-project", context, ignore=shutil.ignore_patterns("expect.json"))
+    original = (context / "uv.lock").read_text()
+    dockerfile = (context / "Dockerfile").read_text().replace("FROM python:3.11-slim\n", FROM)
+    lines: list[str] = []
+    got = stage(check_dockerfile(dockerfile).pip, BuildOptions(), context, tmp_path,
+                python="3.11", disk_mb=256, log=lines.append, stop=threading.Event())
+    assert got is not None
+    names = sorted(p.name for p in got.folder.iterdir())
+    assert [n.split("-")[:2] for n in names] == [
+        ["jmespath", "1.0.1"], ["setuptools", names[1].split("-")[1]], ["six", "1.16.0"],
+        ["uv", "0.13.9"]], names
+    assert "[campugrid] fetching Python wheels that uv.lock pins for CPython 3.11" in \
+        "\n".join(lines)
+    pointed = (context / "uv.lock").read_text()
+    changed = [(a, b) for a, b in zip(original.splitlines(), pointed.splitlines(), strict=True)
+               if a != b]
+    assert sorted(b.split('"')[1] for _, b in changed) == [
+        f"file://{IN_BUILD}/jmespath-1.0.1-py3-none-any.whl",
+        f"file://{IN_BUILD}/six-1.16.0-py2.py3-none-any.whl"]
+    # uv, as the build's RUN step runs it (the copies where this test can reach them)
+    (context / "uv.lock").write_text(pointed.replace(f"file://{IN_BUILD}", f"file://{got.folder}"))
+    env = {**os.environ, **dict(got.run_args()), "UV_FIND_LINKS": str(got.folder),
+           "UV_PYTHON": sys.executable, "UV_CACHE_DIR": str(tmp_path / "uv-cache")}
+    uv = Path(sys.executable).with_name("uv")
+    done = subprocess.run(["unshare", "-n", str(uv), "sync", "--locked", "--no-dev"],
+                          cwd=context, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    installed = {p.name for p in (context / ".venv").glob("lib/python3*/site-packages/*")}
+    assert {"jmespath-1.0.1.dist-info", "six-1.16.0.dist-info"} <= installed, installed

@@ -49,6 +49,18 @@ _VALUED = {"-r", "--requirement", "-c", "--constraint", "-e", "--editable", "-t"
            "--keyring-provider", "--use-feature", "--use-deprecated", "--log-file",
            "--index-strategy", "--extra-index", "--index"}
 
+# uv's options that take a value as the next word (the ones `uv sync` and `uv run` share with
+# its global options; a misread one only points the agent at another folder).
+_UV_VALUED = {"--project", "--directory", "--extra", "--group", "--only-group", "--no-group",
+              "--package", "--python", "-p", "--index", "--default-index", "--index-url",
+              "--extra-index-url", "--find-links", "-f", "--index-strategy", "--cache-dir",
+              "--config-file", "--color", "--python-platform", "--link-mode", "--resolution",
+              "--prerelease", "--exclude-newer", "--no-install-package", "--reinstall-package",
+              "--upgrade-package", "-P", "--refresh-package", "--no-build-package",
+              "--no-binary-package", "--config-setting", "-C", "--keyring-provider",
+              "--with", "--with-requirements", "--with-editable", "--env-file", "--script",
+              "--fork-strategy"}
+
 
 @dataclasses.dataclass(frozen=True)
 class PipInstall:
@@ -60,6 +72,7 @@ class PipInstall:
     local: tuple[str, ...] = ()  # local projects it installs (".", "/app", "./pkg[extra]")
     indexes: tuple[str, ...] = ()  # index URLs it names
     pre: bool = False  # --pre: pre-releases too
+    uv_projects: tuple[str, ...] = ()  # `uv sync` / `uv run`: the project folders it syncs
 
 
 def allowed_indexes(text: str | None = None) -> tuple[str, ...]:
@@ -114,6 +127,12 @@ def _from_command(words: list[str], line: int, at: str) -> PipInstall | None:
             return None
         rest = rest[2:]
     elif program == "uv":
+        project, rest = _uv_options(rest)
+        if rest[:1] in (["sync"], ["run"]):
+            project, _ = _uv_options(rest[1:], project)
+            if rest[0] == "run" and "--no-sync" in rest:
+                return None
+            return PipInstall(line, uv_projects=(_local(project, at),))
         if rest[:1] != ["pip"]:
             return None
         rest = rest[1:]
@@ -124,6 +143,20 @@ def _from_command(words: list[str], line: int, at: str) -> PipInstall | None:
     if rest[:1] != ["install"]:
         return None
     return _install(rest[1:], line, at)
+
+
+def _uv_options(words: list[str], project: str = ".") -> tuple[str, list[str]]:
+    """uv's options before (or after) its command: the project folder that `--project` or
+    `--directory` names (else `project`), and the words from the command on."""
+    i = 0
+    while i < len(words) and words[i].startswith("-"):
+        name, eq, value = words[i].partition("=")
+        if not eq and name in _UV_VALUED:
+            value, i = (words[i + 1] if i + 1 < len(words) else ""), i + 1
+        if name in ("--project", "--directory"):
+            project = value
+        i += 1
+    return project, words[i:]
 
 
 def _install(args: list[str], line: int, at: str) -> PipInstall:
@@ -229,11 +262,12 @@ def read_requirements(path: Path, root: Path, at: str, depth: int = 0
     return reqs, local, indexes, pre
 
 
-def project_requirements(folder: Path, extras: Sequence[str], root: Path, at: str
-                         ) -> tuple[list[str], list[str]]:
+def project_requirements(folder: Path, extras: Sequence[str], root: Path, at: str, *,
+                         depends: bool = True) -> tuple[list[str], list[str]]:
     """A local project's requirements: what its build needs (its build-system.requires, or
-    setuptools' defaults) and what it depends on (with the extras asked for), from its
-    pyproject.toml. Also a warning for dependencies it does not list statically."""
+    setuptools' defaults) and, with `depends`, what it depends on (with the extras asked
+    for), from its pyproject.toml. Also a warning for dependencies it does not list
+    statically."""
     root = root.resolve()
     project = _inside(folder, root, at)
     file = project / "pyproject.toml"
@@ -253,7 +287,9 @@ def project_requirements(folder: Path, extras: Sequence[str], root: Path, at: st
     for extra in extras:
         deps += list(optional.get(extra) or []) if isinstance(optional, dict) else []
     warnings = []
-    if not isinstance(meta, dict) or not meta or "dependencies" in (meta.get("dynamic") or []):
+    if not depends:
+        deps = []
+    elif not isinstance(meta, dict) or not meta or "dependencies" in (meta.get("dynamic") or []):
         warnings.append(f"{where}: the project's dependencies are not listed in "
                         "[project].dependencies; list any it needs in the spec's build.pip")
     reqs = [requirement(str(r), where) for r in [*needs, *deps]]

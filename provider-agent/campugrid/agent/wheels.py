@@ -3,7 +3,9 @@
 What to fetch is what the job declares (protocol/pipwords.py): the packages and requirement
 files its Dockerfile's `pip install` lines name (read by the confined Dockerfile check; the
 files are read here, from the unpacked context, as data), the local projects those lines
-install (their pyproject.toml), and the spec's `build.pip`. pip resolves and downloads them
+install (their pyproject.toml), the spec's `build.pip`, and what the uv.lock of a project a
+`uv sync` line syncs pins (protocol/uvlock.py: exact pins, by the lock's hashes; the lock's
+URLs are then pointed at the fetched copies). pip resolves and downloads them
 here, outside any sandbox, as wheels only (`--only-binary=:all:`): a wheel is unpacked, never
 run, so nothing from the job executes outside gVisor. pip checks each file against the
 index's hash (and against any `--hash` a requirement file pins); the build log lists each
@@ -32,8 +34,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import certifi
+from packaging import tags
 
 from campugrid.agent.messages import Mirror
+from campugrid.protocol import uvlock
 from campugrid.protocol.errors import BuildFailed, InvalidInput, SandboxError
 from campugrid.protocol.pipwords import (
     PipInstall,
@@ -72,7 +76,22 @@ class Staged:
     def run_args(self) -> tuple[tuple[str, str], ...]:
         return (("PIP_NO_INDEX", "1"), ("PIP_FIND_LINKS", IN_BUILD),
                 ("PIP_DISABLE_PIP_VERSION_CHECK", "1"),
-                ("UV_NO_INDEX", "1"), ("UV_FIND_LINKS", IN_BUILD))  # `uv pip install`
+                # uv (it reads no variable for --no-index): offline, the staged wheels as
+                # its only candidates, `uv sync` from its lock (pointed at them), never a
+                # Python download (a base without the project's Python fails saying so)
+                ("UV_OFFLINE", "1"), ("UV_FIND_LINKS", IN_BUILD),
+                ("UV_PYTHON_DOWNLOADS", "never"))
+
+
+@dataclasses.dataclass
+class Declared:
+    """Everything a build declares (`declared`)."""
+
+    requirements: list[str]
+    indexes: list[str]
+    pre: bool
+    warnings: list[str]
+    locks: list[Path]  # uv.lock files that `uv sync` lines install from
 
 
 def index_url(mirror: Mirror | None = None) -> tuple[str, str]:
@@ -98,15 +117,15 @@ def python_of(env: Sequence[str] | None, build: BuildOptions) -> str:
     return DEFAULT_PYTHON
 
 
-def declared(installs: Sequence[PipInstall], build: BuildOptions, context: Path
-             ) -> tuple[list[str], list[str], bool, list[str]]:
-    """Everything the build declares: requirements, index URLs, pre-releases, warnings.
-    Raises BuildFailed for a file the Dockerfile names that the context does not have."""
+def declared(installs: Sequence[PipInstall], build: BuildOptions, context: Path) -> Declared:
+    """Everything the build declares. Raises BuildFailed for a file the Dockerfile names that
+    the context does not have."""
     reqs: list[str] = list(build.pip)
     indexes: list[str] = []
     pre = False
     warnings: list[str] = []
     locals_: list[tuple[str, int]] = []
+    locks: list[Path] = []
     try:
         for use in installs:
             at = f"Dockerfile line {use.line}"
@@ -114,6 +133,13 @@ def declared(installs: Sequence[PipInstall], build: BuildOptions, context: Path
             indexes += use.indexes
             pre = pre or use.pre
             locals_ += [(word, use.line) for word in use.local]
+            for word in use.uv_projects:  # `uv sync`: its lock, else the project as pip's
+                folder = locate(word if word not in (".", "..") else "", context, project=True)
+                lock = uvlock.find(folder, context) if folder is not None else None
+                if lock is None:
+                    locals_.append((word, use.line))
+                elif lock not in locks:
+                    locks.append(lock)
             for name in use.files:
                 found = locate(name, context)
                 if found is None or not found.is_file():
@@ -147,7 +173,39 @@ def declared(installs: Sequence[PipInstall], build: BuildOptions, context: Path
             warnings += warned
     except InvalidInput as e:
         raise BuildFailed(str(e), "") from e
-    return list(dict.fromkeys(reqs)), list(dict.fromkeys(indexes)), pre, warnings
+    return Declared(list(dict.fromkeys(reqs)), list(dict.fromkeys(indexes)), pre, warnings,
+                    locks)
+
+
+def target_tags(python: str, arch: str) -> frozenset[tags.Tag]:
+    """The wheel tags a CPython `python` on manylinux `arch` installs (what pip download is
+    asked for below)."""
+    version = tuple(int(part) for part in python.split(".")[:2])
+    abi = f"cp{python.replace('.', '')}"
+    return frozenset([*tags.cpython_tags(version, [abi], _platforms(arch)),
+                      *tags.compatible_tags(version, abi, _platforms(arch))])
+
+
+def _platforms(arch: str) -> list[str]:
+    return [*[f"manylinux_2_{n}_{arch}" for n in range(GLIBC_MAX, 16, -1)],
+            f"manylinux2014_{arch}", f"manylinux2010_{arch}", f"manylinux1_{arch}"]
+
+
+def _read_locks(found: Declared, context: Path, python: str) -> list[uvlock.Locked]:
+    """The declared uv.lock files, read for this platform; the build requirements of the
+    local packages they build join `found`'s."""
+    locks = []
+    try:
+        for path in found.locks:
+            lock = uvlock.read(path, context, target_tags(python, platform.machine()),
+                               "uv sync")
+            for project in lock.projects:
+                needs, _ = project_requirements(project, (), context, "uv sync", depends=False)
+                found.requirements += [r for r in needs if r not in found.requirements]
+            locks.append(lock)
+    except InvalidInput as e:
+        raise BuildFailed(str(e), "") from e
+    return locks
 
 
 def stage(installs: Sequence[PipInstall], build: BuildOptions, context: Path, work: Path, *,
@@ -158,33 +216,55 @@ def stage(installs: Sequence[PipInstall], build: BuildOptions, context: Path, wo
     SandboxError when this machine cannot reach the index."""
     if not installs and not build.pip:
         return None
-    reqs, indexes, pre, warnings = declared(installs, build, context)
-    for warning in warnings:
+    found = declared(installs, build, context)
+    locks = _read_locks(found, context, python)
+    reqs = found.requirements
+    for warning in found.warnings:
         log(f"[campugrid] {warning}")
+    for lock in locks:
+        for skipped in lock.skipped:
+            log(f"[campugrid] {lock.path.relative_to(context.resolve())}: {skipped} has no "
+                f"wheel for CPython {python} on manylinux {platform.machine()}; not fetched")
     folder = work / "wheels"
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    if reqs:
-        try:
-            _download(reqs, indexes, pre, python, folder, work, disk_mb, log, stop, mirror)
-        except SandboxError as e:
-            if mirror is None or os.environ.get("CAMPUGRID_PIP_INDEX"):
-                raise
-            # The platform's cache is out of this machine's reach (a coordinator that
-            # serves REST on its own loopback only): the index itself, then.
-            log(f"[campugrid] {e.reason}; fetching from {DEFAULT_INDEX} instead")
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir(parents=True)
-            _download(reqs, indexes, pre, python, folder, work, disk_mb, log, stop, None)
-        _trim_cache(log)
+
+    def fetch(source: Mirror | None) -> None:
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        if reqs:
+            _download(reqs, found.indexes, found.pre, python, folder, work, disk_mb, log, stop,
+                      source)
+        for lock in locks:  # exact pins, each checked against the lock's hashes
+            for pins in lock.pins:
+                _download(list(pins), list(lock.indexes), False, python, folder, work, disk_mb, log,
+                          stop, source, pinned=lock.path.relative_to(context.resolve()))
+
+    try:
+        fetch(mirror)
+    except SandboxError as e:
+        if mirror is None or os.environ.get("CAMPUGRID_PIP_INDEX"):
+            raise
+        # The platform's cache is out of this machine's reach (a coordinator that serves
+        # REST on its own loopback only): the index itself, then.
+        log(f"[campugrid] {e.reason}; fetching from {DEFAULT_INDEX} instead")
+        fetch(None)
+    _trim_cache(log)
     wheels = sorted(folder.glob("*.whl"))
+    for lock in locks:  # `uv sync` installs the copies, pins and hashes as locked
+        text = lock.path.read_text()
+        pointed = uvlock.pointed(text, lock.urls, [w.name for w in wheels], IN_BUILD)
+        swap = lock.path.with_name(f".{lock.path.name}.campugrid")
+        swap.write_text(pointed)
+        swap.replace(lock.path)  # a new file: a link in the context keeps what it had
+        log(f"[campugrid] {lock.path.relative_to(context.resolve())}: its wheel URLs point at "
+            f"the fetched copies in {IN_BUILD} for the build (pins and hashes unchanged)")
     total = 0
     for wheel in wheels:
         size = wheel.stat().st_size
         total += size
         log(f"[campugrid] wheel {wheel.name} {size / 1024**2:.1f} MB sha256:{_sha256(wheel)}")
+    named = [*reqs, *[str(lock.path.relative_to(context.resolve())) for lock in locks]]
     log(f"[campugrid] staged {len(wheels)} wheels, {total / 1024**2:.1f} MB, for CPython "
-        f"{python} ({', '.join(reqs) or 'nothing declared'}); RUN steps install from them "
+        f"{python} ({', '.join(named) or 'nothing declared'}); RUN steps install from them "
         "offline")
     if total > disk_mb * 1024**2:
         raise BuildFailed(f"the build's Python wheels take {total // 1024**2} MB, more than "
@@ -194,9 +274,10 @@ def stage(installs: Sequence[PipInstall], build: BuildOptions, context: Path, wo
 
 def _download(reqs: list[str], indexes: list[str], pre: bool, python: str, folder: Path,
               work: Path, disk_mb: int, log: LogFn, stop: threading.Event | None,
-              mirror: Mirror | None) -> None:
+              mirror: Mirror | None, pinned: Path | None = None) -> None:
     """pip download, stopped as soon as what it has written (the wheels and its own
-    temporary files) passes `disk_mb`."""
+    temporary files) passes `disk_mb`. `pinned`: the lock `reqs` come from (exact pins with
+    hashes; their dependencies are pinned too, so none is resolved)."""
     listed = work / "wheels-requirements.txt"
     scratch = work / "pip-tmp"
     scratch.mkdir(exist_ok=True)
@@ -214,16 +295,13 @@ def _download(reqs: list[str], indexes: list[str], pre: bool, python: str, folde
             "--disable-pip-version-check", "--progress-bar", "off",
             "--only-binary=:all:", "--dest", str(folder),
             "--python-version", python, "--implementation", "cp", "--abi", f"cp{tag}",
-            *[a for n in range(GLIBC_MAX, 16, -1) for a in ("--platform",
-                                                            f"manylinux_2_{n}_{arch}")],
-            "--platform", f"manylinux2014_{arch}", "--platform", f"manylinux2010_{arch}",
-            "--platform", f"manylinux1_{arch}",
+            *[a for p in _platforms(arch) for a in ("--platform", p)],
             "--index-url", index, *trust,
             *[a for url in indexes for a in ("--extra-index-url", url)],
-            *(["--pre"] if pre else []),
+            *(["--pre"] if pre else []), *(["--no-deps"] if pinned else []),
             "-r", str(listed)]
-    log(f"[campugrid] fetching Python wheels for CPython {python} on {arch} from "
-        f"{', '.join([shown, *indexes])}")
+    log(f"[campugrid] fetching Python wheels{f' that {pinned} pins' if pinned else ''} for "
+        f"CPython {python} on {arch} from {', '.join([shown, *indexes])}")
     halt, too_big = threading.Event(), threading.Event()
 
     def watch() -> None:
@@ -251,6 +329,10 @@ def _download(reqs: list[str], indexes: list[str], pre: bool, python: str, folde
     if done.returncode == 0 and not done.timed_out:
         return
     tail = done.tail
+    if "DO NOT MATCH THE HASHES" in tail:
+        raise BuildFailed(f"a Python wheel's sha256 differs from the one "
+                          f"{pinned or 'a requirement file'} names: refused (see the build "
+                          "log)", tail[-2000:])
     if done.timed_out or re.search(r"NewConnectionError|ConnectTimeout|Max retries exceeded|"
                                    r"Temporary failure in name resolution|ProxyError", tail):
         raise SandboxError(f"cannot fetch Python wheels from {shown} (this machine's "
@@ -270,7 +352,16 @@ def _download(reqs: list[str], indexes: list[str], pre: bool, python: str, folde
 def explain(failure: BuildFailed, staged: Staged | None) -> BuildFailed:
     """A build that failed because a RUN step's pip found no wheel for a package: say which,
     and how to declare it."""
-    found = re.findall(r"No matching distribution found for (\S+)", failure.log_tail)
+    tail = failure.log_tail
+    locked = re.findall(r"Failed to download `([^`]+)`", tail)  # uv sync, from its lock
+    if locked:
+        return BuildFailed(
+            f"`uv sync` needs {', '.join(dict.fromkeys(locked))} from uv.lock, which was not "
+            "fetched: it has no wheel for this base's Python and platform (the build log "
+            "lists what was skipped), and nothing is built outside the sandbox. Lock a "
+            f"version that publishes one, or set build.python. ({failure.reason})", tail)
+    found = re.findall(r"No matching distribution found for (\S+)", tail) \
+        + re.findall(r"Because (\S+) was not found in the cache", tail)  # uv, offline
     if not found:
         return failure
     names = ", ".join(dict.fromkeys(found))
