@@ -39,7 +39,7 @@ from campugrid.cli.platform import Platform, ProviderUser  # noqa: E402
 from campugrid.cli.seaweed import free_port  # noqa: E402
 from campugrid.client import Api, tar_folder  # noqa: E402
 from campugrid.protocol.spec import JobSpec  # noqa: E402
-from tests.support.oci import OpenRegistry, python_slim  # noqa: E402
+from tests.support.oci import UV, OpenRegistry, python_slim, uv_image  # noqa: E402
 
 HUB_NAME = "docker.io/library/python:3.11-slim"
 
@@ -96,6 +96,13 @@ def main() -> None:
     subprocess.run(user.command(["podman", "tag", slim, HUB_NAME]), check=True, timeout=60)
     hub = OpenRegistry(root / "hub")
     hub.push(f"containers-storage:{slim}", "library/python:3.11-slim", as_user=user.command([]))
+    # uv's image (uv-project copies uv out of it): on the stand-in hub as ghcr.io's mirror, and
+    # under its ghcr.io name for the plain build
+    hub.push(uv_image(root / "uv-image"), UV, as_user=user.command([]))
+    subprocess.run(user.command(["skopeo", "copy", "--quiet", f"docker://{hub.address}/{UV}",
+                                 f"containers-storage:ghcr.io/{UV}", "--src-tls-verify=false"]),
+                   check=True, timeout=300)
+    os.environ["CAMPUGRID_REGISTRY_MIRRORS"] = f"ghcr.io=http://{hub.address}"
     platform = Platform(root / "state", http_port=free_port(),
                         admin_identity=root / "admin.json", hub_upstream=f"http://{hub.address}")
     corpus = entries()
@@ -118,7 +125,8 @@ def main() -> None:
     finally:
         platform.stop()
         hub.stop()
-        subprocess.run(user.command(["podman", "rmi", HUB_NAME]), capture_output=True)
+        subprocess.run(user.command(["podman", "rmi", HUB_NAME, f"ghcr.io/{UV}"]),
+                       capture_output=True)
         shutil.rmtree(root, ignore_errors=True)
 
     print(f"\nthe corpus built on a warm cache, median of {args.rounds} rounds (campugrid: "

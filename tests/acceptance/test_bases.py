@@ -21,7 +21,7 @@ from campugrid.cli.platform import Platform, ProviderUser
 from campugrid.cli.seaweed import free_port
 from campugrid.client import ApiError, tar_folder
 from campugrid.protocol.spec import JobSpec
-from tests.support.oci import OpenRegistry, python_slim
+from tests.support.oci import UV, OpenRegistry, python_slim, uv_image
 
 pytestmark = pytest.mark.acceptance
 APP = """import json, socket, sys
@@ -34,20 +34,24 @@ print(json.dumps({"python": sys.version.split()[0], "built": open("/net.txt").re
 @pytest.fixture(scope="module")
 def hubbed() -> Iterator[tuple[Platform, OpenRegistry, str]]:
     """The platform as `campugrid up` starts it, its Docker Hub mirror caching a stand-in Hub
-    that holds `python:3.11-slim`; one agent."""
+    that holds `python:3.11-slim`, the same registry standing in for ghcr.io's mirror (with
+    uv's image) as an operator would name one; one agent."""
     root = Path(tempfile.mkdtemp(prefix="campugrid-bases-"))
     os.chmod(root, 0o711)
     hub = OpenRegistry(root / "hub")
     provider = ProviderUser.resolve()
     digest = hub.push(f"containers-storage:{python_slim(provider.command([]))}",
                       "library/python:3.11-slim", as_user=provider.command([]))
+    hub.push(uv_image(root / "uv-image"), UV, as_user=provider.command([]))
     p = Platform(root / "state", http_port=free_port(), lease_seconds=4.0,
                  admin_identity=root / "admin.json", hub_upstream=f"http://{hub.address}")
+    os.environ["CAMPUGRID_REGISTRY_MIRRORS"] = f"ghcr.io=http://{hub.address}"
     try:
         p.start()
         p.start_agent("bases-agent")
         yield p, hub, digest
     finally:
+        os.environ.pop("CAMPUGRID_REGISTRY_MIRRORS", None)
         p.stop()
         hub.stop()
         log = root / "state" / "agents" / "bases-agent.log"

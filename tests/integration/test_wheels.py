@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from campugrid.agent.wheels import IN_BUILD, explain, python_of, stage
-from campugrid.protocol.dockerfiles import check_dockerfile
+from campugrid.protocol.dockerfiles import allowed_bases, check_dockerfile
 from campugrid.protocol.errors import BuildFailed
 from campugrid.protocol.spec import BuildOptions
 
@@ -109,14 +109,15 @@ def test_a_uv_lock_is_fetched_as_locked_and_real_uv_syncs_from_it_offline(tmp_pa
     shutil.copytree(CORPUS / "uv-project", context, ignore=shutil.ignore_patterns("expect.json"))
     original = (context / "uv.lock").read_text()
     dockerfile = (context / "Dockerfile").read_text().replace("FROM python:3.11-slim\n", FROM)
+    dockerfile = dockerfile.replace("ghcr.io/astral-sh/uv:0.13.9", "localhost/uv:0.13.9")
     lines: list[str] = []
-    got = stage(check_dockerfile(dockerfile).pip, BuildOptions(), context, tmp_path,
+    checked = check_dockerfile(dockerfile, allowed_bases(f"{FROM[5:-1]},localhost/uv:0.13.9"))
+    got = stage(checked.pip, BuildOptions(), context, tmp_path,
                 python="3.11", disk_mb=256, log=lines.append, stop=threading.Event())
     assert got is not None
     names = sorted(p.name for p in got.folder.iterdir())
     assert [n.split("-")[:2] for n in names] == [
-        ["jmespath", "1.0.1"], ["setuptools", names[1].split("-")[1]], ["six", "1.16.0"],
-        ["uv", "0.13.9"]], names
+        ["jmespath", "1.0.1"], ["setuptools", names[1].split("-")[1]], ["six", "1.16.0"]], names
     assert "[campugrid] fetching Python wheels that uv.lock pins for CPython 3.11" in \
         "\n".join(lines)
     pointed = (context / "uv.lock").read_text()

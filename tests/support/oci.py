@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
 import tempfile
 import time
@@ -28,10 +29,10 @@ def _blob(layout: Path, data: bytes) -> str:
 
 
 def oci_image(layout: Path, files: dict[str, bytes] | list[dict[str, bytes]],
-              tag: str = "latest", *, gzipped: bool = False) -> str:
+              tag: str = "latest", *, gzipped: bool = False, mode: int = 0o644) -> str:
     """An image of one layer holding `files` (or of a layer per dict, base first), at
-    `layout` (reproducible: same files, same digests), its layers gzipped or not; returns
-    skopeo's reference to it."""
+    `layout` (reproducible: same files, same digests), its layers gzipped or not, the files'
+    mode `mode`; returns skopeo's reference to it."""
     layout.mkdir(parents=True, exist_ok=True)
     diff_ids, layers = [], []
     for contents in files if isinstance(files, list) else [files]:
@@ -39,7 +40,7 @@ def oci_image(layout: Path, files: dict[str, bytes] | list[dict[str, bytes]],
         with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
             for name, data in sorted(contents.items()):
                 info = tarfile.TarInfo(name)
-                info.size, info.mtime, info.mode = len(data), 0, 0o644
+                info.size, info.mtime, info.mode = len(data), 0, mode
                 tar.addfile(info, io.BytesIO(data))
         tar_bytes = buf.getvalue()
         diff_ids.append(f"sha256:{hashlib.sha256(tar_bytes).hexdigest()}")
@@ -101,6 +102,17 @@ def python_slim(as_user: list[str]) -> str:
     finally:
         shutil.rmtree(context, ignore_errors=True)
     return PYTHON_SLIM
+
+
+UV = "astral-sh/uv:0.13.9"  # as ghcr.io names it
+
+
+def uv_image(layout: Path) -> str:
+    """uv's own image as ghcr.io/astral-sh/uv publishes it (its two binaries at the top; uv's
+    Docker guide copies them out with `COPY --from`), made from the uv the tests install."""
+    here = Path(sys.executable).parent
+    return oci_image(layout, {name: (here / name).read_bytes() for name in ("uv", "uvx")},
+                     UV.split(":")[1], mode=0o755)
 
 
 class OpenRegistry:

@@ -114,7 +114,7 @@ def test_link_chains_cannot_reach_outside_the_context(members, tmp_path):
     "FROM localhost/campugrid/python:bookworm\nRUN --mount=type=SECRET,id=a cat /run/secrets/a",
     "FROM localhost/campugrid/python:bookworm\nRUN --mount=type=bind,from=y,target=/host ls /host",
     "FROM localhost/campugrid/python:bookworm\nRUN --mount=type=cache,target=/root/.cache pip install x",
-    "FROM localhost/campugrid/python:bookworm\nCOPY --from=docker.io/library/alpine:3 /etc/passwd /p",
+    "FROM localhost/campugrid/python:bookworm\nCOPY --from=evil.example/library/alpine:3 /etc/passwd /p",
 ])
 def test_build_steps_that_reach_outside_are_refused(dockerfile):
     with pytest.raises(InvalidInput):

@@ -143,6 +143,30 @@ def test_pinning_rewrites_only_the_remote_froms_whole_instructions():
     assert [u.remote for u in again.bases] == [False, False, False]
 
 
+def test_copy_from_an_image_is_a_base_pinned_in_its_flag_alone():
+    """uv's Docker guide copies its binary out of its image (`COPY --from=ghcr.io/astral-sh/
+    uv:…`): that image is resolved and pulled like a FROM's, and the agent's copy of the
+    Dockerfile names the pulled copy in that one flag, the rest of the line as written."""
+    text = (f"FROM {BASE}\nARG UV=ghcr.io/astral-sh/uv:0.13.9\n"
+            "COPY --chown=1000 --from=$UV /uv /uvx \\\n  /bin/\n"
+            f"COPY --from={BASE} /etc/os-release /x\n")
+    checked = check_dockerfile(text, allowed_bases(BASE), ("docker.io", "ghcr.io"))
+    remote = [u for u in checked.bases if u.remote]
+    assert [(u.line, u.end_line, u.copy, u.allowed.name) for u in checked.bases] == [
+        (1, 1, False, BASE), (3, 4, True, "ghcr.io/astral-sh/uv:0.13.9"), (5, 5, True, BASE)]
+    assert remote[0].said == "COPY --from=ghcr.io/astral-sh/uv:0.13.9"
+    assert checked.from_bases == (0,)  # a copy is no stage's base
+    pinned = pin_bases(text, {remote[0]: "localhost/campugrid-cache/uv:3"}, checked.froms,
+                       (("PIP_NO_INDEX", "1"),))
+    assert pinned.split("\n") == [
+        f"FROM {BASE}", "ARG PIP_NO_INDEX=1", "ARG UV=ghcr.io/astral-sh/uv:0.13.9",
+        "COPY --chown=1000 --from=localhost/campugrid-cache/uv:3 /uv /uvx \\", "  /bin/",
+        f"COPY --from={BASE} /etc/os-release /x", ""]
+    again = check_dockerfile(pinned, allowed_bases(f"{BASE},localhost/campugrid-cache/uv:3"), ())
+    assert [(u.remote, u.copy) for u in again.bases] == [(False, False), (False, True),
+                                                         (False, True)]
+
+
 def test_build_arguments_follow_every_from_and_nothing_else_moves():
     """The agent's copy of a Dockerfile points pip at the fetched wheels with ARG lines after
     each FROM (every stage's RUN steps see them), remote FROMs pinned at the same time."""

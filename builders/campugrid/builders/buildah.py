@@ -177,7 +177,7 @@ class BuildahBuilder:
         """The allowed base must be in the bases store, as the provider's own store has it
         (copied across when it changed), with the digest a pin names."""
         if use.remote:
-            raise BuildFailed(f"Dockerfile line {use.line}: FROM {use.allowed.name} is an image "
+            raise BuildFailed(f"Dockerfile line {use.line}: {use.said} is an image "
                               "on a registry, which the agent pulls first (agent/bases.py)", "")
         here = _image(subprocess.run([self.buildah, "images", "--json", use.allowed.name],
                                      capture_output=True, text=True, timeout=60, check=False))

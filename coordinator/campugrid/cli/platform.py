@@ -1,7 +1,7 @@
 """`campugrid up`: the whole platform on one machine, on embedded defaults.
 
 SeaweedFS (S3), the OCI registry (unless CAMPUGRID_REGISTRY names one), a pull-through mirror
-of Docker Hub (unless CAMPUGRID_REGISTRY_MIRRORS names mirrors), the apt cache (unless
+of Docker Hub (unless CAMPUGRID_REGISTRY_MIRRORS names one for it), the apt cache (unless
 CAMPUGRID_APT_CACHE names one; the PyPI cache runs inside the coordinator) and the coordinator
 run in this process's care; the agent runs as a separate
 process, as the unprivileged provider user when started by root. Nothing outlives this process
@@ -252,16 +252,19 @@ class Platform:
         if not settings.registry:  # the embedded one, trusting the coordinator's tokens
             self.registry = EmbeddedRegistry(self.state_dir / "registry", cert).start()
             settings = dataclasses.replace(settings, registry=self.registry.address)
-        if not settings.registry_mirrors and "docker.io" in settings.base_registries:
-            # FROMs on Docker Hub through a pull-through cache here, first: a sweep over
-            # many machines fetches each layer from the internet once.
+        if "docker.io" in settings.base_registries and \
+                "docker.io" not in dict(settings.registry_mirrors):
+            # FROMs on Docker Hub through a pull-through cache here, first (beside mirrors of
+            # other registries the operator names): a sweep over many machines fetches each
+            # layer from the internet once.
             upstream = self.hub_upstream or os.environ.get(HUB_ENV, HUB)
             try:
                 _answers(upstream)
                 self.mirror = EmbeddedRegistry(self.state_dir / "mirror", cert,
                                                proxy=upstream).start()
                 settings = dataclasses.replace(settings, registry_mirrors=(
-                    ("docker.io", Source(self.mirror.address, insecure=True, mirror=True)),))
+                    *settings.registry_mirrors,
+                    ("docker.io", Source(self.mirror.address, insecure=True, mirror=True))))
             except StorageError as e:  # the registry will not start without its upstream
                 log.warning("no Docker Hub mirror: %s cannot be reached (%s); FROMs on Docker "
                             "Hub are resolved and pulled from it directly", upstream, e)

@@ -109,7 +109,7 @@ class BaseResolver:
                                    if now - v[0] < REMEMBER_S}
                 self._known[key] = (now, digest)
             return digest
-        raise InvalidInput(f"Dockerfile line {use.line}: FROM {use.allowed.name}: cannot be "
+        raise InvalidInput(f"Dockerfile line {use.line}: {use.said}: cannot be "
                            f"resolved to a digest ({'; '.join(errors)})"[:2000])
 
     def _ask(self, source: Source, repository: str, tag_or_digest: str, token: str) -> str:

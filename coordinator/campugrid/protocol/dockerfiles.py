@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 import dockerfile
 
@@ -134,17 +134,23 @@ def allowed_bases(text: str | None = None) -> tuple[AllowedBase, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class BaseUse:
-    """One FROM that starts from an image (not an earlier stage): what the builder must find.
-    `remote`: an image on an allowed registry (`allowed.name` its normalized name and tag),
-    which the coordinator resolves to a digest and the agent pulls; else one of the
-    provider's allowed bases."""
+    """One FROM that starts from an image (not an earlier stage), or one COPY --from that
+    copies out of one (`copy`): what the builder must find. `remote`: an image on an allowed
+    registry (`allowed.name` its normalized name and tag), which the coordinator resolves to
+    a digest and the agent pulls; else one of the provider's allowed bases."""
 
     line: int
     allowed: AllowedBase
-    digest: str | None  # the digest the FROM line pins, if it does
+    digest: str | None  # the digest the line pins, if it does
     remote: bool = False
-    end_line: int = 0  # the FROM's last line (it may continue over several)
+    end_line: int = 0  # the instruction's last line (it may continue over several)
     stage: str | None = None  # its AS name
+    copy: bool = False  # `COPY --from=<image>` (uv's Docker guide copies its binary so)
+
+    @property
+    def said(self) -> str:
+        """How the Dockerfile names it: `FROM image` or `COPY --from=image`."""
+        return f"COPY --from={self.allowed.name}" if self.copy else f"FROM {self.allowed.name}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +191,8 @@ def check_dockerfile(text: str, allowed: Sequence[AllowedBase] | None = None,
     pip: list[PipInstall] = []
     apt: list[AptInstall] = []
     froms: list[tuple[int, int]] = []
+    names = {str(c.value[2]).lower() for c in commands
+             if c.cmd.upper() == "FROM" and len(c.value) == 3 and c.value[1].upper() == "AS"}
     for cmd in commands:
         inst, line = cmd.cmd.upper(), cmd.start_line
         at = f"Dockerfile line {line}"
@@ -220,7 +228,9 @@ def check_dockerfile(text: str, allowed: Sequence[AllowedBase] | None = None,
             apt.extend(dataclasses.replace(a, stage=stage.index)
                        for a in apt_installs(cmd.value, cmd.json, line))
         elif inst in ("ADD", "COPY"):
-            _copy(cmd, inst, stage, stages, at)
+            copied = _copy(cmd, inst, stage, stages, names, allowed, registries, at)
+            if copied is not None:
+                bases.append(copied)
     if not stages:
         raise InvalidInput("Dockerfile: no FROM instruction")
     return CheckedDockerfile(stages=len(stages), bases=tuple(bases), pip=tuple(pip),
@@ -251,33 +261,39 @@ def _from(cmd: dockerfile.Command, stages: list[_Stage], global_args: dict[str, 
             return _Stage(index, name, dict(earlier.vars), earlier.base), None  # ENV too
     if ref == "scratch":
         return _Stage(index, name, {}), None
+    use = _image(ref, allowed, registries, at, "FROM")
+    return _Stage(index, name, {}), dataclasses.replace(
+        use, line=cmd.start_line, end_line=cmd.end_line, stage=name)
+
+
+def _image(ref: str, allowed: Sequence[AllowedBase], registries: Sequence[str], at: str,
+           what: str) -> BaseUse:
+    """The image `ref` names (`what`: the instruction naming it): one of the provider's
+    allowed bases, or an image on an allowed registry."""
     image, _, digest = ref.partition("@")
     if digest and not _DIGEST.match(digest):
-        raise InvalidInput(f"{at}: FROM {ref}: a pinned digest is sha256:<64 hex digits>")
+        raise InvalidInput(f"{at}: {what} {ref}: a pinned digest is sha256:<64 hex digits>")
     for base in allowed:
         if base.name == image:
             if base.digest and digest and digest != base.digest:
-                raise InvalidInput(f"{at}: FROM {ref}: this provider pins {base.name} to "
+                raise InvalidInput(f"{at}: {what} {ref}: this provider pins {base.name} to "
                                    f"{base.digest}")
-            return _Stage(index, name, {}), BaseUse(cmd.start_line, base, digest or None,
-                                                    end_line=cmd.end_line, stage=name)
+            return BaseUse(0, base, digest or None)
     names = ", ".join(str(b) for b in allowed)
     if _IMAGE_ID.match(image):
-        raise InvalidInput(f"{at}: FROM {ref}: not an allowed base image (that is an image id: "
-                           f"name the image instead; allowed: {names}, or an image on an "
+        raise InvalidInput(f"{at}: {what} {ref}: not an allowed base image (that is an image "
+                           f"id: name the image instead; allowed: {names}, or an image on an "
                            "allowed registry)")
     try:
         remote = parse_image_ref(ref)
     except ValueError as e:
-        raise InvalidInput(f"{at}: FROM {ref}: {e}") from e
+        raise InvalidInput(f"{at}: {what} {ref}: {e}") from e
     if remote.registry not in registries:
         where = f"images on {', '.join(registries)}" if registries else "no registries"
-        raise InvalidInput(f"{at}: FROM {ref}: not an allowed base image ({remote.registry} is "
-                           f"not an allowed registry; allowed: {names}, {where}, or an earlier "
-                           "stage of this file)")
-    return _Stage(index, name, {}), BaseUse(
-        cmd.start_line, AllowedBase(f"{remote.name}:{remote.tag}"), remote.digest, remote=True,
-        end_line=cmd.end_line, stage=name)
+        raise InvalidInput(f"{at}: {what} {ref}: not an allowed base image ({remote.registry} "
+                           f"is not an allowed registry; allowed: {names}, {where}, or an "
+                           "earlier stage of this file)")
+    return BaseUse(0, AllowedBase(f"{remote.name}:{remote.tag}"), remote.digest, remote=True)
 
 
 def pin_bases(text: str, local: dict[BaseUse, str], froms: Sequence[tuple[int, int]] = (),
@@ -298,6 +314,13 @@ def pin_bases(text: str, local: dict[BaseUse, str], froms: Sequence[tuple[int, i
     spans |= {use.line: max(use.end_line, use.line) for use in local}
     for start in sorted(spans, reverse=True):
         use = pinned.get(start)
+        if use is not None and use.copy:  # only its --from flag changes
+            flag = f"--from={local[use]}".replace("\\", "\\\\")
+            for n in range(start - 1, spans[start]):  # flags come first: the first is it
+                lines[n], found = re.subn(r"(?i)--from=\S+", flag, lines[n], count=1)
+                if found:
+                    break
+            continue
         head = lines[start - 1:spans[start]] if use is None else \
             [f"FROM {local[use]}" + (f" AS {use.stage}" if use.stage else "")]
         lines[start - 1:spans[start]] = head + args.get(start, [])
@@ -337,12 +360,20 @@ def _run_flags(flags: Iterable[str], at: str) -> None:
 
 
 def _copy(cmd: dockerfile.Command, inst: str, stage: _Stage, stages: list[_Stage],
-          at: str) -> None:
+          names: Collection[str], allowed: Sequence[AllowedBase], registries: Sequence[str],
+          at: str) -> BaseUse | None:
+    """Checks an ADD or COPY; the image it copies from, where `--from` names one."""
+    use = None
     for flag in cmd.flags:
         key, _, value = flag.partition("=")
         key = key.lower()
         if key == "--from":
-            _from_stage(_plain(value, stage.vars, at, f"{inst} --from"), stage, stages, at, inst)
+            ref = _plain(value, stage.vars, at, f"{inst} --from")
+            if not _earlier_stage(ref, stage, stages, names, at, inst):
+                if inst != "COPY":
+                    raise InvalidInput(f"{at}: ADD --from is not available")
+                use = dataclasses.replace(_image(ref, allowed, registries, at, "COPY --from"),
+                                          line=cmd.start_line, end_line=cmd.end_line, copy=True)
         elif key not in _COPY_FLAGS:
             raise InvalidInput(f"{at}: {inst} {flag} is not available")
     sources = list(cmd.value)[:-1]
@@ -354,17 +385,20 @@ def _copy(cmd: dockerfile.Command, inst: str, stage: _Stage, stages: list[_Stage
             raise InvalidInput(f"{at}: {inst} {word}: only files from the context (no URLs): "
                                "builds have no network; download it beforehand and put it "
                                "into the context")
+    return use
 
 
-def _from_stage(ref: str, stage: _Stage, stages: list[_Stage], at: str, inst: str) -> None:
-    """`--from` names an earlier stage of this file, by name or index; never an image."""
-    earlier = stages[:stage.index]
-    if ref.isdigit() and int(ref) < stage.index:
-        return
-    if any(s.name == ref.lower() for s in earlier):
-        return
-    raise InvalidInput(f"{at}: {inst} --from={ref}: --from may name an earlier stage of this "
-                       "Dockerfile, not an image (providers build only on allowed bases)")
+def _earlier_stage(ref: str, stage: _Stage, stages: list[_Stage], names: Collection[str],
+                   at: str, inst: str) -> bool:
+    """Whether `--from` names an earlier stage of this file, by name or index (else an
+    image); refused where it names this stage or a later one."""
+    if any(s.name == ref.lower() for s in stages[:stage.index]) or \
+            (ref.isdigit() and int(ref) < stage.index):
+        return True
+    if ref.isdigit() or ref.lower() in names:
+        raise InvalidInput(f"{at}: {inst} --from={ref}: names this stage or a later one; "
+                           "--from copies from an earlier stage of this Dockerfile or an image")
+    return False
 
 
 def _plain(word: str, scope: dict[str, str | None], at: str, what: str,

@@ -47,10 +47,10 @@ def prepare(uses: Sequence[BaseUse], resolved: Sequence[BaseImage], cache: Image
                 continue
             base = by_ref.get(use.allowed.name)
             if base is None or (use.digest and use.digest != base.digest):
-                raise BuildFailed(f"Dockerfile line {use.line}: FROM {use.allowed.name} was not "
+                raise BuildFailed(f"Dockerfile line {use.line}: {use.said} was not "
                                   "resolved by the coordinator for this job", "")
             local[use] = _obtain(base, use, cache, work, log, stop)
-            out.append(BaseUse(use.line, AllowedBase(local[use]), None))
+            out.append(BaseUse(use.line, AllowedBase(local[use]), None, copy=use.copy))
     except BuildFailed:
         cache.in_use.difference_update(local.values())  # the task ends here
         raise
@@ -81,5 +81,5 @@ def _obtain(base: BaseImage, use: BaseUse, cache: ImageCache, work: Path, log: L
             continue
         log(f"[campugrid] pulled base {base.ref} in {time.monotonic() - began:.1f} s")
         return image
-    raise BuildFailed(f"Dockerfile line {use.line}: FROM {use.allowed.name}: cannot pull "
+    raise BuildFailed(f"Dockerfile line {use.line}: {use.said}: cannot pull "
                       f"{base.digest} ({'; '.join(errors) or 'no source'})"[:2000], "")
