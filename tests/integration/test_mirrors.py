@@ -5,6 +5,8 @@ what they fetched stays cached."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -18,20 +20,54 @@ from campugrid.agent.messages import Mirror
 from campugrid.agent.wheels import stage as stage_wheels
 from campugrid.cli.aptcache import EmbeddedAptCache
 from campugrid.cli.seaweed import free_port
+from campugrid.coordinator.auth import Guard, RateLimits
+from campugrid.coordinator.db import make_engine, migrate
+from campugrid.coordinator.machines import MachineRecords, Status
 from campugrid.coordinator.mirrors import MirrorTokens, create_mirrors
+from campugrid.coordinator.store import Store
 from campugrid.protocol.dockerfiles import check_dockerfile
 from campugrid.protocol.spec import BuildOptions
 from tests.integration.test_debs import stage as stage_debs
+from tests.support.machines import add_machine
 
 pytestmark = pytest.mark.integration
 
 
+@dataclasses.dataclass
+class Served:
+    url: str
+    tokens: MirrorTokens
+    root: Path
+    apt: EmbeddedAptCache
+    store: Store
+    machine: str  # an approved machine's id
+
+    def token(self) -> str:
+        return self.tokens.mint(self.machine)
+
+
 @pytest.fixture(scope="module")
-def served(tmp_path_factory) -> Iterator[tuple[str, MirrorTokens, Path, EmbeddedAptCache]]:
+def served(tmp_path_factory) -> Iterator[Served]:
+    """The caches as the coordinator mounts them, its machines in a real store (SQLite)."""
     root = tmp_path_factory.mktemp("mirrors")
     apt = EmbeddedAptCache(root / "apt").start()
     tokens = MirrorTokens(root / "registry")
-    app = create_mirrors(tokens, pypi_dir=root / "pypi", apt_address=apt.address)
+    engine = make_engine(f"sqlite:///{root}/store.db")
+    migrate(engine)
+    store = Store(engine)
+    app = create_mirrors(tokens, pypi_dir=root / "pypi", apt_address=apt.address,
+                         machine=MachineRecords(store.machines).get, guard=Guard(store.limiter))
+    try:
+        with serve(app) as url:
+            yield Served(url, tokens, root, apt, store, add_machine(store, "m-1"))
+    finally:
+        apt.stop()
+        store.close()
+
+
+@contextlib.contextmanager
+def serve(app: object) -> Iterator[str]:
+    """`app` served over HTTP on loopback, as the coordinator's REST serves it; its URL."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,  # type: ignore[arg-type]
                                            log_level="warning"))
@@ -42,17 +78,16 @@ def served(tmp_path_factory) -> Iterator[tuple[str, MirrorTokens, Path, Embedded
         assert time.monotonic() < deadline, "the mirrors did not start"
         time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{port}", tokens, root, apt
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=10)
-        apt.stop()
 
 
 def test_only_a_machines_token_reads_and_only_what_the_caches_are_for(served, tmp_path):
-    url, tokens, _, _ = served
-    good = ("campugrid", tokens.mint("m-1"))
-    other = MirrorTokens(tmp_path / "other-key").mint("m-1")  # signed by another coordinator
+    url = served.url
+    good = ("campugrid", served.token())
+    other = MirrorTokens(tmp_path / "other-key").mint(served.machine)  # another coordinator's
     index = f"{url}/pypi/index/six/"
     release = f"{url}/apt/deb.debian.org/debian/dists/bookworm/InRelease"
     for target in (index, release):
@@ -92,8 +127,8 @@ def jmespath_through(mirror: Mirror, tmp_path: Path) -> list[str]:
 
 
 def test_the_agents_pip_fetches_through_the_cache_which_keeps_the_wheel(served, tmp_path):
-    url, tokens, root, _ = served
-    mirror = Mirror("pypi", f"{url}/pypi", tokens.mint("m-1"))
+    url, root = served.url, served.root
+    mirror = Mirror("pypi", f"{url}/pypi", served.token())
     lines = jmespath_through(mirror, tmp_path)
     log = "\n".join(lines)
     assert f"from the platform's cache at {url}/pypi" in log
@@ -104,8 +139,8 @@ def test_the_agents_pip_fetches_through_the_cache_which_keeps_the_wheel(served, 
 
 def test_the_agents_apt_fetches_through_the_cache_which_keeps_the_packages(
         served, provider, shared_tmp):
-    url, tokens, _, apt = served
-    token = tokens.mint("m-1")
+    url, apt = served.url, served.apt
+    token = served.token()
     # tree: a package the agent's own cache does not hold (the fetch must go to the mirror)
     for kept in (provider.home / ".cache/campugrid/apt").glob("*/archives/tree_*.deb"):
         kept.unlink()
@@ -132,3 +167,30 @@ def test_a_cache_out_of_reach_costs_a_log_line_not_the_build(provider, shared_tm
     assert debs.get("staged") is not None, debs
     assert any("fetching from the distribution's mirrors instead" in line
                for line in debs["log"]), debs["log"]
+
+
+def test_a_machine_revoked_or_not_approved_is_refused_at_once_and_bad_tokens_count(served):
+    """The token outlives a revocation (30 minutes); the machine's status does not: its next
+    request after the revocation (within MachineRecords' second) is refused, in every
+    coordinator process, as gRPC calls are. Refused tokens count against the address."""
+    guard = Guard(served.store.limiter, RateLimits(failures_per_address_per_min=3))
+    app = create_mirrors(served.tokens, pypi_dir=None, apt_address=served.apt.address,
+                         machine=MachineRecords(served.store.machines).get, guard=guard)
+    release = "/apt/deb.debian.org/debian/dists/bookworm/Release"
+    revoked = add_machine(served.store, "m-revoked")
+    pending = add_machine(served.store, "m-pending", approve=False)
+    with serve(app) as url, httpx.Client(base_url=url) as client:
+        token = served.tokens.mint(revoked)
+        assert client.get(release, auth=("m", token)).status_code == 200
+        served.store.machines.set_status(revoked, Status.REVOKED)
+        deadline = time.monotonic() + 3
+        while (got := client.get(release, auth=("m", token))).status_code == 200:
+            assert time.monotonic() < deadline, "a revoked machine still reads the cache"
+            time.sleep(0.1)
+        assert got.status_code == 403 and f"machine {revoked} is revoked" in got.text
+        got = client.get(release, auth=("m", served.tokens.mint(pending)))
+        assert got.status_code == 403 and "is pending" in got.text
+        unknown = served.tokens.mint("00000000-0000-0000-0000-000000000000")
+        assert client.get(release, auth=("m", unknown)).status_code == 403
+        codes = [client.get(release, auth=("m", "forged")).status_code for _ in range(5)]
+        assert codes == [401, 401, 401, 429, 429], codes

@@ -546,6 +546,6 @@ def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
         app.mount(MIRRORS_PREFIX, create_mirrors(
             MirrorTokens(settings.registry_dir),
             pypi_dir=Path(settings.pip_mirror_dir) if settings.pip_mirror_dir else None,
-            apt_address=settings.apt_cache))
+            apt_address=settings.apt_cache, machine=coord.machine, guard=guard))
     return app
 

@@ -7,11 +7,13 @@ A sweep over many machines fetches each wheel and each Debian package from the i
 - `/v1/mirrors/apt/<host>/<path>` is the embedded apt-cacher-ng (cli/aptcache.py, listening
   on 127.0.0.1), for the distributions' own mirrors (APT_HOSTS) and nothing else.
 
-Only machines get in: every request carries a token the coordinator minted for one machine
-in its lease (HTTP Basic password, any user name, as pip and apt send them), an ES256 JWT with
-this audience, checked here for signature, expiry and kind; and only reading (GET, HEAD) under
-those two paths reaches either cache. Package files are public: what the token guards is the
-platform's bandwidth and disk, so a revoked machine keeps its last token until it expires.
+Only approved machines get in: every request carries a token the coordinator minted for one
+machine in its lease (HTTP Basic password, any user name, as pip and apt send them), an ES256
+JWT with this audience, checked here for signature, expiry and kind, and that machine must
+still be approved (as every gRPC call checks it: a revocation holds within a second, in every
+coordinator process); only reading (GET, HEAD) under those two paths reaches either cache.
+Requests count against their address's rate limit like any REST call, and a refused token
+against its failures (coordinator/auth.py).
 """
 
 from __future__ import annotations
@@ -29,8 +31,13 @@ import httpx
 import jwt
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from starlette.concurrency import run_in_threadpool
 
+from campugrid.coordinator.auth import Guard
+from campugrid.coordinator.machines import MachineRecord
+from campugrid.coordinator.machines import Status as MachineStatus
 from campugrid.coordinator.registry import ISSUER, ensure_signing_key
+from campugrid.protocol.errors import AuthError, RateLimited
 
 AUDIENCE = "campugrid-mirror"
 KINDS = ("pypi", "apt")
@@ -74,10 +81,29 @@ class MirrorTokens:
         return sub if kind in (claims.get("kinds") or []) and sub.startswith("machine:") else None
 
 
-def create_mirrors(tokens: MirrorTokens, *, pypi_dir: Path | None, apt_address: str) -> App:
-    """The ASGI app mounted at PREFIX: each configured cache behind the token check."""
+def create_mirrors(tokens: MirrorTokens, *, pypi_dir: Path | None, apt_address: str,
+                   machine: Callable[[str], MachineRecord], guard: Guard) -> App:
+    """The ASGI app mounted at PREFIX: each configured cache behind the token check and the
+    machine's status (`machine`: the coordinator's cached read of it, as gRPC calls use)."""
     pypi = _pypi(pypi_dir) if pypi_dir is not None else None
     apt = _apt(apt_address) if apt_address else None
+
+    def refusal(token: str, kind: str, address: str) -> tuple[int, str] | None:
+        sub = tokens.check(token, kind)
+        try:
+            if sub is None:
+                guard.failed(address, "", "a mirror request without a valid machine token",
+                             why="mirror_token")
+                return 401, "a machine's mirror token is needed (from its lease)"
+            record = machine(sub.removeprefix("machine:"))
+        except RateLimited as e:
+            return 429, str(e)
+        except AuthError as e:
+            return 403, str(e)
+        if record.status is not MachineStatus.APPROVED:
+            return 403, (f"machine {record.id} is {record.status.value}: the package caches "
+                         "serve approved machines only")
+        return None
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -88,9 +114,11 @@ def create_mirrors(tokens: MirrorTokens, *, pypi_dir: Path | None, apt_address: 
             return await _answer(send, 404, f"no mirror {kind!r} here, or a path that climbs")
         if scope["method"] not in ("GET", "HEAD"):
             return await _answer(send, 405, "the mirrors are read-only")
-        if tokens.check(_token(scope), kind) is None:
-            return await _answer(send, 401, "a machine's mirror token is needed (from its "
-                                 "lease)", {"www-authenticate": 'Basic realm="campugrid"'})
+        address = (scope.get("client") or ("?", 0))[0]
+        refused = await run_in_threadpool(refusal, _token(scope), kind, address)
+        if refused is not None:
+            return await _answer(send, *refused, {"www-authenticate": 'Basic realm="campugrid"'}
+                                 if refused[0] == 401 else None)
         if kind == "pypi" and not rest.startswith("index/"):
             return await _answer(send, 404, "only the index is served: /index/")
         root = scope["path"][:len(scope["path"]) - len(rest) - 1]  # .../v1/mirrors/<kind>
