@@ -143,6 +143,13 @@ def test_the_uv_lines_that_sync_a_project(run, projects):
     assert tuple(p for use in got for p in use.uv_projects) == projects
 
 
+def test_uv_pip_sync_names_requirement_files():
+    got = check_dockerfile("FROM localhost/campugrid/python:bookworm\n"
+                           "RUN uv pip sync --system -p 3.11 /app/requirements.lock dev.txt\n").pip
+    assert [(use.files, use.requirements) for use in got] == [
+        (("/app/requirements.lock", "dev.txt"), ())]
+
+
 def test_the_tags_are_the_ones_pip_download_is_asked_for():
     assert {Tag("cp311", "cp311", "manylinux_2_28_x86_64"), Tag("cp311", "abi3",
             "manylinux2014_x86_64"), Tag("py3", "none", "any")} <= CP311

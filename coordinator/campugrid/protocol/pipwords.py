@@ -140,6 +140,15 @@ def _from_command(words: list[str], line: int, at: str) -> PipInstall | None:
         return None
     while rest and rest[0].startswith("-"):  # pip's own options before its command
         rest = rest[2:] if rest[0] in _VALUED else rest[1:]
+    if program == "uv" and rest[:1] == ["sync"]:  # `uv pip sync reqs.txt`: files, by position
+        files, args = [], rest[1:]
+        while args:
+            word, args = args[0], args[1:]
+            if word.startswith("-"):
+                args = args[1:] if "=" not in word and word in _VALUED else args
+            else:
+                files.append(_local(word, at))
+        return PipInstall(line, files=tuple(files))
     if rest[:1] != ["install"]:
         return None
     return _install(rest[1:], line, at)
