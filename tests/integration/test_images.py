@@ -541,3 +541,60 @@ def test_only_a_task_that_may_push_can_record_a_push(registry, store: Store, tmp
     assert [b_["machine_id"] for b_ in images.builds(context)] == [a]
     with pytest.raises(InvalidInput, match="step: resolve, push or pushed"):
         images.step(ja, ta, a, "bogus", INPUTS)
+
+
+class Scripted:
+    """The coordinator's answers, one per step, for a task told to build and push."""
+
+    machine_id = "machine-test"
+
+    def __init__(self, steps: dict[str, ImageStep]) -> None:
+        self.steps, self.asked, self.digests = steps, [], []
+
+    def image(self, job_id: str, token: int, step: str, inputs_json: str,
+              digest: str = "") -> ImageStep:
+        self.asked.append(step)
+        self.digests.append(digest)
+        return self.steps[step]
+
+
+def test_the_job_starts_on_its_build_while_the_push_goes_on_beside_it(registry, tmp_path):
+    """The machine that builds an image for the others hands the push to `later` (the task
+    runs it in a thread and waits for it before it reports): obtain returns the build's own
+    tag at once, and the push, when it runs, records the digest and keeps the image in the
+    cache under it."""
+    reg, tokens = registry
+    repo = repository("d1" * 32)
+    token = tokens.mint("machine:machine-test", repo, ("push", "pull"))
+    mark = os.urandom(3).hex()
+    tag = f"localhost/t-{mark}/built:1"
+    cache = ImageCache(tmp_path, f"t-{mark}")
+    client = Scripted({"resolve": ImageStep(True, action="build", push=True),
+                       "push": ImageStep(True, action="push", registry=reg.address,
+                                         repository=repo, token=token),
+                       "pushed": ImageStep(True, action="recorded")})
+    lease = Lease(job_id="j", attempt=1, fencing_token=1, spec_json="{}", lease_seconds=10,
+                  context_url="", output_url="")
+    pending: list = []
+    lines: list[str] = []
+
+    def build() -> None:
+        assert skopeo(oci_image(tmp_path / "job", {"w": os.urandom(1024**2)}),
+                      f"containers-storage:{tag}").returncode == 0
+
+    try:
+        got = obtain(client, lease, FakeBuilder(), cache, bases=(), tag=tag, work=tmp_path,  # type: ignore[arg-type]
+                     log=lines.append, stop=threading.Event(), build=build, disk_mb=8,
+                     later=pending.append)
+        assert got == tag and client.asked == ["resolve"]  # the job may start: no push yet
+        [share] = pending
+        share()
+        assert client.asked == ["resolve", "push", "pushed"]
+        digest = client.digests[-1]
+        assert digest.startswith("sha256:") and cache.lookup(digest) == cache.name(digest)
+        assert any(f"pushed image {digest} for the other machines in" in line
+                   for line in lines), lines
+    finally:
+        cache.ops.remove_image(tag)
+        if client.digests[-1]:
+            cache.ops.remove_image(cache.name(client.digests[-1]))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import shutil
@@ -350,12 +351,16 @@ def declared(build: BuildOptions) -> dict[str, str]:
 def obtain(client: CoordinatorApi, lease: Lease, builder: Builder, cache: ImageCache | None,
            *, bases: Sequence[BaseUse], tag: str, work: Path, log: LogFn,
            stop: threading.Event, build: Callable[[], None], disk_mb: int,
-           declared: Mapping[str, str] | None = None) -> str:
+           declared: Mapping[str, str] | None = None,
+           later: Callable[[Callable[[], object]], None] | None = None) -> str:
     """The local image this task runs: from the cache, pulled, or built here (`build`
     builds `tag`, within `disk_mb`) and pushed when the coordinator says so. `declared`:
     what else decides the build besides the builder and the bases (the spec's build
-    options: the packages fetched for it), part of the build's key. Raises BuildFailed for
-    the job's own faults; SandboxError or grpc errors for this machine's."""
+    options: the packages fetched for it), part of the build's key. `later`: runs the push
+    beside the task (which then runs `tag`, and must wait for it before it reports or
+    removes `tag`), so the job starts without waiting on it; without it, the push comes
+    first. Raises BuildFailed for the job's own faults; SandboxError or grpc errors for this
+    machine's."""
     if cache is None or not cache.available:
         build()
         return tag
@@ -407,7 +412,9 @@ def obtain(client: CoordinatorApi, lease: Lease, builder: Builder, cache: ImageC
                 f"in {time.monotonic() - began:.1f} s")
         return found
     build()
-    if step.push:
+    if step.push and later is not None:
+        later(functools.partial(_share, client, cache, job, token, inputs, tag, work, log, stop))
+    elif step.push:
         digest = _share(client, cache, job, token, inputs, tag, work, log, stop)
         if digest:
             return cache.name(digest)  # the same image, kept in the cache under its digest
@@ -420,11 +427,13 @@ def _share(client: CoordinatorApi, cache: ImageCache, job: str, token: int, inpu
     the push failed: then another machine may build); the digest, or "" if not pushed. The
     task runs its image either way."""
     digest = ""
+    began = time.monotonic()
     try:
         grant = _accepted(client.image(job, token, "push", inputs))
         digest = cache.push(tag, grant.registry, grant.repository,
                             f"machine-{client.machine_id}", grant.token, work, cancel=stop)
-        log(f"[campugrid] pushed image {digest} for the other machines")
+        log(f"[campugrid] pushed image {digest} for the other machines in "
+            f"{time.monotonic() - began:.1f} s")
     except (SandboxError, OSError, grpc.RpcError) as e:
         why = e.details() if isinstance(e, grpc.RpcError) else str(e)
         log(f"[campugrid] the image was not shared ({why}); this task runs it anyway")

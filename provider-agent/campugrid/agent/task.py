@@ -83,6 +83,7 @@ class Task:
         self.tag = f"{job_image_prefix(sandbox.scope)}{lease.job_id}:{lease.fencing_token}"
         self.image = self.tag
         self.held: set[str] = set()  # pulled base images this task uses
+        self.sharing: threading.Thread | None = None  # the push of this task's build
         self.stop = threading.Event()  # stop building/running now
         self.lost = threading.Event()  # the lease is gone: report nothing
         self.draining = False
@@ -159,6 +160,8 @@ class Task:
             log.exception("task %s crashed the agent's task runner", job_id)
             failed_here = f"agent error: {type(e).__name__}: {e}"
         finally:
+            if self.sharing is not None:  # recorded under this lease, logged, before the end
+                self.sharing.join()
             self.shipper.close()
         try:
             if self.lost.is_set():
@@ -283,7 +286,7 @@ class Task:
                                        bases=uses, tag=self.tag, work=work,
                                        log=build_log, stop=self.stop, build=build,
                                        disk_mb=spec.resources.disk_mb,
-                                       declared=images.declared(spec.build))
+                                       declared=images.declared(spec.build), later=self._share)
         except BuildFailed as e:
             METRICS.build_seconds.labels("failed").observe(time.monotonic() - began)
             return Outcome(succeeded=False, exit_code=-1,
@@ -295,6 +298,12 @@ class Task:
         if self.handback:
             return Outcome(succeeded=False, exit_code=-1, reason=self.handback)
         return mapped
+
+    def _share(self, push: Callable[[], object]) -> None:
+        """The push of this task's build runs beside the job: others wait for it, this job
+        need not (run() waits for it before it reports)."""
+        self.sharing = logs.thread(push, name=f"share-{self.lease.job_id}")
+        self.sharing.start()
 
     def _execute(self) -> Outcome:
         lease, spec, work = self.lease, self.spec, self.work
