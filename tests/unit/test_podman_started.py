@@ -27,3 +27,37 @@ def test_started_at(text: str, expected: float | bool | None):
 
 def test_no_state_is_unknown():
     assert started_at(None) is None
+
+
+class _Containers:
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def get(self, name: str) -> object:
+        raise self.error
+
+
+def _api_ops(error: Exception) -> object:
+    """ApiOps on a client that answers every container lookup with `error` (the race below
+    cannot be made to happen on demand against a real service)."""
+    from types import SimpleNamespace
+
+    from campugrid.sandbox.podman_ops import ApiOps
+
+    ops = object.__new__(ApiOps)
+    ops.client = SimpleNamespace(containers=_Containers(error))  # type: ignore[attr-defined]
+    return ops
+
+
+def test_a_container_podman_is_removing_reads_as_gone_and_other_errors_do_not():
+    """Podman answers 500 "does not exist in database: no such container" for a --rm
+    sandbox caught while it is removed (a dying shard sandbox, in a full run): that is the
+    404 case, not an error that fails the task on this machine."""
+    from podman.errors import APIError
+
+    racing = APIError("500 Server Error: Internal Server Error", explanation=(
+        "container bf0b6548 does not exist in database: no such container"))
+    assert _api_ops(racing).state("t-1") is None  # type: ignore[attr-defined]
+    _api_ops(racing).kill("t-1", "KILL")  # type: ignore[attr-defined]  # nothing to kill
+    with pytest.raises(APIError, match="storage is full"):
+        _api_ops(APIError("500 Server Error", explanation="storage is full")).state("t-1")  # type: ignore[attr-defined]

@@ -233,12 +233,19 @@ class ApiOps:
         self.socket.unlink(missing_ok=True)
 
     def _container(self, name: str) -> Any:
-        from podman.errors import NotFound
+        from podman.errors import APIError, NotFound
 
         try:
             return self.client.containers.get(name)
         except NotFound:
             return None
+        except APIError as e:
+            # Podman answers 500 for a container it is removing at that moment (its name
+            # still resolves, its record is gone: "does not exist in database: no such
+            # container"), as a --rm sandbox is once it dies: gone, as for 404.
+            if "no such container" in str(e):
+                return None
+            raise
 
     def state(self, name: str) -> dict[str, Any] | None:
         found = self._container(name)
