@@ -105,3 +105,28 @@ def test_verified_reuse_builds_on_two_machines_then_pulls(three, tmp_path):
         assert not any("building with" in line for line in build_lines(api, second["id"]))
         [pulled] = [e for e in image_events(api, second["id"]) if "pulls image" in e]
         assert digests.pop() in pulled
+
+
+def test_two_jobs_of_one_context_build_once_and_the_other_pulls(three, tmp_path):
+    """Jobs, not shards: the first to ask builds, starts its job on the build and pushes
+    beside it (its task reports only once the push is recorded); the other pulls."""
+    with three.api() as api:
+        ctx = context(tmp_path, "twice")
+        spec = JobSpec.from_dict({"command": ["python3", "-c",
+                                              "import time; time.sleep(2); "
+                                              "print(open('/built.txt').read().strip())"]})
+        jobs = [api.submit(ctx, spec)["id"] for _ in range(2)]
+        finals = [api.wait(job, timeout_s=300, poll_s=0.2) for job in jobs]
+        assert all(f["state"] == "succeeded" and f["result"] == "twice" for f in finals), finals
+        events = [e for job in jobs for e in image_events(api, job)]
+        built = [e for e in events if "built and pushed" in e]
+        assert len(built) == 1, events
+        digest = re.search(DIGEST, built[0]).group(0)
+        builder = next(job for job in jobs if any("built and pushed" in e
+                                                   for e in image_events(api, job)))
+        puller = next(job for job in jobs if job != builder)
+        lines = build_lines(api, builder)
+        assert any(f"pushed image {digest} for the other machines in" in line
+                   for line in lines), lines
+        assert any(f"pulled image {digest}" in line or f"image {digest}" in line
+                   for line in build_lines(api, puller)), build_lines(api, puller)

@@ -33,6 +33,11 @@ READER_LIMITS = confine.Limits(memory_mb=256, cpu_s=600, fsize_mb=1, nofile=16, 
 class ShardSessionTask(Task):
     """Task's download/build/report, with a warm sandbox serving shards in between."""
 
+    # Other machines' sessions may run the last shards and end the job while a push beside
+    # this one's shards went on: the push would then be refused, the build not shared. It
+    # comes first.
+    push_beside = False
+
     def drain(self, grace_s: float, why: str = "the provider is shutting down") -> None:
         """Finish the shard in hand within the grace period, take no new one."""
         self.draining, self.drain_reason = True, why

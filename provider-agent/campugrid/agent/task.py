@@ -58,6 +58,10 @@ Mapped = tuple[tuple[str, int], ...]  # (uuid, device minor) per reserved GPU
 
 
 class Task:
+    # The push of a build for other machines goes on beside the job (images.obtain's
+    # `later`): this task's lease lasts until it reports, so the push is recorded under it.
+    push_beside = True
+
     def __init__(self, client: CoordinatorApi, lease: Lease, work: Path,
                  builder: Builder, sandbox: Runtime, gpu_policy: GpuPolicy = GpuPolicy(),
                  slot: slots.Slot | None = None, shares: Shares | None = None,
@@ -286,7 +290,8 @@ class Task:
                                        bases=uses, tag=self.tag, work=work,
                                        log=build_log, stop=self.stop, build=build,
                                        disk_mb=spec.resources.disk_mb,
-                                       declared=images.declared(spec.build), later=self._share)
+                                       declared=images.declared(spec.build),
+                                       later=self._share if self.push_beside else None)
         except BuildFailed as e:
             METRICS.build_seconds.labels("failed").observe(time.monotonic() - began)
             return Outcome(succeeded=False, exit_code=-1,
