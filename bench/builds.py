@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO))  # tests/support: the stand-in python image and op
 from campugrid.cli.platform import Platform, ProviderUser  # noqa: E402
 from campugrid.cli.seaweed import free_port  # noqa: E402
 from campugrid.client import Api, tar_folder  # noqa: E402
+from campugrid.protocol.dockerfiles import check_dockerfile, pin_bases  # noqa: E402
 from campugrid.protocol.spec import JobSpec  # noqa: E402
 from tests.support.oci import UV, OpenRegistry, python_slim, uv_image  # noqa: E402
 
@@ -64,10 +65,19 @@ def context_copy(source: Path, root: Path, user: ProviderUser) -> Path:
 
 
 def plain_build(user: ProviderUser, context: Path, tag: str) -> float:
+    # uv trusts its own roots unless told to use the system's, which hold this network's
+    # TLS proxy (pip in the image already does): a build argument after each FROM, as the
+    # agent adds its own, not kept in the image.
+    text = (context / "Dockerfile").read_text()
+    (context / "Dockerfile.plain").write_text(
+        pin_bases(text, {}, check_dockerfile(text).froms, (("UV_SYSTEM_CERTS", "1"),)))
     t = time.monotonic()
-    subprocess.run(user.command(["buildah", "bud", "--isolation", "chroot", "--pull-never",
-                                 "--layers=false", "-q", "-t", tag, str(context)]),
-                   capture_output=True, text=True, timeout=900, check=True)
+    done = subprocess.run(user.command(["buildah", "bud", "--isolation", "chroot",
+                                        "--pull-never", "--layers=false", "-q", "-t", tag,
+                                        "-f", str(context / "Dockerfile.plain"), str(context)]),
+                          capture_output=True, text=True, timeout=900, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"plain build of {context} failed:\n{done.stderr[-2000:]}")
     took = time.monotonic() - t
     subprocess.run(user.command(["podman", "rmi", "-f", tag]), capture_output=True, timeout=120)
     return took
