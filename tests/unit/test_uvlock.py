@@ -99,7 +99,8 @@ def test_what_cannot_be_fetched_offline_is_refused_naming_the_package(tmp_path, 
 
 
 @pytest.mark.parametrize("text", ["not toml [", "version = 1\n", "package = 3\n",
-                                  "package = [1]\n"])
+                                  "package = [1]\n",
+                                  '[[package]]\nname = "x"\n' * 2001])
 def test_a_file_that_is_no_lock_is_refused(tmp_path, text):
     with pytest.raises(InvalidInput, match=r"uv\.lock"):
         uvlock.read(write(tmp_path, text), tmp_path, CP311, "uv sync")

@@ -22,10 +22,10 @@ from packaging.tags import Tag
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 
 from campugrid.protocol.errors import InvalidInput
-from campugrid.protocol.pipwords import check_index, requirement
+from campugrid.protocol.pipwords import MAX_REQUIREMENTS, check_index, requirement
 
 LOCK = "uv.lock"
-MAX_LOCK_BYTES = 32 * 1024**2
+MAX_LOCK_BYTES = 8 * 1024**2  # read in the agent's own process: a large ML project's is ~2 MiB
 PYPI = "https://pypi.org/simple"
 # Where a package comes from when uv builds it here, from the context: fine offline.
 _LOCAL = ("editable", "directory", "path", "virtual")
@@ -72,6 +72,8 @@ def read(path: Path, root: Path, supported: Collection[Tag], at: str) -> Locked:
     packages = data.get("package")
     if not isinstance(packages, list):
         raise InvalidInput(f"{where}: no [[package]] entries; run `uv lock` and add it again")
+    if len(packages) > MAX_REQUIREMENTS:
+        raise InvalidInput(f"{where}: more than {MAX_REQUIREMENTS} packages")
     versions: dict[str, list[str]] = {}
     indexes: list[str] = []
     urls: dict[str, str] = {}
