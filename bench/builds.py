@@ -3,8 +3,8 @@
     .venv/bin/python bench/builds.py [--rounds 3]     (as root, after infra/setup.sh)
 
 The corpus (tests/corpus: the README's train-slim, NumPy + SciPy, a pyproject project, a uv
-project, apt-get then pip, a multi-stage build) built two ways on this machine, in the same run, caches warm (one round
-first, not counted: the base pulled, pip's cache filled):
+project, apt-get then pip, a multi-stage build) built two ways on this machine, in the same
+run, caches warm (one round first, not counted: the base pulled, pip's cache filled):
   - baseline: a plain rootless `buildah bud` as the provider user, RUN steps with the host's
     network installing from PyPI directly, FROM the same python:3.11-slim stand-in. (Plain
     `podman build` would be the same Buildah with crun, which cannot start containers on

@@ -83,7 +83,7 @@ class Staged:
                 ("UV_PYTHON_DOWNLOADS", "never"))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Declared:
     """Everything a build declares (`declared`)."""
 
@@ -191,21 +191,22 @@ def _platforms(arch: str) -> list[str]:
             f"manylinux2014_{arch}", f"manylinux2010_{arch}", f"manylinux1_{arch}"]
 
 
-def _read_locks(found: Declared, context: Path, python: str) -> list[uvlock.Locked]:
-    """The declared uv.lock files, read for this platform; the build requirements of the
-    local packages they build join `found`'s."""
-    locks = []
+def _read_locks(paths: Sequence[Path], context: Path, python: str
+                ) -> tuple[list[uvlock.Locked], list[str]]:
+    """The declared uv.lock files, read for this platform, and what uv needs to build the
+    local packages they install (their build-system.requires)."""
+    locks, needs = [], []
     try:
-        for path in found.locks:
+        for path in paths:
             lock = uvlock.read(path, context, target_tags(python, platform.machine()),
                                "uv sync")
             for project in lock.projects:
-                needs, _ = project_requirements(project, (), context, "uv sync", depends=False)
-                found.requirements += [r for r in needs if r not in found.requirements]
+                needs += project_requirements(project, (), context, "uv sync",
+                                              depends=False)[0]
             locks.append(lock)
     except InvalidInput as e:
         raise BuildFailed(str(e), "") from e
-    return locks
+    return locks, needs
 
 
 def stage(installs: Sequence[PipInstall], build: BuildOptions, context: Path, work: Path, *,
@@ -217,8 +218,8 @@ def stage(installs: Sequence[PipInstall], build: BuildOptions, context: Path, wo
     if not installs and not build.pip:
         return None
     found = declared(installs, build, context)
-    locks = _read_locks(found, context, python)
-    reqs = found.requirements
+    locks, needs = _read_locks(found.locks, context, python)
+    reqs = list(dict.fromkeys([*found.requirements, *needs]))
     for warning in found.warnings:
         log(f"[campugrid] {warning}")
     for lock in locks:
