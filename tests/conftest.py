@@ -19,6 +19,28 @@ from tests.support.postgres import TempPostgres
 # run. The product's default stays 1.0 s (bench/idle.py measures an idle agent at that).
 os.environ.setdefault("CAMPUGRID_AGENT_POLL_SECONDS", "0.2")
 
+# infra/test runs two pytest-xdist workers (`--dist loadgroup`). Every test that touches the
+# provider user's Podman, runsc, Buildah or an agent runs on one of them, one at a time and in
+# file order, as before: an agent sweeps away containers it did not start by label, and several
+# tests count the provider's processes or images. The modules below use none of that (the
+# coordinator, its store, the CLI, the static checks, unit tests), so they run on the other
+# worker beside them. A new module joins the host's group unless it is listed here.
+BESIDE_THE_HOST = (
+    "tests/unit/", "tests/test_static.py", "tests/security/test_trust.py",
+    "tests/security/test_console.py",
+    *(f"tests/integration/test_{name}.py" for name in (
+        "agent_service", "bases", "claim_plan", "cli_coordinator", "inputs", "leader",
+        "machine_cache", "metrics", "migrations", "objects", "placement", "ratelimits",
+        "seaweed_security", "shards_store", "store", "users")))
+TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        where = f"tests/{item.path.relative_to(TESTS).as_posix()}"
+        if not where.startswith(BESIDE_THE_HOST):
+            item.add_marker(pytest.mark.xdist_group("host"))
+
 
 def _shared_tmp(prefix: str) -> Path:
     """A temporary folder the provider user can traverse (pytest's tmp_path is 0700 root)."""
