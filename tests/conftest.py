@@ -6,6 +6,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,12 +20,13 @@ from tests.support.postgres import TempPostgres
 # run. The product's default stays 1.0 s (bench/idle.py measures an idle agent at that).
 os.environ.setdefault("CAMPUGRID_AGENT_POLL_SECONDS", "0.2")
 
-# infra/test runs two pytest-xdist workers (`--dist loadgroup`). Every test that touches the
-# provider user's Podman, runsc, Buildah or an agent runs on one of them, one at a time and in
-# file order, as before: an agent sweeps away containers it did not start by label, and several
-# tests count the provider's processes or images. The modules below use none of that (the
-# coordinator, its store, the CLI, the static checks, unit tests), so they run on the other
-# worker beside them. A new module joins the host's group unless it is listed here.
+# infra/test runs two pytest-xdist workers (`--dist loadscope`, scheduled as below). Every test
+# that touches the provider user's Podman, runsc, Buildah or an agent runs on one of them, one
+# at a time and in file order, as before: an agent sweeps away containers it did not start by
+# label, and several tests count the provider's processes or images. The modules below use none
+# of that (the coordinator, its store, the CLI, the static checks, unit tests), so they run on
+# the other worker beside them, a module at a time. A new module joins the host's tests unless
+# it is listed here.
 BESIDE_THE_HOST = (
     "tests/unit/", "tests/test_static.py", "tests/security/test_trust.py",
     "tests/security/test_console.py",
@@ -32,14 +34,21 @@ BESIDE_THE_HOST = (
         "agent_service", "bases", "claim_plan", "cli_coordinator", "inputs", "leader",
         "machine_cache", "metrics", "migrations", "objects", "placement", "ratelimits",
         "seaweed_security", "shards_store", "store", "users")))
-TESTS = Path(__file__).resolve().parent
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        where = f"tests/{item.path.relative_to(TESTS).as_posix()}"
-        if not where.startswith(BESIDE_THE_HOST):
-            item.add_marker(pytest.mark.xdist_group("host"))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """loadscope's scheduler with every host test in one scope (xdist_group markers would do,
+    but pytest 9.2 ignores the node ids xdist 3.8 rewrites for them)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class HostInOrder(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return nodeid.split("::")[0] if nodeid.startswith(BESIDE_THE_HOST) else "host"
+
+    return HostInOrder(config, log)
 
 
 def _shared_tmp(prefix: str) -> Path:
