@@ -220,6 +220,19 @@ def test_a_build_that_writes_past_its_disk_limit_fails_saying_so(provider, share
     assert not image_exists(provider, "localhost/campugrid-test/disk:1")
 
 
+def test_a_sparse_file_does_not_grow_past_the_disk_limit_when_the_layer_is_committed(provider, shared_tmp):
+    """A 3 GB file of one written byte takes a few KB of the build's tmpfs, but a layer
+    holds it in full: the commit must land inside the limit too, not on the host's disk."""
+    free = os.statvfs("/").f_bavail * os.statvfs("/").f_frsize
+    ctx = make_context(shared_tmp, provider, f"FROM {BASE}\n"
+                       "RUN python3 -c \"f = open('/big', 'wb'); f.seek(3 << 30); f.write(b'x')\"\n")
+    res = build(provider, ctx, "localhost/campugrid-test/sparse:1", disk_mb=64, memory_mb=512)
+    assert not res["ok"] and "more than 64 MB of disk" in res["reason"], res
+    after = os.statvfs("/").f_bavail * os.statvfs("/").f_frsize
+    assert free - after < 200 * 1024**2, f"host disk fell by {(free - after) // 1024**2} MB"
+    assert not image_exists(provider, "localhost/campugrid-test/sparse:1")
+
+
 def test_a_build_within_its_disk_limit_succeeds(provider, shared_tmp):
     ctx = make_context(shared_tmp, provider, f"FROM {BASE}\n"
                        "RUN dd if=/dev/zero of=/fill bs=1M count=20\n")
