@@ -14,6 +14,10 @@ run, caches warm (one round first, not counted: the base pulled, pip's cache fil
     lease, base by digest (cached), the declared wheels fetched outside the sandbox, the
     build with every RUN step under gVisor and no network, then the sandbox started.
 The goal (issue 14): campugrid at most 1.5x the plain build on a warm cache.
+
+A second table splits campugrid's time by the lines its build log ends with ("ready to run
+... after the lease: ...", "built in ..., copied into this machine's store in ..."): where
+the gap to the plain build goes.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -83,7 +88,14 @@ def plain_build(user: ProviderUser, context: Path, tag: str) -> float:
     return took
 
 
-def campugrid_build(api: Api, context: Path, expect: dict[str, Any]) -> float:
+READY = re.compile(r"ready to run ([\d.]+) s after the lease: context and inputs ([\d.]+) s, "
+                   r"base images ([\d.]+) s, packages ([\d.]+) s, image ([\d.]+) s")
+BUILT = re.compile(r"built in [\d.]+ s, copied into this machine's store in ([\d.]+) s")
+PHASES = ("lease wait + start", "context", "bases", "packages", "build", "copy")
+
+
+def campugrid_build(api: Api, context: Path, expect: dict[str, Any]) -> tuple[float, dict[str, float]]:
+    """Submit -> running, and that time split into PHASES (from the job's build log)."""
     t = time.monotonic()
     job = api.submit(tar_folder(context), JobSpec.from_dict(expect.get("spec", {})))["id"]
     until(lambda: api.job(job)["state"] in ("running", "succeeded", "failed"), timeout=900)
@@ -91,7 +103,14 @@ def campugrid_build(api: Api, context: Path, expect: dict[str, Any]) -> float:
     final = api.wait(job, timeout_s=900)
     if final["state"] != "succeeded":
         raise RuntimeError(f"job {job} {final['state']}: {final.get('reason')}")
-    return took
+    text = "".join(c["text"] for c in api.logs(job)["chunks"])  # a build log fits one page
+    ready, built = READY.search(text), BUILT.search(text)
+    if ready is None or built is None:
+        raise RuntimeError(f"job {job}: its build log has no timing lines")
+    total, inputs, bases, packages, image = map(float, ready.groups())
+    copy = float(built.group(1))
+    return took, dict(zip(PHASES, (took - total, inputs, bases, packages,
+                                   image - copy, copy), strict=True))
 
 
 def main() -> None:
@@ -118,6 +137,7 @@ def main() -> None:
     corpus = entries()
     plain: dict[str, list[float]] = {name: [] for name in corpus}
     ours: dict[str, list[float]] = {name: [] for name in corpus}
+    phases: dict[str, list[dict[str, float]]] = {name: [] for name in corpus}
     try:
         platform.start()
         platform.start_agent("bench-builds")
@@ -126,10 +146,12 @@ def main() -> None:
                 for name, (source, expect) in corpus.items():
                     took_plain = plain_build(user, context_copy(source, root, user),
                                              f"localhost/campugrid-bench/{name}:{r}")
-                    took_ours = campugrid_build(api, context_copy(source, root, user), expect)
+                    took_ours, split = campugrid_build(api, context_copy(source, root, user),
+                                                       expect)
                     if r:
                         plain[name].append(took_plain)
                         ours[name].append(took_ours)
+                        phases[name].append(split)
                     print(f"round {r} {name}: plain {took_plain:.1f} s, campugrid "
                           f"{took_ours:.1f} s", flush=True)
     finally:
@@ -151,6 +173,14 @@ def main() -> None:
     geo = statistics.geometric_mean(ratios)
     print(f"| geometric mean    |                        |                                  "
           f"| {geo:6.2f}x |")
+    print("\ncampugrid's time by phase, seconds (median of the rounds; build: the base check, "
+          "RUN steps under gVisor and the commit; copy: into the machine's own store)\n")
+    print("| Dockerfile        | " + " | ".join(f"{p:>7}" for p in PHASES) + " |")
+    print("|-------------------|" + "|".join("-" * (max(7, len(p)) + 2) for p in PHASES) + "|")
+    for name in corpus:
+        cells = [statistics.median(s[p] for s in phases[name]) for p in PHASES]
+        print(f"| {name:<17} | " + " | ".join(f"{c:>{max(7, len(p))}.1f}"
+                                                for c, p in zip(cells, PHASES, strict=True)) + " |")
 
 
 if __name__ == "__main__":

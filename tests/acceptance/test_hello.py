@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -73,6 +74,14 @@ def test_the_sample_job_builds_and_runs_in_gvisor_offline_as_non_root(api, platf
     run = "".join(c["text"] for c in chunks if c["stream"] == "run")
     assert "RUN python3 /app/hello.py --build" in build
     assert "job ran on kernel 4.4.0" in run
+    # where the time went, as the build log's last lines say (bench/builds.py reads them)
+    ready = re.search(r"ready to run ([\d.]+) s after the lease: context and inputs ([\d.]+) s, "
+                      r"base images ([\d.]+) s, packages ([\d.]+) s, image ([\d.]+) s", build)
+    built = re.search(r"built in ([\d.]+) s, copied into this machine's store in ([\d.]+) s", build)
+    assert ready and built, build[-2000:]
+    total, *parts = map(float, ready.groups())
+    assert abs(sum(parts) - total) <= 0.25 and parts[-1] >= sum(map(float, built.groups())) - 0.25
+    assert build.index(built.group(0)) < build.index(ready.group(0))
     # the /output folder, as a tarball
     with tarfile.open(fileobj=io.BytesIO(api.output(job["id"]))) as tar:
         assert json.load(tar.extractfile("result.json"))["message"] == "hello from campugrid"

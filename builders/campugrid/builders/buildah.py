@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,10 +37,12 @@ from campugrid.sandbox.podman_runsc import runtime_dir
 from campugrid.sandbox.process import LogFn, run_streaming
 
 WRAPPER = Path(__file__).with_name("runsc-build-runtime")
+COPYING = "[campugrid] built; copying the image into this machine's store"
 PULLED_PREFIX = "localhost/campugrid-cache/"  # agent/images.py's cache names
 
 # $1 store folder, $2 its size in MB, $3 the allowed-bases store, $4 the provider's store
-# ("graphroot+runroot"), $5 the tag; the rest is `buildah bud`'s arguments.
+# ("graphroot+runroot"), $5 the tag; the rest is `buildah bud`'s arguments. It says when the
+# build is done and the copy begins (COPYING: the last such line, as a RUN step could print it).
 _SCRIPT = """
 set -e
 w=$1 size=$2 bases=$3 main=$4 tag=$5
@@ -47,9 +51,10 @@ mount -t tmpfs -o "size=${size}m,mode=0700" campugrid-build "$w"
 set -- --root "$w/root" --runroot "$w/run" --storage-driver overlay \\
   --storage-opt "overlay.imagestore=$bases" "$@"
 unshare --net -- buildah "$@"
+echo @COPYING@
 buildah --root "$w/root" --runroot "$w/run" --storage-driver overlay \\
   --storage-opt "overlay.imagestore=$bases" push -q "$tag" "containers-storage:[overlay@$main]$tag"
-"""
+""".replace("@COPYING@", shlex.quote(COPYING))
 
 
 class BuildahBuilder:
@@ -120,9 +125,16 @@ class BuildahBuilder:
                 bases = check_dockerfile((context_dir / "Dockerfile").read_text()).bases
             except (InvalidInput, OSError, UnicodeDecodeError) as e:
                 raise BuildFailed(str(e), "") from e
+        began = time.monotonic()
         self._drop_evicted()
         for use in bases:
             self._ensure_base(use)
+        copying: list[float] = []
+
+        def logged(line: str) -> None:
+            if line == COPYING:
+                copying.append(time.monotonic())
+            log(line)
         name = "build-" + "".join(c if c.isalnum() else "-" for c in tag)[-60:]
         # Next to the context (in the task's work folder, which the agent sweeps) if it can.
         near = context_dir.parent if os.access(context_dir.parent, os.W_OK) else None
@@ -134,7 +146,7 @@ class BuildahBuilder:
                 done = run_streaming(
                     host_limits.launcher(cg, self.argv(store, disk_mb, context_dir, tag,
                                                        dockerfile, volumes)),
-                    log=log, timeout_s=timeout_s, cancel=cancel, on_orphan=(),
+                    log=logged, timeout_s=timeout_s, cancel=cancel, on_orphan=(),
                     cgroups=cg.paths if cg is not None else ())
                 oom = done.returncode != 0 and cg is not None and cg.oom_killed()
         finally:
@@ -150,6 +162,9 @@ class BuildahBuilder:
                                   "commits, together)", done.tail)
             why = f"; a RUN step used more than {memory_mb} MB" if oom else ""
             raise BuildFailed(f"build failed (buildah exit {done.returncode}{why})", done.tail)
+        if copying:
+            log(f"[campugrid] built in {copying[-1] - began:.1f} s, copied into this machine's "
+                f"store in {time.monotonic() - copying[-1]:.1f} s")
         return tag
 
     def inputs(self, bases: Sequence[BaseUse]) -> dict[str, str]:

@@ -210,6 +210,7 @@ class Task:
         output_dir.mkdir()
         ckpt_dir.mkdir()
         archive = (work / "context.tar").resolve()
+        leased = time.monotonic()
         with httpx.Client(timeout=60) as http:
             _download(http, lease.context_url, archive)
             # Untrusted bytes: unpacked, and the Dockerfile parsed, in a confined child.
@@ -250,9 +251,11 @@ class Task:
                      if old.remote}
         staged: list[tuple[wheels.Staged | None, debs.Staged | None]] = []
         checked = info.checked
+        based, staging_s = time.monotonic(), [0.0]
 
         def build() -> None:
             if not staged:  # only for a build here: a pulled image needs no packages
+                staging = time.monotonic()
                 python = wheels.python_of(next(
                     (env for u in uses if (env := self.ops().image_env(u.allowed.name))
                      and any(e.startswith("PYTHON_VERSION=") for e in env)), None), spec.build)
@@ -264,6 +267,7 @@ class Task:
                                checked.from_bases, self.ops(), work,
                                disk_mb=spec.resources.disk_mb, log=build_log, stop=self.stop,
                                mirror=mirror(lease.mirrors, "apt"))))
+                staging_s[0] = time.monotonic() - staging
             wheeled, debbed = staged[0]
             args = wheeled.run_args() if wheeled else ()
             from_args = debbed.from_args(checked.from_bases) if debbed else {}
@@ -296,7 +300,11 @@ class Task:
             METRICS.build_seconds.labels("failed").observe(time.monotonic() - began)
             return Outcome(succeeded=False, exit_code=-1,
                            reason=f"{e.reason}; last lines of the build log:\n{e.log_tail}")
-        METRICS.build_seconds.labels("ok").observe(time.monotonic() - began)
+        done = time.monotonic()
+        METRICS.build_seconds.labels("ok").observe(done - began)
+        build_log(f"[campugrid] ready to run {done - leased:.1f} s after the lease: context and "
+                  f"inputs {began - leased:.1f} s, base images {based - began:.1f} s, packages "
+                  f"{staging_s[0]:.1f} s, image {done - based - staging_s[0]:.1f} s")
         if self.stop.is_set():
             return Outcome(succeeded=False, exit_code=-1, reason="stopped before running")
         mapped = self._check_gpus()
