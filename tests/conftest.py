@@ -24,16 +24,16 @@ os.environ.setdefault("CAMPUGRID_AGENT_POLL_SECONDS", "0.2")
 # that touches the provider user's Podman, runsc, Buildah or an agent runs on one of them, one
 # at a time and in file order, as before: an agent sweeps away containers it did not start by
 # label, and several tests count the provider's processes or images. The modules below use none
-# of that (the coordinator, its store, the CLI, the static checks, unit tests), so they run on
-# the other worker beside them, a module at a time. A new module joins the host's tests unless
-# it is listed here.
+# of that (the coordinator, its store, the CLI, the static checks, unit tests; root's own Podman
+# for the image cache, pip and uv for the wheels), so they run on the other worker beside
+# them, a module at a time. A new module joins the host's tests unless it is listed here.
 BESIDE_THE_HOST = (
     "tests/unit/", "tests/test_static.py", "tests/security/test_trust.py",
     "tests/security/test_console.py",
     *(f"tests/integration/test_{name}.py" for name in (
-        "agent_service", "bases", "claim_plan", "cli_coordinator", "inputs", "leader",
+        "agent_service", "bases", "claim_plan", "cli_coordinator", "images", "inputs", "leader",
         "machine_cache", "metrics", "migrations", "objects", "placement", "ratelimits",
-        "seaweed_security", "shards_store", "store", "users")))
+        "seaweed_security", "shards_store", "store", "users", "wheels")))
 
 
 @pytest.hookimpl(optionalhook=True)
