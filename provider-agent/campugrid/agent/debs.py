@@ -325,8 +325,12 @@ def _host_config(release: Release, cache: Path, scratch: Path) -> str:
     settings = {
         "Dir::State::lists": cache / "lists", "Dir::State::status": scratch / "status",
         "Dir::State::extended_states": scratch / "extended_states",
-        "Dir::Cache::archives": cache / "archives", "Dir::Cache::pkgcache": "",
-        "Dir::Cache::srcpkgcache": "", "Dir::Etc::main": scratch / "empty" / "none",
+        "Dir::Cache::archives": cache / "archives", "Dir::Etc::main": scratch / "empty" / "none",
+        # apt's parsed lists, kept between its calls (1.8 s of 5.5 for one package): the
+        # lists alone per release, which apt checks against their files; with this image's
+        # dpkg status, per build
+        "Dir::Cache::srcpkgcache": cache / "srcpkgcache.bin",
+        "Dir::Cache::pkgcache": scratch / "pkgcache.bin",
         "Dir::Etc::SourceList": scratch / "sources.list",
         "Dir::Etc::SourceParts": scratch / "empty", "Dir::Etc::Parts": scratch / "empty",
         "Dir::Etc::Preferences": scratch / "empty" / "none",
