@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -46,6 +45,7 @@ from campugrid.client import Api, tar_folder  # noqa: E402
 from campugrid.protocol.dockerfiles import check_dockerfile, pin_bases  # noqa: E402
 from campugrid.protocol.spec import JobSpec  # noqa: E402
 from tests.support.oci import UV, OpenRegistry, python_slim, uv_image  # noqa: E402
+from tests.support.timing import BUILT, READY  # noqa: E402
 
 HUB_NAME = "docker.io/library/python:3.11-slim"
 
@@ -88,9 +88,6 @@ def plain_build(user: ProviderUser, context: Path, tag: str) -> float:
     return took
 
 
-READY = re.compile(r"ready to run ([\d.]+) s after the lease: context and inputs ([\d.]+) s, "
-                   r"base images ([\d.]+) s, packages ([\d.]+) s, image ([\d.]+) s")
-BUILT = re.compile(r"built in [\d.]+ s, copied into this machine's store in ([\d.]+) s")
 PHASES = ("lease wait + start", "context", "bases", "packages", "build", "copy")
 
 
@@ -108,7 +105,7 @@ def campugrid_build(api: Api, context: Path, expect: dict[str, Any]) -> tuple[fl
     if ready is None or built is None:
         raise RuntimeError(f"job {job}: its build log has no timing lines")
     total, inputs, bases, packages, image = map(float, ready.groups())
-    copy = float(built.group(1))
+    copy = float(built.group(2))
     return took, dict(zip(PHASES, (took - total, inputs, bases, packages,
                                    image - copy, copy), strict=True))
 

@@ -7,7 +7,6 @@ import hashlib
 import io
 import json
 import os
-import re
 import subprocess
 import sys
 import tarfile
@@ -21,6 +20,7 @@ from campugrid.cli.platform import ProviderUser
 from campugrid.client import tar_folder
 from campugrid.coordinator.metrics import CoordinatorMetrics
 from campugrid.protocol.spec import JobSpec
+from tests.support.timing import BUILT, READY
 
 pytestmark = pytest.mark.acceptance
 REPO = Path(__file__).resolve().parents[2]
@@ -75,9 +75,7 @@ def test_the_sample_job_builds_and_runs_in_gvisor_offline_as_non_root(api, platf
     assert "RUN python3 /app/hello.py --build" in build
     assert "job ran on kernel 4.4.0" in run
     # where the time went, as the build log's last lines say (bench/builds.py reads them)
-    ready = re.search(r"ready to run ([\d.]+) s after the lease: context and inputs ([\d.]+) s, "
-                      r"base images ([\d.]+) s, packages ([\d.]+) s, image ([\d.]+) s", build)
-    built = re.search(r"built in ([\d.]+) s, copied into this machine's store in ([\d.]+) s", build)
+    ready, built = READY.search(build), BUILT.search(build)
     assert ready and built, build[-2000:]
     total, *parts = map(float, ready.groups())
     assert abs(sum(parts) - total) <= 0.25 and parts[-1] >= sum(map(float, built.groups())) - 0.25

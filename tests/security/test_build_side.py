@@ -207,15 +207,19 @@ def test_another_jobs_image_cannot_be_named_even_around_the_check(provider, shar
     assert image_exists(provider, victim)  # it exists: only the build could not see it
 
 
+def host_disk_free() -> int:
+    return os.statvfs("/").f_bavail * os.statvfs("/").f_frsize
+
+
 def test_a_build_that_writes_past_its_disk_limit_fails_saying_so(provider, shared_tmp):
-    free = os.statvfs("/").f_bavail * os.statvfs("/").f_frsize
+    free = host_disk_free()
     ctx = make_context(shared_tmp, provider, f"FROM {BASE}\n"
                        "RUN dd if=/dev/zero of=/fill bs=1M count=2000; echo wrote; exit 0\n")
     res = build(provider, ctx, "localhost/campugrid-test/disk:1", disk_mb=64, memory_mb=512)
     assert not res["ok"] and "more than 64 MB of disk" in res["reason"], res
     # The bound is the build store itself (a 64 MB tmpfs): dd stopped inside it.
     assert "No space left on device" in "\n".join(res["lines"])
-    after = os.statvfs("/").f_bavail * os.statvfs("/").f_frsize
+    after = host_disk_free()
     assert free - after < 200 * 1024**2, f"host disk fell by {(free - after) // 1024**2} MB"
     assert not image_exists(provider, "localhost/campugrid-test/disk:1")
 
@@ -223,12 +227,12 @@ def test_a_build_that_writes_past_its_disk_limit_fails_saying_so(provider, share
 def test_a_sparse_file_does_not_grow_past_the_disk_limit_when_the_layer_is_committed(provider, shared_tmp):
     """A 3 GB file of one written byte takes a few KB of the build's tmpfs, but a layer
     holds it in full: the commit must land inside the limit too, not on the host's disk."""
-    free = os.statvfs("/").f_bavail * os.statvfs("/").f_frsize
+    free = host_disk_free()
     ctx = make_context(shared_tmp, provider, f"FROM {BASE}\n"
                        "RUN python3 -c \"f = open('/big', 'wb'); f.seek(3 << 30); f.write(b'x')\"\n")
     res = build(provider, ctx, "localhost/campugrid-test/sparse:1", disk_mb=64, memory_mb=512)
     assert not res["ok"] and "more than 64 MB of disk" in res["reason"], res
-    after = os.statvfs("/").f_bavail * os.statvfs("/").f_frsize
+    after = host_disk_free()
     assert free - after < 200 * 1024**2, f"host disk fell by {(free - after) // 1024**2} MB"
     assert not image_exists(provider, "localhost/campugrid-test/sparse:1")
 

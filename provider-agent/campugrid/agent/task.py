@@ -251,9 +251,10 @@ class Task:
                      if old.remote}
         staged: list[tuple[wheels.Staged | None, debs.Staged | None]] = []
         checked = info.checked
-        based, staging_s = time.monotonic(), [0.0]
+        based, staging_s = time.monotonic(), 0.0
 
         def build() -> None:
+            nonlocal staging_s
             if not staged:  # only for a build here: a pulled image needs no packages
                 staging = time.monotonic()
                 python = wheels.python_of(next(
@@ -267,7 +268,7 @@ class Task:
                                checked.from_bases, self.ops(), work,
                                disk_mb=spec.resources.disk_mb, log=build_log, stop=self.stop,
                                mirror=mirror(lease.mirrors, "apt"))))
-                staging_s[0] = time.monotonic() - staging
+                staging_s = time.monotonic() - staging
             wheeled, debbed = staged[0]
             args = wheeled.run_args() if wheeled else ()
             from_args = debbed.from_args(checked.from_bases) if debbed else {}
@@ -304,7 +305,7 @@ class Task:
         METRICS.build_seconds.labels("ok").observe(done - began)
         build_log(f"[campugrid] ready to run {done - leased:.1f} s after the lease: context and "
                   f"inputs {began - leased:.1f} s, base images {based - began:.1f} s, packages "
-                  f"{staging_s[0]:.1f} s, image {done - based - staging_s[0]:.1f} s")
+                  f"{staging_s:.1f} s, image {done - based - staging_s:.1f} s")
         if self.stop.is_set():
             return Outcome(succeeded=False, exit_code=-1, reason="stopped before running")
         mapped = self._check_gpus()
