@@ -4,6 +4,7 @@ image is present)."""
 from pathlib import Path
 
 from campugrid.builders.kaniko import container_config, service_argv
+from campugrid.sandbox.podman_runsc import RUNSC_FLAGS
 
 
 def test_kaniko_command_runs_offline_with_a_read_only_context():
@@ -13,6 +14,6 @@ def test_kaniko_command_runs_offline_with_a_read_only_context():
     assert "--no-push" in cfg["command"] and "--destination=localhost/job:1" in cfg["command"]
     assert "--tar-path=/image/image.tar" in cfg["command"]
     svc = service_argv(Path("/run/user/1/podman/k.sock"))
-    assert svc[:7] == ["podman", "--runtime", "runsc", "--runtime-flag", "network=none",
-                       "--runtime-flag", "ignore-cgroups"]
+    assert svc[:3] == ["podman", "--runtime", "runsc"]
+    assert svc[3:3 + len(RUNSC_FLAGS)] == list(RUNSC_FLAGS)
     assert svc[-1] == "unix:///run/user/1/podman/k.sock"

@@ -33,7 +33,7 @@ from campugrid.protocol.dockerfiles import BaseUse, check_dockerfile
 from campugrid.protocol.errors import BuildFailed, InvalidInput
 from campugrid.sandbox import limits as host_limits
 from campugrid.sandbox import profile
-from campugrid.sandbox.podman_runsc import runtime_dir
+from campugrid.sandbox.podman_runsc import RUNSC_FLAGS, runtime_dir
 from campugrid.sandbox.process import LogFn, run_streaming
 
 WRAPPER = Path(__file__).with_name("runsc-build-runtime")
@@ -91,8 +91,7 @@ class BuildahBuilder:
             "bud",
             "--isolation", "oci",
             "--runtime", str(WRAPPER),
-            "--runtime-flag", "network=none",
-            "--runtime-flag", "ignore-cgroups",
+            *RUNSC_FLAGS,
             *([*profile.RUNTIME_FLAGS, "--security-opt", f"seccomp={self.seccomp}"]
               if self.seccomp else []),
             "--network", "none",

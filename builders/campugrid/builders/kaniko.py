@@ -20,6 +20,7 @@ from typing import Any
 
 from campugrid.protocol.dockerfiles import BaseUse
 from campugrid.protocol.errors import BuildFailed
+from campugrid.sandbox.podman_runsc import RUNSC_FLAGS
 from campugrid.sandbox.process import LogFn
 
 
@@ -29,8 +30,7 @@ def default_socket() -> Path:
 
 def service_argv(socket: Path, podman: str = "podman", runsc: str = "runsc") -> list[str]:
     """The Podman API service whose every container runs under runsc, offline."""
-    return [podman, "--runtime", runsc, "--runtime-flag", "network=none",
-            "--runtime-flag", "ignore-cgroups", "system", "service", "--time=0", f"unix://{socket}"]
+    return [podman, "--runtime", runsc, *RUNSC_FLAGS, "system", "service", "--time=0", f"unix://{socket}"]
 
 
 def executor_args(tag: str) -> list[str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -28,7 +29,12 @@ from campugrid.sandbox import process as procs
 from campugrid.sandbox.process import Finished, Interactive, LogFn, run_streaming
 from campugrid.sandbox.runtime import DATA_MOUNT, OUTPUT_MOUNT, RunRequest, RunResult
 
-RUNSC_FLAGS = ("--runtime-flag", "network=none", "--runtime-flag", "ignore-cgroups")
+# network=none: no network stack at all. ignore-cgroups: the agent writes the job's cgroup
+# limits itself (cgroup v1, rootless). overlay2=none: writes reach the container's own
+# rootfs, where the build commits them and the disk bound counts them; runsc's default since
+# 2023 (root:self) keeps them in a hidden file that a build would commit whole.
+RUNSC_FLAGS = ("--runtime-flag", "network=none", "--runtime-flag", "ignore-cgroups",
+               "--runtime-flag", "overlay2=none")
 AGENT_LABEL = "campugrid.agent"
 HOST_PIDS_CEILING = 4096  # gVisor's own threads count on the host: keep it generous
 GUEST_NPROC = 512  # enforced cleanly inside gVisor: fork() gets EAGAIN
@@ -139,7 +145,10 @@ class PodmanRunsc:
         failure = self._start_failure(done, started)
         if failure is not None:
             raise failure
-        return RunResult(done.returncode, done.timed_out, done.cancelled, oom, done.tail,
+        # The kernel's OOM killer may take the sentry or the gofer rather than the job's
+        # process, and runsc then exits 1: report what a killed container reports, 137.
+        code = 128 + signal.SIGKILL if oom else done.returncode
+        return RunResult(code, done.timed_out, done.cancelled, oom, done.tail,
                          self.limits.as_dict(),
                          started - began if isinstance(started, float) else None)
 
