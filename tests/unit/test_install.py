@@ -4,6 +4,7 @@ and command answers, the consented root step, the configuration file, and the sy
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -44,7 +45,7 @@ def host(tmp_path: Path, *, tools=("podman", "runsc"), subids=65536, v2=False,
         subgid=tmp_path / "subgid", linger=tmp_path / "linger",
         systemd=tmp_path / ("systemd" if systemd else "none"),
         run=answers or Answers(**{"podman --version": (0, "podman version 4.3.1"),
-                                  "runsc --version": (0, "runsc version 0.0~2022"),
+                                  "runsc --version": (0, "runsc version 0.0~20240729.0"),
                                   "podman info --format": (0, "overlay\n")}),
         which=lambda t: f"/usr/bin/{t}" if t in tools else None)
 
@@ -57,6 +58,16 @@ def test_a_ready_host_passes_and_needs_no_root_step(tmp_path, monkeypatch):
     checks = prereqs.check_all(h, tmp_path, nvml=_NoNvml())
     assert all(c.ok for c in checks if c.name != "free disk"), [c.line for c in checks]
     assert prereqs.root_step("ada", checks) == ""
+
+
+def test_a_runsc_without_systrap_is_a_warning_with_the_way_to_a_newer_one(tmp_path):
+    answers = Answers(**{"runsc --version": (0, "runsc version 0.0~20221219.0\nspec: 1.0.2-dev")})
+    h = host(tmp_path, answers=answers)
+    old = prereqs.runsc(h)
+    assert not old.ok and not old.blocking and "ptrace" in old.found, old.line
+    assert "bookworm-backports" in old.fix
+    upstream = Answers(**{"runsc --version": (0, "runsc version release-20250106.0")})
+    assert prereqs.runsc(dataclasses.replace(h, run=upstream)).ok
 
 
 def test_each_missing_piece_is_explained_with_its_fix_and_root_fixes_go_in_one_script(tmp_path):
