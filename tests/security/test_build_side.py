@@ -225,11 +225,11 @@ def test_a_build_that_writes_past_its_disk_limit_fails_saying_so(provider, share
 
 
 def test_a_sparse_file_does_not_grow_past_the_disk_limit_when_the_layer_is_committed(provider, shared_tmp):
-    """A 3 GB file of one written byte takes a few KB of the build's tmpfs, but a layer
+    """A 1 GB file of one written byte takes a few KB of the build's tmpfs, but a layer
     holds it in full: the commit must land inside the limit too, not on the host's disk."""
     free = host_disk_free()
     ctx = make_context(shared_tmp, provider, f"FROM {BASE}\n"
-                       "RUN python3 -c \"f = open('/big', 'wb'); f.seek(3 << 30); f.write(b'x')\"\n")
+                       "RUN python3 -c \"f = open('/big', 'wb'); f.seek(1 << 30); f.write(b'x')\"\n")
     res = build(provider, ctx, "localhost/campugrid-test/sparse:1", disk_mb=64, memory_mb=512)
     assert not res["ok"] and "more than 64 MB of disk" in res["reason"], res
     after = host_disk_free()
