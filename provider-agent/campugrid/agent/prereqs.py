@@ -109,8 +109,8 @@ def runsc(host: Host) -> Check:
         return Check("runsc (gVisor)", False, version)
     dated = re.search(r"\b(20\d{6})\b", version)
     if dated and dated.group(1) < RUNSC_FAST:
-        return Check("runsc (gVisor)", False, f"{version}: only the ptrace platform, so jobs and "
-                     "builds run several times slower than on a runsc from 2024",
+        return Check("runsc (gVisor)", False, f"{version}: only the ptrace platform, so Python in "
+                     "jobs and builds runs about 1.4x slower than on a runsc from 2024",
                      "on Debian 12, enable bookworm-backports and apt-get install -t "
                      "bookworm-backports runsc; elsewhere, gVisor's own apt repository",
                      blocking=False)
