@@ -201,7 +201,7 @@ def test_a_job_reaches_nothing_beyond_its_sandbox(api, guard, provider):
 
 # --- (3) privileged operations ----------------------------------------------------------------
 
-EXPECTED_REFUSAL = {  # as runsc 20221219 answers (EPERM: no capability; others: not there)
+EXPECTED_REFUSAL = {  # as runsc 20240729 answers, as 20221219 did (EPERM: no capability; others: absent)
     "raw-socket": {"EPERM"}, "packet-socket": {"EPERM"}, "ptrace-pid-1": {"EPERM"},
     "ptrace-the-agent": {"ESRCH", "EPERM"}, "mount-tmpfs": {"EPERM"},
     "remount-root-writable": {"EPERM", "EROFS"},

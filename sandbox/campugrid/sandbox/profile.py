@@ -2,8 +2,9 @@
 itself (`--oci-seccomp`): every call allowed except those no job needs and an attacker wants
 first, which fail with EPERM before gVisor's own kernel sees them.
 
-A deny list, not Podman's allow list: this runsc (20221219) translates Podman's default
-profile wrongly, and `select(2)` then fails with EPERM even under the unmodified default.
+A deny list, not Podman's allow list: runsc 20221219 translated Podman's default profile
+wrongly (`select(2)` failed with EPERM even under the unmodified default), and a deny list
+names what is refused whatever the runsc.
 """
 
 from __future__ import annotations
