@@ -35,17 +35,21 @@ if [ "$(id -u)" = 0 ]; then
   # a sandbox takes 1.1 s instead of 1.6 s, a NumPy + SciPy build's RUN steps 20 % less.
   # Only runsc is taken from backports.
   if ! dpkg --compare-versions "$(dpkg-query -W -f='${Version}' runsc 2>/dev/null || echo 0)" ge "$runsc_min"; then
-    from=()
-    if grep -q '^VERSION_CODENAME=bookworm$' /etc/os-release; then
-      grep -rqs bookworm-backports /etc/apt/sources.list /etc/apt/sources.list.d/ ||
-        printf '%s\n' 'Types: deb' 'URIs: http://deb.debian.org/debian' 'Suites: bookworm-backports' \
-          'Components: main' 'Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg' \
-          >/etc/apt/sources.list.d/campugrid-bookworm-backports.sources
-      from=(-t bookworm-backports)
+    export DEBIAN_FRONTEND=noninteractive
+    backports=/etc/apt/sources.list.d/campugrid-bookworm-backports.sources
+    if grep -q '^VERSION_CODENAME=bookworm$' /etc/os-release &&
+       ! grep -rqs bookworm-backports /etc/apt/sources.list /etc/apt/sources.list.d/; then
+      printf '%s\n' 'Types: deb' 'URIs: http://deb.debian.org/debian' 'Suites: bookworm-backports' \
+        'Components: main' 'Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg' >"$backports"
     fi
-    say "installing runsc (gVisor) ${from[*]}"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${from[@]}" runsc >/dev/null
+    say "installing runsc (gVisor) from bookworm-backports"
+    if ! { apt-get update -qq && apt-get install -y -qq --no-install-recommends \
+             -t bookworm-backports runsc >/dev/null; }; then
+      # No backports here (another release, or a mirror without them): the release's own.
+      rm -f "$backports"
+      apt-get update -qq
+      apt-get install -y -qq --no-install-recommends runsc >/dev/null
+    fi
     dpkg --compare-versions "$(dpkg-query -W -f='${Version}' runsc)" ge "$runsc_min" ||
       say "warning: runsc older than $runsc_min: jobs and builds run on the slower ptrace platform"
   fi
