@@ -70,6 +70,29 @@ def test_a_window_ends_and_weighs_on_the_next_as_the_library_says(store: Store, 
     assert store.limiter.retry_after(item, "w") == memory.retry_after(item, "w")
 
 
+def test_an_exact_count_holds_across_the_turn_of_a_window_as_the_library_says(store: Store,
+                                                                            memory: Limiter,
+                                                                            clock: Clock):
+    """Lockouts (console sign-ins for unknown names) count exactly: the fifth failure in 15
+    minutes is refused even when the clock-aligned window turns just before it, where the
+    sliding window's estimate (floor of 4 x 0.9998 + 0, plus this hit) lets it through."""
+    item = RateLimitItemPerMinute(4, 15)
+    clock.now = 1_800_000_000.0 - 0.1  # just before a 15-minute window turns (1.8e9 % 900 == 0)
+    for limiter in (store.limiter, memory):
+        assert [limiter.hit(item, "x", exact=True) for _ in range(4)] == [True] * 4
+    clock.now += 0.2
+    assert store.limiter.hit(item, "x", exact=True) is memory.hit(item, "x", exact=True) is False
+    assert store.limiter.retry_after(item, "x", exact=True) \
+        == memory.retry_after(item, "x", exact=True) == 900
+    # What the sliding window answers at the same turn, for other callers.
+    clock.now -= 0.2
+    assert all(store.limiter.hit(item, "y") for _ in range(4))
+    clock.now += 0.2
+    assert store.limiter.hit(item, "y") is True
+    clock.now += 900.0  # the exact window has ended: a new one starts with this hit
+    assert store.limiter.hit(item, "x", exact=True) is memory.hit(item, "x", exact=True) is True
+
+
 def test_a_limit_holds_across_two_processes_on_one_database(db_url: str):
     """Two stores on one database count together, also when they hit at the same time."""
     engines = [make_engine(db_url), make_engine(db_url)]

@@ -152,11 +152,16 @@ class Limiter:
     def __init__(self, counters: Storage) -> None:
         self.counters = counters
         self._strategy = strategies.SlidingWindowCounterRateLimiter(counters)
+        self._exact = strategies.FixedWindowRateLimiter(counters)
 
-    def hit(self, item: RateLimitItem, *who: str) -> bool:
-        return self._strategy.hit(item, *who)
+    def hit(self, item: RateLimitItem, *who: str, exact: bool = False) -> bool:
+        """Counted in the library's sliding window; `exact`: in a window that starts with the
+        caller's first hit, for lockouts. (The sliding window's estimate lets one more hit
+        through at the turn of its clock-aligned windows: a lockout would then differ by one,
+        at a time anyone can know.)"""
+        return (self._exact if exact else self._strategy).hit(item, *who)
 
-    def retry_after(self, item: RateLimitItem, *who: str) -> int:
+    def retry_after(self, item: RateLimitItem, *who: str, exact: bool = False) -> int:
         """Whole seconds until a refused caller may try again (at least 1)."""
-        reset = self._strategy.get_window_stats(item, *who).reset_time
+        reset = (self._exact if exact else self._strategy).get_window_stats(item, *who).reset_time
         return max(1, int(reset - time.time() + 0.999))

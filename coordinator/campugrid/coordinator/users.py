@@ -270,8 +270,9 @@ class Users:
                 row.id, row.password_hash, row.totp_secret, row.totp_last_step, row.locked_until)
         if found is None:
             _verify(_DUMMY, password)
-            if not self._unknown.hit(UNKNOWN_FAILURES, "unknown", name[:100]):
-                wait = self._unknown.retry_after(UNKNOWN_FAILURES, "unknown", name[:100])
+            if not self._unknown.hit(UNKNOWN_FAILURES, "unknown", name[:100], exact=True):
+                wait = self._unknown.retry_after(UNKNOWN_FAILURES, "unknown", name[:100],
+                                                 exact=True)
                 raise _locked(now + dt.timedelta(seconds=wait), now)
             raise wrong
         user_id, hashed, sealed, last_step, locked_until = found
