@@ -208,7 +208,7 @@ def test_another_jobs_image_cannot_be_named_even_around_the_check(provider, shar
 
 
 def host_disk_free() -> int:
-    return os.statvfs("/").f_bavail * os.statvfs("/").f_frsize
+    return shutil.disk_usage("/").free
 
 
 def test_a_build_that_writes_past_its_disk_limit_fails_saying_so(provider, shared_tmp):

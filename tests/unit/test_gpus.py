@@ -3,7 +3,6 @@ GPU machine; test_real_nvml checks the real library on whatever machine runs the
 
 from __future__ import annotations
 
-import re
 import subprocess
 import types
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from campugrid.agent.gpus import GpuPolicy, apple_gpu, discover
+from campugrid.agent.prereqs import RUNSC_FAST, runsc_date
 from campugrid.agent.task import _check_gpus_free
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.sandbox.podman_runsc import PodmanRunsc, gpu_devices, nvproxy_support
@@ -99,11 +99,11 @@ def test_nvproxy_is_detected_from_runsc_flags():
     # This machine's runsc: bookworm-backports' (20240729) has nvproxy, Debian 12's own
     # (20221219, where infra/setup.sh finds no backports) has none.
     version = subprocess.run(["runsc", "--version"], capture_output=True, text=True).stdout
-    dated = re.search(r"\b(20\d{6})\b", version)
+    dated = runsc_date(version)
     assert dated is not None, version
-    if dated.group(1) >= "20240729":
+    if dated >= RUNSC_FAST:
         assert nvproxy_support() == ""
-    elif dated.group(1) <= "20221219":
+    elif dated <= "20221219":
         assert "no nvproxy" in nvproxy_support()
 
 
