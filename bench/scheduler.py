@@ -13,6 +13,10 @@ A second table, in the same run, has 1, 2 and 4 `campugrid coordinator serve` pr
 one throwaway PostgreSQL (--coordinators; 0 skips it), the client processes spread over
 them, beside the single SQLite process's row for the same queue.
 
+A last row in both tables, "floor", is the same clients' same signed calls answered by a
+grpcio server that does nothing but return a lease reply made earlier: what gRPC, TLS and
+protobuf alone cost here, the ceiling for any coordinator on grpcio's Python server.
+
 Host speed: these VMs' effective CPU speed drifts by up to 2x within seconds (a fixed
 pure-Python loop takes 180 to 330 ms of CPU on an idle machine), which once looked like
 rows of this benchmark costing 2.5 ms of CPU per lease instead of 1.0. So every row also
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import os
 import random
@@ -36,6 +41,7 @@ import tempfile
 import threading
 import time
 import uuid
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -103,9 +109,15 @@ def seed_machines(engine: Engine, count: int) -> Creds:
     return [(m, k.private_bytes_raw().hex()) for m, k in made]
 
 
+@functools.cache
+def _key(private_hex: str) -> keys.Ed25519PrivateKey:
+    return keys.Ed25519PrivateKey.from_private_bytes(bytes.fromhex(private_hex))
+
+
 def _signed(stub_call, request, method: str, cred: tuple[str, str], **kw):
-    """One call as the machine `cred`, signed as its agent signs (agent.client)."""
-    key = keys.Ed25519PrivateKey.from_private_bytes(bytes.fromhex(cred[1]))
+    """One call as the machine `cred`, signed as its agent signs (agent.client), with its key
+    loaded once, as an agent holds its own."""
+    key = _key(cred[1])
     md = [(MACHINE_HEADER, cred[0]),
           *signed_metadata(key, method, request.SerializeToString(), cred[0])]
     return stub_call(request, metadata=md, **kw)
@@ -256,6 +268,24 @@ def client_process(address: str, leases: int, threads: int) -> None:
     print(json.dumps({"latencies": result["latencies"], "cpu_s": result["cpu_s"]}), flush=True)
 
 
+def floor(pem_files: tuple[Path, Path], reply: pb.LeaseReply, creds: Creds, leases: int,
+          threads: int, processes: int) -> dict[str, float]:
+    """The same clients' same signed Lease calls answered by a server that does nothing but
+    hand back a lease reply made earlier: what gRPC, TLS and protobuf cost on this machine
+    (the ceiling any coordinator written on grpcio's Python server can reach here)."""
+    answer = reply.SerializeToString()
+    srv = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
+    srv.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("campugrid.v1.AgentService", {
+        "Lease": grpc.unary_unary_rpc_method_handler(lambda request, context: answer)})])
+    cert, key = (f.read_bytes() for f in pem_files)
+    port = srv.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key, cert)]))
+    srv.start()
+    try:
+        return measure([f"127.0.0.1:{port}"], cert.decode(), creds, leases, threads, processes)
+    finally:
+        srv.stop(grace=1).wait()
+
+
 def peer(queued: int) -> dict[str, float] | None:
     driver = BENCH / "peers" / "gpumesh_driver.py"
     if not driver.exists():
@@ -314,12 +344,18 @@ def main() -> None:
                 rows.append((depth, machines, r))
                 print(f"  measured {depth} queued, {machines} machines: {r['median_ms']:.2f} ms",
                       file=sys.stderr)
+        channel, stub = _stub(address, pem)
+        sample = _signed(stub.Lease, pb.LeaseRequest(), LEASE, creds[0], timeout=30)
+        channel.close()
+        cert = running.certificate
+        nothing = floor((cert.cert_file, cert.key_file), sample, creds[:max(counts)], args.leases,
+                        args.threads, args.processes)
     finally:
         running.stop()
         s3.stop()
         shutil.rmtree(root, ignore_errors=True)
     peers = {} if args.no_peer else {d: peer(min(d, 50_000)) for d in depths}
-    at_best_speed([r for _, _, r in rows])
+    at_best_speed([r for _, _, r in rows] + [nothing])
     db = "PostgreSQL" if args.database_url else "SQLite"
     print(f"\nlease over gRPC on loopback, {db}: latency from one client asking in turn; "
           f"leases/s from {args.processes} client processes x {args.threads} threads at once "
@@ -336,15 +372,22 @@ def main() -> None:
               f"| {r['per_s']:8.0f} | {r['busy_p95_ms']:11.2f} "
               f"| {r['server_cpu_ms']:12.2f} + {r['client_cpu_ms']:<12.2f} "
               f"| {r['server_cpu_best_ms']:20.2f} | {r['host_ms']:7.0f} | {pm:>26} | {ratio:>5} |")
+    r = nothing
+    print(f"| floor: a server that does nothing | {r['median_ms']:9.2f} | {r['p95_ms']:6.2f} "
+          f"| {r['per_s']:8.0f} | {r['busy_p95_ms']:11.2f} "
+          f"| {r['server_cpu_ms']:12.2f} + {r['client_cpu_ms']:<12.2f} "
+          f"| {r['server_cpu_best_ms']:20.2f} | {r['host_ms']:7.0f} | {'':>26} | {'':>5} |")
     print("\nratio: gpumesh's median lease latency over ours, same machine, same run "
           "(higher is better for campugrid)")
+    print("floor: the same clients' same signed Lease calls, answered with a lease reply made "
+          "earlier by a grpcio server with no other work: gRPC, TLS and protobuf on this machine")
     counts = [int(x) for x in args.coordinators.split(",") if int(x) > 0]
     if counts:
-        cluster_table(rows, counts, [int(x) for x in args.cluster_depths.split(",")], args)
+        cluster_table(rows, nothing, counts, [int(x) for x in args.cluster_depths.split(",")], args)
 
 
-def cluster_table(single: list[tuple[int, int, dict[str, float]]], counts: list[int],
-                  depths: list[int], args: argparse.Namespace) -> None:
+def cluster_table(single: list[tuple[int, int, dict[str, float]]], nothing: dict[str, float],
+                  counts: list[int], depths: list[int], args: argparse.Namespace) -> None:
     """N coordinator processes on one PostgreSQL, beside the SQLite process's row."""
     machines = 100
     root = Path(tempfile.mkdtemp(prefix="campugrid-cluster-"))
@@ -383,7 +426,7 @@ def cluster_table(single: list[tuple[int, int, dict[str, float]]], counts: list[
         shutil.rmtree(root, ignore_errors=True)
     print(f"\ncoordinator processes on one PostgreSQL ({machines} machines; {args.processes} client "
           f"processes x {args.threads} threads spread over them), beside one SQLite process\n")
-    at_best_speed([r for _, _, r in single] + [r for _, _, r in results])
+    at_best_speed([r for _, _, r in single] + [r for _, _, r in results] + [nothing])
     print("| database   | processes | queued  | median ms | p95 ms | leases/s | p95 ms busy | server CPU ms/lease "
           "| at best speed | host ms |")
     print("|------------|-----------|---------|-----------|--------|----------|-------------|---------------------"
@@ -399,7 +442,12 @@ def cluster_table(single: list[tuple[int, int, dict[str, float]]], counts: list[
                 print(f"| PostgreSQL | {n:>9} | {depth:>7} | {r['median_ms']:9.2f} | {r['p95_ms']:6.2f} "
                       f"| {r['per_s']:8.0f} | {r['busy_p95_ms']:11.2f} | {r['server_cpu_ms']:19.2f} "
                       f"| {r['server_cpu_best_ms']:13.2f} | {r['host_ms']:7.0f} |")
-    print("\nserver CPU: all coordinator processes together (PostgreSQL's own not counted)")
+    r = nothing
+    print(f"| floor      | {'':>9} | {'':>7} | {r['median_ms']:9.2f} | {r['p95_ms']:6.2f} "
+          f"| {r['per_s']:8.0f} | {r['busy_p95_ms']:11.2f} | {r['server_cpu_ms']:19.2f} "
+          f"| {r['server_cpu_best_ms']:13.2f} | {r['host_ms']:7.0f} |")
+    print("\nserver CPU: all coordinator processes together (PostgreSQL's own not counted); "
+          "floor: as in the first table")
 
 
 def _fresh_database(pg: TempPostgres, name: str) -> str:

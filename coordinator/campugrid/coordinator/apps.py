@@ -158,7 +158,7 @@ class Nonces:
         if not 8 <= len(nonce) <= 64:
             raise Unauthenticated("the signature's nonce must have 8 to 64 characters")
         try:
-            with self.db.connect(durable=False) as conn:  # Core: on every signed call
+            with self.db.statements() as conn:  # Core, one statement: on every signed call
                 conn.execute(_NONCE_INSERT, {
                     "signer": signer[:80], "nonce": nonce,
                     "expires_at": utcnow() + dt.timedelta(seconds=2 * window_s)})

@@ -30,18 +30,28 @@ READ_ONLY = "campugrid_read_only"
 LAZY = "campugrid_lazy_commit"
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, *, single_statements: bool = False) -> Engine:
+    """An engine on `url`; with `single_statements`, one whose statements each commit on
+    their own without waiting for the disk (for what a crash may lose: the nonce store), so
+    that a write is two round trips on PostgreSQL instead of five (the pool's ping and the
+    statement, without BEGIN, SET LOCAL and COMMIT) and one statement on SQLite instead of
+    four."""
     if url.startswith("sqlite"):
-        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
+        engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False},
+                               **({"isolation_level": "AUTOCOMMIT"} if single_statements else {}))
 
         @event.listens_for(engine, "connect")
         def _sqlite_setup(dbapi_conn: Any, _record: Any) -> None:
             dbapi_conn.isolation_level = None  # we issue BEGIN ourselves, below
             cur = dbapi_conn.cursor()
             _wal(cur)
-            cur.execute("PRAGMA synchronous=FULL")  # acknowledged means on disk
+            # acknowledged means on disk (but for single statements: see above)
+            cur.execute("PRAGMA synchronous=NORMAL" if single_statements else "PRAGMA synchronous=FULL")
             cur.execute("PRAGMA foreign_keys=ON")
             cur.close()
+
+        if single_statements:
+            return engine
 
         @event.listens_for(engine, "begin")
         def _sqlite_begin(conn: Any) -> None:
@@ -57,6 +67,9 @@ def make_engine(url: str) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
+    if single_statements:  # a small pool: each statement holds a connection for one round trip
+        return create_engine(url, isolation_level="AUTOCOMMIT", pool_pre_ping=True, pool_size=4,
+                             max_overflow=8, connect_args={"options": "-c synchronous_commit=off"})
     return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
 
 
@@ -75,15 +88,20 @@ def _wal(cur: Any) -> None:
             time.sleep(0.05)
 
 
-def side_database(engine: Engine, name: str, *tables: Any) -> Engine:
+def side_database(engine: Engine, name: str, *tables: Any, single_statements: bool = False) -> Engine:
     """On SQLite, a file of its own beside the main one for `tables` (created there), so that
-    their writes do not wait for the one writer of the main file; elsewhere the same engine
-    (PostgreSQL locks rows, not the database). Every process on the main file uses the same
-    side file."""
-    if engine.dialect.name != "sqlite" or not engine.url.database or engine.url.database == ":memory:":
+    their writes do not wait for the one writer of the main file; elsewhere the same database
+    (PostgreSQL locks rows, not the database), through the same engine or, for
+    `single_statements` (make_engine), one of its own. Every process on the main file uses
+    the same side file."""
+    if engine.dialect.name != "sqlite":
+        return (make_engine(engine.url.render_as_string(hide_password=False), single_statements=True)
+                if single_statements else engine)
+    if not engine.url.database or engine.url.database == ":memory:":
         return engine
     path = Path(engine.url.database)
-    side = make_engine(f"sqlite:///{path.with_name(f'{path.stem}-{name}{path.suffix}')}")
+    side = make_engine(f"sqlite:///{path.with_name(f'{path.stem}-{name}{path.suffix}')}",
+                       single_statements=single_statements)
     from campugrid.coordinator.models import Base
 
     Base.metadata.create_all(side, tables=list(tables))
@@ -118,6 +136,15 @@ class Database:
         """A transaction that only reads (no write lock on SQLite)."""
         with self._reader.begin() as s:
             yield s
+
+    @contextlib.contextmanager
+    def statements(self) -> Iterator[Connection]:
+        """A connection whose statements commit alone on an engine made with
+        `single_statements` (make_engine), and as one transaction on any other (an in-memory
+        SQLite database has no side file); one writer at a time on SQLite, as for tx."""
+        with self._writer, self.engine.connect() as conn:
+            yield conn
+            conn.commit()
 
     @contextlib.contextmanager
     def connect(self, *, durable: bool = True) -> Iterator[Connection]:

@@ -70,7 +70,8 @@ class Store:
         self.uploads = Uploads(self.db)
         self.gpu_history = GpuHistories(self.db)
         # Every signed call writes a nonce: on SQLite beside the jobs' file, not in its queue.
-        self.nonces = Nonces(Database(side_database(engine, "nonces", Nonce.__table__)))
+        self.nonces = Nonces(Database(side_database(engine, "nonces", Nonce.__table__,
+                                                    single_statements=True)))
         # Rate limits count in the database too, so they hold across coordinator processes.
         self.counters = DatabaseCounters(Database(side_database(engine, "limits", RateCounter.__table__)))
         self.limiter = Limiter(self.counters)
