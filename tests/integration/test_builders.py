@@ -125,6 +125,38 @@ def test_a_memory_hog_run_step_is_stopped_where_limits_hold(provider, shared_tmp
     assert not res["ok"], "a 600 MB RUN step finished inside a 256 MB build"
 
 
+def test_a_pulled_base_leaves_the_builds_store_when_the_provider_evicts_it(provider, shared_tmp):
+    """Bases pulled for jobs (the image cache's names) are copied into the store builds see;
+    the next build drops those the provider's own store no longer has, and only those."""
+    ctx = context(shared_tmp, provider, "RUN true\n")
+    res = run_as_provider(provider, f"""
+        import json, subprocess
+        from pathlib import Path
+        from campugrid.builders.buildah import PULLED_PREFIX, BuildahBuilder
+        b = BuildahBuilder()
+        graph, run = b.main_store()
+        gone, kept = PULLED_PREFIX + "t-evict:gone", PULLED_PREFIX + "t-evict:kept"
+        def bases():
+            listed = b._buildah_bases("images", "--json")
+            return sorted(n for i in json.loads(listed.stdout) for n in i.get("names") or ())
+        for name in (gone, kept):
+            subprocess.run(["podman", "tag", "localhost/campugrid/python:bookworm", name], check=True)
+            b._buildah_bases("pull", "-q", f"containers-storage:[overlay@{{graph}}+{{run}}]{{name}}")
+        before = bases()
+        subprocess.run(["podman", "untag", "localhost/campugrid/python:bookworm", gone], check=True)
+        b.build(Path({ctx!r}), "localhost/campugrid-test/evict:1", log=lambda line: None,
+                timeout_s=300)
+        after = bases()
+        subprocess.run(["podman", "untag", "localhost/campugrid/python:bookworm", kept])
+        subprocess.run(["podman", "rmi", "-f", "localhost/campugrid-test/evict:1"])
+        b._drop_evicted()
+        print(json.dumps({{"before": before, "after": after, "gone": gone, "kept": kept}}))
+    """)
+    assert res["gone"] in res["before"] and res["kept"] in res["before"], res
+    assert res["gone"] not in res["after"], res
+    assert res["kept"] in res["after"] and "localhost/campugrid/python:bookworm" in res["after"], res
+
+
 def test_kaniko_builds_under_runsc_when_an_executor_image_is_present(provider, shared_tmp):
     image = os.environ.get("CAMPUGRID_KANIKO_IMAGE", "localhost/kaniko-executor:latest")
     present = subprocess.run(provider.command(["podman", "image", "exists", image]),

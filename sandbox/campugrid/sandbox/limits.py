@@ -99,9 +99,10 @@ class JobCgroup:
 
 @contextlib.contextmanager
 def job_cgroup(limits: HostLimits, name: str, *, memory_mb: int, cpus: float,
-               pids: int, scope: str = "") -> Iterator[JobCgroup | None]:
+               pids: int, scope: str = "", wait_s: float = 1.0) -> Iterator[JobCgroup | None]:
     """A child cgroup per controller with the job's limits, under this agent's `scope`
-    folder (so its sweeps never touch another agent's); emptied and removed afterwards."""
+    folder (so its sweeps never touch another agent's); emptied and removed afterwards
+    (`release`, waiting up to `wait_s` here)."""
     if limits.v1_delegated is None:
         yield None
         return
@@ -125,7 +126,7 @@ def job_cgroup(limits: HostLimits, name: str, *, memory_mb: int, cpus: float,
                 (path / "pids.max").write_text(str(pids))
         yield JobCgroup(tuple(made))
     finally:
-        release(made)
+        release(made, wait_s)
 
 
 REAP_GRACE_S = 30.0  # e.g. the build runtime's background `runsc delete` (~5 s) finishing
