@@ -25,8 +25,9 @@ from campugrid.protocol.errors import NotFound
 MIGRATIONS = Path(__file__).with_name("migrations")
 MIGRATION_LOCK = 0x6367_6D696772  # the advisory lock migrations take on PostgreSQL ('cgmigr')
 READ_ONLY = "campugrid_read_only"
-# A transaction whose loss in a crash harms nothing (the nonce store): committed without
+# A transaction whose loss in a crash harms nothing (the rate counters): committed without
 # waiting for the disk (SQLite: synchronous=NORMAL for it; PostgreSQL: synchronous_commit off).
+# The nonce store goes further: single statements on an engine of their own (make_engine).
 LAZY = "campugrid_lazy_commit"
 
 
