@@ -368,15 +368,8 @@ def main() -> None:
         p = peers.get(depth)
         pm = f"{p['median_ms']:.2f} ({p['queued']})" if p else "n/a"
         ratio = f"{p['median_ms'] / r['median_ms']:.1f}x" if p else "n/a"
-        print(f"| {depth:>7} | {machines:>8} | {r['median_ms']:9.2f} | {r['p95_ms']:6.2f} "
-              f"| {r['per_s']:8.0f} | {r['busy_p95_ms']:11.2f} "
-              f"| {r['server_cpu_ms']:12.2f} + {r['client_cpu_ms']:<12.2f} "
-              f"| {r['server_cpu_best_ms']:20.2f} | {r['host_ms']:7.0f} | {pm:>26} | {ratio:>5} |")
-    r = nothing
-    print(f"| floor: a server that does nothing | {r['median_ms']:9.2f} | {r['p95_ms']:6.2f} "
-          f"| {r['per_s']:8.0f} | {r['busy_p95_ms']:11.2f} "
-          f"| {r['server_cpu_ms']:12.2f} + {r['client_cpu_ms']:<12.2f} "
-          f"| {r['server_cpu_best_ms']:20.2f} | {r['host_ms']:7.0f} | {'':>26} | {'':>5} |")
+        print(f"| {depth:>7} | {machines:>8} | {_lease_cells(r)} | {pm:>26} | {ratio:>5} |")
+    print(f"| floor: a server that does nothing | {_lease_cells(nothing)} | {'':>26} | {'':>5} |")
     print("\nratio: gpumesh's median lease latency over ours, same machine, same run "
           "(higher is better for campugrid)")
     print("floor: the same clients' same signed Lease calls, answered with a lease reply made "
@@ -434,20 +427,26 @@ def cluster_table(single: list[tuple[int, int, dict[str, float]]], nothing: dict
     for depth in depths:
         for d, m, r in single:
             if d == depth and m == machines:
-                print(f"| SQLite     | {1:>9} | {depth:>7} | {r['median_ms']:9.2f} | {r['p95_ms']:6.2f} "
-                      f"| {r['per_s']:8.0f} | {r['busy_p95_ms']:11.2f} | {r['server_cpu_ms']:19.2f} "
-                      f"| {r['server_cpu_best_ms']:13.2f} | {r['host_ms']:7.0f} |")
+                print(f"| SQLite     | {1:>9} | {depth:>7} | {_cluster_cells(r)} |")
         for n, d, r in results:
             if d == depth:
-                print(f"| PostgreSQL | {n:>9} | {depth:>7} | {r['median_ms']:9.2f} | {r['p95_ms']:6.2f} "
-                      f"| {r['per_s']:8.0f} | {r['busy_p95_ms']:11.2f} | {r['server_cpu_ms']:19.2f} "
-                      f"| {r['server_cpu_best_ms']:13.2f} | {r['host_ms']:7.0f} |")
-    r = nothing
-    print(f"| floor      | {'':>9} | {'':>7} | {r['median_ms']:9.2f} | {r['p95_ms']:6.2f} "
-          f"| {r['per_s']:8.0f} | {r['busy_p95_ms']:11.2f} | {r['server_cpu_ms']:19.2f} "
-          f"| {r['server_cpu_best_ms']:13.2f} | {r['host_ms']:7.0f} |")
+                print(f"| PostgreSQL | {n:>9} | {depth:>7} | {_cluster_cells(r)} |")
+    print(f"| floor      | {'':>9} | {'':>7} | {_cluster_cells(nothing)} |")
     print("\nserver CPU: all coordinator processes together (PostgreSQL's own not counted); "
           "floor: as in the first table")
+
+
+def _lease_cells(r: dict[str, float]) -> str:
+    """A row's measured cells in the first table."""
+    return (f"{r['median_ms']:9.2f} | {r['p95_ms']:6.2f} | {r['per_s']:8.0f} | {r['busy_p95_ms']:11.2f} "
+            f"| {r['server_cpu_ms']:12.2f} + {r['client_cpu_ms']:<12.2f} "
+            f"| {r['server_cpu_best_ms']:20.2f} | {r['host_ms']:7.0f}")
+
+
+def _cluster_cells(r: dict[str, float]) -> str:
+    """A row's measured cells in the coordinator-processes table."""
+    return (f"{r['median_ms']:9.2f} | {r['p95_ms']:6.2f} | {r['per_s']:8.0f} | {r['busy_p95_ms']:11.2f} "
+            f"| {r['server_cpu_ms']:19.2f} | {r['server_cpu_best_ms']:13.2f} | {r['host_ms']:7.0f}")
 
 
 def _fresh_database(pg: TempPostgres, name: str) -> str:

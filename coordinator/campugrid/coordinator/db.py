@@ -43,7 +43,7 @@ def make_engine(url: str, *, single_statements: bool = False) -> Engine:
 
         @event.listens_for(engine, "connect")
         def _sqlite_setup(dbapi_conn: Any, _record: Any) -> None:
-            dbapi_conn.isolation_level = None  # we issue BEGIN ourselves, below
+            dbapi_conn.isolation_level = None  # we issue BEGIN ourselves, below (or none)
             cur = dbapi_conn.cursor()
             _wal(cur)
             # acknowledged means on disk (but for single statements: see above)
