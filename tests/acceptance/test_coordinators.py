@@ -140,7 +140,8 @@ def test_two_coordinators_survive_the_loss_of_one_and_every_acknowledged_job_fin
         assert {j: f["state"] for j, f in finals.items()} == dict.fromkeys(acknowledged, "succeeded")
         for job_id, final in finals.items():
             # Once: one attempt, no lease lost to the dead coordinator, every epoch done once.
-            assert final["attempt"] == 1, (job_id, final["events"])
+            assert final["attempt"] == 1, f"{job_id}:\n" + "\n".join(
+                f"{e['at']} attempt {e['attempt']} {e['kind']}: {e['detail']}" for e in final["events"])
             assert epochs_by_attempt(b, job_id) == {1: list(range(EPOCHS))}, job_id
         ran_on = {f["machine_id"] for f in finals.values()}
         assert len(ran_on) == 2  # both agents kept working

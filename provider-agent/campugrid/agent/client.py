@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import secrets
 import threading
@@ -47,6 +48,10 @@ RPC_TIMEOUT_S = 10.0
 DEFAULT_GRPC_PORT = 8751
 # What says a coordinator process is gone (or cut off), not that it refused the call.
 FAILOVER = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# A coordinator that could not be reached is passed over this long when another one is only
+# slow: a call that runs out of time on a live coordinator must not send the agent back to
+# a dead one (its renewals would fail there until the lease fences the job).
+DOWN_S = 15.0
 log = logging.getLogger("campugrid.agent.client")
 
 
@@ -209,6 +214,7 @@ class CoordinatorClient:
             channel, _SignCalls(self.key, self._signer), _Failover(self, i)))
             for i, channel in enumerate(self.channels)]
         self._current = 0
+        self._down: dict[int, float] = {}  # when each coordinator was last found unreachable
         self._lock = threading.Lock()
 
     @property
@@ -224,11 +230,22 @@ class CoordinatorClient:
         return self.channels[self._current]
 
     def failed(self, index: int, code: grpc.StatusCode) -> None:
-        """The coordinator at `index` did not answer: the next call goes to the next one."""
+        """The coordinator at `index` did not answer: the next call goes to the next one
+        not found unreachable in the last DOWN_S seconds. If every other one was, a slow
+        coordinator is kept; an unreachable one is left for the next in turn."""
+        now = time.monotonic()
         with self._lock:
+            if code is grpc.StatusCode.UNAVAILABLE:
+                self._down[index] = now
             if len(self._stubs) == 1 or index != self._current:
                 return  # another thread moved on already
-            self._current = (index + 1) % len(self._stubs)
+            others = [(index + k) % len(self._stubs) for k in range(1, len(self._stubs))]
+            up = [i for i in others if now - self._down.get(i, -math.inf) >= DOWN_S]
+            if not up and code is not grpc.StatusCode.UNAVAILABLE:
+                log.warning("coordinator %s did not answer in time; staying with it (the others "
+                            "were unreachable in the last %.0f s)", self.addresses[index], DOWN_S)
+                return
+            self._current = (up or others)[0]
         log.warning("coordinator %s unreachable (%s); trying %s", self.addresses[index],
                     code.name, self.address)
 

@@ -20,6 +20,9 @@ from campugrid.protocol import logs
 
 log = logging.getLogger("campugrid.agent")
 FENCE_AT = 0.75  # of a lease: with renewals every quarter, two may fail before fencing
+# After a failed renewal, the next one goes soon: the client has moved on to the next
+# coordinator, and waiting a whole quarter for it would spend the margin on one bad answer.
+RETRY_S = 0.5
 
 
 class Renewer:
@@ -78,16 +81,19 @@ class Renewer:
         # The coordinator's lease runs from when it handled our renewal, which is no earlier
         # than when we sent it: fencing at sent + FENCE_AT * lease stops the sandbox before
         # the job can be leased elsewhere, with margin for clock rates and the reaper.
+        pause = self.lease_s / 4
         while True:
-            self._wake.wait(self.lease_s / 4)
+            self._wake.wait(pause)
             self._wake.clear()
             if self._stop.is_set() or self.reason:
                 return
             try:
                 if not self._renew_once():
                     return
+                pause = self.lease_s / 4
             except grpc.RpcError as e:
                 if time.monotonic() - self.valid_from >= FENCE_AT * self.lease_s:
                     self._lost(f"self-fenced: no lease renewal for "
                                f"{time.monotonic() - self.valid_from:.0f} s ({e.code()})")
                     return
+                pause = min(RETRY_S, self.lease_s / 4)
