@@ -1,6 +1,6 @@
 """What building a researcher's own Dockerfile through campugrid costs, against a plain build.
 
-    .venv/bin/python bench/builds.py [--rounds 3]     (as root, after infra/setup.sh)
+    .venv/bin/python bench/builds.py [--rounds 3] [--only NAME ...]    (as root, after infra/setup.sh)
 
 The corpus (tests/corpus: the README's train-slim, NumPy + SciPy, a pyproject project, a uv
 project, apt-get then pip, a multi-stage build) built two ways on this machine, in the same
@@ -113,6 +113,7 @@ def campugrid_build(api: Api, context: Path, expect: dict[str, Any]) -> tuple[fl
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", nargs="*", metavar="NAME", help="these corpus entries only")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="campugrid-bench-builds-"))
     os.chmod(root, 0o711)
@@ -131,7 +132,7 @@ def main() -> None:
     os.environ["CAMPUGRID_REGISTRY_MIRRORS"] = f"ghcr.io=http://{hub.address}"
     platform = Platform(root / "state", http_port=free_port(),
                         admin_identity=root / "admin.json", hub_upstream=f"http://{hub.address}")
-    corpus = entries()
+    corpus = {k: v for k, v in entries().items() if not args.only or k in args.only}
     plain: dict[str, list[float]] = {name: [] for name in corpus}
     ours: dict[str, list[float]] = {name: [] for name in corpus}
     phases: dict[str, list[dict[str, float]]] = {name: [] for name in corpus}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import tarfile
 import threading
 import time
@@ -156,6 +157,18 @@ def test_success_reports_the_last_line_and_uploads_the_output(setup: Setup) -> N
     [req] = setup.runtime.runs
     assert req.name == task.name and req.image == task.image and req.file_mb == 17
     assert dict(req.env)["CAMPUGRID_JOB_ID"] == "job-1" and req.agent == "machine-test"
+    setup.after(task)
+
+
+def test_the_build_may_use_every_cpu_the_machine_offers_and_the_run_what_the_job_asked(
+        setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 6)
+    task = setup.run(env=fake.env(stdout="done"), cpus=0.5, memory_mb=300, disk_mb=200)
+    assert setup.client.outcome().succeeded
+    assert setup.builder.limits == [{"memory_mb": 300, "cpus": 6.0, "disk_mb": 200}]
+    [req] = setup.runtime.runs
+    assert (req.cpus, req.memory_mb) == (0.5, 300)
+    assert any(s == "build" and "building with fake on 6 CPUs" in t for s, t in setup.client.lines)
     setup.after(task)
 
 

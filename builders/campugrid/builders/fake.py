@@ -36,6 +36,7 @@ class FakeBuilder:
         self.images: set[str] = images if images is not None else set()
         self.scope = scope
         self.builds: list[tuple[Path, str]] = []  # (context, tag), every build asked for
+        self.limits: list[dict[str, float]] = []  # each build's memory_mb, cpus and disk_mb
 
     def inputs(self, bases: Sequence[BaseUse]) -> dict[str, str]:
         return {"builder": "fake", **{f"base {u.allowed.name}": "fake" for u in bases}}
@@ -46,6 +47,7 @@ class FakeBuilder:
               bases: Sequence[BaseUse] | None = None, dockerfile: Path | None = None,
               volumes: Sequence[tuple[Path, str]] = ()) -> str:
         self.builds.append((context_dir, tag))
+        self.limits.append({"memory_mb": memory_mb, "cpus": cpus, "disk_mb": disk_mb})
         tail: collections.deque[str] = collections.deque(maxlen=40)
 
         def say(line: str) -> None:

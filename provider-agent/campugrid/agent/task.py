@@ -54,6 +54,18 @@ HOOKS_MOUNT = "/opt/campugrid/hooks"
 CHECKPOINT_MOUNT = "/checkpoints"
 DISK_POLL_S = 0.25
 R = TypeVar("R")
+
+
+def machine_cpus() -> int:
+    """The CPUs this machine offers (its capabilities say so to the coordinator)."""
+    return os.cpu_count() or 1
+
+
+def build_cpus(asked: float) -> float:
+    """A build may use every CPU the machine offers: the machine holds this one task while
+    it builds, and a job could ask for them all for its run anyway. The run is held to what
+    the job asked (resources.cpus)."""
+    return max(asked, float(machine_cpus()))
 Mapped = tuple[tuple[str, int], ...]  # (uuid, device minor) per reserved GPU
 
 
@@ -277,13 +289,14 @@ class Task:
                 dockerfile = work / "Dockerfile.prepared"  # pointed at what was fetched
                 dockerfile.write_text(pin_bases((context_dir / "Dockerfile").read_text(), local,
                                                 checked.froms, args, from_args))
-            build_log(f"[campugrid] building with {self.builder.name}, RUN steps under gVisor, "
-                      "offline")
+            cpus = build_cpus(spec.resources.cpus)
+            build_log(f"[campugrid] building with {self.builder.name} on {cpus:g} CPUs, RUN steps "
+                      "under gVisor, offline")
             try:
                 self.builder.build(context_dir, self.tag, log=build_log,
                                    timeout_s=min(BUILD_TIMEOUT_S, spec.resources.wall_time_s),
                                    cancel=self.stop, memory_mb=spec.resources.memory_mb,
-                                   cpus=spec.resources.cpus, disk_mb=spec.resources.disk_mb,
+                                   cpus=cpus, disk_mb=spec.resources.disk_mb,
                                    bases=uses, dockerfile=dockerfile,
                                    volumes=tuple(v for got in (wheeled, debbed) if got
                                                  for v in got.volumes()))

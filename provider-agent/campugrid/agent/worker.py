@@ -31,7 +31,7 @@ from campugrid.agent.owner import Owner, OwnerPolicy
 from campugrid.agent.shards import ShardSessionTask
 from campugrid.agent.shares import Shares
 from campugrid.agent.status import StatusFile
-from campugrid.agent.task import Task, job_image_prefix
+from campugrid.agent.task import Task, job_image_prefix, machine_cpus
 from campugrid.builders.base import Builder
 from campugrid.protocol import logs
 from campugrid.protocol.errors import CampugridError
@@ -145,7 +145,7 @@ class Agent:
         found = gpus.discover(self.settings.gpu_policy)
         note = "; ".join(n for n in (found.note, self.gpu_note if found.gpus else "") if n)
         return Capabilities(runtime=self.sandbox.describe(), builder=self.builder.name,
-                            cpus=os.cpu_count() or 1, memory_mb=mem_kb // 1024,
+                            cpus=machine_cpus(), memory_mb=mem_kb // 1024,
                             limits=self.limits, gpus=found.gpus,
                             gpu_isolation=self.gpu_isolation and bool(found.gpus),
                             gpu_note=note, speed_gflops=self.speed,
