@@ -32,6 +32,7 @@ class FakeCoordinator:
     every renewal answer that the lease is gone."""
 
     machine_id = "machine-test"
+    address = "127.0.0.1:8751"
 
     def __init__(self, keep_going: bool = True) -> None:
         self.keep_going = keep_going

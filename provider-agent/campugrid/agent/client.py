@@ -357,6 +357,11 @@ class CoordinatorApi:
     def machine_id(self) -> str:
         return self.wire.machine_id
 
+    @property
+    def address(self) -> str:
+        """The coordinator the next call goes to."""
+        return self.wire.address
+
     def ensure_registered(self, name: str, caps: m.Capabilities) -> str:
         return self.wire.ensure_registered(name, capabilities_pb(caps))
 

@@ -20,8 +20,9 @@ from campugrid.protocol import logs
 
 log = logging.getLogger("campugrid.agent")
 FENCE_AT = 0.75  # of a lease: with renewals every quarter, two may fail before fencing
-# After a failed renewal, the next one goes soon: the client has moved on to the next
-# coordinator, and waiting a whole quarter for it would spend the margin on one bad answer.
+# After a failed renewal that moved the client on to another coordinator, the next one goes
+# there soon: waiting a whole quarter would spend the margin on one bad answer. (Against the
+# same coordinator, the quarter: no faster retries at one that is overloaded.)
 RETRY_S = 0.5
 
 
@@ -87,13 +88,15 @@ class Renewer:
             self._wake.clear()
             if self._stop.is_set() or self.reason:
                 return
+            pause = self.lease_s / 4
+            sent_to = self.client.address
             try:
                 if not self._renew_once():
                     return
-                pause = self.lease_s / 4
             except grpc.RpcError as e:
                 if time.monotonic() - self.valid_from >= FENCE_AT * self.lease_s:
                     self._lost(f"self-fenced: no lease renewal for "
                                f"{time.monotonic() - self.valid_from:.0f} s ({e.code()})")
                     return
-                pause = min(RETRY_S, self.lease_s / 4)
+                if self.client.address != sent_to:
+                    pause = min(RETRY_S, pause)
