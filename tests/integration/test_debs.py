@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -173,3 +174,30 @@ def test_without_the_distributions_keyring_here_the_bases_own_is_used(provider, 
 
 def test_nothing_is_fetched_when_no_stage_uses_apt(provider, shared_tmp):
     assert stage(provider, shared_tmp, "RUN echo no apt here\n")["staged"] is None
+
+
+def test_apts_lists_are_fetched_again_only_after_five_minutes(provider, shared_tmp):
+    """A build a minute after another skips `apt-get update` (1.5 s here) for the same
+    sources; lists older than LISTS_FRESH_S, or fetched for other sources, are fetched."""
+    def staged(n: int) -> list[str]:
+        root = shared_tmp / str(n)
+        root.mkdir()
+        got = stage(provider, root, "RUN apt-get update && apt-get install -y jq\n")
+        assert got.get("staged") is not None and got["staged"]["count"] == 3, got
+        return got["log"]
+
+    markers = list((provider.home / ".cache/campugrid/apt").glob("debian-bookworm-*/lists-updated"))
+    for marker in markers:  # as if the last update were ten minutes ago
+        os.utime(marker, (time.time() - 600, time.time() - 600))
+    first, second = staged(1), staged(2)
+    assert any(re.match(r"\[apt\] (Get|Hit):\d+ http://deb\.debian\.org/debian bookworm InRelease",
+                        line) for line in first), first
+    assert not any(line.startswith("[apt] Hit:") or (line.startswith("[apt] Get:") and
+                   "InRelease" in line) for line in second), second
+    assert any(re.search(r"apt's lists for bookworm were fetched \d+ s ago \(at most every 5 "
+                         r"minutes\): not fetched again", line) for line in second), second
+    for marker in (provider.home / ".cache/campugrid/apt").glob("debian-bookworm-*/lists-updated"):
+        marker.write_text("0" * 64)  # just now, but for other sources (a mirror's, say)
+    third = staged(3)
+    assert any(re.match(r"\[apt\] (Get|Hit):\d+ http://deb\.debian\.org/debian bookworm InRelease",
+                        line) for line in third), third

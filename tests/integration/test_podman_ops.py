@@ -73,6 +73,9 @@ try:
     env = json.loads(subprocess.run(["podman", "image", "inspect", image], capture_output=True,
                                     text=True, check=True).stdout)[0]["Config"].get("Env") or []
     out["env"] = [ops.image_env(image) == env, ops.image_env("localhost/no/such:x")]
+    ident = subprocess.run(["podman", "image", "inspect", "--format", "{{.Id}}", image],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    out["id"] = [ops.image_id(image) == ident, ops.image_id("localhost/no/such:x")]
     # a file of the image, through a symlink inside it (/etc/os-release -> ../usr/lib/...)
     want_release = subprocess.run(["podman", "run", "--rm", "--runtime", "runsc", *RUNSC_FLAGS,
                                    "--network", "none", image, "cat", "/etc/os-release"],
@@ -130,7 +133,7 @@ def test_both_paths_answer_alike(kind: str):
         "running": True, "conmon": True, "labelled": True, "labelled_other": [],
         "running_after_term": False, "gone": [None, None, None], "labelled_after": [],
         "absent": [None, None, None], "layers": True, "layer_index": True,
-        "env": [True, None],
+        "env": [True, None], "id": [True, None],
         "file": [True, None, None, None, "refused", []],
         "sizes_equal": True, "listed": True,
         "after_one_name": [None, True, True], "after_both": [], "base_kept": True,

@@ -26,6 +26,7 @@ the declaration missed is not there, and the build fails naming it.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import fcntl
@@ -37,6 +38,7 @@ import re
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -50,6 +52,13 @@ from campugrid.sandbox.process import LogFn, run_streaming
 IN_BUILD = "/dev/campugrid-apt"
 APT_TIMEOUT_S = 1800
 MAX_STATUS_BYTES = 64 * 1024**2
+# apt's lists of a release are fetched again at most this often, for the same sources (1.5 s
+# of a build here; pip's own cache keeps an index page 10 minutes): newer than the
+# distribution publishes them in the hour, older than a rebuild a minute later needs.
+LISTS_FRESH_S = 300
+# What a base image's files said (os-release, dpkg status), by image ID; each read costs a
+# container made and removed (0.4 s). At most this many bytes kept.
+READ_KEPT_BYTES = 32 * 1024**2
 # Each distribution's mirror, security mirror and components, as its own images list them.
 MIRRORS = {
     "debian": ("http://deb.debian.org/debian", "http://deb.debian.org/debian-security",
@@ -171,10 +180,10 @@ def stage(installs: Sequence[AptInstall], build: BuildOptions, bases: Sequence[s
     count = total = 0
     for n, (base, uses) in enumerate(sorted(groups.items())):
         image = bases[base]
-        release = release_of(ops.image_file(image, "/etc/os-release", 64 * 1024), image)
+        release = release_of(_image_file(ops, image, "/etc/os-release", 64 * 1024), image)
         try:
-            status = installed(ops.image_file(image, "/var/lib/dpkg/status",
-                                              MAX_STATUS_BYTES) or b"")
+            status = installed(_image_file(ops, image, "/var/lib/dpkg/status",
+                                           MAX_STATUS_BYTES) or b"")
         except ValueError as e:
             raise BuildFailed(f"{image}: its dpkg status is too large to read ({e})", "") from e
         packages = list(dict.fromkeys([p for u in uses for p in u.packages] + list(build.apt)))
@@ -205,6 +214,30 @@ def stage(installs: Sequence[AptInstall], build: BuildOptions, bases: Sequence[s
     return Staged(folder, repos, count, total, frozenset(names))
 
 
+_read: collections.OrderedDict[tuple[str, str, int], bytes | None] = collections.OrderedDict()
+_read_lock = threading.Lock()
+
+
+def _image_file(ops: PodmanOps, image: str, path: str, max_bytes: int) -> bytes | None:
+    """ops.image_file, kept by the image's ID (in one store an ID names one image, whatever
+    its names; a name moved to another image meanwhile is read again)."""
+    ident = ops.image_id(image)
+    if ident is None:
+        return None
+    key = (ident, path, max_bytes)
+    with _read_lock:
+        if key in _read:
+            _read.move_to_end(key)
+            return _read[key]
+    got = ops.image_file(image, path, max_bytes)
+    if ops.image_id(image) == ident:  # what was read is that image's
+        with _read_lock:
+            _read[key] = got
+            while sum(len(v or b"") for v in _read.values()) > READ_KEPT_BYTES and _read:
+                _read.popitem(last=False)
+    return got
+
+
 def _keyring(release: Release, ops: PodmanOps, image: str, log: LogFn) -> bytes:
     """The keys apt checks the release's signature with: this machine's keyring for the
     distribution (CAMPUGRID_APT_KEYRINGS), else the base image's own copy of it (Debian hosts
@@ -214,7 +247,7 @@ def _keyring(release: Release, ops: PodmanOps, image: str, log: LogFn) -> bytes:
     if here.is_file():
         return here.read_bytes()
     try:
-        theirs = ops.image_file(image, f"/usr/share/keyrings/{name}", 1024**2)
+        theirs = _image_file(ops, image, f"/usr/share/keyrings/{name}", 1024**2)
     except ValueError:
         theirs = None
     if not theirs:
@@ -280,7 +313,7 @@ def _fetch(release: Release, status: bytes, packages: list[str], recommends: boo
         + (f" through {proxy}" if proxy else
            f" through the platform's cache at {through}" if through else ""))
     with _locked(cache / "lock"):
-        _apt(["apt-get", "update"], env, log, stop, release)
+        _update(release, cache, (scratch / "sources.list").read_text(), env, log, stop)
         wanted: dict[str, tuple[str, str, str]] = {}  # file name -> (name, version, arch)
         commands = ([["dist-upgrade"]] if upgrade else []) + (
             [["install", *([] if recommends else ["--no-install-recommends"]), *packages]]
@@ -315,6 +348,23 @@ def _fetch(release: Release, status: bytes, packages: list[str], recommends: boo
         f"({len(cached)} from this machine's cache) for {release.codename}; RUN steps install "
         "them offline")
     return list(wanted.values()), size
+
+
+def _update(release: Release, cache: Path, sources: str, env: dict[str, str], log: LogFn,
+            stop: threading.Event | None) -> None:
+    """apt-get update, unless the last one (for these same sources: another's removes their
+    lists) ended less than LISTS_FRESH_S ago."""
+    marker = cache / "lists-updated"  # the sources of the last update that ended well
+    digest = hashlib.sha256(sources.encode()).hexdigest()
+    with contextlib.suppress(OSError):
+        age = time.time() - marker.stat().st_mtime
+        if 0 <= age < LISTS_FRESH_S and marker.read_text() == digest:
+            log(f"[campugrid] apt's lists for {release.codename} were fetched {age:.0f} s ago "
+                f"(at most every {LISTS_FRESH_S // 60} minutes): not fetched again")
+            return
+    marker.unlink(missing_ok=True)
+    _apt(["apt-get", "update"], env, log, stop, release)
+    marker.write_text(digest)
 
 
 def _host_config(release: Release, cache: Path, scratch: Path) -> str:

@@ -70,6 +70,11 @@ class PodmanOps(Protocol):
         """The image's environment (NAME=value), None if there is no such image."""
         ...
 
+    def image_id(self, ref: str) -> str | None:
+        """The image's ID (its configuration's digest: in one store, it names one image),
+        None if there is no such image."""
+        ...
+
     def layer_index(self) -> list[Path]:
         """containers-storage's own index of the layers in this user's store (the files that
         may hold it), as `podman info` places the store."""
@@ -150,6 +155,10 @@ class CliOps:
 
     def image_env(self, ref: str) -> list[str] | None:
         return self._inspected_list(ref, ".Config.Env")
+
+    def image_id(self, ref: str) -> str | None:
+        out = self._run("image", "inspect", "--format", "{{.Id}}", ref)
+        return out.stdout.strip() or None if out.returncode == 0 else None
 
     def _inspected_list(self, ref: str, field: str) -> list[str] | None:
         """A list field of `podman image inspect` (null: empty), None if there is no image."""
@@ -311,6 +320,14 @@ class ApiOps:
         except ImageNotFound:
             return None
         return [str(e) for e in got or []] if got is None or isinstance(got, list) else None
+
+    def image_id(self, ref: str) -> str | None:
+        from podman.errors import ImageNotFound
+
+        try:
+            return str(self.client.images.get(ref).attrs.get("Id") or "") or None
+        except ImageNotFound:
+            return None
 
     def layer_index(self) -> list[Path]:
         store = self.client.info().get("store") or {}  # type: ignore[no-untyped-call]
