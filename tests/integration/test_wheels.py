@@ -5,10 +5,12 @@ clear failure for what has no wheel or is not in the context."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -136,3 +138,36 @@ def test_a_uv_lock_is_fetched_as_locked_and_real_uv_syncs_from_it_offline(tmp_pa
     assert done.returncode == 0, done.stderr
     installed = {p.name for p in (context / ".venv").glob("lib/python3*/site-packages/*")}
     assert {"jmespath-1.0.1.dist-info", "six-1.16.0.dist-info"} <= installed, installed
+
+
+def test_the_wheels_pip_chose_are_used_again_for_ten_minutes_checked_by_sha256(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # a cache of its own
+    dockerfile = "RUN pip install 'six==1.16.0' 'idna==3.7'\n"
+
+    def again(n: int) -> tuple[list[str], str]:
+        (tmp_path / str(n)).mkdir()
+        got, log = staged(tmp_path / str(n), dockerfile)
+        assert got is not None and got.count == 2
+        return sorted(re.findall(r"wheel (\S+) [\d.]+ MB (sha256:\w+)", log)), log
+
+    first, log1 = again(1)
+    second, log2 = again(2)
+    assert "fetching Python wheels" in log1 and "[pip]" in log1
+    assert "[pip]" not in log2 and "fetching Python wheels" not in log2
+    assert re.search(r"2 Python wheels as pip chose them \d+ s ago for the same requirements from "
+                     r"https://pypi.org/simple, kept on this machine", log2), log2
+    assert second == first and len(first) == 2  # the same files, by sha256
+    kept = tmp_path / "cache" / "campugrid" / "wheels"
+    [record] = (kept / "sets").glob("*.json")
+    os.utime(record, (time.time() - 700, time.time() - 700))  # older than ten minutes
+    third, log3 = again(3)
+    assert "[pip]" in log3 and third == first
+    # a kept wheel that changed is not used: pip is asked, and the file replaced
+    digest = first[0][1].removeprefix("sha256:")
+    (kept / "files" / digest).unlink()
+    (kept / "files" / digest).write_bytes(b"not the wheel")
+    fourth, log4 = again(4)
+    assert "[pip]" in log4 and fourth == first
+    fifth, log5 = again(5)
+    assert "[pip]" not in log5 and fifth == first

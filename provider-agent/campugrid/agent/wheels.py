@@ -24,12 +24,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import json
 import os
 import platform
 import re
 import shutil
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -58,6 +60,12 @@ DOWNLOAD_TIMEOUT_S = 1800
 # manylinux wheels up to this glibc (Debian bookworm has 2.36; 2.28 keeps to what most
 # projects publish and what older bases still run).
 GLIBC_MAX = 28
+# The wheels pip chose for one set of requirements (the same index, Python and machine) are
+# used again for this long without asking pip (1.2 s for NumPy and SciPy, warm): pip's own
+# cache keeps PyPI's index pages 10 minutes, so it would choose the same. They are kept by
+# sha256 beside the record and checked again when used.
+RESOLVED_FRESH_S = 600
+_SAVED = re.compile(r"^\s*(?:Saved|File was already downloaded) (\S+\.whl)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,9 +309,19 @@ def _download(reqs: list[str], indexes: list[str], pre: bool, python: str, folde
             *[a for url in indexes for a in ("--extra-index-url", url)],
             *(["--pre"] if pre else []), *(["--no-deps"] if pinned else []),
             "-r", str(listed)]
+    key = hashlib.sha256(json.dumps([reqs, indexes, pre, python, arch, shown,
+                                     pinned is not None]).encode()).hexdigest()
+    if _reuse(key, folder, ", ".join([shown, *indexes]), log):
+        return
     log(f"[campugrid] fetching Python wheels{f' that {pinned} pins' if pinned else ''} for "
         f"CPython {python} on {arch} from {', '.join([shown, *indexes])}")
     halt, too_big = threading.Event(), threading.Event()
+    saved: list[str] = []
+
+    def said(line: str) -> None:
+        if (m := _SAVED.match(line)) and Path(m[1]).parent == folder:
+            saved.append(Path(m[1]).name)
+        log(f"[pip] {line}")
 
     def watch() -> None:
         while not halt.wait(0.5):
@@ -316,8 +334,8 @@ def _download(reqs: list[str], indexes: list[str], pre: bool, python: str, folde
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
-        done = run_streaming(argv, log=lambda line: log(f"[pip] {line}"),
-                             timeout_s=DOWNLOAD_TIMEOUT_S, cancel=halt, tail_lines=60)
+        done = run_streaming(argv, log=said, timeout_s=DOWNLOAD_TIMEOUT_S, cancel=halt,
+                             tail_lines=60)
     finally:
         halt.set()
         watcher.join()
@@ -328,6 +346,7 @@ def _download(reqs: list[str], indexes: list[str], pre: bool, python: str, folde
     if done.cancelled:
         raise BuildFailed("stopped while fetching Python wheels", "")
     if done.returncode == 0 and not done.timed_out:
+        _remember(key, folder, saved)
         return
     tail = done.tail
     if "DO NOT MATCH THE HASHES" in tail:
@@ -375,6 +394,74 @@ def explain(failure: BuildFailed, staged: Staged | None) -> BuildFailed:
         f"build.pip. ({failure.reason})", failure.log_tail)
 
 
+def _resolved() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "campugrid" / "wheels"
+
+
+def _reuse(key: str, folder: Path, source: str, log: LogFn) -> bool:
+    """Into `folder`, the wheels pip chose for `key` less than RESOLVED_FRESH_S ago; False,
+    with nothing left behind, when there are none or a kept one changed."""
+    store = _resolved()
+    record = store / "sets" / f"{key}.json"
+    try:
+        age = time.time() - record.stat().st_mtime
+        chosen = [(str(name), str(digest)) for name, digest in json.loads(record.read_text())]
+    except (OSError, ValueError, TypeError):
+        return False
+    if not 0 <= age < RESOLVED_FRESH_S or not chosen:
+        return False
+    placed: list[Path] = []
+    for name, digest in chosen:
+        target = folder / Path(name).name
+        if target.exists():  # another requirement set of this build chose it too
+            continue
+        try:
+            _place(store / "files" / digest, target)
+            placed.append(target)
+            if _sha256(target) != digest:
+                (store / "files" / digest).unlink()
+                raise OSError(f"{name} changed in this machine's cache")
+        except OSError:
+            for path in placed:
+                path.unlink(missing_ok=True)
+            record.unlink(missing_ok=True)
+            return False
+    log(f"[campugrid] {len(chosen)} Python wheels as pip chose them {age:.0f} s ago for the "
+        f"same requirements from {source}, kept on this machine (pip is asked again after "
+        f"{RESOLVED_FRESH_S // 60} minutes)")
+    return True
+
+
+def _remember(key: str, folder: Path, names: list[str]) -> None:
+    """What pip chose for `key`, for _reuse: the wheels by sha256, and a record naming them."""
+    if not names:
+        return
+    store = _resolved()
+    with contextlib.suppress(OSError):
+        (store / "files").mkdir(parents=True, exist_ok=True)
+        (store / "sets").mkdir(exist_ok=True)
+        chosen = []
+        for name in dict.fromkeys(names):
+            digest = _sha256(folder / name)
+            if not (store / "files" / digest).exists():
+                _place(folder / name, store / "files" / digest)
+            chosen.append([name, digest])
+        record = store / "sets" / f"{key}.json"
+        partial = record.with_suffix(".partial")
+        partial.write_text(json.dumps(chosen))
+        partial.replace(record)
+
+
+def _place(source: Path, target: Path) -> None:
+    """A hard link where it can be (same filesystem), else a copy, made whole or not at all."""
+    try:
+        os.link(source, target)
+    except OSError:
+        partial = target.with_name(f".{target.name}.partial")
+        shutil.copyfile(source, partial)
+        partial.replace(target)
+
+
 def _size(folder: Path) -> int:
     total = 0
     for path in folder.rglob("*"):
@@ -386,11 +473,12 @@ def _size(folder: Path) -> int:
 def _trim_cache(log: LogFn) -> None:
     """pip's cache (this user's, shared by all builds here) stays under CAMPUGRID_PIP_CACHE_MB
     (default 2048): past it, it is emptied."""
-    cache = Path(os.environ.get("PIP_CACHE_DIR") or Path.home() / ".cache" / "pip")
     limit = int(os.environ.get("CAMPUGRID_PIP_CACHE_MB") or 2048)
-    if cache.is_dir() and _size(cache) > limit * 1024**2:
-        shutil.rmtree(cache, ignore_errors=True)
-        log(f"[campugrid] pip's cache passed {limit} MB and was emptied")
+    for cache, what in ((Path(os.environ.get("PIP_CACHE_DIR") or Path.home() / ".cache" / "pip"),
+                         "pip's cache"), (_resolved(), "the cache of the wheels pip chose")):
+        if cache.is_dir() and _size(cache) > limit * 1024**2:
+            shutil.rmtree(cache, ignore_errors=True)
+            log(f"[campugrid] {what} passed {limit} MB and was emptied")
 
 
 def _sha256(path: Path) -> str:
