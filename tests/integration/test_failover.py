@@ -148,7 +148,7 @@ def test_one_late_renewal_beside_a_dead_coordinator_does_not_fence_the_job(
         # coordinator, fails there, and comes back. Waiting a quarter lease (2 s) after each
         # failure would reach the 6 s fence at the dead one; the retry comes sooner.
         time.sleep(1.0)
-        proxy.stall(3.4)  # past the first renewal's deadline (4 s), not the retry's
+        proxy.stall(4.0)  # until 5 s: past the first renewal's deadline (4 s), not the retry (5 s)
         time.sleep(LEASE_S + 1)
         assert lost == []
         assert renewer.reason == ""

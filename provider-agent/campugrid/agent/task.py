@@ -54,6 +54,7 @@ HOOKS_MOUNT = "/opt/campugrid/hooks"
 CHECKPOINT_MOUNT = "/checkpoints"
 DISK_POLL_S = 0.25
 R = TypeVar("R")
+Mapped = tuple[tuple[str, int], ...]  # (uuid, device minor) per reserved GPU
 
 
 def machine_cpus() -> int:
@@ -66,7 +67,6 @@ def build_cpus(asked: float) -> float:
     it builds, and a job could ask for them all for its run anyway. The run is held to what
     the job asked (resources.cpus)."""
     return max(asked, float(machine_cpus()))
-Mapped = tuple[tuple[str, int], ...]  # (uuid, device minor) per reserved GPU
 
 
 class Task:
