@@ -12,15 +12,15 @@ import grpc
 import pytest
 
 from campugrid.agent.client import CoordinatorClient, Membership
-from campugrid.cli.seaweed import EmbeddedS3, free_port
+from campugrid.cli.seaweed import EmbeddedS3
 from campugrid.client import Api, Identity, tar_folder
 from campugrid.coordinator import server
-from campugrid.coordinator.config import Settings
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
 from campugrid.protocol import logs
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.wire import MACHINE_HEADER
+from tests.support.coordinator import start
 
 pytestmark = pytest.mark.integration
 HELLO = Path(__file__).resolve().parents[2] / "examples" / "hello"
@@ -28,18 +28,8 @@ HELLO = Path(__file__).resolve().parents[2] / "examples" / "hello"
 
 @pytest.fixture
 def coordinator(s3_server: EmbeddedS3, tmp_path: Path) -> Iterator[tuple[server.Running, Api]]:
-    settings = Settings.from_env(
-        tmp_path / "coord", s3_endpoint=s3_server.endpoint, s3_access_key=s3_server.access_key,
-        s3_secret_key=s3_server.secret_key, s3_bucket=f"c{tmp_path.name[-8:].lower().replace('_', '')}x",
-        http_port=free_port(), grpc_port=free_port(), lease_seconds=1.0,
-        admin_identity=tmp_path / "admin.json")
-    running = server.start(settings)
-    import threading
-
-    t = threading.Thread(target=running.http.run, daemon=True)
-    t.start()
-    while not running.http.started:
-        time.sleep(0.05)
+    running, t = start(s3_server, tmp_path, f"c{tmp_path.name[-8:].lower().replace('_', '')}x",
+                       lease_seconds=1.0)
     api = Api(running.url, Identity.load(tmp_path / "admin.json"))
     yield running, api
     api.close()

@@ -23,12 +23,12 @@ from pathlib import Path
 import pytest
 
 from campugrid.agent.client import CoordinatorClient, Membership
-from campugrid.cli.seaweed import EmbeddedS3, free_port
+from campugrid.cli.seaweed import EmbeddedS3
 from campugrid.client import Api, Identity, pack_folder
 from campugrid.coordinator import server
-from campugrid.coordinator.config import Settings
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobState
+from tests.support.coordinator import start
 
 pytestmark = pytest.mark.integration
 CLI = [sys.executable, "-m", "campugrid.cli"]
@@ -39,15 +39,7 @@ PARKED = "resources:\n  gpus: 1\n  gpu_memory_mb: 1000\n"
 @pytest.fixture(scope="module")
 def coord(s3_server: EmbeddedS3, tmp_path_factory: pytest.TempPathFactory) -> Iterator[server.Running]:
     root = tmp_path_factory.mktemp("cli")
-    settings = Settings.from_env(
-        root / "coord", s3_endpoint=s3_server.endpoint, s3_access_key=s3_server.access_key,
-        s3_secret_key=s3_server.secret_key, s3_bucket="cli-tests", http_port=free_port(),
-        grpc_port=free_port(), lease_seconds=30.0, admin_identity=root / "admin.json")
-    running = server.start(settings)
-    t = threading.Thread(target=running.http.run, daemon=True)
-    t.start()
-    while not running.http.started:
-        time.sleep(0.05)
+    running, t = start(s3_server, root, "cli-tests")
     yield running
     running.stop()
     t.join(5)

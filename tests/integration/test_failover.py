@@ -20,9 +20,9 @@ from campugrid.agent.renewer import Renewer
 from campugrid.cli.seaweed import EmbeddedS3, free_port
 from campugrid.client import Api, Identity, tar_folder
 from campugrid.coordinator import server
-from campugrid.coordinator.config import Settings
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol.spec import JobSpec
+from tests.support.coordinator import start
 
 pytestmark = pytest.mark.integration
 HELLO = Path(__file__).resolve().parents[2] / "examples" / "hello"
@@ -71,16 +71,8 @@ class StallingProxy:
 
 @pytest.fixture
 def coordinator(s3_server: EmbeddedS3, tmp_path: Path) -> Iterator[tuple[server.Running, Api]]:
-    settings = Settings.from_env(
-        tmp_path / "coord", s3_endpoint=s3_server.endpoint, s3_access_key=s3_server.access_key,
-        s3_secret_key=s3_server.secret_key, s3_bucket=f"f{tmp_path.name[-8:].lower().replace('_', '')}x",
-        http_port=free_port(), grpc_port=free_port(), lease_seconds=LEASE_S,
-        admin_identity=tmp_path / "admin.json")
-    running = server.start(settings)
-    t = threading.Thread(target=running.http.run, daemon=True)
-    t.start()
-    while not running.http.started:
-        time.sleep(0.05)
+    running, t = start(s3_server, tmp_path, f"f{tmp_path.name[-8:].lower().replace('_', '')}x",
+                       lease_seconds=LEASE_S)
     api = Api(running.url, Identity.load(tmp_path / "admin.json"))
     yield running, api
     api.close()

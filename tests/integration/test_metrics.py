@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,17 +21,17 @@ from sqlalchemy import inspect, text
 
 from campugrid.agent import metrics as agent_metrics
 from campugrid.agent.client import CoordinatorClient, Membership
-from campugrid.cli.seaweed import EmbeddedS3, free_port
+from campugrid.cli.seaweed import EmbeddedS3
 from campugrid.client import Api, Identity, tar_folder
 from campugrid.client.api import ApiError
 from campugrid.client.login import login
 from campugrid.coordinator import server
-from campugrid.coordinator.config import Settings
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
 from campugrid.protocol.errors import CampugridError
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.wire import MACHINE_HEADER
+from tests.support.coordinator import start
 
 pytestmark = pytest.mark.integration
 HELLO = Path(__file__).resolve().parents[2] / "examples" / "hello"
@@ -42,16 +41,7 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 @pytest.fixture
 def coordinator(s3_server: EmbeddedS3, tmp_path: Path) -> Iterator[tuple[server.Running, Api]]:
-    settings = Settings.from_env(
-        tmp_path / "coord", s3_endpoint=s3_server.endpoint, s3_access_key=s3_server.access_key,
-        s3_secret_key=s3_server.secret_key, s3_bucket=f"m{tmp_path.name[-8:].lower().replace('_', '')}x",
-        http_port=free_port(), grpc_port=free_port(), lease_seconds=30.0,
-        admin_identity=tmp_path / "admin.json")
-    running = server.start(settings)
-    t = threading.Thread(target=running.http.run, daemon=True)
-    t.start()
-    while not running.http.started:
-        time.sleep(0.05)
+    running, t = start(s3_server, tmp_path, f"m{tmp_path.name[-8:].lower().replace('_', '')}x")
     api = Api(running.url, Identity.load(tmp_path / "admin.json"))
     yield running, api
     api.close()

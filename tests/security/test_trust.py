@@ -9,7 +9,6 @@ import base64
 import datetime as dt
 import hashlib
 import json
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ import pytest
 from sqlalchemy import inspect, text
 
 from campugrid.agent.client import CoordinatorClient, Membership, pinned_channel, signed_metadata
-from campugrid.cli.seaweed import EmbeddedS3, free_port
+from campugrid.cli.seaweed import EmbeddedS3
 from campugrid.client import Api, Identity, Signer, tar_folder
 from campugrid.client.login import login
 from campugrid.coordinator import server
@@ -31,23 +30,10 @@ from campugrid.protocol import keys, pins
 from campugrid.protocol.errors import CampugridError
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.wire import MACHINE_HEADER
+from tests.support.coordinator import start
 
 HELLO = Path(__file__).resolve().parents[2] / "examples" / "hello"
 LEASE = "/campugrid.v1.AgentService/Lease"
-
-
-def start(s3: EmbeddedS3, root: Path, bucket: str, **overrides: object) -> tuple[server.Running, threading.Thread]:
-    settings = Settings.from_env(
-        root / "coord", s3_endpoint=s3.endpoint, s3_access_key=s3.access_key,
-        s3_secret_key=s3.secret_key, s3_bucket=bucket, http_port=free_port(),
-        grpc_port=free_port(), lease_seconds=30.0, admin_identity=root / "admin.json",
-        **overrides)
-    running = server.start(settings)
-    t = threading.Thread(target=running.http.run, daemon=True)
-    t.start()
-    while not running.http.started:
-        time.sleep(0.05)
-    return running, t
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,41 @@
+"""A coordinator in the test's own process: server.start, its REST API on a thread.
+
+Its ports cannot be taken by anything else before it listens: REST on a socket bound here
+and handed to uvicorn, gRPC on a port the kernel picks. (Ports found free a moment earlier
+sometimes were not by the time the server bound them, and a REST thread that failed to bind
+left the test waiting.)
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+from campugrid.cli.seaweed import EmbeddedS3
+from campugrid.coordinator import server
+from campugrid.coordinator.config import Settings
+
+
+def start(s3: EmbeddedS3, root: Path, bucket: str,
+          **overrides: object) -> tuple[server.Running, threading.Thread]:
+    """A coordinator with its state under `root` (its admin identity root/admin.json) on
+    `bucket`, lease_seconds 30 unless `overrides` say otherwise; once REST answers."""
+    rest = socket.socket()
+    rest.bind(("127.0.0.1", 0))
+    settings = Settings.from_env(
+        root / "coord", s3_endpoint=s3.endpoint, s3_access_key=s3.access_key,
+        s3_secret_key=s3.secret_key, s3_bucket=bucket, http_port=rest.getsockname()[1],
+        grpc_port=0, admin_identity=root / "admin.json", **{"lease_seconds": 30.0, **overrides})
+    running = server.start(settings)
+    t = threading.Thread(target=running.http.run, kwargs={"sockets": [rest]}, daemon=True,
+                         name="rest")
+    t.start()
+    deadline = time.monotonic() + 60
+    while not running.http.started:
+        if not t.is_alive() or time.monotonic() > deadline:
+            running.stop()
+            raise RuntimeError(f"the coordinator's REST API did not start on {running.url}")
+        time.sleep(0.05)
+    return running, t
