@@ -86,6 +86,7 @@ try:
     except ValueError:
         too_big = "refused"
     out["file"] = [ops.image_file(image, "/etc/os-release", 1 << 20) == want_release,
+                   ops.image_file(ident, "/etc/os-release", 1 << 20) == want_release,  # by ID
                    ops.image_file(image, "/etc/no-such-file", 1 << 20),
                    ops.image_file(image, "/etc", 1 << 20),
                    ops.image_file("localhost/no/such:x", "/etc/os-release", 1 << 20), too_big,
@@ -134,7 +135,7 @@ def test_both_paths_answer_alike(kind: str):
         "running_after_term": False, "gone": [None, None, None], "labelled_after": [],
         "absent": [None, None, None], "layers": True, "layer_index": True,
         "env": [True, None], "id": [True, None],
-        "file": [True, None, None, None, "refused", []],
+        "file": [True, True, None, None, None, "refused", []],
         "sizes_equal": True, "listed": True,
         "after_one_name": [None, True, True], "after_both": [], "base_kept": True,
     }

@@ -23,7 +23,7 @@ class Store:
 
     def image_file(self, ref: str, path: str, max_bytes: int) -> bytes | None:
         self.reads += 1
-        got = self.files[self.names[ref]]
+        got = self.files[self.names.get(ref, ref)]  # a name, or an ID
         if len(got) > max_bytes:
             raise ValueError("too big")
         return got

@@ -219,8 +219,8 @@ _read_lock = threading.Lock()
 
 
 def _image_file(ops: PodmanOps, image: str, path: str, max_bytes: int) -> bytes | None:
-    """ops.image_file, kept by the image's ID (in one store an ID names one image, whatever
-    its names; a name moved to another image meanwhile is read again)."""
+    """ops.image_file, read from the image's ID and kept by it (in one store an ID names one
+    image, whatever its names; a name moved to another image is read again)."""
     ident = ops.image_id(image)
     if ident is None:
         return None
@@ -229,12 +229,11 @@ def _image_file(ops: PodmanOps, image: str, path: str, max_bytes: int) -> bytes 
         if key in _read:
             _read.move_to_end(key)
             return _read[key]
-    got = ops.image_file(image, path, max_bytes)
-    if ops.image_id(image) == ident:  # what was read is that image's
-        with _read_lock:
-            _read[key] = got
-            while sum(len(v or b"") for v in _read.values()) > READ_KEPT_BYTES and _read:
-                _read.popitem(last=False)
+    got = ops.image_file(ident, path, max_bytes)
+    with _read_lock:
+        _read[key] = got
+        while sum(len(v or b"") for v in _read.values()) > READ_KEPT_BYTES:
+            _read.popitem(last=False)
     return got
 
 
