@@ -26,7 +26,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from campugrid.protocol.dockerfiles import BaseUse, check_dockerfile
@@ -125,9 +125,13 @@ class BuildahBuilder:
             except (InvalidInput, OSError, UnicodeDecodeError) as e:
                 raise BuildFailed(str(e), "") from e
         began = time.monotonic()
-        self._drop_evicted()
+        # One listing of each store for all the checks below (a `buildah images` costs
+        # 60 ms; a call per check was 0.5 s of a two-stage build).
+        main, copied = _listing(self._buildah("images", "--json")), \
+            _listing(self._buildah_bases("images", "--json"))
+        self._drop_evicted(main, copied)
         for use in bases:
-            self._ensure_base(use)
+            self._ensure_base(use, main, copied)
         copying: list[float] = []
 
         def logged(line: str) -> None:
@@ -171,10 +175,9 @@ class BuildahBuilder:
 
     def inputs(self, bases: Sequence[BaseUse]) -> dict[str, str]:
         out = {"builder": f"buildah {self.version()}"}
+        main = _listing(self._buildah("images", "--json")) if bases else None
         for use in bases:
-            here = _image(subprocess.run([self.buildah, "images", "--json", use.allowed.name],
-                                         capture_output=True, text=True, timeout=60,
-                                         check=False))
+            here = self._find(main, use.allowed.name, self._buildah)
             out[f"base {use.allowed.name}"] = str((here or {}).get("digest", "missing"))
         return out
 
@@ -186,57 +189,77 @@ class BuildahBuilder:
                 len(out.stdout.split()) > 2 else "unknown"
         return self._version
 
+    def _buildah(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """Buildah on the provider's own store."""
+        return subprocess.run([self.buildah, *args], capture_output=True, text=True,
+                              timeout=60, check=False)
+
     def _buildah_bases(self, *args: str) -> subprocess.CompletedProcess[str]:
         root, run = self.bases_store
         return subprocess.run([self.buildah, "--root", str(root / "root"), "--runroot", str(run),
                                "--storage-driver", "overlay", *args],
                               capture_output=True, text=True, timeout=600, check=False)
 
-    def _ensure_base(self, use: BaseUse) -> None:
+    @staticmethod
+    def _find(listing: dict[str, dict[str, object]] | None, name: str,
+              call: Callable[..., subprocess.CompletedProcess[str]]) -> dict[str, object] | None:
+        """The image a store holds under `name`: from the store's listing when it has that
+        exact name, else from Buildah (which also resolves a short name, as a build would)."""
+        if listing is not None and name in listing:
+            return listing[name]
+        return _image(call("images", "--json", name))
+
+    def _ensure_base(self, use: BaseUse, main: dict[str, dict[str, object]] | None = None,
+                     copied: dict[str, dict[str, object]] | None = None) -> None:
         """The allowed base must be in the bases store, as the provider's own store has it
-        (copied across when it changed), with the digest a pin names."""
+        (copied across when it changed), with the digest a pin names. `main`, `copied`: the
+        two stores' listings, if already read."""
         if use.remote:
             raise BuildFailed(f"Dockerfile line {use.line}: {use.said} is an image "
                               "on a registry, which the agent pulls first (agent/bases.py)", "")
-        here = _image(subprocess.run([self.buildah, "images", "--json", use.allowed.name],
-                                     capture_output=True, text=True, timeout=60, check=False))
+        here = self._find(main, use.allowed.name, self._buildah)
         if here is None:
             raise BuildFailed(f"Dockerfile line {use.line}: base image {use.allowed.name} is not "
                               "on this provider", "")
-        known = _image(self._buildah_bases("images", "--json", use.allowed.name))
+        known = self._find(copied, use.allowed.name, self._buildah_bases)
         if known is None or known.get("id") != here.get("id"):
             graph, run = self.main_store()
-            copied = self._buildah_bases("pull", "-q",
+            pulled = self._buildah_bases("pull", "-q",
                                          f"containers-storage:[overlay@{graph}+{run}]"
                                          f"{use.allowed.name}")
-            if copied.returncode != 0:
+            if pulled.returncode != 0:
                 raise BuildFailed(f"cannot make {use.allowed.name} available to builds",
-                                  copied.stderr[-1000:])
+                                  pulled.stderr[-1000:])
+            if copied is not None:  # a second use of the same base finds it there
+                copied[use.allowed.name] = here
         digest, want = str(here.get("digest", "")), use.allowed.digest or use.digest
         if want and digest != want:
             raise BuildFailed(f"Dockerfile line {use.line}: base image {use.allowed.name} here is "
                               f"{digest or 'unknown'}, not the pinned {want}", "")
 
-    def _drop_evicted(self) -> None:
+    def _drop_evicted(self, main: dict[str, dict[str, object]] | None = None,
+                      copied: dict[str, dict[str, object]] | None = None) -> None:
         """Pulled bases (agent/images.py's cache names) copied into the bases store stay
         there only while the provider's own store still has them: the cache bounds both.
-        One listing of each store (a `buildah images` per name cost 50 ms each, seconds in
-        all before every build once the cache held a few dozen names)."""
-        copied = _names(self._buildah_bases("images", "--json"))
-        kept = _names(subprocess.run([self.buildah, "images", "--json"], capture_output=True,
-                                     text=True, timeout=60, check=False))
-        if copied is None or kept is None:  # unsure what either store holds: drop nothing
+        From one listing of each store (`main`, `copied`: read here if not given; a
+        `buildah images` per name cost 50 ms each, seconds in all before every build once
+        the cache held a few dozen names)."""
+        main = main if main is not None else _listing(self._buildah("images", "--json"))
+        copied = copied if copied is not None else \
+            _listing(self._buildah_bases("images", "--json"))
+        if copied is None or main is None:  # unsure what either store holds: drop nothing
             return
-        for name in sorted(n for n in copied - kept if n.startswith(PULLED_PREFIX)):
+        for name in sorted(n for n in copied.keys() - main.keys() if n.startswith(PULLED_PREFIX)):
             self._buildah_bases("rmi", "-f", name)
+            del copied[name]
 
 
-def _names(found: subprocess.CompletedProcess[str]) -> set[str] | None:
-    """Every name of every image in a `buildah images --json` listing; None if it failed."""
+def _listing(found: subprocess.CompletedProcess[str]) -> dict[str, dict[str, object]] | None:
+    """Each name in a `buildah images --json` listing, with its image; None if it failed."""
     if found.returncode != 0:
         return None
     try:
-        return {str(n) for i in json.loads(found.stdout or "[]") for n in i.get("names") or ()}
+        return {str(n): i for i in json.loads(found.stdout or "[]") for n in i.get("names") or ()}
     except (ValueError, AttributeError, TypeError):
         return None
 
