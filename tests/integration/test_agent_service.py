@@ -4,6 +4,7 @@ own client: authentication, leasing, fencing of stale attempts."""
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -350,3 +351,64 @@ def test_gpu_memory_reported_by_heartbeats_is_kept_by_the_minute_and_charted_to_
         pb.Gpu(uuid="GPU-huge", name="x", kind="nvidia", memory_total_mb=2**62)]))
     assert [h for h in running.coord.store.gpu_history.since(60)
             if h.machine_id == stranger.machine_id] == []
+
+
+def held(running: server.Running, n: int) -> None:
+    """Until `n` Lease calls are held waiting for work."""
+    deadline = time.monotonic() + 10
+    while running.coord.work.held != n:
+        assert time.monotonic() < deadline, f"{running.coord.work.held} calls held, not {n}"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def notified_only(monkeypatch):
+    """Held calls look for work only when woken, never on their own once a second."""
+    from campugrid.coordinator import agent_service
+    monkeypatch.setattr(agent_service, "RECHECK_S", 60.0)
+
+
+def test_an_idle_machines_ask_is_held_and_answered_when_work_is_submitted(coordinator, tmp_path,
+                                                                           notified_only):
+    running, api = coordinator
+    m = client(running, tmp_path, "m")
+    ask = m.stub.Lease.future(pb.LeaseRequest(wait_ms=15_000), timeout=30)
+    held(running, 1)
+    assert not ask.done()
+    job = api.submit(tar_folder(HELLO), JobSpec())
+    reply = ask.result(timeout=10)  # woken by the submit, not by the end of its 15 s
+    assert reply.has_task and reply.job_id == job["id"] and reply.fencing_token == 1
+    held(running, 0)
+    assert api.job(job["id"])["state"] == "building"
+
+
+def test_asks_beyond_the_held_limit_are_answered_at_once(coordinator, tmp_path, monkeypatch):
+    running, _ = coordinator
+    monkeypatch.setattr(running.coord.work, "max_held", 1)
+    first, second = client(running, tmp_path, "first"), client(running, tmp_path, "second")
+    ask = first.stub.Lease.future(pb.LeaseRequest(wait_ms=15_000), timeout=30)
+    held(running, 1)
+    # Held, this call would run past its 5 s deadline (DEADLINE_EXCEEDED)
+    assert not second.stub.Lease(pb.LeaseRequest(wait_ms=15_000), timeout=5).has_task
+    assert not ask.done()
+    ask.cancel()
+
+
+def test_an_ask_its_machine_gave_up_or_whose_machine_was_revoked_claims_nothing(
+        coordinator, tmp_path, notified_only):
+    running, api = coordinator
+    gone, revoked = client(running, tmp_path, "gone"), client(running, tmp_path, "revoked")
+    quit_waiting = {"now": False}
+    asking = threading.Thread(target=lambda: gone.lease(wait_s=15, give_up=lambda: quit_waiting["now"]))
+    asking.start()
+    other = revoked.stub.Lease.future(pb.LeaseRequest(wait_ms=15_000), timeout=30)
+    held(running, 2)
+    quit_waiting["now"] = True
+    asking.join(5)
+    assert not asking.is_alive(), "the agent's ask did not end when it gave up"
+    running.coord.revoke_machine(revoked.machine_id)
+    job = api.submit(tar_folder(HELLO), JobSpec())  # wakes both held calls
+    held(running, 0)
+    assert not other.result(timeout=10).has_task
+    assert api.job(job["id"])["state"] == "queued"
+    assert client(running, tmp_path, "fresh").lease().job_id == job["id"]

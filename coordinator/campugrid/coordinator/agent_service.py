@@ -28,7 +28,9 @@ from campugrid.coordinator.mirrors import PREFIX as MIRRORS_PREFIX
 from campugrid.coordinator.mirrors import MirrorTokens
 from campugrid.coordinator.scheduler import GpuView, MachineView
 from campugrid.coordinator.service import Coordinator
+from campugrid.coordinator.views import Lease as Granted
 from campugrid.coordinator.views import ShardResult, ShardTask
+from campugrid.coordinator.wakeup import MAX_HOLD_S, RECHECK_S
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
 from campugrid.protocol import keys, logs
@@ -191,23 +193,28 @@ class AgentService(pb_grpc.AgentServiceServicer):
         return pb.HeartbeatReply()
 
     def Lease(self, request: pb.LeaseRequest, context: grpc.ServicerContext) -> pb.LeaseReply:
-        began = time.perf_counter()
-        reply, first_queued_at = self._lease(request, context)
-        self.metrics.leased(time.perf_counter() - began, first_queued_at, reply.has_task)
+        reply, first_queued_at, took = self._lease(request, context)
+        self.metrics.leased(took, first_queued_at, reply.has_task)
         return reply
 
-    def _lease(self, request: pb.LeaseRequest,
-               context: grpc.ServicerContext) -> tuple[pb.LeaseReply, dt.datetime | None]:
-        """The reply, and when the job was submitted if this is its first attempt (for the
-        queue wait; a later attempt's wait began at a requeue, which the lease does not see)."""
+    def _lease(self, request: pb.LeaseRequest, context: grpc.ServicerContext
+               ) -> tuple[pb.LeaseReply, dt.datetime | None, float]:
+        """The reply; when the job was submitted if this is its first attempt (for the
+        queue wait; a later attempt's wait began at a requeue, which the lease does not see);
+        and how long the last claim took (a held call's waiting is not lease latency)."""
         machine = self._machine(context)
         offer = MachineView(machine, "", _gpus(request.gpus), request.gpu_isolation,
                             enforced=frozenset(request.enforced_limits),
                             shares=frozenset(x[:64] for x in request.shares[:MAX_SHARES]))
         self.coord.note_memory(machine, _memory(request.gpus))
+        seen, began = self.coord.work.generation, time.perf_counter()
         lease = self._guard(context, lambda: self.coord.lease(machine, offer))
+        took = time.perf_counter() - began
+        if lease is None and request.wait_ms > 0:
+            lease, took = self._held(context, machine, offer, seen,
+                                     min(request.wait_ms / 1000, MAX_HOLD_S), took)
         if lease is None:
-            return pb.LeaseReply(has_task=False), None
+            return pb.LeaseReply(has_task=False), None, took
         job = lease.job
         first = job.created_at if job.attempt == 1 and lease.shard is None else None
         return pb.LeaseReply(
@@ -224,7 +231,27 @@ class AgentService(pb_grpc.AgentServiceServicer):
             gpu_uuids=lease.gpu_uuids, gpu_memory_mb=job.spec.resources.gpu_memory_mb,
             shard=_shard_pb(lease.shard), bases=self._bases_pb(job.bases, machine),
             mirrors=self._mirrors_pb(machine),
-        ), first
+        ), first, took
+
+    def _held(self, context: grpc.ServicerContext, machine: str, offer: MachineView,
+              seen: int, wait_s: float, took: float) -> tuple[Granted | None, float]:
+        """Wait up to `wait_s` for work this machine can hold, from notification `seen`
+        (coordinator/wakeup.py): the lease, or None; and how long the last claim took."""
+        work, deadline = self.coord.work, time.monotonic() + wait_s
+        with work.hold() as placed:
+            while placed:
+                seen = work.wait(seen, min(RECHECK_S, deadline - time.monotonic()))
+                # Gone, out of time, or revoked meanwhile (the call's check was at its start):
+                # claim nothing that nobody would run.
+                if not context.is_active() or time.monotonic() >= deadline or \
+                        self.coord.machine(machine).status is not Status.APPROVED:
+                    break
+                began = time.perf_counter()
+                lease = self._guard(context, lambda: self.coord.lease(machine, offer))
+                took = time.perf_counter() - began
+                if lease is not None:
+                    return lease, took
+        return None, took
 
     def _mirrors_pb(self, machine: str) -> list[pb.Mirror]:
         """The package caches, with a token for this machine (coordinator/mirrors.py)."""

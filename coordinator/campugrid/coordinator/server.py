@@ -125,7 +125,8 @@ def start(settings: Settings) -> Running:
     coord = build(settings)
     cert = ensure_certificate(settings.tls_dir)
     lead = leadership(coord.store.engine)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32),
+    # 32 threads for calls, and one more for each Lease that may be held waiting for work
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32 + coord.work.max_held),
                          interceptors=[SignedCalls(coord, coord.store.nonces), AboutJob()])
     rest_tls = not local_rest if settings.rest_tls is None else settings.rest_tls
     scheme = "https" if rest_tls else "http"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import functools
 import hashlib
@@ -28,10 +27,12 @@ from campugrid.coordinator.store import Store
 from campugrid.coordinator.uploads import UploadView
 from campugrid.coordinator.users import SecretBox, Users
 from campugrid.coordinator.views import (
-    CheckpointView,
+    CheckpointUpload,
     Claim,
+    DatasetFile,
     EventView,
     JobView,
+    Lease,
     LogView,
     ShardResult,
     ShardTask,
@@ -39,6 +40,7 @@ from campugrid.coordinator.views import (
     session_of,
     utcnow,
 )
+from campugrid.coordinator.wakeup import Wakeup
 from campugrid.protocol.errors import Conflict, Forbidden, InvalidInput, NotFound, StorageError
 from campugrid.protocol.spec import MAX_SHARD_RESULT, DatasetRef, JobSpec
 from campugrid.protocol.states import JobState
@@ -46,37 +48,6 @@ from campugrid.protocol.tarballs import inspect_context
 
 log = logging.getLogger("campugrid.coordinator")
 SPEEDS_REFRESH_S = 10.0  # how old the machines' speed ranking may be
-
-
-@dataclasses.dataclass(frozen=True)
-class DatasetFile:
-    path: str
-    url: str
-    size: int
-    sha256: str = ""  # what the agent checks the file against before the job starts
-
-
-@dataclasses.dataclass(frozen=True)
-class Lease:
-    job: JobView
-    lease_seconds: float
-    context_url: str
-    output_url: str
-    datasets: dict[str, list[DatasetFile]]
-    resume: CheckpointView | None
-    resume_url: str
-    gpu_uuids: list[str]
-    token: int  # the fencing token: the attempt, or a sharded job's session
-    shard: ShardTask | None = None  # sharded job: the session's first shard
-    shares: dict[str, str] = dataclasses.field(default_factory=dict)  # dataset -> share
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointUpload:
-    key: str
-    upload_id: str
-    part_size: int
-    part_urls: list[str]
 
 
 class Coordinator:
@@ -91,6 +62,7 @@ class Coordinator:
         self._speeds_at = -SPEEDS_REFRESH_S
         self._context_urls: dict[str, tuple[str, float]] = {}  # key -> (URL, good until)
         self._machines = MachineRecords(store.machines)
+        self.work = Wakeup()  # held Lease calls, woken when this process queues work
 
     @functools.cached_property
     def images(self) -> Images:
@@ -147,6 +119,7 @@ class Coordinator:
         job, created = self.store.submit(spec, key, digest, owner, tickets, bases)
         if created:
             log.info("job submitted", extra={"job_id": job.id})
+            self.work.notify()
         return job, created
 
     # Every read or change of a job takes `owner`: the app asking, or None for an admin. A job
@@ -256,7 +229,7 @@ class Coordinator:
         m = self.store.machines.set_status(self.store.machines.find(ref).id,
                                            MachineStatus.REVOKED)
         self._machines.forget(m.id)
-        requeued = self.store.requeue_expired()
+        requeued = self.requeue_expired()
         log.warning("machine %s (%s) revoked; its jobs %s are queued again", m.id, m.name,
                     ", ".join(requeued) or "(none)")
         return m, requeued
@@ -337,6 +310,7 @@ class Coordinator:
         if session_of(token) is not None:
             failure = None if succeeded else ((reason or "")[:4000] or "session failed")
             self.store.shards.end(job_id, token, machine_id, failure=failure)
+            self.work.notify()  # the session's machine may take other work now
             return
         key = self.output_key(job_id, token) if output_uploaded else None
         if key is not None and not self.objects.exists(key):
@@ -345,6 +319,7 @@ class Coordinator:
                                 exit_code=exit_code, reason=reason, result=result,
                                 output_key=key, limits=limits)
         log.info("job %s %s", job.id, job.state.value, extra={"job_id": job.id})
+        self.work.notify()  # a failed attempt may be queued again
 
     def release(self, job_id: str, token: int, machine_id: str, reason: str, *,
                 failed: bool) -> None:
@@ -355,10 +330,14 @@ class Coordinator:
             self.store.shards.release(job_id, token, machine_id, why, failed=failed)
         else:
             self.store.release(job_id, token, machine_id, why, failed=failed)
+        self.work.notify()
 
     def requeue_expired(self) -> list[str]:
         """The jobs whose lease (or a shard session's) ran out: queued again, or failed."""
-        return self.store.requeue_expired()
+        requeued = self.store.requeue_expired()
+        if requeued:
+            self.work.notify()
+        return requeued
 
     def extend_active_leases(self) -> int:
         """After a restart, give agents one lease period to reach us again."""

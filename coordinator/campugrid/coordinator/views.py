@@ -1,4 +1,4 @@
-"""What the store hands out: plain, immutable views of its rows."""
+"""What the store and the coordinator hand out: plain, immutable views of rows and leases."""
 
 from __future__ import annotations
 
@@ -153,3 +153,34 @@ class LogView:
     attempt: int
     stream: str
     text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetFile:
+    path: str
+    url: str
+    size: int
+    sha256: str = ""  # what the agent checks the file against before the job starts
+
+
+@dataclasses.dataclass(frozen=True)
+class Lease:
+    job: JobView
+    lease_seconds: float
+    context_url: str
+    output_url: str
+    datasets: dict[str, list[DatasetFile]]
+    resume: CheckpointView | None
+    resume_url: str
+    gpu_uuids: list[str]
+    token: int  # the fencing token: the attempt, or a sharded job's session
+    shard: ShardTask | None = None  # sharded job: the session's first shard
+    shares: dict[str, str] = dataclasses.field(default_factory=dict)  # dataset -> share
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointUpload:
+    key: str
+    upload_id: str
+    part_size: int
+    part_urls: list[str]

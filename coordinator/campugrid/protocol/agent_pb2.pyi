@@ -109,16 +109,18 @@ class HeartbeatReply(_message.Message):
     def __init__(self) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("gpus", "gpu_isolation", "enforced_limits", "shares")
+    __slots__ = ("gpus", "gpu_isolation", "enforced_limits", "shares", "wait_ms")
     GPUS_FIELD_NUMBER: _ClassVar[int]
     GPU_ISOLATION_FIELD_NUMBER: _ClassVar[int]
     ENFORCED_LIMITS_FIELD_NUMBER: _ClassVar[int]
     SHARES_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
     gpu_isolation: bool
     enforced_limits: _containers.RepeatedScalarFieldContainer[str]
     shares: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_isolation: _Optional[bool] = ..., enforced_limits: _Optional[_Iterable[str]] = ..., shares: _Optional[_Iterable[str]] = ...) -> None: ...
+    wait_ms: int
+    def __init__(self, gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_isolation: _Optional[bool] = ..., enforced_limits: _Optional[_Iterable[str]] = ..., shares: _Optional[_Iterable[str]] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class Dataset(_message.Message):
     __slots__ = ("name", "share", "files")

@@ -45,6 +45,7 @@ from campugrid.protocol.wire import (
 )
 
 RPC_TIMEOUT_S = 10.0
+GIVE_UP_POLL_S = 0.25  # how often a held Lease asks whether the agent still wants work
 DEFAULT_GRPC_PORT = 8751
 # What says a coordinator process is gone (or cut off), not that it refused the call.
 FAILOVER = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
@@ -191,10 +192,14 @@ class _Failover(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]  # grpc
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         outcome = continuation(details, request)
+        # At once for a blocking call (done already); when it ends for a held one (`.future`)
+        outcome.add_done_callback(self._ended)
+        return outcome
+
+    def _ended(self, outcome: Any) -> None:
         code = outcome.code()
         if code in FAILOVER:
             self.client.failed(self.index, code)
-        return outcome
 
 
 class CoordinatorClient:
@@ -272,12 +277,23 @@ class CoordinatorClient:
         self.stub.Heartbeat(req, timeout=RPC_TIMEOUT_S)
 
     def lease(self, gpus: Sequence[pb.Gpu] = (), gpu_isolation: bool = False,
-              enforced: Sequence[str] = (), shares: Sequence[str] = ()) -> pb.LeaseReply:
-        reply: pb.LeaseReply = self.stub.Lease(
+              enforced: Sequence[str] = (), shares: Sequence[str] = (), wait_s: float = 0.0,
+              give_up: Callable[[], bool] | None = None) -> pb.LeaseReply:
+        """The next task; with `wait_s`, the coordinator may hold the call that long for
+        work (coordinator/wakeup.py), and `give_up`, asked every GIVE_UP_POLL_S meanwhile,
+        ends the wait early (no task then)."""
+        call = self.stub.Lease.future(
             pb.LeaseRequest(gpus=gpus, gpu_isolation=gpu_isolation, enforced_limits=enforced,
-                            shares=shares),
-            timeout=RPC_TIMEOUT_S)
-        return reply
+                            shares=shares, wait_ms=int(wait_s * 1000)),
+            timeout=RPC_TIMEOUT_S + wait_s)
+        while True:
+            try:
+                reply: pb.LeaseReply = call.result(timeout=GIVE_UP_POLL_S)
+                return reply
+            except grpc.FutureTimeoutError:
+                # A call that ended meanwhile cannot be cancelled: its answer is read above.
+                if give_up is not None and give_up() and call.cancel():
+                    return pb.LeaseReply(has_task=False)
 
     def renew(self, job_id: str, token: int, phase: str, timeout_s: float) -> pb.RenewReply:
         reply: pb.RenewReply = self.stub.Renew(
@@ -369,9 +385,12 @@ class CoordinatorApi:
         self.wire.heartbeat(capabilities_pb(caps) if caps is not None else None)
 
     def lease(self, gpus: Sequence[m.Gpu] = (), gpu_isolation: bool = False,
-              enforced: Sequence[str] = (), shares: Sequence[str] = ()) -> m.Lease | None:
-        """The next task for this machine, or None when none is queued for it."""
-        reply = self.wire.lease([gpu_pb(g) for g in gpus], gpu_isolation, enforced, shares)
+              enforced: Sequence[str] = (), shares: Sequence[str] = (), wait_s: float = 0.0,
+              give_up: Callable[[], bool] | None = None) -> m.Lease | None:
+        """The next task for this machine, or None when none is queued for it (after up to
+        `wait_s` of waiting for one, unless `give_up` says so first)."""
+        reply = self.wire.lease([gpu_pb(g) for g in gpus], gpu_isolation, enforced, shares,
+                                wait_s, give_up)
         return lease_from_pb(reply) if reply.has_task else None
 
     def renew(self, job_id: str, token: int, phase: str, timeout_s: float) -> m.Renewal:

@@ -43,6 +43,10 @@ from campugrid.sandbox.runtime import Runtime
 
 log = logging.getLogger("campugrid.agent")
 OWNER_POLL_S = 0.5  # how often the owner's say is checked: drains start within this
+# The coordinator may hold an ask for work this long, answering as soon as work comes
+# (coordinator/wakeup.py). Heartbeats, sent between asks, stay within 10 s plus this of each
+# other: inside the 30 s in which the coordinator counts a machine online.
+LEASE_WAIT_S = 8.0
 MAX_POLL_S = 3600.0  # the longest wait between two asks for work that --poll-seconds takes
 
 
@@ -208,8 +212,11 @@ class Agent:
                     self.stopping.wait(OWNER_POLL_S)
                     continue
                 offer = gpus.discover(self.settings.gpu_policy).gpus
+                asked = time.monotonic()
                 lease = self.client.lease(offer, self.gpu_isolation and bool(offer),
-                                          self.enforced, self.shares.names())
+                                          self.enforced, self.shares.names(), LEASE_WAIT_S,
+                                          give_up=lambda: self.stopping.is_set() or
+                                          bool(self.owner.hold()))
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.PERMISSION_DENIED and "revoked" in str(e.details()):
                     log.error("%s; the agent stops", e.details())
@@ -224,8 +231,8 @@ class Agent:
                 log.warning("coordinator unreachable (%s)", e.code())
                 self.stopping.wait(2)
                 continue
-            if lease is None:
-                self.stopping.wait(self.settings.poll_seconds)
+            if lease is None:  # a held ask counts as the wait between two asks
+                self.stopping.wait(self.settings.poll_seconds - (time.monotonic() - asked))
                 continue
             self.run_task(lease)
             if once:
