@@ -30,7 +30,7 @@ from campugrid.coordinator.scheduler import GpuView, MachineView
 from campugrid.coordinator.service import Coordinator
 from campugrid.coordinator.views import Lease as Granted
 from campugrid.coordinator.views import ShardResult, ShardTask
-from campugrid.coordinator.wakeup import MAX_HOLD_S, RECHECK_S
+from campugrid.coordinator.wakeup import MAX_HOLD_S, MIN_GAP_S, RECHECK_S
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
 from campugrid.protocol import keys, logs
@@ -251,6 +251,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
                 took = time.perf_counter() - began
                 if lease is not None:
                     return lease, took
+                time.sleep(max(0.0, min(MIN_GAP_S, deadline - time.monotonic())))
         return None, took
 
     def _mirrors_pb(self, machine: str) -> list[pb.Mirror]:

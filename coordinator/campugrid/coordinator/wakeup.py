@@ -5,7 +5,8 @@ An agent's Lease may ask to be held (`wait_ms`). When nothing is queued for its 
 call waits for one of:
 - a change in this process that queues work (a submit, a hand-back, expired leases, the end
   of an attempt or a shard session): `notify()` wakes every held call, which then tries to
-  claim, as a fresh Lease would;
+  claim, as a fresh Lease would (one that found nothing it can take looks again no sooner
+  than MIN_GAP_S later);
 - every RECHECK_S, a look of its own: work another coordinator process queued (they share
   only the database) is found that late at most, as an agent polling once a second would;
 - the end of the hold, or the agent going away (a cancelled call claims nothing).
@@ -21,6 +22,9 @@ import threading
 from collections.abc import Iterator
 
 RECHECK_S = 1.0  # a held call looks for work queued by another process this often
+# After finding nothing it can take, a held call looks again no sooner than this: a stream of
+# submits for other machines costs each held call at most 1/MIN_GAP_S claims a second.
+MIN_GAP_S = 0.2
 MAX_HOLD_S = 20.0  # the longest a Lease is held, whatever it asks
 MAX_HELD = 16  # held calls at once; each holds a worker thread (server.py adds that many)
 

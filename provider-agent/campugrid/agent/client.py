@@ -45,7 +45,7 @@ from campugrid.protocol.wire import (
 )
 
 RPC_TIMEOUT_S = 10.0
-GIVE_UP_POLL_S = 0.25  # how often a held Lease asks whether the agent still wants work
+GIVE_UP_POLL_S = 0.5  # how often a held Lease asks whether the agent still wants work
 DEFAULT_GRPC_PORT = 8751
 # What says a coordinator process is gone (or cut off), not that it refused the call.
 FAILOVER = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
