@@ -33,6 +33,7 @@ from campugrid.coordinator.objects import S3Store
 from campugrid.coordinator.service import Coordinator
 from campugrid.coordinator.store import Store
 from campugrid.coordinator.tls import Certificate, ensure_certificate
+from campugrid.coordinator.wakeup import PostgresRelay, relay
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
 from campugrid.protocol import keys
 from campugrid.protocol.errors import CampugridError
@@ -52,11 +53,14 @@ class Running:
     grpc_address: str  # as agents reach it
     admin_identity: Path | None = None  # written at this start, if it was
     lead: Leadership | None = None  # whether this process runs the reaper
+    relay: PostgresRelay | None = None  # held leases hear of other processes' work
 
     def stop(self) -> None:
         self.stop_event.set()
         self.http.should_exit = True
         self.grpc_server.stop(grace=2).wait()
+        if self.relay is not None:
+            self.relay.stop()
         if self.lead is not None:
             self.lead.resign()
         self.coord.close()
@@ -125,6 +129,7 @@ def start(settings: Settings) -> Running:
     coord = build(settings)
     cert = ensure_certificate(settings.tls_dir)
     lead = leadership(coord.store.engine)
+    relayed = relay(coord.store.engine, coord.work)
     # 32 threads for calls, and one more for each Lease that may be held waiting for work
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32 + coord.work.max_held),
                          interceptors=[SignedCalls(coord, coord.store.nonces), AboutJob()])
@@ -153,7 +158,8 @@ def start(settings: Settings) -> Running:
                                          log_level="warning", **tls))  # type: ignore[arg-type]
     log.info("coordinator: REST %s/v1  console %s/console  gRPC %s (TLS, certificate %s)", url,
              url, grpc_address, cert.fingerprint)
-    return Running(coord, server, http, stop, port, cert, url, grpc_address, admin, lead)
+    return Running(coord, server, http, stop, port, cert, url, grpc_address, admin, lead,
+                   relayed)
 
 
 def _host(host: str) -> str:

@@ -310,7 +310,6 @@ class Coordinator:
         if session_of(token) is not None:
             failure = None if succeeded else ((reason or "")[:4000] or "session failed")
             self.store.shards.end(job_id, token, machine_id, failure=failure)
-            self.work.notify()  # the session's machine may take other work now
             return
         key = self.output_key(job_id, token) if output_uploaded else None
         if key is not None and not self.objects.exists(key):
@@ -319,7 +318,6 @@ class Coordinator:
                                 exit_code=exit_code, reason=reason, result=result,
                                 output_key=key, limits=limits)
         log.info("job %s %s", job.id, job.state.value, extra={"job_id": job.id})
-        self.work.notify()  # a failed attempt may be queued again
 
     def release(self, job_id: str, token: int, machine_id: str, reason: str, *,
                 failed: bool) -> None:
