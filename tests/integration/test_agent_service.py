@@ -11,11 +11,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client import generate_latest
 
 from campugrid.agent.client import CoordinatorClient, Membership
 from campugrid.cli.seaweed import EmbeddedS3
 from campugrid.client import Api, Identity, tar_folder
 from campugrid.coordinator import server
+from campugrid.coordinator.metrics import CoordinatorMetrics
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
 from campugrid.protocol import logs
@@ -391,7 +393,21 @@ def test_asks_beyond_the_held_limit_are_answered_at_once(coordinator, tmp_path, 
     # Held, this call would run past its 5 s deadline (DEADLINE_EXCEEDED)
     assert not second.stub.Lease(pb.LeaseRequest(wait_ms=15_000), timeout=5).has_task
     assert not ask.done()
+    scraped = generate_latest(CoordinatorMetrics.of(running.coord).registry).decode()
+    assert "campugrid_held_lease_calls 1.0" in scraped
+    assert "campugrid_lease_holds_full_total 1.0" in scraped
     ask.cancel()
+
+
+def test_the_number_of_held_asks_is_a_setting_within_bounds(monkeypatch, tmp_path):
+    from campugrid.coordinator.config import Settings
+    assert Settings.from_env(tmp_path).held_leases == 16
+    monkeypatch.setenv("CAMPUGRID_HELD_LEASES", "0")  # none held: every ask answered at once
+    assert Settings.from_env(tmp_path).held_leases == 0
+    for bad in ("-1", "4097", "many"):
+        monkeypatch.setenv("CAMPUGRID_HELD_LEASES", bad)
+        with pytest.raises(ValueError, match="CAMPUGRID_HELD_LEASES"):
+            Settings.from_env(tmp_path)
 
 
 def test_an_ask_its_machine_gave_up_or_whose_machine_was_revoked_claims_nothing(

@@ -239,6 +239,8 @@ class AgentService(pb_grpc.AgentServiceServicer):
         (coordinator/wakeup.py): the lease, or None; and how long the last claim took."""
         work, deadline = self.coord.work, time.monotonic() + wait_s
         with work.hold() as placed:
+            if not placed:
+                self.metrics.holds_full.inc()
             while placed:
                 seen = work.wait(seen, min(RECHECK_S, deadline - time.monotonic()))
                 # Gone, out of time, or revoked meanwhile (the call's check was at its start):

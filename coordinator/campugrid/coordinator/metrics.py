@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -29,6 +29,7 @@ from campugrid.coordinator.apps import check_name
 from campugrid.coordinator.db import Database
 from campugrid.coordinator.models import Job, MetricsToken
 from campugrid.coordinator.views import utcnow
+from campugrid.coordinator.wakeup import Wakeup
 from campugrid.protocol.errors import Conflict, Unauthenticated
 from campugrid.protocol.states import JobState
 
@@ -139,7 +140,7 @@ class CoordinatorMetrics:
     """One registry per coordinator (not prometheus_client's global one: tests run several
     coordinators in one process)."""
 
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, work: Wakeup | None = None) -> None:
         self.registry = CollectorRegistry()
         self.tokens = ScrapeTokens(db)
         r = self.registry
@@ -159,6 +160,12 @@ class CoordinatorMetrics:
         self.checkpoint_bytes = Counter("campugrid_checkpoint_bytes",
                                         "Bytes of checkpoints recorded", registry=r)
         self.checkpoints = Counter("campugrid_checkpoints", "Checkpoints recorded", registry=r)
+        if work is not None:
+            Gauge("campugrid_held_lease_calls", "Idle agents' asks for work this process holds "
+                  "now, waiting for work", registry=r).set_function(lambda: work.held)
+        self.holds_full = Counter("campugrid_lease_holds_full", "Asks for work answered at once "
+                                  "because every place to wait was taken: raise "
+                                  "CAMPUGRID_HELD_LEASES if this grows", registry=r)
         r.register(_FromDatabase(db))
         ProcessCollector(registry=r)  # the coordinator's own CPU and memory
 
@@ -168,7 +175,7 @@ class CoordinatorMetrics:
         with _LOCK:
             found = _BY_COORDINATOR.get(coord)
             if found is None:
-                found = _BY_COORDINATOR[coord] = cls(coord.store.db)
+                found = _BY_COORDINATOR[coord] = cls(coord.store.db, coord.work)
             return found
 
     def leased(self, seconds: float, first_queued_at: dt.datetime | None, handed_out: bool) -> None:

@@ -62,7 +62,7 @@ class Coordinator:
         self._speeds_at = -SPEEDS_REFRESH_S
         self._context_urls: dict[str, tuple[str, float]] = {}  # key -> (URL, good until)
         self._machines = MachineRecords(store.machines)
-        self.work = Wakeup()  # held Lease calls, woken when this process queues work
+        self.work = Wakeup(settings.held_leases)  # held Lease calls, woken by new work
 
     @functools.cached_property
     def images(self) -> Images:

@@ -36,11 +36,12 @@ RECHECK_S = 1.0  # a held call looks for work queued by another process this oft
 # submits for other machines costs each held call at most 1/MIN_GAP_S claims a second.
 MIN_GAP_S = 0.2
 MAX_HOLD_S = 20.0  # the longest a Lease is held, whatever it asks
-MAX_HELD = 16  # held calls at once; each holds a worker thread (server.py adds that many)
 
 
 class Wakeup:
-    def __init__(self, max_held: int = MAX_HELD) -> None:
+    def __init__(self, max_held: int) -> None:
+        """`max_held`: calls held at once (Settings.held_leases); each holds a worker
+        thread, and server.py adds that many."""
         self.max_held = max_held
         self._changed = threading.Condition()
         self._generation = 0
