@@ -74,15 +74,16 @@ def test_sign_in_needs_password_and_a_fresh_code(users: Users):
     wrong = str((int(totp.now()) + 1) % 1_000_000).zfill(6)
     with pytest.raises(Unauthenticated, match="wrong"):
         users.login("ada", PASSWORD, wrong)
-    code = totp.now()
-    user = users.login("ada", PASSWORD, code)
+    # One moment for every sign-in below: with the clock's own time, a 30 s step could end
+    # between two of them (each hashes a password), and "the next step" would be two away.
+    at = utcnow()
+    code = totp.at(at)
+    user = users.login("ada", PASSWORD, code, now=at)
     assert user.name == "ada"
-    # The same code twice (the very code: a sign-in hashes a password, and a fresh now()
-    # after it could fall in the next 30 s step, a new code, once in a while)
-    with pytest.raises(Unauthenticated, match="used already"):
-        users.login("ada", PASSWORD, code)
+    with pytest.raises(Unauthenticated, match="used already"):  # the same code twice
+        users.login("ada", PASSWORD, code, now=at)
     with pytest.raises(Unauthenticated, match="used already"):  # still, in the next step
-        users.login("ada", PASSWORD, code, now=utcnow() + dt.timedelta(seconds=30))
+        users.login("ada", PASSWORD, code, now=at + dt.timedelta(seconds=30))
 
 
 def test_failures_lock_the_account_and_say_until_when(users: Users):
