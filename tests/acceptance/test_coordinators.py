@@ -19,7 +19,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, text
 
 from campugrid.cli.platform import Platform
 from campugrid.cli.seaweed import EmbeddedS3, free_port
@@ -39,14 +38,8 @@ LATER = {"env": {"EPOCHS": str(EPOCHS), "EPOCH_SECONDS": "0.2"}}
 
 @pytest.fixture
 def database(postgres) -> Iterator[str]:
-    name = f"coords_{secrets.token_hex(4)}"
-    admin = create_engine(postgres.url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f"CREATE DATABASE {name}"))
-    yield postgres.url.rsplit("/", 1)[0] + f"/{name}"
-    with admin.connect() as conn:
-        conn.execute(text(f"DROP DATABASE {name} WITH (FORCE)"))
-    admin.dispose()
+    with postgres.database("coords") as url:
+        yield url
 
 
 class Coordinators:

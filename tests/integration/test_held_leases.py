@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, text
 
 from campugrid.cli.seaweed import EmbeddedS3
 from campugrid.client import Api, Identity, tar_folder
@@ -25,14 +24,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 def database(postgres: TempPostgres) -> Iterator[str]:
-    name = f"t_{secrets.token_hex(6)}"
-    admin = create_engine(postgres.url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f"CREATE DATABASE {name}"))
-    yield postgres.url.rsplit("/", 1)[0] + f"/{name}"
-    with admin.connect() as conn:
-        conn.execute(text(f"DROP DATABASE {name} WITH (FORCE)"))
-    admin.dispose()
+    with postgres.database() as url:
+        yield url
 
 
 @pytest.fixture

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pwd
+import secrets
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+from sqlalchemy import create_engine, text
 
 from campugrid.cli.seaweed import free_port
 
@@ -27,6 +32,20 @@ class TempPostgres:
     @property
     def url(self) -> str:
         return f"postgresql+psycopg://{self.user}@127.0.0.1:{self.port}/postgres"
+
+    @contextlib.contextmanager
+    def database(self, prefix: str = "t") -> Iterator[str]:
+        """A new, empty database in this cluster (its URL), dropped afterwards."""
+        name = f"{prefix}_{secrets.token_hex(6)}"
+        admin = create_engine(self.url, isolation_level="AUTOCOMMIT")
+        try:
+            with admin.connect() as conn:
+                conn.execute(text(f"CREATE DATABASE {name}"))
+            yield self.url.rsplit("/", 1)[0] + f"/{name}"
+            with admin.connect() as conn:
+                conn.execute(text(f"DROP DATABASE {name} WITH (FORCE)"))
+        finally:
+            admin.dispose()
 
     def _as_owner(self, argv: list[str]) -> list[str]:
         return ["runuser", "-u", "postgres", "--", *argv] if os.geteuid() == 0 else argv
