@@ -13,7 +13,6 @@ import grpc
 import pytest
 from prometheus_client import generate_latest
 
-from campugrid.agent.client import CoordinatorClient, Membership
 from campugrid.cli.seaweed import EmbeddedS3
 from campugrid.client import Api, Identity, tar_folder
 from campugrid.coordinator import server
@@ -23,7 +22,7 @@ from campugrid.protocol import agent_pb2_grpc as pb_grpc
 from campugrid.protocol import logs
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.wire import MACHINE_HEADER
-from tests.support.coordinator import start
+from tests.support.coordinator import client, close_clients, held, start
 
 pytestmark = pytest.mark.integration
 HELLO = Path(__file__).resolve().parents[2] / "examples" / "hello"
@@ -36,28 +35,9 @@ def coordinator(s3_server: EmbeddedS3, tmp_path: Path) -> Iterator[tuple[server.
     api = Api(running.url, Identity.load(tmp_path / "admin.json"))
     yield running, api
     api.close()
-    for c in _clients:
-        c.close()
-    _clients.clear()
+    close_clients()
     running.stop()
     t.join(5)
-
-
-_clients: list[CoordinatorClient] = []
-
-
-def client(running: server.Running, tmp_path: Path, name: str,
-           caps: pb.Capabilities | None = None, approve: bool = True) -> CoordinatorClient:
-    """A machine that joined (pinning the coordinator's certificate) and, unless told
-    otherwise, was approved by its owner."""
-    membership = Membership.join(tmp_path / name, running.grpc_address,
-                                 running.certificate.fingerprint)
-    c = CoordinatorClient(membership)
-    _clients.append(c)
-    c.register(name, caps or pb.Capabilities(runtime="runsc", builder="buildah"))
-    if approve:
-        running.coord.approve_machine(c.machine_id)
-    return c
 
 
 def test_a_call_on_a_plain_channel_or_unsigned_is_refused(coordinator, tmp_path):
@@ -353,14 +333,6 @@ def test_gpu_memory_reported_by_heartbeats_is_kept_by_the_minute_and_charted_to_
         pb.Gpu(uuid="GPU-huge", name="x", kind="nvidia", memory_total_mb=2**62)]))
     assert [h for h in running.coord.store.gpu_history.since(60)
             if h.machine_id == stranger.machine_id] == []
-
-
-def held(running: server.Running, n: int) -> None:
-    """Until `n` Lease calls are held waiting for work."""
-    deadline = time.monotonic() + 10
-    while running.coord.work.held != n:
-        assert time.monotonic() < deadline, f"{running.coord.work.held} calls held, not {n}"
-        time.sleep(0.02)
 
 
 @pytest.fixture

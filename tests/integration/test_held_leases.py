@@ -15,11 +15,11 @@ from campugrid.client import Api, Identity, tar_folder
 from campugrid.coordinator import agent_service, server
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol.spec import JobSpec
-from tests.integration.test_agent_service import HELLO, _clients, client, held
-from tests.support.coordinator import start
+from tests.support.coordinator import client, close_clients, held, start
 from tests.support.postgres import TempPostgres
 
 pytestmark = pytest.mark.integration
+HELLO = Path(__file__).resolve().parents[2] / "examples" / "hello"
 
 
 @pytest.fixture
@@ -35,9 +35,7 @@ def two(s3_server: EmbeddedS3, tmp_path: Path, database: str
     a, ta = start(s3_server, tmp_path / "a", bucket, database_url=database)
     b, tb = start(s3_server, tmp_path / "b", bucket, database_url=database)
     yield a, b
-    for c in _clients:
-        c.close()
-    _clients.clear()
+    close_clients()
     for running, t in ((a, ta), (b, tb)):
         running.stop()
         t.join(5)

@@ -13,9 +13,11 @@ import threading
 import time
 from pathlib import Path
 
+from campugrid.agent.client import CoordinatorClient, Membership
 from campugrid.cli.seaweed import EmbeddedS3
 from campugrid.coordinator import server
 from campugrid.coordinator.config import Settings
+from campugrid.protocol import agent_pb2 as pb
 
 
 def start(s3: EmbeddedS3, root: Path, bucket: str,
@@ -39,3 +41,34 @@ def start(s3: EmbeddedS3, root: Path, bucket: str,
             raise RuntimeError(f"the coordinator's REST API did not start on {running.url}")
         time.sleep(0.05)
     return running, t
+
+
+_clients: list[CoordinatorClient] = []
+
+
+def client(running: server.Running, tmp_path: Path, name: str,
+           caps: pb.Capabilities | None = None, approve: bool = True) -> CoordinatorClient:
+    """A machine that joined (pinning the coordinator's certificate) and, unless told
+    otherwise, was approved by its owner; closed by close_clients()."""
+    membership = Membership.join(tmp_path / name, running.grpc_address,
+                                 running.certificate.fingerprint)
+    c = CoordinatorClient(membership)
+    _clients.append(c)
+    c.register(name, caps or pb.Capabilities(runtime="runsc", builder="buildah"))
+    if approve:
+        running.coord.approve_machine(c.machine_id)
+    return c
+
+
+def close_clients() -> None:
+    for c in _clients:
+        c.close()
+    _clients.clear()
+
+
+def held(running: server.Running, n: int) -> None:
+    """Until `n` Lease calls are held waiting for work."""
+    deadline = time.monotonic() + 10
+    while running.coord.work.held != n:
+        assert time.monotonic() < deadline, f"{running.coord.work.held} calls held, not {n}"
+        time.sleep(0.02)

@@ -207,9 +207,8 @@ class AgentService(pb_grpc.AgentServiceServicer):
                             enforced=frozenset(request.enforced_limits),
                             shares=frozenset(x[:64] for x in request.shares[:MAX_SHARES]))
         self.coord.note_memory(machine, _memory(request.gpus))
-        seen, began = self.coord.work.generation, time.perf_counter()
-        lease = self._guard(context, lambda: self.coord.lease(machine, offer))
-        took = time.perf_counter() - began
+        seen = self.coord.work.generation
+        lease, took = self._claim(context, machine, offer)
         if lease is None and request.wait_ms > 0:
             lease, took = self._held(context, machine, offer, seen,
                                      min(request.wait_ms / 1000, MAX_HOLD_S), took)
@@ -233,6 +232,13 @@ class AgentService(pb_grpc.AgentServiceServicer):
             mirrors=self._mirrors_pb(machine),
         ), first, took
 
+    def _claim(self, context: grpc.ServicerContext, machine: str,
+               offer: MachineView) -> tuple[Granted | None, float]:
+        """A lease for this machine, if any, and how long finding it took."""
+        began = time.perf_counter()
+        lease = self._guard(context, lambda: self.coord.lease(machine, offer))
+        return lease, time.perf_counter() - began
+
     def _held(self, context: grpc.ServicerContext, machine: str, offer: MachineView,
               seen: int, wait_s: float, took: float) -> tuple[Granted | None, float]:
         """Wait up to `wait_s` for work this machine can hold, from notification `seen`
@@ -248,9 +254,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
                 if not context.is_active() or time.monotonic() >= deadline or \
                         self.coord.machine(machine).status is not Status.APPROVED:
                     break
-                began = time.perf_counter()
-                lease = self._guard(context, lambda: self.coord.lease(machine, offer))
-                took = time.perf_counter() - began
+                lease, took = self._claim(context, machine, offer)
                 if lease is not None:
                     return lease, took
                 time.sleep(max(0.0, min(MIN_GAP_S, deadline - time.monotonic())))
