@@ -16,7 +16,7 @@ run, caches warm (one round first, not counted: the base pulled, pip's cache fil
 The goal (issue 14): campugrid at most 1.5x the plain build on a warm cache.
 
 A second table splits campugrid's time by the lines its build log ends with ("ready to run
-... after the lease: ...", "built in ..., copied into this machine's store in ..."): where
+... after the lease: ...", "built in ..., committed into this machine's store in ..."): where
 the gap to the plain build goes.
 """
 
@@ -88,7 +88,7 @@ def plain_build(user: ProviderUser, context: Path, tag: str) -> float:
     return took
 
 
-PHASES = ("lease wait + start", "context", "bases", "packages", "build", "copy")
+PHASES = ("lease wait + start", "context", "bases", "packages", "build", "commit")
 
 
 def campugrid_build(api: Api, context: Path, expect: dict[str, Any]) -> tuple[float, dict[str, float]]:
@@ -105,9 +105,9 @@ def campugrid_build(api: Api, context: Path, expect: dict[str, Any]) -> tuple[fl
     if ready is None or built is None:
         raise RuntimeError(f"job {job}: its build log has no timing lines")
     total, inputs, bases, packages, image = map(float, ready.groups())
-    copy = float(built.group(2))
+    commit = float(built.group(2))
     return took, dict(zip(PHASES, (took - total, inputs, bases, packages,
-                                   image - copy, copy), strict=True))
+                                   image - commit, commit), strict=True))
 
 
 def main() -> None:
@@ -172,7 +172,7 @@ def main() -> None:
     print(f"| geometric mean    |                        |                                  "
           f"| {geo:6.2f}x |")
     print("\ncampugrid's time by phase, seconds (median of the rounds; build: the base check, "
-          "RUN steps under gVisor and the commit; copy: into the machine's own store)\n")
+          "RUN steps under gVisor; commit: the image into the machine's own store)\n")
     print("| Dockerfile        | " + " | ".join(f"{p:>7}" for p in PHASES) + " |")
     print("|-------------------|" + "|".join("-" * (max(7, len(p)) + 2) for p in PHASES) + "|")
     for name in corpus:

@@ -49,6 +49,10 @@ def test_run_steps_execute_in_gvisor_without_network(provider, shared_tmp):
         probe_line = next(line for line in res["lines"] if line.startswith("PROBE "))
         assert '"kernel": "4.4.0"' in probe_line
         assert '"ifs": ["lo"]' in probe_line and '"net": "refused"' in probe_line
+        # Committed straight into the provider's store, which the log does not name (its
+        # path holds the provider's user name).
+        assert f"COMMIT {tag}" in res["lines"], res["lines"]
+        assert not any("containers-storage:[" in line for line in res["lines"]), res["lines"]
         out = shared_tmp / "out"
         out.mkdir()
         os.chown(out, provider.uid, provider.gid) if os.geteuid() == 0 else None

@@ -224,12 +224,19 @@ def test_a_build_that_writes_past_its_disk_limit_fails_saying_so(provider, share
     assert not image_exists(provider, "localhost/campugrid-test/disk:1")
 
 
-def test_a_sparse_file_does_not_grow_past_the_disk_limit_when_the_layer_is_committed(provider, shared_tmp):
+SPARSE = "RUN python3 -c \"f = open('/big', 'wb'); f.seek(1 << 30); f.write(b'x')\"\n"
+
+
+@pytest.mark.parametrize("where", ["final stage", "earlier stage"])
+def test_a_sparse_file_does_not_grow_past_the_disk_limit_when_the_layer_is_committed(
+        provider, shared_tmp, where):
     """A 1 GB file of one written byte takes a few KB of the build's tmpfs, but a layer
-    holds it in full: the commit must land inside the limit too, not on the host's disk."""
+    holds it in full: the commit must stop near the limit, not fill the host's disk. Made in
+    an earlier stage and copied over, it is the final layer's again."""
     free = host_disk_free()
-    ctx = make_context(shared_tmp, provider, f"FROM {BASE}\n"
-                       "RUN python3 -c \"f = open('/big', 'wb'); f.seek(1 << 30); f.write(b'x')\"\n")
+    dockerfile = f"FROM {BASE}\n{SPARSE}" if where == "final stage" else \
+        f"FROM {BASE} AS first\n{SPARSE}FROM {BASE}\nCOPY --from=first /big /big\n"
+    ctx = make_context(shared_tmp, provider, dockerfile)
     res = build(provider, ctx, "localhost/campugrid-test/sparse:1", disk_mb=64, memory_mb=512)
     assert not res["ok"] and "more than 64 MB of disk" in res["reason"], res
     after = host_disk_free()
@@ -238,8 +245,10 @@ def test_a_sparse_file_does_not_grow_past_the_disk_limit_when_the_layer_is_commi
 
 
 def test_a_build_within_its_disk_limit_succeeds(provider, shared_tmp):
+    """40 MB of 64: the commit writes its layer into the provider's store, not into the
+    build's tmpfs beside the working layer (where both together would not fit)."""
     ctx = make_context(shared_tmp, provider, f"FROM {BASE}\n"
-                       "RUN dd if=/dev/zero of=/fill bs=1M count=20\n")
+                       "RUN dd if=/dev/zero of=/fill bs=1M count=40\n")
     tag = "localhost/campugrid-test/disk-ok:1"
     res = build(provider, ctx, tag, disk_mb=64)
     try:

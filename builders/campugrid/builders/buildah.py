@@ -7,20 +7,23 @@ never used. runsc goes through a small wrapper (runsc-build-runtime) because pla
 Each build runs in Buildah's user namespace (`buildah unshare`) with, in it:
 - a network namespace of its own whose only loopback is down, so Buildah's own process
   (which fetches ADD's URLs itself) reaches nothing, whatever a Dockerfile check missed;
-- its own image store on a tmpfs of `disk_mb`, so everything the build writes (its working
-  layer and the layer it commits) stops at that size, and the store vanishes with the build;
+- its own image store on a tmpfs of `disk_mb`, so everything the RUN steps write (the
+  working layer, and any earlier stage's image) stops at that size and vanishes with the build;
 - as the only other images, a store of this provider's allowed base images (read-only), so
   no other job's image can be named as a base, a `--from` or a mount.
-The finished image is then pushed into the provider's own store, to run. Committing it there
-directly would save that copy (3.6 s for NumPy + SciPy) but not bound it: a sparse file of a
-few bytes on the tmpfs is written out in full by the commit (3 GB from a 64 MB build, tried).
+The finished image is committed straight into the provider's own store, to run. That commit
+writes the layer at its full size (a sparse file of a few bytes on the tmpfs is written out in
+full: 3 GB from a 64 MB build, tried), so Buildah runs with a file size limit (RLIMIT_FSIZE,
+`layer_limit_mb`): Buildah writes each layer whole to a file before storing it, and a layer
+over the limit fails the build there. The runtime wrapper lifts the limit again for gVisor
+(whose memory file is a file too). Committing into the tmpfs and copying the image across
+afterwards bounded it too, but cost a second copy of every layer (4 s for NumPy + SciPy).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
 import subprocess
 import tempfile
@@ -37,24 +40,28 @@ from campugrid.sandbox.podman_runsc import RUNSC_FLAGS, runtime_dir
 from campugrid.sandbox.process import LogFn, run_streaming
 
 WRAPPER = Path(__file__).with_name("runsc-build-runtime")
-COPYING = "[campugrid] built; copying the image into this machine's store"
 PULLED_PREFIX = "localhost/campugrid-cache/"  # agent/images.py's cache names
+COMMIT = "COMMIT "  # Buildah's line as it begins to commit an image (the final one: the last)
 
-# $1 store folder, $2 its size in MB, $3 the allowed-bases store, $4 the provider's store
-# ("graphroot+runroot"), $5 the tag; the rest is `buildah bud`'s arguments. It says when the
-# build is done and the copy begins (COPYING: the last such line, as a RUN step could print it).
+
+def layer_limit_mb(disk_mb: int) -> int:
+    """The largest file (so the largest layer) a build's Buildah may write: its disk limit,
+    and room for the layer's tar headers (512 bytes a file or folder, which the tmpfs does not
+    count) and for whatever the tmpfs rounds down."""
+    return disk_mb * 5 // 4 + 64
+
+
+# $1 store folder, $2 its size in MB, $3 the layer limit in MB, $4 the allowed-bases store;
+# the rest is `buildah bud`'s arguments, its `-t` the provider's store.
 _SCRIPT = """
 set -e
-w=$1 size=$2 bases=$3 main=$4 tag=$5
-shift 5
+w=$1 size=$2 layer=$3 bases=$4
+shift 4
 mount -t tmpfs -o "size=${size}m,mode=0700" campugrid-build "$w"
-set -- --root "$w/root" --runroot "$w/run" --storage-driver overlay \\
+ulimit -S -f $((layer * 2048))
+exec unshare --net -- buildah --root "$w/root" --runroot "$w/run" --storage-driver overlay \\
   --storage-opt "overlay.imagestore=$bases" "$@"
-unshare --net -- buildah "$@"
-echo @COPYING@
-buildah --root "$w/root" --runroot "$w/run" --storage-driver overlay \\
-  --storage-opt "overlay.imagestore=$bases" push -q "$tag" "containers-storage:[overlay@$main]$tag"
-""".replace("@COPYING@", shlex.quote(COPYING))
+"""
 
 
 class BuildahBuilder:
@@ -85,6 +92,11 @@ class BuildahBuilder:
             self._main = (words[0], words[1])
         return self._main
 
+    def destination(self, tag: str) -> str:
+        """`tag` in the provider's own store, as a build's `-t` names it."""
+        graph, run = self.main_store()
+        return f"containers-storage:[overlay@{graph}+{run}]{tag}"
+
     def bud_args(self, context_dir: Path, tag: str, dockerfile: Path | None = None,
                  volumes: Sequence[tuple[Path, str]] = ()) -> list[str]:
         return [
@@ -109,10 +121,10 @@ class BuildahBuilder:
     def argv(self, store: Path, disk_mb: int, context_dir: Path, tag: str,
              dockerfile: Path | None = None,
              volumes: Sequence[tuple[Path, str]] = ()) -> list[str]:
-        graph, run = self.main_store()
         return [self.buildah, "unshare", "/bin/sh", "-c", _SCRIPT, "campugrid-build",
-                str(store), str(disk_mb), str(self.bases_store[0] / "root"), f"{graph}+{run}",
-                tag, *self.bud_args(context_dir, tag, dockerfile, volumes)]
+                str(store), str(disk_mb), str(layer_limit_mb(disk_mb)),
+                str(self.bases_store[0] / "root"),
+                *self.bud_args(context_dir, self.destination(tag), dockerfile, volumes)]
 
     def build(self, context_dir: Path, tag: str, *, log: LogFn, timeout_s: float,
               cancel: threading.Event | None = None, memory_mb: int = 4096,
@@ -132,11 +144,13 @@ class BuildahBuilder:
         self._drop_evicted(main, copied)
         for use in bases:
             self._ensure_base(use, main, copied)
-        copying: list[float] = []
+        committing: list[float] = []
+        final = COMMIT + self.destination(tag)
 
         def logged(line: str) -> None:
-            if line == COPYING:
-                copying.append(time.monotonic())
+            if line == final:  # without the store's path, which names the provider's user
+                committing.append(time.monotonic())
+                line = COMMIT + tag
             log(line)
         name = "build-" + "".join(c if c.isalnum() else "-" for c in tag)[-60:]
         # Next to the context (in the task's work folder, which the agent sweeps) if it can.
@@ -157,20 +171,29 @@ class BuildahBuilder:
                 oom = done.returncode != 0 and cg is not None and cg.oom_killed()
         finally:
             shutil.rmtree(store, ignore_errors=True)  # an empty mount point by now
+        if done.cancelled or done.timed_out or done.returncode != 0:
+            # A build can fail after its image is committed (Buildah cleaning up on a full
+            # tmpfs): a failed build leaves no image.
+            self._buildah("rmi", "-f", tag)
+        tail = done.tail.replace(self.destination(tag), tag)
         if done.cancelled:
-            raise BuildFailed("build cancelled", done.tail)
+            raise BuildFailed("build cancelled", tail)
         if done.timed_out:
-            raise BuildFailed(f"build took longer than {timeout_s:.0f} s", done.tail)
+            raise BuildFailed(f"build took longer than {timeout_s:.0f} s", tail)
         if done.returncode != 0:
-            if "no space left on device" in done.tail.lower():
+            # Past the file size limit Buildah says "file too large", or Go's "closed pipe"
+            # when the file it stopped writing was the other end of its own tar stream.
+            said = tail.lower()
+            if any(s in said for s in ("no space left on device", "file too large",
+                                       "io: read/write on closed pipe")):
                 raise BuildFailed(f"the build used more than {disk_mb} MB of disk "
-                                  "(resources.disk_mb bounds its working layer and the layer it "
-                                  "commits, together)", done.tail)
+                                  "(resources.disk_mb bounds what its steps write, and the "
+                                  "layer it commits, sparse files at their full size)", tail)
             why = f"; a RUN step used more than {memory_mb} MB" if oom else ""
-            raise BuildFailed(f"build failed (buildah exit {done.returncode}{why})", done.tail)
-        if copying:
-            log(f"[campugrid] built in {copying[-1] - began:.1f} s, copied into this machine's "
-                f"store in {time.monotonic() - copying[-1]:.1f} s")
+            raise BuildFailed(f"build failed (buildah exit {done.returncode}{why})", tail)
+        if committing:
+            log(f"[campugrid] built in {committing[-1] - began:.1f} s, committed into this "
+                f"machine's store in {time.monotonic() - committing[-1]:.1f} s")
         return tag
 
     def inputs(self, bases: Sequence[BaseUse]) -> dict[str, str]:
