@@ -12,6 +12,7 @@ import pytest
 
 from campugrid.agent.wheels import IN_BUILD
 from tests.support.provider import buildah_build, run_as_provider, sandbox_run
+from tests.support.timing import BUILT
 
 pytestmark = pytest.mark.integration
 BASE = "FROM localhost/campugrid/python:bookworm\n"
@@ -59,6 +60,28 @@ def test_run_steps_execute_in_gvisor_without_network(provider, shared_tmp):
         run = sandbox_run(provider, name="t-built", image=tag, command=None,
                           output_dir=str(out))
         assert run["exit_code"] == 0 and run["lines"] == ["42"]
+    finally:
+        remove_image(provider, tag)
+
+
+def test_a_multi_stage_build_commits_its_last_stage_into_the_providers_store(provider, shared_tmp):
+    """The earlier stage stays in the build's own store; the last is committed straight
+    into the provider's, its log line ("[2/2] COMMIT ...") naming the image, timed."""
+    ctx = context(shared_tmp, provider, "RUN echo from-the-first-stage > /made\n"
+                  "FROM localhost/campugrid/python:bookworm\nCOPY --from=0 /made /made\n"
+                  "CMD [\"cat\", \"/made\"]\n")
+    tag = "localhost/campugrid-test/stages:1"
+    res = buildah_build(provider, ctx, tag)
+    try:
+        assert res["ok"], res
+        assert f"[2/2] COMMIT {tag}" in res["lines"], res["lines"]
+        assert any(BUILT.search(line) for line in res["lines"]), res["lines"]
+        out = shared_tmp / "out"
+        out.mkdir()
+        os.chown(out, provider.uid, provider.gid) if os.geteuid() == 0 else None
+        run = sandbox_run(provider, name="t-stages", image=tag, command=None,
+                          output_dir=str(out))
+        assert run["exit_code"] == 0 and run["lines"] == ["from-the-first-stage"], run
     finally:
         remove_image(provider, tag)
 

@@ -148,9 +148,10 @@ class BuildahBuilder:
         final = COMMIT + self.destination(tag)
 
         def logged(line: str) -> None:
-            if line == final:  # without the store's path, which names the provider's user
+            if line.endswith(final):  # "[2/2] COMMIT ..." in a multi-stage build
                 committing.append(time.monotonic())
-                line = COMMIT + tag
+                # without the store's path, which names the provider's user
+                line = line[:-len(final)] + COMMIT + tag
             log(line)
         name = "build-" + "".join(c if c.isalnum() else "-" for c in tag)[-60:]
         # Next to the context (in the task's work folder, which the agent sweeps) if it can.
