@@ -244,6 +244,17 @@ def test_a_sparse_file_does_not_grow_past_the_disk_limit_when_the_layer_is_commi
     assert not image_exists(provider, "localhost/campugrid-test/sparse:1")
 
 
+def test_empty_folders_that_take_no_disk_do_not_inflate_the_committed_layer(provider, shared_tmp):
+    """200,000 empty folders take no data on the tmpfs, but 512 bytes each of the layer's
+    tar: 98 MB, past the layer limit of an 8 MB build (8 x 1.25 + 64 MB)."""
+    ctx = make_context(shared_tmp, provider, f"FROM {BASE}\n"
+                       "RUN python3 -c \"import os; [os.makedirs(f'/d/{i // 1000}/{i}') "
+                       "for i in range(200000)]\"\n")
+    res = build(provider, ctx, "localhost/campugrid-test/folders:1", disk_mb=8, memory_mb=512)
+    assert not res["ok"] and "more than 8 MB of disk" in res["reason"], res
+    assert not image_exists(provider, "localhost/campugrid-test/folders:1")
+
+
 def test_a_build_within_its_disk_limit_succeeds(provider, shared_tmp):
     """40 MB of 64: the commit writes its layer into the provider's store, not into the
     build's tmpfs beside the working layer (where both together would not fit)."""
