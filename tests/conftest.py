@@ -93,6 +93,13 @@ def postgres() -> Iterator[TempPostgres]:
 
 
 @pytest.fixture
+def database(postgres: TempPostgres) -> Iterator[str]:
+    """A fresh PostgreSQL database of its own (its URL), dropped afterwards."""
+    with postgres.database() as url:
+        yield url
+
+
+@pytest.fixture
 def shared_tmp() -> Iterator[Path]:
     path = _shared_tmp("campugrid-test-")
     yield path

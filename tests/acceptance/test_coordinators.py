@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,12 +33,6 @@ SPEC = {"env": {"EPOCHS": str(EPOCHS), "EPOCH_SECONDS": "1"}}
 # The jobs submitted around the kill must be acknowledged, stored and run once; being at work
 # when it comes is the first four's part (two run, two wait): the later ones' epochs are short.
 LATER = {"env": {"EPOCHS": str(EPOCHS), "EPOCH_SECONDS": "0.2"}}
-
-
-@pytest.fixture
-def database(postgres) -> Iterator[str]:
-    with postgres.database("coords") as url:
-        yield url
 
 
 class Coordinators:

@@ -16,16 +16,9 @@ from campugrid.coordinator import agent_service, server
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol.spec import JobSpec
 from tests.support.coordinator import client, close_clients, held, start
-from tests.support.postgres import TempPostgres
 
 pytestmark = pytest.mark.integration
 HELLO = Path(__file__).resolve().parents[2] / "examples" / "hello"
-
-
-@pytest.fixture
-def database(postgres: TempPostgres) -> Iterator[str]:
-    with postgres.database() as url:
-        yield url
 
 
 @pytest.fixture

@@ -145,7 +145,8 @@ class BuildahBuilder:
         for use in bases:
             self._ensure_base(use, main, copied)
         committing: list[float] = []
-        final = COMMIT + self.destination(tag)
+        dest = self.destination(tag)
+        final = COMMIT + dest
 
         def logged(line: str) -> None:
             if line.endswith(final):  # "[2/2] COMMIT ..." in a multi-stage build
@@ -176,7 +177,7 @@ class BuildahBuilder:
             # A build can fail after its image is committed (Buildah cleaning up on a full
             # tmpfs): a failed build leaves no image.
             self._buildah("rmi", "-f", tag)
-        tail = done.tail.replace(self.destination(tag), tag)
+        tail = done.tail.replace(dest, tag)
         if done.cancelled:
             raise BuildFailed("build cancelled", tail)
         if done.timed_out:
