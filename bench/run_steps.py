@@ -10,7 +10,7 @@ ways in the same run, alternating:
   - chroot: the same builder with Buildah's `--isolation chroot`, RUN steps on the host kernel
     (a twin made here, for this measurement only: campugrid never builds that way).
 Nothing else differs, so the ratio is the sandbox's own cost for that kind of step, which no
-change outside gVisor can remove; a build through campugrid cannot be faster than its steps'
+change outside gVisor can remove: such a step costs a build through campugrid at least its
 gVisor row. The "no RUN step" row is the builder's fixed cost (the store, the base check, the
 commit), the same for both.
 """
