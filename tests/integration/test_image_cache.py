@@ -1,8 +1,11 @@
 """The provider's image cache (agent/images.py) on a real Podman store: bounded by count and
-size, least recently used out first, never an image a task is running."""
+size, least recently used out first, never an image a task is running; each image counted
+at what it takes on disk once used, which the provider's rootless Podman is held to here."""
 
 from __future__ import annotations
 
+import json
+import os
 import secrets
 import subprocess
 from collections.abc import Iterator
@@ -10,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from campugrid.agent.images import ImageCache
+from campugrid.agent.images import COPIES, ImageCache
 from campugrid.sandbox.podman_ops import CliOps
+from tests.support.provider import DEFAULT_IMAGE, sandbox_run
 
 pytestmark = pytest.mark.integration
 
@@ -75,3 +79,80 @@ def test_the_size_bound_and_what_the_index_lost(tmp_path: Path, image: str):
     finally:
         for n in (1, 9):
             ops.remove_image(cache.name(digest(n)))
+
+
+def test_an_image_counts_at_what_it_takes_on_disk_once_used(tmp_path: Path):
+    """Each cached image counts COPIES times Podman's size for it: a cache whose bound holds
+    the image once, but not twice, keeps it only while a task uses it."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "blob").write_bytes(os.urandom(3 * 1024**2))
+    image = f"localhost/cache-test/{secrets.token_hex(4)}:data"
+    subprocess.run(["tar", "-C", str(data), "-cf", str(tmp_path / "layer.tar"), "blob"], check=True)
+    subprocess.run(["podman", "import", str(tmp_path / "layer.tar"), image], capture_output=True,
+                   check=True)
+    ops = CliOps()
+    mb = (ops.image_size(image) or 0) / 1024**2
+    assert mb > 2.5
+    for state in ("roomy", "tight"):
+        (tmp_path / state).mkdir()
+    roomy = ImageCache(tmp_path / "roomy", f"t-{secrets.token_hex(3)}", max_mb=int(COPIES * mb) + 1,
+                       ops=ops)
+    tight = ImageCache(tmp_path / "tight", f"t-{secrets.token_hex(3)}", max_mb=int(mb) + 1, ops=ops)
+    try:
+        for cache in (roomy, tight):
+            cached(cache, ops, 1, image)
+            cache.in_use.clear()  # the task ended
+        assert roomy.trim() == [] and roomy.lookup(digest(1)) is not None
+        assert tight.trim() == [digest(1)]  # once would fit its bound; twice does not
+    finally:
+        for cache in (roomy, tight):
+            ops.remove_image(cache.name(digest(1)))
+        ops.remove_image(image)
+
+
+def test_a_first_run_writes_a_copy_of_the_image_that_its_size_leaves_out(provider, shared_tmp):
+    """Why COPIES is 2, held against the provider's own rootless Podman: a sandbox (as the
+    agent runs it, `--userns keep-id`) of an image never run before makes an ID-mapped copy of
+    all the image's layers, recorded with the image and as large as it, of which `podman image
+    inspect`'s size (what the cache reads, before the run) counts afterwards only the top
+    layer's. Should Podman shift ownership without a copy one day, this fails, and images can
+    count once."""
+    as_provider = provider.command
+    image = f"localhost/cache-test/{secrets.token_hex(4)}:ran"
+    blob = shared_tmp / "blob"
+    blob.write_bytes(os.urandom(8 * 1024**2))
+    os.chown(blob, provider.uid, provider.gid)
+    made = subprocess.run(as_provider(["buildah", "from", "--pull-never", DEFAULT_IMAGE]),
+                          capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        subprocess.run(as_provider(["buildah", "copy", made, str(blob), "/blob"]),
+                       capture_output=True, check=True)
+        subprocess.run(as_provider(["buildah", "commit", "-q", made, image]), capture_output=True,
+                       check=True)
+    finally:
+        subprocess.run(as_provider(["buildah", "rm", made]), capture_output=True)
+
+    def inspected(what: str) -> str:
+        return subprocess.run(as_provider(["podman", "image", "inspect", "--format", what, image]),
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    graph = Path(subprocess.run(as_provider(["podman", "info", "--format", "{{.Store.GraphRoot}}"]),
+                                capture_output=True, text=True, check=True).stdout.strip())
+    out = shared_tmp / "out"
+    out.mkdir()
+    os.chown(out, provider.uid, provider.gid)
+    try:
+        size, ident = int(inspected("{{.Size}}")), inspected("{{.Id}}")
+        res = sandbox_run(provider, name=f"t-copy-{secrets.token_hex(3)}", command=["true"],
+                          output_dir=str(out), image=image)
+        assert res["exit_code"] == 0, res["tail"]
+        record = next(i for i in json.loads((graph / "overlay-images" / "images.json").read_text())
+                      if i["id"] == ident)
+        # The mapped layer's folder: its own diff, and (diff1) its parents' files chowned.
+        mapped = graph / "overlay" / record["mapped-layers"][0]
+        copied = sum(f.lstat().st_size for f in mapped.rglob("*") if f.is_file() and not f.is_symlink())
+        assert copied >= 0.9 * size, (copied, size)
+        assert int(inspected("{{.Size}}")) < size + copied / 2  # most of it is left out
+    finally:
+        subprocess.run(as_provider(["podman", "rmi", "-f", image]), capture_output=True)

@@ -50,11 +50,20 @@ def _loopback(address: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
+COPIES = 2  # what one cached image takes on disk, in images (ImageCache's docstring)
+
+
 class ImageCache:
     """Images this machine pulled or pushed, by manifest digest, kept for later tasks of the
     same build: at most `max_images` and `max_mb` together, least recently used dropped
     first (never one a task uses). The index lives in the agent's state folder; images are
-    named under CACHE_PREFIX and this agent's scope, which its sweeps do not touch."""
+    named under CACHE_PREFIX and this agent's scope, which its sweeps do not touch.
+
+    Each image counts COPIES times its size, which is what it takes on disk once used: a job
+    image's first run makes rootless Podman write an ID-mapped copy of the whole image for
+    `--userns keep-id`, which Podman's image size leaves out (tests/integration/
+    test_image_cache.py holds Podman to that); a base image is copied into the builder's
+    store of allowed bases. Both copies go with the cached image."""
 
     def __init__(self, state_dir: Path, scope: str, max_images: int = 8, max_mb: int = 20480,
                  ops: PodmanOps | None = None, skopeo: str = "skopeo") -> None:
@@ -109,7 +118,7 @@ class ImageCache:
         size = self.ops.image_size(image) or 0
         with self._lock:
             index = self._index()
-            index[digest] = {"used": time.time(), "mb": size / 1024**2}
+            index[digest] = {"used": time.time(), "mb": COPIES * size / 1024**2}
             self._save(index)
         self.trim()
 
