@@ -7,20 +7,24 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from campugrid.agent import bases
 from campugrid.agent.images import ImageCache
+from campugrid.agent.messages import BaseImage
+from campugrid.agent.messages import Source as MessageSource
 from campugrid.cli.platform import _answers
 from campugrid.cli.registry import EmbeddedRegistry
 from campugrid.cli.seaweed import free_port
 from campugrid.coordinator.bases import BaseResolver, Source, parse_mirrors
 from campugrid.coordinator.registry import RegistryTokens, ensure_signing_key
 from campugrid.protocol.dockerfiles import BaseUse, check_dockerfile
-from campugrid.protocol.errors import InvalidInput, SandboxError, StorageError
+from campugrid.protocol.errors import BuildFailed, InvalidInput, SandboxError, StorageError
 from tests.support.oci import OpenRegistry, oci_image
 
 pytestmark = pytest.mark.integration
@@ -138,6 +142,30 @@ def test_a_pull_too_big_to_unpack_here_is_refused(hub, mirror, tmp_path):
                    tokens.mint("machine:m1", "library/zeros", ("pull",)), work=tmp_path,
                    limit_bytes=8 * 1024**2, cancel=None, insecure=True)
     assert cache.lookup(digest) is None and not Path(tmp_path / "pulled").exists()
+
+
+def test_a_base_is_pulled_only_if_it_fits_the_cache_counted_twice(hub, mirror, tmp_path):
+    """A cached image takes twice its size on disk once used (agent/images.py, COPIES): a
+    base that fits a 40 MB cache once, but not twice, is not pulled."""
+    reg, tokens = mirror
+    # a layer of its own (a store that holds a layer already neither fetches nor counts it)
+    layer = {"z": bytes(24 * 1024**2), "id": os.urandom(16)}
+    digest = hub.push(oci_image(tmp_path / "z", layer, gzipped=True), "library/zeros:2")
+    use = from_line("FROM zeros:2\n")
+    base = BaseImage("docker.io/library/zeros:2", digest, (MessageSource(
+        reg.address, insecure=True, token=tokens.mint("machine:m1", "library/zeros", ("pull",))),))
+    tight = ImageCache(tmp_path, f"t-{os.urandom(3).hex()}", max_mb=40)
+    roomy = ImageCache(tmp_path, f"t-{os.urandom(3).hex()}", max_mb=60)
+    lines: list[str] = []
+    try:
+        with pytest.raises(BuildFailed, match="unpacks to more than 20 MB"):
+            bases._obtain(base, use, tight, tmp_path, lines.append, threading.Event())
+        assert tight.lookup(digest) is None
+        image = bases._obtain(base, use, roomy, tmp_path, lines.append, threading.Event())
+        assert roomy.lookup(digest) == image
+    finally:
+        for cache in (tight, roomy):
+            cache.ops.remove_image(cache.name(digest))
 
 
 def test_up_starts_its_hub_mirror_only_where_the_upstream_answers(hub):

@@ -71,7 +71,7 @@ def _obtain(base: BaseImage, use: BaseUse, cache: ImageCache, work: Path, log: L
         log(f"[campugrid] pulling base {base.ref} ({base.digest}) from {source.address}")
         try:
             image = cache.pull(source.address, repository, base.digest, source.token or None,
-                               work=work, limit_bytes=cache.max_mb * 1024**2, cancel=stop,
+                               work=work, limit_bytes=cache.largest_bytes, cancel=stop,
                                insecure=source.insecure, log=log)
         except SandboxError as e:
             if stop.is_set():

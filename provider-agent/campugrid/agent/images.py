@@ -77,6 +77,12 @@ class ImageCache:
         self._layer_index: list[Path] | None = None
 
     @property
+    def largest_bytes(self) -> int:
+        """The largest image worth pulling into this cache: one that, counted COPIES times,
+        fits its size bound."""
+        return self.max_mb * 1024**2 // COPIES
+
+    @property
     def available(self) -> bool:
         """Whether this machine can move images to and from a registry at all."""
         return self.skopeo is not None
