@@ -52,10 +52,8 @@ from campugrid.cli.seaweed import free_port  # noqa: E402
 from campugrid.client import Api, tar_folder  # noqa: E402
 from campugrid.protocol.dockerfiles import check_dockerfile, pin_bases  # noqa: E402
 from campugrid.protocol.spec import JobSpec  # noqa: E402
-from tests.support.oci import UV, OpenRegistry, python_slim, uv_image  # noqa: E402
+from tests.support.oci import PYTHON_SLIM_HUB, UV, OpenRegistry, python_slim, uv_image  # noqa: E402
 from tests.support.timing import BUILT, READY  # noqa: E402
-
-HUB_NAME = "docker.io/library/python:3.11-slim"
 
 
 def entries() -> dict[str, tuple[Path, dict[str, Any]]]:
@@ -128,7 +126,7 @@ def main() -> None:
     user = ProviderUser.resolve()
     slim = python_slim(user.command([]))
     # The plain build finds the base under the name the Dockerfiles use.
-    subprocess.run(user.command(["podman", "tag", slim, HUB_NAME]), check=True, timeout=60)
+    subprocess.run(user.command(["podman", "tag", slim, PYTHON_SLIM_HUB]), check=True, timeout=60)
     hub = OpenRegistry(root / "hub")
     hub.push(f"containers-storage:{slim}", "library/python:3.11-slim", as_user=user.command([]))
     # uv's image (uv-project copies uv out of it): on the stand-in hub as ghcr.io's mirror, and
@@ -163,7 +161,7 @@ def main() -> None:
     finally:
         platform.stop()
         hub.stop()
-        subprocess.run(user.command(["podman", "rmi", HUB_NAME, f"ghcr.io/{UV}"]),
+        subprocess.run(user.command(["podman", "rmi", PYTHON_SLIM_HUB, f"ghcr.io/{UV}"]),
                        capture_output=True)
         shutil.rmtree(root, ignore_errors=True)
 

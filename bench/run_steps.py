@@ -47,7 +47,6 @@ STEPS = {  # name: what follows FROM
     "pip install a project": PIP + "COPY . /src\nRUN pip install --no-cache-dir /src\n",
 }
 PROJECT = REPO / "tests" / "corpus" / "pyproject"  # setuptools backend: build isolation
-HUB_NAME = "docker.io/library/python:3.11-slim"  # the stand-in, under a name builds may use
 
 
 def child(args: dict[str, str]) -> None:
@@ -113,19 +112,19 @@ def main() -> None:
     if args.child:
         child(json.loads(args.child))
         return
-    from tests.support.oci import python_slim
+    from tests.support.oci import PYTHON_SLIM_HUB, python_slim
 
     user = ProviderUser.resolve()
-    subprocess.run(user.command(["podman", "tag", python_slim(user.command([])), HUB_NAME]),
-                   check=True, timeout=60)
     root = Path(tempfile.mkdtemp(prefix="campugrid-bench-steps-"))
     os.chmod(root, 0o711)
     wheels = root / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:",
-                    "--no-deps", "-d", str(wheels), *WHEELS], check=True, timeout=600)
     times: dict[tuple[str, str], list[float]] = {}
     try:
-        ctxs = contexts(root, HUB_NAME, user)
+        subprocess.run(user.command(["podman", "tag", python_slim(user.command([])),
+                                     PYTHON_SLIM_HUB]), check=True, timeout=60)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:",
+                        "--no-deps", "-d", str(wheels), *WHEELS], check=True, timeout=600)
+        ctxs = contexts(root, PYTHON_SLIM_HUB, user)
         for r in range(args.rounds + 1):  # round 0 warms up (the base copied into the store)
             for name, ctx in ctxs.items():
                 for mode in ("chroot", "gvisor") if r % 2 else ("gvisor", "chroot"):
@@ -135,7 +134,8 @@ def main() -> None:
                     print(f"round {r} {name}: {mode} {took:.2f} s", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-        subprocess.run(user.command(["podman", "rmi", HUB_NAME]), capture_output=True, timeout=120)
+        subprocess.run(user.command(["podman", "rmi", PYTHON_SLIM_HUB]), capture_output=True,
+                       timeout=120)
     version = subprocess.run(["runsc", "--version"], capture_output=True, text=True,
                              check=False).stdout.split("\n")[0]
     print(f"\none-step builds by campugrid's builder, RUN in gVisor against the same in a chroot, "

@@ -65,6 +65,7 @@ def oci_image(layout: Path, files: dict[str, bytes] | list[dict[str, bytes]],
 
 
 PYTHON_SLIM = "localhost/campugrid-test/python-slim:3.11-v4"  # bump when its recipe changes
+PYTHON_SLIM_HUB = "docker.io/library/python:3.11-slim"  # what it stands in for
 
 
 def python_slim(as_user: list[str]) -> str:
