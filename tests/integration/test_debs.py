@@ -6,6 +6,7 @@ does not exist, one the declaration missed, and more than the job's disk."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -201,3 +202,52 @@ def test_apts_lists_are_fetched_again_only_after_five_minutes(provider, shared_t
     third = staged(3)
     assert any(re.match(r"\[apt\] (Get|Hit):\d+ http://deb\.debian\.org/debian bookworm InRelease",
                         line) for line in third), third
+
+
+def test_the_same_packages_are_planned_once_while_apts_lists_last(provider, shared_tmp):
+    """apt's plan (`--simulate` and its records: 1.1 s of a build here) is kept for the same
+    packages on the same dpkg status until the lists change, and apt is not run at all when
+    every .deb is kept here as its record says; apt takes a kept .deb of the right size as it
+    is, so one that is not as its record says is removed first, and fetched again."""
+    cache = provider.home / ".cache/campugrid/apt"
+
+    def staged(n: int, line: str = "RUN apt-get update && apt-get install -y jq\n"
+               ) -> tuple[list[str], str]:
+        root = shared_tmp / str(n)
+        root.mkdir()
+        got = stage(provider, root, line)
+        assert got.get("staged") is not None and got["staged"]["count"] >= 3, got
+        return got["log"], (Path(got["staged"]["folder"]) / "0" / "Packages").read_text()
+
+    def jq_as_recorded(packages: str) -> bool:
+        digest = re.search(r"^SHA256: (\S+)$", packages.split("Package: jq\n")[1], re.M)
+        assert digest, packages
+        return hashlib.sha256(kept[0].read_bytes()).hexdigest() == digest[1]
+
+    for marker in cache.glob("debian-bookworm-*/lists-updated"):  # lists ten minutes old
+        os.utime(marker, (time.time() - 600, time.time() - 600))
+    again = re.compile(r"\[campugrid\] apt's plan for these packages, made from the same lists "
+                       r"and dpkg status \d+ s ago: used again")
+    first, packages = staged(1)
+    assert not any(again.match(line) for line in first), first
+    second, packages_again = staged(2)
+    assert any(again.match(line) for line in second), second
+    assert not any(line.startswith("[apt]") for line in second), second  # no apt at all
+    assert packages_again == packages and "Package: jq\n" in packages
+    # the same packages on other lines of the Dockerfile: the same plan
+    assert any(again.match(line) for line in staged(3, "RUN apt-get install -y jq\n")[0])
+
+    kept = list(cache.glob("debian-bookworm-*/archives/jq_*.deb"))
+    assert len(kept) == 1 and jq_as_recorded(packages), kept
+    damaged = kept[0].with_name("damaged")
+    damaged.write_bytes(b"\0" * kept[0].stat().st_size)  # the same size, not the same bytes
+    if os.geteuid() == 0:
+        os.chown(damaged, provider.uid, provider.gid)
+    damaged.replace(kept[0])
+    fourth, packages = staged(4)
+    assert any(again.match(line) for line in fourth), fourth
+    assert any(re.match(r"\[apt\] Get:\d+ .* jq ", line) for line in fourth), fourth
+    assert jq_as_recorded(packages)
+
+    other, _ = staged(5, "RUN apt-get install -y jq tree\n")  # another plan
+    assert not any(again.match(line) for line in other), other

@@ -14,7 +14,9 @@ outside any sandbox, for the release of the base image each stage builds on (its
   keyring on this machine (CAMPUGRID_APT_KEYRINGS, default /usr/share/keyrings), each .deb
   against that Release's hashes;
 - into this user's cache (one per release; lists and archives, bounded by
-  CAMPUGRID_APT_CACHE_MB), as its own user, with no root.
+  CAMPUGRID_APT_CACHE_MB), as its own user, with no root; apt's plan for the same packages
+  on the same dpkg status is kept until the lists change, and apt is not run when each .deb
+  it names is kept with its record's sha256.
 
 A .deb is unpacked by dpkg inside the build, never here. Each stage's packages become a flat
 repository (the .debs, a Packages index written from apt's own records) that RUN steps see
@@ -32,6 +34,7 @@ import dataclasses
 import fcntl
 import functools
 import hashlib
+import json
 import os
 import platform
 import re
@@ -317,16 +320,27 @@ def _fetch(release: Release, status: bytes, packages: list[str], recommends: boo
         commands = ([["dist-upgrade"]] if upgrade else []) + (
             [["install", *([] if recommends else ["--no-install-recommends"]), *packages]]
             if packages else [])
-        for command in commands:
-            wanted |= _planned(command, env, release)
-        records = _records(list(wanted.values()), env)
+        plan = _plan_file(cache, status, commands)
+        before = _planned_before(plan)
+        if before is not None:
+            wanted, records = before
+            log(f"[campugrid] apt's plan for these packages, made from the same lists and "
+                f"dpkg status {time.time() - plan.stat().st_mtime:.0f} s ago: used again")
+        else:
+            for command in commands:
+                wanted |= _planned(command, env, release)
+            records = _records(list(wanted.values()), env)
         size = sum(int(m[1]) for r in records if (m := re.search(r"^Size: (\d+)$", r, re.M)))
         if size > budget:
             raise BuildFailed(f"the build's Debian packages take {size // 1024**2} MB, more "
                               "than is left of resources.disk_mb", "")
-        cached = {f for f in wanted if (archives / f).is_file()}
-        for command in commands:
-            _apt(["apt-get", "--download-only", "--yes", *command], env, log, stop, release)
+        # apt takes a kept .deb of the right size as it is: one that is not as its record
+        # says goes, and apt fetches it again
+        cached = _kept(wanted, records, archives)
+        if before is None or len(cached) < len(wanted):
+            for command in commands:
+                _apt(["apt-get", "--download-only", "--yes", *command], env, log, stop, release)
+            _remember_plan(plan, wanted, records)
         repo.mkdir(parents=True)
         for name in wanted:
             _link(archives / name, repo / name)
@@ -362,8 +376,68 @@ def _update(release: Release, cache: Path, sources: str, env: dict[str, str], lo
                 f"(at most every {LISTS_FRESH_S // 60} minutes): not fetched again")
             return
     marker.unlink(missing_ok=True)
+    shutil.rmtree(cache / "plans", ignore_errors=True)  # made from the lists about to change
     _apt(["apt-get", "update"], env, log, stop, release)
     marker.write_text(digest)
+
+
+def _plan_file(cache: Path, status: bytes, commands: list[list[str]]) -> Path:
+    """Where the plan for these apt commands on this dpkg status is kept: named by them and by
+    the lists it is made from (the update marker's sources and time, which every update
+    changes)."""
+    marker = cache / "lists-updated"
+    made = marker.stat()
+    key = hashlib.sha256(json.dumps([marker.read_text(), made.st_mtime_ns, made.st_size,
+                                     hashlib.sha256(status).hexdigest(), commands]).encode())
+    return cache / "plans" / f"{key.hexdigest()}.json"
+
+
+def _planned_before(plan: Path) -> tuple[dict[str, tuple[str, str, str]], list[str]] | None:
+    """What _planned and _records said for the same plan, if it was kept."""
+    try:
+        kept = json.loads(plan.read_text())
+        wanted = {str(f): (str(n), str(v), str(a)) for f, (n, v, a) in kept["wanted"].items()}
+        return wanted, [str(r) for r in kept["records"]]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def _kept(wanted: Mapping[str, tuple[str, str, str]], records: list[str], archives: Path
+          ) -> set[str]:
+    """The wanted .debs in `archives` with their record's sha256; any other copy is removed."""
+    sums = {}
+    for record in records:
+        fields = dict(re.findall(r"^(Package|Version|Architecture|SHA256): (\S+)$", record, re.M))
+        sums[(fields.get("Package"), fields.get("Version"), fields.get("Architecture"))] = \
+            fields.get("SHA256")
+    good = set()
+    for name, ident in wanted.items():
+        path = archives / name
+        try:
+            if _sha256(path) == sums.get(ident):
+                good.add(name)
+            else:
+                path.unlink()
+        except OSError:
+            pass  # not there
+    return good
+
+
+def _remember_plan(plan: Path, wanted: Mapping[str, tuple[str, str, str]],
+                   records: list[str]) -> None:
+    with contextlib.suppress(OSError):
+        plan.parent.mkdir(exist_ok=True)
+        partial = plan.with_suffix(".partial")
+        partial.write_text(json.dumps({"wanted": wanted, "records": records}))
+        partial.replace(plan)
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    with contextlib.suppress(OSError):  # used: the last _trim removes
+        os.utime(path, (time.time(), path.stat().st_mtime))
+    return digest
 
 
 def _host_config(release: Release, cache: Path, scratch: Path) -> str:
