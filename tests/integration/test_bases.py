@@ -159,9 +159,9 @@ def test_a_base_is_pulled_only_if_it_fits_the_cache_counted_twice(hub, mirror, t
     lines: list[str] = []
     try:
         with pytest.raises(BuildFailed, match="unpacks to more than 20 MB"):
-            bases._obtain(base, use, tight, tmp_path, lines.append, threading.Event())
+            bases._obtain(base, use, tight, tmp_path, "task", lines.append, threading.Event())
         assert tight.lookup(digest) is None
-        image = bases._obtain(base, use, roomy, tmp_path, lines.append, threading.Event())
+        image = bases._obtain(base, use, roomy, tmp_path, "task", lines.append, threading.Event())
         assert roomy.lookup(digest) == image
     finally:
         for cache in (tight, roomy):

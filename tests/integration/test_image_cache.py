@@ -35,10 +35,10 @@ def digest(n: int) -> str:
     return f"sha256:{n:064x}"
 
 
-def cached(cache: ImageCache, ops: CliOps, n: int, image: str) -> str:
-    """What a pull or a push leaves: the image under the cache's name for digest n."""
+def cached(cache: ImageCache, ops: CliOps, n: int, image: str, user: str | None = "task") -> str:
+    """What a pull leaves: the image under the cache's name for digest n, in use by `user`."""
     ops.tag(image, cache.name(digest(n)))
-    cache.add(digest(n), cache.name(digest(n)))
+    cache.add(digest(n), cache.name(digest(n)), user)
     return cache.name(digest(n))
 
 
@@ -46,19 +46,18 @@ def test_least_recently_used_goes_first_but_never_one_in_use(tmp_path: Path, ima
     ops = CliOps()
     cache = ImageCache(tmp_path, f"t-{secrets.token_hex(3)}", max_images=2, ops=ops)
     try:
-        one = cached(cache, ops, 1, image)
-        two = cached(cache, ops, 2, image)
-        cache.in_use.clear()  # both tasks ended
+        one = cached(cache, ops, 1, image, "a")
+        two = cached(cache, ops, 2, image, "b")
+        assert cache.release("a") == [] and cache.release("b") == []  # within the bounds
         assert cache.lookup(digest(1)) == one  # used again: now the most recent
-        cache.in_use.clear()
-        three = cached(cache, ops, 3, image)  # over the count: the least recent goes
+        three = cached(cache, ops, 3, image, None)  # over the count: the least recent goes
         assert ops.image_size(two) is None and cache.lookup(digest(2)) is None
         assert ops.image_size(one) is not None and ops.image_size(three) is not None
-        cache.in_use = {one, three}  # both running now
-        four = cached(cache, ops, 4, image)
+        assert cache.lookup(digest(1), "c") == one and cache.lookup(digest(3), "d") == three
+        four = cached(cache, ops, 4, image, "e")  # all three running now
         assert all(ops.image_size(x) is not None for x in (one, three, four))  # none evicted
-        cache.in_use = {four}
-        assert cache.trim() == [digest(1)]  # back within the bound: the least recent went
+        assert cache.in_use() == {one, three, four}
+        assert cache.release("c") == [digest(1)]  # its task ended: back within the bound
         assert cache.lookup(digest(3)) == three and cache.lookup(digest(4)) == four
     finally:
         for n in range(1, 5):
@@ -71,14 +70,30 @@ def test_the_size_bound_and_what_the_index_lost(tmp_path: Path, image: str):
     try:
         one = cached(cache, ops, 1, image)  # in use: kept although over the size bound
         assert ops.image_size(one) is not None
-        cache.in_use.clear()
-        assert cache.trim() == [digest(1)]
+        assert cache.release("task") == [digest(1)]  # its task ended: it goes at once
+        assert ops.image_size(one) is None
         stray = cache.name(digest(9))  # pulled, then the agent died before recording it
         ops.tag(image, stray)
         assert cache.sweep_unknown() == [stray] and ops.image_size(stray) is None
     finally:
         for n in (1, 9):
             ops.remove_image(cache.name(digest(n)))
+
+
+def test_an_image_two_tasks_use_stays_until_the_last_of_them_ends(tmp_path: Path, image: str):
+    """Two tasks of one sweep run the same cached image: the first one's end must not let the
+    cache remove it (`podman rmi --force` would take the other's running container with it);
+    a task that used one image twice (two FROM lines) lets it go at its one end."""
+    ops = CliOps()
+    cache = ImageCache(tmp_path, f"t-{secrets.token_hex(3)}", max_mb=0, ops=ops)
+    try:
+        one = cached(cache, ops, 1, image, "first")
+        assert cache.lookup(digest(1), "second") == one
+        assert cache.lookup(digest(1), "second") == one  # its second FROM line
+        assert cache.release("first") == [] and ops.image_size(one) is not None
+        assert cache.release("second") == [digest(1)] and ops.image_size(one) is None
+    finally:
+        ops.remove_image(cache.name(digest(1)))
 
 
 def test_an_image_counts_at_what_it_takes_on_disk_once_used(tmp_path: Path):
@@ -102,9 +117,8 @@ def test_an_image_counts_at_what_it_takes_on_disk_once_used(tmp_path: Path):
     try:
         for cache in (roomy, tight):
             cached(cache, ops, 1, image)
-            cache.in_use.clear()  # the task ended
-        assert roomy.trim() == [] and roomy.lookup(digest(1)) is not None
-        assert tight.trim() == [digest(1)]  # once would fit its bound; twice does not
+        assert roomy.release("task") == [] and roomy.lookup(digest(1)) is not None
+        assert tight.release("task") == [digest(1)]  # once would fit its bound; twice does not
     finally:
         for cache in (roomy, tight):
             ops.remove_image(cache.name(digest(1)))

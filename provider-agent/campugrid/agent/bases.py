@@ -27,11 +27,12 @@ def registries(resolved: Sequence[BaseImage]) -> tuple[str, ...]:
 
 
 def prepare(uses: Sequence[BaseUse], resolved: Sequence[BaseImage], cache: ImageCache | None,
-            work: Path, *, log: LogFn,
+            work: Path, *, user: str, log: LogFn,
             stop: threading.Event) -> tuple[dict[BaseUse, str], tuple[BaseUse, ...]]:
-    """Pull this Dockerfile's remote bases; returns the local image of each (for pin_bases:
-    empty when it has none) and the bases as the builder now finds them (local). Raises
-    BuildFailed, naming the line, for a base that cannot be had."""
+    """Pull this Dockerfile's remote bases, in use by `user` (a task) until it releases them
+    from the cache; returns the local image of each (for pin_bases: empty when it has none)
+    and the bases as the builder now finds them (local). Raises BuildFailed, naming the line,
+    for a base that cannot be had."""
     if not any(u.remote for u in uses):
         return {}, tuple(uses)
     if cache is None or not cache.available:
@@ -49,19 +50,18 @@ def prepare(uses: Sequence[BaseUse], resolved: Sequence[BaseImage], cache: Image
             if base is None or (use.digest and use.digest != base.digest):
                 raise BuildFailed(f"Dockerfile line {use.line}: {use.said} was not "
                                   "resolved by the coordinator for this job", "")
-            local[use] = _obtain(base, use, cache, work, log, stop)
+            local[use] = _obtain(base, use, cache, work, user, log, stop)
             out.append(BaseUse(use.line, AllowedBase(local[use]), None, copy=use.copy))
     except BuildFailed:
-        cache.in_use.difference_update(local.values())  # the task ends here
+        cache.release(user)  # the task ends here
         raise
     return local, tuple(out)
 
 
-def _obtain(base: BaseImage, use: BaseUse, cache: ImageCache, work: Path, log: LogFn,
-            stop: threading.Event) -> str:
-    found = cache.lookup(base.digest)
+def _obtain(base: BaseImage, use: BaseUse, cache: ImageCache, work: Path, user: str,
+            log: LogFn, stop: threading.Event) -> str:
+    found = cache.lookup(base.digest, user)
     if found is not None:
-        cache.in_use.add(found)
         log(f"[campugrid] base {base.ref} ({base.digest}) is already on this machine")
         return found
     repository = parse_image_ref(base.ref).repository
@@ -72,7 +72,7 @@ def _obtain(base: BaseImage, use: BaseUse, cache: ImageCache, work: Path, log: L
         try:
             image = cache.pull(source.address, repository, base.digest, source.token or None,
                                work=work, limit_bytes=cache.largest_bytes, cancel=stop,
-                               insecure=source.insecure, log=log)
+                               insecure=source.insecure, log=log, user=user)
         except SandboxError as e:
             if stop.is_set():
                 raise BuildFailed("stopped while pulling a base image", "") from e

@@ -56,8 +56,11 @@ COPIES = 2  # what one cached image takes on disk, in images (ImageCache's docst
 class ImageCache:
     """Images this machine pulled or pushed, by manifest digest, kept for later tasks of the
     same build: at most `max_images` and `max_mb` together, least recently used dropped
-    first (never one a task uses). The index lives in the agent's state folder; images are
-    named under CACHE_PREFIX and this agent's scope, which its sweeps do not touch.
+    first, never one a task uses: each task that looks up or pulls an image holds it until
+    it releases what it used, and the cache is trimmed then (a removal is `podman rmi
+    --force`, which would take a running container with it). The index lives in the
+    agent's state folder; images are named under CACHE_PREFIX and this agent's scope, which
+    its sweeps do not touch.
 
     Each image counts COPIES times its size, which is what it takes on disk once used: a job
     image's first run makes rootless Podman write an ID-mapped copy of the whole image for
@@ -73,7 +76,8 @@ class ImageCache:
         self.ops = ops or CliOps()  # the sandbox's, where it has one
         self.skopeo = shutil.which(skopeo)
         self._lock = threading.Lock()
-        self.in_use: set[str] = set()
+        # image -> the tasks using it (by lease): one task's end leaves it to the others
+        self._users: dict[str, set[str]] = {}
         self._layer_index: list[Path] | None = None
 
     @property
@@ -102,8 +106,9 @@ class ImageCache:
         tmp.write_text(json.dumps(index))
         tmp.replace(self.index_file)
 
-    def lookup(self, digest: str) -> str | None:
-        """The local image of this digest, if the cache has it (and it is still there)."""
+    def lookup(self, digest: str, user: str | None = None) -> str | None:
+        """The local image of this digest, if the cache has it (and it is still there); in
+        use by `user` (a task) from then on, until it calls release."""
         image = self.name(digest)
         with self._lock:
             index = self._index()
@@ -115,18 +120,36 @@ class ImageCache:
                 return None
             index[digest]["used"] = time.time()
             self._save(index)
+            if user is not None:
+                self._users.setdefault(image, set()).add(user)
         return image
 
-    def add(self, digest: str, image: str) -> None:
-        """Record an image now in the store under self.name(digest), in use by the caller's
-        task (until it discards it from `in_use`), then trim the cache."""
-        self.in_use.add(image)
+    def add(self, digest: str, image: str, user: str | None = None) -> None:
+        """Record an image now in the store under self.name(digest), in use by `user` if
+        given (until it calls release), then trim the cache."""
         size = self.ops.image_size(image) or 0
         with self._lock:
+            if user is not None:
+                self._users.setdefault(image, set()).add(user)
             index = self._index()
             index[digest] = {"used": time.time(), "mb": COPIES * size / 1024**2}
             self._save(index)
         self.trim()
+
+    def in_use(self) -> set[str]:
+        with self._lock:
+            return set(self._users)
+
+    def release(self, user: str) -> list[str]:
+        """`user` (a task) is done with the images it used: those no other task uses may go
+        now, and the cache goes back within its bounds (an image over them stayed only
+        because a task used it). Returns the digests removed."""
+        with self._lock:
+            for image in list(self._users):
+                self._users[image].discard(user)
+                if not self._users[image]:
+                    del self._users[image]
+        return self.trim()
 
     def trim(self) -> list[str]:
         """Drop the least recently used images beyond the bounds; returns their digests."""
@@ -136,7 +159,7 @@ class ImageCache:
             order = sorted(index, key=lambda d: index[d]["used"])
             while order and (len(index) > self.max_images
                              or sum(e["mb"] for e in index.values()) > self.max_mb):
-                victim = next((d for d in order if self.name(d) not in self.in_use), None)
+                victim = next((d for d in order if self.name(d) not in self._users), None)
                 if victim is None:
                     break
                 order.remove(victim)
@@ -148,7 +171,8 @@ class ImageCache:
 
     def pull(self, registry: str, repository: str, digest: str, token: str | None, *,
              work: Path, limit_bytes: int, cancel: threading.Event | None,
-             insecure: bool | None = None, log: LogFn | None = None) -> str:
+             insecure: bool | None = None, log: LogFn | None = None,
+             user: str | None = None) -> str:
         """Pull an image by digest, held to `limit_bytes` unpacked: its blobs land in an OCI
         folder under `work` first (skopeo checks each against its digest), each layer is
         counted as it would unpack, and only an image within the limit goes into the store.
@@ -157,7 +181,8 @@ class ImageCache:
         reads because it reuses its own layer of that digest; should it not, that copy fails
         and the pull is made again in full. `token`: the coordinator's, for its registry
         (None: anonymous); `insecure`: plain HTTP (default: for a loopback address); `log`
-        hears how much has come, every few seconds. Raises SandboxError for anything else."""
+        hears how much has come, every few seconds; `user`: the task the image is in use by
+        once stored (see lookup). Raises SandboxError for anything else."""
         image = self.name(digest)
         staged = work / "pulled"
         plain = _loopback(registry) if insecure is None else insecure
@@ -188,7 +213,7 @@ class ImageCache:
                             "them in full")
         finally:
             shutil.rmtree(staged, ignore_errors=True)
-        self.add(digest, image)
+        self.add(digest, image, user)
         return image
 
     def held_layers(self) -> set[str]:
@@ -363,6 +388,11 @@ def declared(build: BuildOptions) -> dict[str, str]:
     return {"build": json.dumps(dataclasses.asdict(build), sort_keys=True)}
 
 
+def task_user(lease: Lease) -> str:
+    """Whom the cache holds an image for: the task of this lease."""
+    return f"{lease.job_id}:{lease.fencing_token}"
+
+
 def obtain(client: CoordinatorApi, lease: Lease, builder: Builder, cache: ImageCache | None,
            *, bases: Sequence[BaseUse], tag: str, work: Path, log: LogFn,
            stop: threading.Event, build: Callable[[], None], disk_mb: int,
@@ -380,7 +410,7 @@ def obtain(client: CoordinatorApi, lease: Lease, builder: Builder, cache: ImageC
         build()
         return tag
     inputs = json.dumps({**builder.inputs(bases), **(declared or {})}, sort_keys=True)
-    job, token = lease.job_id, lease.fencing_token
+    job, token, user = lease.job_id, lease.fencing_token, task_user(lease)
     since = time.monotonic()
     step = _accepted(client.image(job, token, "resolve", inputs))
     if step.action == "wait":
@@ -395,9 +425,8 @@ def obtain(client: CoordinatorApi, lease: Lease, builder: Builder, cache: ImageC
             return tag
         step = _accepted(client.image(job, token, "resolve", inputs))
     if step.action == "pull":
-        found = cache.lookup(step.digest)
+        found = cache.lookup(step.digest, user)
         if found is not None:
-            cache.in_use.add(found)
             METRICS.build_cache_hits.labels("cache").inc()
             log(f"[campugrid] image {step.digest} (built by machine {step.built_by}) is "
                 "already on this machine")
@@ -415,7 +444,7 @@ def obtain(client: CoordinatorApi, lease: Lease, builder: Builder, cache: ImageC
                     raise SandboxError(f"it is {size // 1024**2} MB, more than the bases and "
                                        f"resources.disk_mb ({allowed // 1024**2} MB)")
                 found = cache.pull(step.registry, step.repository, step.digest, step.token,
-                                   work=work, limit_bytes=allowed, cancel=stop)
+                                   work=work, limit_bytes=allowed, cancel=stop, user=user)
             except SandboxError as e:
                 if stop.is_set():
                     raise BuildFailed("stopped while pulling the image", "") from e
@@ -429,18 +458,15 @@ def obtain(client: CoordinatorApi, lease: Lease, builder: Builder, cache: ImageC
     build()
     if step.push and later is not None:
         later(functools.partial(_share, client, cache, job, token, inputs, tag, work, log, stop))
-    elif step.push:
-        digest = _share(client, cache, job, token, inputs, tag, work, log, stop)
-        if digest:
-            return cache.name(digest)  # the same image, kept in the cache under its digest
+    elif step.push:  # the cache keeps the image under its digest too, in use by none
+        _share(client, cache, job, token, inputs, tag, work, log, stop)
     return tag
 
 
 def _share(client: CoordinatorApi, cache: ImageCache, job: str, token: int, inputs: str,
-           tag: str, work: Path, log: LogFn, stop: threading.Event) -> str:
+           tag: str, work: Path, log: LogFn, stop: threading.Event) -> None:
     """Push this machine's build for the others, and report what was pushed (nothing, if
-    the push failed: then another machine may build); the digest, or "" if not pushed. The
-    task runs its image either way."""
+    the push failed: then another machine may build). The task runs its image either way."""
     digest = ""
     began = time.monotonic()
     try:
@@ -458,7 +484,6 @@ def _share(client: CoordinatorApi, cache: ImageCache, job: str, token: int, inpu
             log(f"[campugrid] the pushed image was not recorded: {done.reason}")
     except grpc.RpcError as e:
         log(f"[campugrid] the pushed image was not recorded: {e.details()}")
-    return digest
 
 
 def _accepted(step: ImageStep) -> ImageStep:

@@ -98,7 +98,7 @@ class Task:
         # What a build here is tagged; the image that runs may be a cached or pulled one.
         self.tag = f"{job_image_prefix(sandbox.scope)}{lease.job_id}:{lease.fencing_token}"
         self.image = self.tag
-        self.held: set[str] = set()  # pulled base images this task uses
+        self.user = images.task_user(lease)  # what it uses of the image cache
         self.sharing: threading.Thread | None = None  # the push of this task's build
         self.stop = threading.Event()  # stop building/running now
         self.lost = threading.Event()  # the lease is gone: report nothing
@@ -208,7 +208,7 @@ class Task:
             self.renewer.stop()
             self.sandbox.remove_image(self.tag)  # a cached copy stays under its digest
             if self.cache is not None:
-                self.cache.in_use.difference_update({self.image, *self.held})
+                self.cache.release(self.user)
             shutil.rmtree(self.work, ignore_errors=True)  # the agent's sweep catches the rest
             if self.files != self.work:
                 shutil.rmtree(self.files, ignore_errors=True)
@@ -254,13 +254,12 @@ class Task:
         build_log = self.shipper.for_stream("build")
         began = time.monotonic()
         try:
+            # The pulled bases stay in use (not evicted from the cache) until the task ends.
             local, uses = remote_bases.prepare(info.checked.bases, lease.bases, self.cache,
-                                               work, log=build_log, stop=self.stop)
+                                               work, user=self.user, log=build_log,
+                                               stop=self.stop)
         except BuildFailed as e:
             return Outcome(succeeded=False, exit_code=-1, reason=e.reason)
-        # The pulled bases stay in use (not evicted from the cache) until the task ends.
-        self.held = {new.allowed.name for new, old in zip(uses, info.checked.bases, strict=True)
-                     if old.remote}
         staged: list[tuple[wheels.Staged | None, debs.Staged | None]] = []
         checked = info.checked
         based, staging_s = time.monotonic(), 0.0
