@@ -388,6 +388,40 @@ def test_an_image_larger_than_a_build_here_could_make_is_built_here_instead(regi
     assert any("more than the bases and resources.disk_mb (1 MB)" in line for line in lines), lines
 
 
+def test_a_pulled_image_the_cache_cannot_keep_stays_only_while_its_task_runs(registry, tmp_path):
+    """Another machine's build may be larger than this machine's image cache keeps (it is
+    held to the job's disk, not to the cache): the task runs it, the build log says it goes
+    when the task ends, and the task's end removes it; a cache that can keep it keeps it."""
+    from campugrid.agent.images import task_user
+
+    reg, tokens = registry
+    repo = repository("d" * 64)
+    token = tokens.mint("machine:m1", repo, ("push", "pull"))
+    digest = push(reg, oci_image(tmp_path / "img", {"w": os.urandom(3 * 1024**2)}), repo, token,
+                  tmp_path)
+    lease = Lease(job_id="j", attempt=1, fencing_token=7, spec_json="{}", lease_seconds=10,
+                  context_url="", output_url="")
+    for max_mb, kept in ((5, False), (64, True)):
+        cache = ImageCache(tmp_path, f"t-{os.urandom(3).hex()}", max_mb=max_mb)
+        client = PullOnly(ImageStep(True, action="pull", registry=reg.address, repository=repo,
+                                    digest=digest, token=token, built_by="m1"))
+        lines: list[str] = []
+        try:
+            got = obtain(client, lease, FakeBuilder(), cache, bases=(), tag="localhost/t:1",  # type: ignore[arg-type]
+                         work=tmp_path, log=lines.append, stop=threading.Event(),
+                         build=lambda: pytest.fail("pulled, not built"), disk_mb=16)
+            assert got == cache.name(digest) and cache.ops.image_size(got) is not None
+            said = [line for line in lines if "it is removed when this task ends" in line]
+            assert said == ([] if kept else [
+                f"[campugrid] the image takes 2 x 3 MB on disk once run, more than this "
+                f"machine's image cache holds ({max_mb} MB, --image-cache-mb): it is removed "
+                "when this task ends"]), lines
+            assert cache.release(task_user(lease)) == ([] if kept else [digest])
+            assert (cache.ops.image_size(got) is not None) is kept
+        finally:
+            cache.ops.remove_image(cache.name(digest))
+
+
 def test_a_pull_is_held_to_its_size_unpacked_and_lands_only_within_it(registry, tmp_path):
     """A layer that is small to download can unpack to anything (64 MB of zeros gzip to
     64 KB): the pull counts every layer as it unpacks before the image enters the store."""
