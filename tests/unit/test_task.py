@@ -21,6 +21,7 @@ from campugrid.agent.task import Task
 from campugrid.builders.fake import FakeBuilder
 from campugrid.sandbox import fake
 from campugrid.sandbox.fake import FakeRuntime
+from campugrid.sandbox.podman_ops import CliOps
 
 BASE = "FROM localhost/campugrid/python:bookworm\n"
 CONTEXT_URL = "http://objects.test/contexts/job-1.tar?X-Amz-Signature=s"
@@ -216,6 +217,34 @@ def test_a_failed_build_is_final_with_the_log_tail(setup: Setup) -> None:
     assert done.reason.startswith("build failed (RUN step exit 3); last lines of the build log:\n")
     assert "about-to-fail-7f3a" in done.reason
     assert setup.runtime.runs == []
+    setup.after(task)
+
+
+class ReleaseRecorder:
+    """An image cache that cannot move images (so the task builds), recording releases: the
+    real ImageCache.release is tests/integration/test_image_cache.py's."""
+
+    available = False
+
+    def __init__(self) -> None:
+        self.ops = CliOps()  # what the task reads images with, as without a cache
+        self.released: list[str] = []
+
+    def release(self, user: str) -> list[str]:
+        self.released.append(user)
+        return []
+
+
+@pytest.mark.parametrize("dockerfile", ["", "# fake: fail=build failed (RUN step exit 3)\n"])
+def test_a_task_lets_go_of_the_cached_images_it_used_as_it_ends(setup: Setup,
+                                                                 dockerfile: str) -> None:
+    """Whatever the ending: else an image it used would stay held, never evicted."""
+    task = setup.task(dockerfile=dockerfile)
+    cache = ReleaseRecorder()
+    task.cache = cache  # type: ignore[assignment]
+    task.run()
+    assert cache.released == ["job-1:7"]
+    assert setup.client.outcome().succeeded is (dockerfile == "")
     setup.after(task)
 
 
