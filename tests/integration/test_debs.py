@@ -248,6 +248,15 @@ def test_the_same_packages_are_planned_once_while_apts_lists_last(provider, shar
     assert any(again.match(line) for line in fourth), fourth
     assert any(re.match(r"\[apt\] Get:\d+ .* jq ", line) for line in fourth), fourth
     assert jq_as_recorded(packages)
+    # a .deb found good is not hashed again while its size, time and inode stay (CUDA's are
+    # gigabytes); one written over in place (the same inode, a new time) is hashed again
+    checked = json.loads((kept[0].parent.parent / "checked.json").read_text())
+    assert checked[kept[0].name][3] == hashlib.sha256(kept[0].read_bytes()).hexdigest()
+    with kept[0].open("r+b") as f:
+        f.write(b"\0" * 64)
+    fifth, packages = staged(5)
+    assert any(re.match(r"\[apt\] Get:\d+ .* jq ", line) for line in fifth), fifth
+    assert jq_as_recorded(packages)
 
-    other, _ = staged(5, "RUN apt-get install -y jq tree\n")  # another plan
+    other, _ = staged(6, "RUN apt-get install -y jq tree\n")  # another plan
     assert not any(again.match(line) for line in other), other

@@ -340,6 +340,7 @@ def _fetch(release: Release, status: bytes, packages: list[str], recommends: boo
         if before is None or len(cached) < len(wanted):
             for command in commands:
                 _apt(["apt-get", "--download-only", "--yes", *command], env, log, stop, release)
+            _kept(wanted, records, archives)  # what apt fetched, checked once and noted
             _remember_plan(plan, wanted, records)
         repo.mkdir(parents=True)
         for name in wanted:
@@ -404,22 +405,42 @@ def _planned_before(plan: Path) -> tuple[dict[str, tuple[str, str, str]], list[s
 
 def _kept(wanted: Mapping[str, tuple[str, str, str]], records: list[str], archives: Path
           ) -> set[str]:
-    """The wanted .debs in `archives` with their record's sha256; any other copy is removed."""
+    """The wanted .debs in `archives` with their record's sha256; any other copy is removed.
+    A .deb is hashed again only when its size, time or inode changed since it was last
+    found good (CUDA's packages are gigabytes)."""
     sums = {}
     for record in records:
         fields = dict(re.findall(r"^(Package|Version|Architecture|SHA256): (\S+)$", record, re.M))
         sums[(fields.get("Package"), fields.get("Version"), fields.get("Architecture"))] = \
             fields.get("SHA256")
+    checked = archives.parent / "checked.json"  # name -> [size, mtime_ns, inode, sha256]
+    try:
+        known = {str(k): list(v) for k, v in json.loads(checked.read_text()).items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        known = {}
     good = set()
     for name, ident in wanted.items():
         path = archives / name
         try:
-            if _sha256(path) == sums.get(ident):
+            st = path.stat()
+            seen = [st.st_size, st.st_mtime_ns, st.st_ino]
+            memo = known.get(name)
+            digest = str(memo[3]) if memo and len(memo) == 4 and memo[:3] == seen \
+                else _sha256(path)
+            if digest == sums.get(ident):
                 good.add(name)
+                known[name] = [*seen, digest]
+                with contextlib.suppress(OSError):  # used now: the last _trim removes
+                    os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))
             else:
                 path.unlink()
+                known.pop(name, None)
         except OSError:
-            pass  # not there
+            known.pop(name, None)  # not there
+    with contextlib.suppress(OSError):
+        partial = checked.with_suffix(".partial")
+        partial.write_text(json.dumps({k: v for k, v in known.items() if (archives / k).exists()}))
+        partial.replace(checked)
     return good
 
 
@@ -434,10 +455,7 @@ def _remember_plan(plan: Path, wanted: Mapping[str, tuple[str, str, str]],
 
 def _sha256(path: Path) -> str:
     with path.open("rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-    with contextlib.suppress(OSError):  # used: the last _trim removes
-        os.utime(path, (time.time(), path.stat().st_mtime))
-    return digest
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _host_config(release: Release, cache: Path, scratch: Path) -> str:
