@@ -16,7 +16,7 @@ outside any sandbox, for the release of the base image each stage builds on (its
 - into this user's cache (one per release; lists and archives, bounded by
   CAMPUGRID_APT_CACHE_MB), as its own user, with no root; apt's plan for the same packages
   on the same dpkg status is kept until the lists change, and apt is not run when each .deb
-  it names is kept with its record's sha256.
+  it names is kept with its record's sha256 (agent/aptcache.py).
 
 A .deb is unpacked by dpkg inside the build, never here. Each stage's packages become a flat
 repository (the .debs, a Packages index written from apt's own records) that RUN steps see
@@ -31,10 +31,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import fcntl
 import functools
 import hashlib
-import json
 import os
 import platform
 import re
@@ -42,9 +40,10 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from campugrid.agent import aptcache
 from campugrid.agent.messages import Mirror
 from campugrid.protocol.aptwords import AptInstall
 from campugrid.protocol.errors import BuildFailed, SandboxError
@@ -148,10 +147,6 @@ class Staged:
         build argument that points apt at it."""
         return {i: (("APT_CONFIG", f"{IN_BUILD}/{self.repos[base]}/apt.conf"),)
                 for i, base in enumerate(from_bases) if base is not None and base in self.repos}
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "campugrid" / "apt"
 
 
 def stage(installs: Sequence[AptInstall], build: BuildOptions, bases: Sequence[str],
@@ -286,7 +281,7 @@ def _fetch(release: Release, status: bytes, packages: list[str], recommends: boo
     """One base's packages into `repo`: the .debs, their Packages index, and the apt
     configuration RUN steps use. Returns the packages (name, version, arch) and bytes."""
     # one cache per release and keyring: lists one set of keys accepted never serve another
-    cache = cache_root() / f"{release.name}-{hashlib.sha256(keyring).hexdigest()[:12]}"
+    cache = aptcache.cache_root() / f"{release.name}-{hashlib.sha256(keyring).hexdigest()[:12]}"
     archives = cache / "archives"
     (cache / "lists" / "partial").mkdir(parents=True, exist_ok=True)
     (archives / "partial").mkdir(parents=True, exist_ok=True)
@@ -314,14 +309,14 @@ def _fetch(release: Release, status: bytes, packages: list[str], recommends: boo
         f"({release.arch}) from {MIRRORS[release.distro][0]}"
         + (f" through {proxy}" if proxy else
            f" through the platform's cache at {through}" if through else ""))
-    with _locked(cache / "lock"):
+    with aptcache.locked(cache / "lock"):
         _update(release, cache, (scratch / "sources.list").read_text(), env, log, stop)
         wanted: dict[str, tuple[str, str, str]] = {}  # file name -> (name, version, arch)
         commands = ([["dist-upgrade"]] if upgrade else []) + (
             [["install", *([] if recommends else ["--no-install-recommends"]), *packages]]
             if packages else [])
-        plan = _plan_file(cache, status, commands)
-        before = _planned_before(plan)
+        plan = aptcache.plan_file(cache, status, commands)
+        before = aptcache.planned_before(plan)
         if before is not None:
             wanted, records = before
             log(f"[campugrid] apt's plan for these packages, made from the same lists and "
@@ -336,16 +331,16 @@ def _fetch(release: Release, status: bytes, packages: list[str], recommends: boo
                               "than is left of resources.disk_mb", "")
         # apt takes a kept .deb of the right size as it is: one that is not as its record
         # says goes, and apt fetches it again
-        cached = _kept(wanted, records, archives)
+        cached = aptcache.kept(wanted, records, archives)
         if before is None or len(cached) < len(wanted):
             for command in commands:
                 _apt(["apt-get", "--download-only", "--yes", *command], env, log, stop, release)
-            _kept(wanted, records, archives)  # what apt fetched, checked once and noted
-            _remember_plan(plan, wanted, records)
+            aptcache.kept(wanted, records, archives)  # what apt fetched, checked once and noted
+            aptcache.remember_plan(plan, wanted, records)
         repo.mkdir(parents=True)
         for name in wanted:
-            _link(archives / name, repo / name)
-        _trim(archives, log)
+            aptcache.link(archives / name, repo / name)
+        aptcache.trim(archives, log)
     (repo / "Packages").write_text("\n\n".join(
         re.sub(r"^Filename: .*/", "Filename: ./", r, flags=re.M) for r in records) + "\n")
     (repo / "empty").mkdir()
@@ -368,7 +363,7 @@ def _update(release: Release, cache: Path, sources: str, env: dict[str, str], lo
             stop: threading.Event | None) -> None:
     """apt-get update, unless the last one (for these same sources: another's removes their
     lists) ended less than LISTS_FRESH_S ago."""
-    marker = cache / "lists-updated"  # the sources of the last update that ended well
+    marker = cache / aptcache.MARKER
     digest = hashlib.sha256(sources.encode()).hexdigest()
     with contextlib.suppress(OSError):
         age = time.time() - marker.stat().st_mtime
@@ -377,85 +372,9 @@ def _update(release: Release, cache: Path, sources: str, env: dict[str, str], lo
                 f"(at most every {LISTS_FRESH_S // 60} minutes): not fetched again")
             return
     marker.unlink(missing_ok=True)
-    shutil.rmtree(cache / "plans", ignore_errors=True)  # made from the lists about to change
+    aptcache.drop_plans(cache)  # made from the lists about to change
     _apt(["apt-get", "update"], env, log, stop, release)
     marker.write_text(digest)
-
-
-def _plan_file(cache: Path, status: bytes, commands: list[list[str]]) -> Path:
-    """Where the plan for these apt commands on this dpkg status is kept: named by them and by
-    the lists it is made from (the update marker's sources and time, which every update
-    changes)."""
-    marker = cache / "lists-updated"
-    made = marker.stat()
-    key = hashlib.sha256(json.dumps([marker.read_text(), made.st_mtime_ns, made.st_size,
-                                     hashlib.sha256(status).hexdigest(), commands]).encode())
-    return cache / "plans" / f"{key.hexdigest()}.json"
-
-
-def _planned_before(plan: Path) -> tuple[dict[str, tuple[str, str, str]], list[str]] | None:
-    """What _planned and _records said for the same plan, if it was kept."""
-    try:
-        kept = json.loads(plan.read_text())
-        wanted = {str(f): (str(n), str(v), str(a)) for f, (n, v, a) in kept["wanted"].items()}
-        return wanted, [str(r) for r in kept["records"]]
-    except (OSError, ValueError, TypeError, KeyError):
-        return None
-
-
-def _kept(wanted: Mapping[str, tuple[str, str, str]], records: list[str], archives: Path
-          ) -> set[str]:
-    """The wanted .debs in `archives` with their record's sha256; any other copy is removed.
-    A .deb is hashed again only when its size, time or inode changed since it was last
-    found good (CUDA's packages are gigabytes)."""
-    sums = {}
-    for record in records:
-        fields = dict(re.findall(r"^(Package|Version|Architecture|SHA256): (\S+)$", record, re.M))
-        sums[(fields.get("Package"), fields.get("Version"), fields.get("Architecture"))] = \
-            fields.get("SHA256")
-    checked = archives.parent / "checked.json"  # name -> [size, mtime_ns, inode, sha256]
-    try:
-        known = {str(k): list(v) for k, v in json.loads(checked.read_text()).items()}
-    except (OSError, ValueError, TypeError, AttributeError):
-        known = {}
-    good = set()
-    for name, ident in wanted.items():
-        path = archives / name
-        try:
-            st = path.stat()
-            seen = [st.st_size, st.st_mtime_ns, st.st_ino]
-            memo = known.get(name)
-            digest = str(memo[3]) if memo and len(memo) == 4 and memo[:3] == seen \
-                else _sha256(path)
-            if digest == sums.get(ident):
-                good.add(name)
-                known[name] = [*seen, digest]
-                with contextlib.suppress(OSError):  # used now: the last _trim removes
-                    os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))
-            else:
-                path.unlink()
-                known.pop(name, None)
-        except OSError:
-            known.pop(name, None)  # not there
-    with contextlib.suppress(OSError):
-        partial = checked.with_suffix(".partial")
-        partial.write_text(json.dumps({k: v for k, v in known.items() if (archives / k).exists()}))
-        partial.replace(checked)
-    return good
-
-
-def _remember_plan(plan: Path, wanted: Mapping[str, tuple[str, str, str]],
-                   records: list[str]) -> None:
-    with contextlib.suppress(OSError):
-        plan.parent.mkdir(exist_ok=True)
-        partial = plan.with_suffix(".partial")
-        partial.write_text(json.dumps({"wanted": wanted, "records": records}))
-        partial.replace(plan)
-
-
-def _sha256(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _host_config(release: Release, cache: Path, scratch: Path) -> str:
@@ -569,38 +488,3 @@ def explain(failure: BuildFailed, staged: Staged | None) -> BuildFailed:
         "install only the packages fetched before the build. Declare it: name it on an "
         "`apt-get install` line, or list it in the spec's build.apt. "
         f"({failure.reason})", failure.log_tail)
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """One task at a time on a release's cache (apt runs here without its own locks)."""
-    with path.open("a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _link(source: Path, target: Path) -> None:
-    if not source.is_file():
-        raise SandboxError(f"apt-get reported {source.name} but did not download it")
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copyfile(source, target)
-
-
-def _trim(archives: Path, log: LogFn) -> None:
-    """The .debs a release's cache keeps for later builds stay under CAMPUGRID_APT_CACHE_MB
-    (default 2048): past it, the least recently used go (this build's are linked already)."""
-    limit = int(os.environ.get("CAMPUGRID_APT_CACHE_MB") or 2048) * 1024**2
-    debs = sorted(archives.glob("*.deb"), key=lambda p: p.stat().st_atime)
-    total = sum(p.stat().st_size for p in debs)
-    if total <= limit:
-        return
-    while debs and total > limit:
-        oldest = debs.pop(0)
-        total -= oldest.stat().st_size
-        oldest.unlink(missing_ok=True)
-    log(f"[campugrid] apt's cache passed {limit // 1024**2} MB and was trimmed")
