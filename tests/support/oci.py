@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+from campugrid.cli.registry import EmbeddedRegistry
 from campugrid.cli.seaweed import free_port
 
 
@@ -159,3 +160,24 @@ class OpenRegistry:
         self.process.terminate()
         self.process.wait(timeout=10)
         self.log.close()
+
+
+# --- skopeo as agents drive it, against a registry that checks the coordinator's tokens ----
+
+
+def skopeo(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["skopeo", "copy", "--quiet", *args], capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+def push(registry: EmbeddedRegistry, image: str, repo: str, token: str, tmp: Path) -> str:
+    out = skopeo("--dest-registry-token", token, "--dest-tls-verify=false", "--digestfile",
+                 str(tmp / "digest"), image, f"docker://{registry.address}/{repo}:t")
+    assert out.returncode == 0, out.stderr
+    return (tmp / "digest").read_text().strip()
+
+
+def skopeo_inspect(registry: EmbeddedRegistry, repo: str, digest: str, token: str) -> str:
+    return subprocess.run(["skopeo", "inspect", "--raw", "--tls-verify=false", "--registry-token",
+                           token, f"docker://{registry.address}/{repo}@{digest}"],
+                          capture_output=True, text=True, timeout=60, check=True).stdout
