@@ -454,11 +454,11 @@ def obtain(client: CoordinatorApi, lease: Lease, builder: Builder, cache: ImageC
             METRICS.build_cache_hits.labels("registry").inc()
             log(f"[campugrid] pulled image {step.digest} (built by machine {step.built_by}) "
                 f"in {time.monotonic() - began:.1f} s")
-            mb = (cache.ops.image_size(found) or 0) // 1024**2
-            if COPIES * mb > cache.max_mb:
-                log(f"[campugrid] the image takes {COPIES} x {mb} MB on disk once run, more than "
-                    f"this machine's image cache holds ({cache.max_mb} MB, --image-cache-mb): "
-                    "it is removed when this task ends")
+            size = cache.ops.image_size(found) or 0
+            if size > cache.largest_bytes:
+                log(f"[campugrid] the image takes {COPIES} x {size // 1024**2} MB on disk once "
+                    f"run, more than this machine's image cache holds ({cache.max_mb} MB, "
+                    "--image-cache-mb): it is removed when this task ends")
         return found
     build()
     if step.push and later is not None:
