@@ -13,7 +13,7 @@ Nothing else differs, so the ratio is the sandbox's own cost for that kind of st
 change outside gVisor can remove: such a step costs a build through campugrid at least its
 gVisor row. The "no RUN step" row is the builder's fixed cost (the store, the base check, the
 commit), the same for both. The "new memory" row is page faults alone: what every process
-that grows its heap pays (a Python process that imports pip touches about 25 MB).
+that grows its heap pays (`pip --version` peaks at 40 MB resident, Python alone at 13 MB).
 """
 
 from __future__ import annotations
