@@ -138,6 +138,11 @@ def test_from_nothing_to_a_finished_job_in_the_console(page):
         assert page.locator("#job-state").inner_text() == "running"
         assert reloads == [], "the log arrived by a reload, not by the stream"
         expect(page.locator("#job-state")).to_have_text("succeeded", timeout=120_000)
+        # The state event comes just before the stream's end, which reloads the page: wait
+        # for that event, not only for the state (a full run once read `reloads` in between).
+        until = time.monotonic() + 30
+        while not reloads and time.monotonic() < until:
+            page.wait_for_timeout(100)
         assert reloads, "the page reloads itself once the job has ended"
         expect(page.locator("#run-log")).to_contain_text("tick 8")
         expect(page.locator("#events")).to_contain_text("succeeded")
