@@ -4,6 +4,8 @@ and nothing secret in the database."""
 from __future__ import annotations
 
 import datetime as dt
+import statistics
+import time
 from pathlib import Path
 
 import pyotp
@@ -199,3 +201,36 @@ def test_a_name_nobody_has_locks_like_a_real_one(users: Users):
             users.login("nobody", "wrong password entirely", "123456")
     with pytest.raises(RateLimited, match="locked until"):
         users.login("nobody", "wrong password entirely", "123456")
+
+
+def test_a_refusal_takes_as_long_whatever_the_name_and_the_lock(users: Users):
+    """Each refusal pays one password check, so its time tells nothing: not whether the name
+    exists, nor (with five wrong tries first) whether a locked account is a real one."""
+    _, totp = enrolled(users)
+    wrong = "wrong password entirely"
+
+    def timed(name: str, refusal: type[Exception]) -> float:
+        start = time.perf_counter()
+        with pytest.raises(refusal):
+            users.login(name, wrong, totp.now())
+        return time.perf_counter() - start
+
+    def alike(a: list[float], b: list[float]) -> bool:
+        # Medians of interleaved tries (a busy machine slows both), within a factor of two:
+        # the check is a tenth of a second or more, a database round trip a few ms.
+        ma, mb = statistics.median(a), statistics.median(b)
+        return 0.5 <= ma / mb <= 2
+
+    # The tries before the lock, then the one that sets it off, then tries while locked.
+    real, unknown = [], []
+    for _ in range(MAX_FAILURES - 1):
+        real.append(timed("ada", Unauthenticated))
+        unknown.append(timed("nobody", Unauthenticated))
+    assert alike(real, unknown), (real, unknown)
+    timed("ada", RateLimited)
+    timed("nobody", RateLimited)
+    real, unknown = [], []
+    for _ in range(MAX_FAILURES - 1):
+        real.append(timed("ada", RateLimited))
+        unknown.append(timed("nobody", RateLimited))
+    assert alike(real, unknown), (real, unknown)

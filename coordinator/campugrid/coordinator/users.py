@@ -276,9 +276,11 @@ class Users:
                 raise _locked(now + dt.timedelta(seconds=wait), now)
             raise wrong
         user_id, hashed, sealed, last_step, locked_until = found
+        # Checked even while locked: a locked unknown name pays the dummy check above, so a
+        # locked account refused without one would tell by its speed that the name exists.
+        good = _verify(hashed, password)
         if locked_until is not None and locked_until > now:
             raise _locked(locked_until, now)
-        good = _verify(hashed, password)
         step = _totp_step(self.box.open(sealed), code, now) if good else None
         if not good or step is None:
             raise self._failed(user_id, now) or wrong
