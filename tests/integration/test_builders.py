@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from campugrid.agent.wheels import IN_BUILD
+from campugrid.agent.buildnet import CA_MOUNT
 from tests.support.provider import buildah_build, run_as_provider, sandbox_run
 from tests.support.timing import BUILT
 
@@ -87,9 +87,10 @@ def test_a_multi_stage_build_commits_its_last_stage_into_the_providers_store(pro
 
 
 def test_run_steps_read_a_volume_that_leaves_no_trace_in_the_image(provider, shared_tmp):
-    """How RUN steps see the wheels fetched for them (agent/wheels.py): read-only, under
-    /dev. Buildah leaves a volume's mount point in the image, as an empty folder; under /dev,
+    """How RUN steps see files the agent gives them (extra certificates, agent/buildnet.py):
+    read-only, under /dev. Buildah leaves a volume's mount point in the image, as an empty folder; under /dev,
     which every runtime mounts afresh, no container of the image ever sees it."""
+    IN_BUILD = CA_MOUNT.replace("build-ca.pem", "shelf")  # where the certificates go too
     shelf = shared_tmp / "shelf"
     shelf.mkdir()
     (shelf / "pkg.txt").write_text("from-the-shelf\n")

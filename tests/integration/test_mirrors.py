@@ -1,7 +1,8 @@
 """The platform's package caches (coordinator/mirrors.py) for real: proxpi in the app and the
 embedded apt-cacher-ng, behind machine tokens, served over HTTP as the coordinator serves
-them; the agent's pip and apt fetch through them (from the real PyPI and Debian mirror) and
-what they fetched stays cached."""
+them; a build's requests reach them through the agent's egress proxy (agent/buildnet.py),
+which adds the token (from the real PyPI and Debian mirror), and what they fetched stays
+cached."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ import httpx
 import pytest
 import uvicorn
 
+from campugrid.agent import buildnet
 from campugrid.agent.messages import Mirror
-from campugrid.agent.wheels import stage as stage_wheels
 from campugrid.cli.aptcache import EmbeddedAptCache
 from campugrid.cli.seaweed import free_port
 from campugrid.coordinator.auth import Guard, RateLimits
@@ -25,9 +26,7 @@ from campugrid.coordinator.db import make_engine, migrate
 from campugrid.coordinator.machines import MachineRecords, Status
 from campugrid.coordinator.mirrors import MirrorTokens, create_mirrors
 from campugrid.coordinator.store import Store
-from campugrid.protocol.dockerfiles import check_dockerfile
-from campugrid.protocol.spec import BuildOptions
-from tests.integration.test_debs import stage as stage_debs
+from campugrid.egress.policy import Policy
 from tests.support.machines import add_machine
 
 pytestmark = pytest.mark.integration
@@ -113,60 +112,62 @@ def test_only_a_machines_token_reads_and_only_what_the_caches_are_for(served, tm
     assert httpx.delete(f"{url}/pypi/cache/list", auth=good).status_code == 405
 
 
-def jmespath_through(mirror: Mirror, tmp_path: Path) -> list[str]:
-    """The agent's wheel fetch for `pip install jmespath==1.0.1`, given this mirror; its log."""
-    lines: list[str] = []
-    context = tmp_path / "context"
-    context.mkdir()
-    got = stage_wheels(check_dockerfile("FROM localhost/campugrid/python:bookworm\n"
-                                        "RUN pip install jmespath==1.0.1\n").pip,
-                       BuildOptions(), context, tmp_path, python="3.11", disk_mb=64,
-                       log=lines.append, stop=threading.Event(), mirror=mirror)
-    assert got is not None and got.count == 1, lines
-    return lines
+@contextlib.contextmanager
+def build_client(mirrors: list[Mirror], lines: list[str]) -> Iterator[httpx.Client]:
+    """An HTTP client that goes out as a build's RUN steps do: through the agent's egress
+    proxy for one build (its unix socket, where the build's relay would carry it), here in
+    local mode with no other host allowed."""
+    with buildnet.open_network(mirrors, wanted="default", mode="local", disk_mb=64,
+                               log=lines.append, policy=Policy(hosts=("none.invalid",))) as net:
+        assert net.socket is not None
+        transport = httpx.HTTPTransport(uds=str(net.socket))
+        with httpx.Client(transport=transport, timeout=120) as client:
+            yield client
 
 
-def test_the_agents_pip_fetches_through_the_cache_which_keeps_the_wheel(served, tmp_path):
+def through_proxy(client: httpx.Client, url: str) -> httpx.Response:
+    """A proxy request (absolute URL) as pip and apt send one to their http_proxy."""
+    return client.send(client.build_request("GET", "http://proxy/",
+                                            extensions={"target": url.encode()}))
+
+
+def test_a_builds_pip_fetches_through_the_cache_which_keeps_the_wheel(served):
     url, root = served.url, served.root
     mirror = Mirror("pypi", f"{url}/pypi", served.token())
-    lines = jmespath_through(mirror, tmp_path)
+    lines: list[str] = []
+    with buildnet.open_network([mirror], wanted="default", mode="local", disk_mb=1,
+                               log=lines.append) as net:
+        index = dict(net.run_args)["PIP_INDEX_URL"]
+    with build_client([mirror], lines) as client:
+        page = through_proxy(client, f"{index}jmespath/")
+        assert page.status_code == 200, page.text
+        link = next(h for h in page.text.split('"') if "jmespath-1.0.1-py3-none-any.whl" in h)
+        wheel = through_proxy(client, str(httpx.URL(f"{index}jmespath/").join(link)))
+        assert wheel.status_code == 200 and wheel.content[:2] == b"PK", wheel.status_code
     log = "\n".join(lines)
-    assert f"from the platform's cache at {url}/pypi" in log
+    assert f"GET {buildnet.PYPI_ALIAS}/index/jmespath/ via the platform's PyPI cache" in log
     assert mirror.token not in log  # the token never reaches the build log
     cached = [p.name for p in (root / "pypi").rglob("*.whl")]
     assert "jmespath-1.0.1-py3-none-any.whl" in cached, cached
 
 
-def test_the_agents_apt_fetches_through_the_cache_which_keeps_the_packages(
-        served, provider, shared_tmp):
+def test_a_builds_apt_fetches_through_the_cache_which_keeps_the_packages(served):
     url, apt = served.url, served.apt
     token = served.token()
-    # tree: a package the agent's own cache does not hold (the fetch must go to the mirror)
-    for kept in (provider.home / ".cache/campugrid/apt").glob("*/archives/tree_*.deb"):
-        kept.unlink()
-    got = stage_debs(provider, shared_tmp, "RUN apt-get update && apt-get install -y tree\n",
-                     mirror={"kind": "apt", "url": f"{url}/apt", "token": token})
-    assert got.get("staged") is not None, got
-    log = "\n".join(got["log"])
-    assert f"through the platform's cache at {url}/apt" in log
-    assert f"{url}/apt/deb.debian.org/debian bookworm InRelease" in log.replace("Get:1 ", "")
+    lines: list[str] = []
+    release = "http://deb.debian.org/debian/dists/bookworm/Release"
+    with build_client([Mirror("apt", f"{url}/apt", token)], lines) as client:
+        got = through_proxy(client, release)
+        assert got.status_code == 200 and "Codename: bookworm" in got.text, got.status_code
+        # Anything else is the policy's: here no host is allowed besides the caches.
+        refused = through_proxy(client, "http://example.org/")
+        assert refused.status_code == 403
+    log = "\n".join(lines)
+    assert "GET deb.debian.org/debian/dists/bookworm/Release via the platform's apt cache" in log
+    assert "refused GET example.org/: example.org is not on this platform's list" in log
     assert token not in log
-    assert "[campugrid] deb tree " in log and "(fetched)" in log
-    kept = {p.name.split("_")[0] for p in (apt.data_dir / "cache").rglob("*.deb")}
-    assert "tree" in kept, kept
-
-
-def test_a_cache_out_of_reach_costs_a_log_line_not_the_build(provider, shared_tmp, tmp_path):
-    """A coordinator serving REST on its own loopback only hands remote machines caches
-    they cannot reach: they fetch from the index and the distribution's mirrors directly."""
-    dead = "http://127.0.0.1:9"
-    lines = jmespath_through(Mirror("pypi", f"{dead}/pypi", "token"), tmp_path)
-    assert any("instead" in line and "pypi.org" in line for line in lines), lines
-    debs = stage_debs(provider, shared_tmp, "RUN apt-get update && apt-get install -y jq\n",
-                      mirror={"kind": "apt", "url": f"{dead}/apt", "token": "token"})
-    assert debs.get("staged") is not None, debs
-    assert any("fetching from the distribution's mirrors instead" in line
-               for line in debs["log"]), debs["log"]
+    kept = [p.name for p in apt.data_dir.rglob("Release")]
+    assert kept, "apt-cacher-ng kept nothing"
 
 
 def test_a_machine_revoked_or_not_approved_is_refused_at_once_and_bad_tokens_count(served):

@@ -1,6 +1,7 @@
 """A corpus of tricky Dockerfile spellings: each hides an attack that BuildKit's reading
-shows, and the policy must refuse. Shared by the unit test of the policy and the real builds
-in tests/security."""
+shows, and the policy must refuse, or (None) that the policy lets through to the network,
+which stops it: an ADD of an address the build must not reach. Shared by the unit test of
+the policy and the real builds in tests/security."""
 
 import dockerfile
 
@@ -16,28 +17,29 @@ def buildkit_reads(text: str) -> str:
                      for c in dockerfile.parse_string(text))
 
 
-# (name, Dockerfile, what BuildKit reads in it, what the refusal says)
+# (name, Dockerfile, what BuildKit reads in it, what the refusal says; None: an http(s) ADD,
+# allowed by the check, that the egress proxy must refuse)
 CORPUS = [
     ("continued URL", F + "ADD http:/\\\n/127.0.0.1:8750/v1/jobs /j\n",
-     "http://127.0.0.1:8750/v1/jobs", "no URLs"),
+     "http://127.0.0.1:8750/v1/jobs", None),
     ("continued URL, comment between", F + "ADD http:/\\\n# innocent\n/127.0.0.1:8888/ /j\n",
-     "http://127.0.0.1:8888/", "no URLs"),
+     "http://127.0.0.1:8888/", None),
     ("continued URL, CRLF", F.replace("\n", "\r\n") + "ADD http:/\\\r\n/127.0.0.1/ /j\r\n",
-     "http://127.0.0.1/", "no URLs"),
+     "http://127.0.0.1/", None),
     ("escape directive", "# escape=`\n" + F + "ADD http:/`\n/127.0.0.1:8333/ /j\n",
-     "http://127.0.0.1:8333/", "no URLs"),
-    ("lower-case instruction", F + "add http://127.0.0.1/ /j\n", "ADD  http://127.0.0.1/", "no URLs"),
-    ("tab separated", F + "ADD\thttp://127.0.0.1/\t/j\n", "http://127.0.0.1/", "no URLs"),
-    ("upper-case scheme", F + "ADD HTTP://127.0.0.1/ /j\n", "HTTP://127.0.0.1/", "no URLs"),
-    ("JSON form", F + 'ADD ["http://127.0.0.1/", "/j"]\n', "http://127.0.0.1/", "no URLs"),
-    ("after a flag", F + "ADD --chown=0:0 http://127.0.0.1/ /j\n", "--chown=0:0 http://", "no URLs"),
-    ("git URL", F + "ADD git@github.com:a/b.git /b\n", "git@github.com", "no URLs"),
-    ("COPY of a URL", F + "COPY http://127.0.0.1/ /j\n", "http://127.0.0.1/", "no URLs"),
-    ("ARG holding a URL", F + "ARG U=http://127.0.0.1:8750/v1/jobs\nADD $U /j\n", "ADD  $U", "no URLs"),
-    ("braced ARG", F + "ARG U=http://127.0.0.1/\nADD ${U} /j\n", "${U}", "no URLs"),
-    ("ENV holding a URL", F + "ENV U=http://127.0.0.1/\nADD ${U}x /j\n", "${U}x", "no URLs"),
-    ("default of an unset ARG", F + "ARG N=\nADD ${N:-http://127.0.0.1/} /j\n", "${N:-http", "no URLs"),
-    ("alternative of a set ARG", F + "ARG N=1\nADD ${N:+http://127.0.0.1/} /j\n", "${N:+http", "no URLs"),
+     "http://127.0.0.1:8333/", None),
+    ("lower-case instruction", F + "add http://127.0.0.1/ /j\n", "ADD  http://127.0.0.1/", None),
+    ("tab separated", F + "ADD\thttp://127.0.0.1/\t/j\n", "http://127.0.0.1/", None),
+    ("upper-case scheme", F + "ADD HTTP://127.0.0.1/ /j\n", "HTTP://127.0.0.1/", None),
+    ("JSON form", F + 'ADD ["http://127.0.0.1/", "/j"]\n', "http://127.0.0.1/", None),
+    ("after a flag", F + "ADD --chown=0:0 http://127.0.0.1/ /j\n", "--chown=0:0 http://", None),
+    ("git URL", F + "ADD git@github.com:a/b.git /b\n", "git@github.com", "http:// and https:// URLs only"),
+    ("COPY of a URL", F + "COPY http://127.0.0.1/ /j\n", "http://127.0.0.1/", "COPY takes files"),
+    ("ARG holding a URL", F + "ARG U=http://127.0.0.1:8750/v1/jobs\nADD $U /j\n", "ADD  $U", None),
+    ("braced ARG", F + "ARG U=http://127.0.0.1/\nADD ${U} /j\n", "${U}", None),
+    ("ENV holding a URL", F + "ENV U=http://127.0.0.1/\nADD ${U}x /j\n", "${U}x", None),
+    ("default of an unset ARG", F + "ARG N=\nADD ${N:-http://127.0.0.1/} /j\n", "${N:-http", None),
+    ("alternative of a set ARG", F + "ARG N=1\nADD ${N:+http://127.0.0.1/} /j\n", "${N:+http", None),
     ("ARG with no value", F + "ARG U\nADD $U /j\n", "ADD  $U", "plain word"),
     ("undeclared variable", F + "ADD $HOME/x /j\n", "$HOME", "plain word"),
     ("quoted URL", F + 'ADD "http://127.0.0.1/" /j\n', '"http://127.0.0.1/"', "plain word"),
@@ -50,7 +52,7 @@ CORPUS = [
     ("RUN --mount, upper case", F + "RUN --MOUNT=type=bind,target=/h ls\n", "--MOUNT=", "RUN --mount"),
     ("RUN --mount from an image", F + "RUN --mount=type=bind,from=other:1,target=/h ls\n",
      "from=other:1", "RUN --mount"),
-    ("RUN --network=host", F + "RUN --network=host curl x\n", "--network=host", "no network"),
+    ("RUN --network=host", F + "RUN --network=host curl x\n", "--network=host", "nothing else"),
     ("RUN --security=insecure", F + "RUN --security=insecure id\n", "--security=insecure", "not available"),
     ("heredoc hiding an ADD", F + "RUN <<EOF\nADD http://127.0.0.1/ /j\nEOF\n", "RUN  <<EOF", "heredocs"),
     ("heredoc after a command", F + "RUN cat <<EOF\nADD http://127.0.0.1/ /j\nEOF\n", "RUN  cat <<EOF",

@@ -69,9 +69,9 @@ def test_garbage_is_not_an_archive():
 
 @pytest.mark.parametrize(("dockerfile", "says"), [
     ("RUN echo hi", "RUN before the first FROM"),
-    ("FROM localhost/campugrid/python:bookworm\nRUN --network=host curl example.org", "builds run with no network"),
+    ("FROM localhost/campugrid/python:bookworm\nRUN --network=host curl example.org", "through the platform's egress proxy"),
     ("FROM localhost/campugrid/python:bookworm\nRUN --mount=type=secret,id=aws cat /run/secrets/aws", "secret and ssh mounts"),
-    ("FROM localhost/campugrid/python:bookworm\nADD https://example.org/a.tgz /a.tgz", "ADD https://example.org/a.tgz"),
+    ("FROM localhost/campugrid/python:bookworm\nCOPY https://example.org/a.tgz /a.tgz", "COPY takes files from the context"),
     ("FROM localhost/campugrid/python:bookworm\nFROBNICATE now", "unknown instruction 'FROBNICATE'"),
     ("# only a comment", "no FROM instruction"),
 ])
@@ -109,8 +109,6 @@ def test_link_chains_cannot_reach_outside_the_context(members, tmp_path):
 
 
 @pytest.mark.parametrize("dockerfile", [
-    'FROM localhost/campugrid/python:bookworm\nADD ["http://192.168.1.1/x", "/x"]',
-    "FROM localhost/campugrid/python:bookworm\nARG U=http://127.0.0.1:8750/v1/jobs\nADD $U /x",
     "FROM localhost/campugrid/python:bookworm\nRUN --mount=type=SECRET,id=a cat /run/secrets/a",
     "FROM localhost/campugrid/python:bookworm\nRUN --mount=type=bind,from=y,target=/host ls /host",
     "FROM localhost/campugrid/python:bookworm\nRUN --mount=type=cache,target=/root/.cache pip install x",

@@ -15,17 +15,19 @@ from campugrid.sandbox.process import LogFn
 
 class Builder(Protocol):
     name: str
+    online: bool  # whether its RUN steps can reach the egress proxy (else builds are offline)
     scope: str  # this agent's folder of job cgroups: what its sweeps may remove
 
     def build(self, context_dir: Path, tag: str, *, log: LogFn, timeout_s: float,
               cancel: threading.Event | None = None, memory_mb: int = 4096,
               cpus: float = 2.0, disk_mb: int = 512,
               bases: Sequence[BaseUse] | None = None, dockerfile: Path | None = None,
-              volumes: Sequence[tuple[Path, str]] = ()) -> str:
+              volumes: Sequence[tuple[Path, str]] = (), egress: Path | None = None) -> str:
         """Build context_dir/Dockerfile (or `dockerfile`: the agent's copy with remote bases
-        pinned and pip pointed at the fetched wheels) into the provider's image store as
-        `tag`. `volumes`: host paths RUN steps see read-only, at the given paths (the wheels
-        the agent fetched, agent/wheels.py).
+        pinned and pip pointed at the platform's cache) into the provider's image store as
+        `tag`. `volumes`: host paths RUN steps see read-only, at the given paths (extra
+        certificates to trust). `egress`: the unix socket of the agent's egress proxy, the
+        only way out of the build (agent/buildnet.py); None: offline.
 
         `bases` are the allowed base images the checked Dockerfile starts from (None: check
         the Dockerfile here): each must be here with its pinned digest, if any. RUN steps get

@@ -1,12 +1,19 @@
-"""Rootless Buildah with every RUN step inside gVisor (runsc), no network and bounded disk.
+"""Rootless Buildah with every RUN step inside gVisor (runsc), bounded disk, and a network
+whose only way out is the egress proxy (or none at all).
 
 `--isolation chroot` would run RUN steps on the host kernel with the host network, so it is
 never used. runsc goes through a small wrapper (runsc-build-runtime) because plain
 `runsc delete` blocks and fails after each step, which aborts the build.
 
 Each build runs in Buildah's user namespace (`buildah unshare`) with, in it:
-- a network namespace of its own whose only loopback is down, so Buildah's own process
-  (which fetches ADD's URLs itself) reaches nothing, whatever a Dockerfile check missed;
+- a network namespace of its own with nothing in it but its loopback. With `egress` (a unix
+  socket: the agent's egress proxy, agent/buildnet.py), the loopback is up and relay.py
+  listens on it at PROXY_PORT, carrying each connection to that socket; Buildah (which fetches
+  ADD's URLs itself) and the RUN steps get it as their HTTP(S) proxy, and RUN steps use the
+  namespace's own sockets (runsc `network=host`: gVisor's netstack would have a loopback of
+  its own, without the relay). Nothing else is there to reach: a tool that ignores the proxy
+  finds no route, no DNS server, no host. Without `egress` the loopback stays down and RUN
+  steps run with runsc `network=none`: the build is offline;
 - its own image store on a tmpfs of `disk_mb`, so everything the RUN steps write (the
   working layer, and any earlier stage's image) stops at that size and vanishes with the build;
 - as the only other images, a store of this provider's allowed base images (read-only), so
@@ -26,12 +33,14 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from campugrid.egress.policy import CA_ENV
 from campugrid.protocol.dockerfiles import BaseUse, check_dockerfile
 from campugrid.protocol.errors import BuildFailed, InvalidInput
 from campugrid.sandbox import limits as host_limits
@@ -39,6 +48,9 @@ from campugrid.sandbox import profile
 from campugrid.sandbox.podman_runsc import RUNSC_FLAGS, runtime_dir
 from campugrid.sandbox.process import LogFn, run_streaming
 
+RELAY = Path(__file__).with_name("relay.py")
+# RUN steps with the egress proxy: the build namespace's own sockets (see the docstring).
+NETWORK_FLAGS = tuple("network=host" if f == "network=none" else f for f in RUNSC_FLAGS)
 WRAPPER = Path(__file__).with_name("runsc-build-runtime")
 PULLED_PREFIX = "localhost/campugrid-cache/"  # agent/images.py's cache names
 COMMIT = "COMMIT "  # Buildah's line as it begins to commit an image (the final one: the last)
@@ -51,21 +63,42 @@ def layer_limit_mb(disk_mb: int) -> int:
     return disk_mb * 5 // 4 + 64
 
 
-# $1 store folder, $2 its size in MB, $3 the layer limit in MB, $4 the allowed-bases store;
-# the rest is `buildah bud`'s arguments, its `-t` the provider's store.
+PROXY_PORT = 3128  # where the relay listens, on the build's own loopback
+# $1 store folder, $2 its size in MB, $3 the layer limit in MB, $4 the allowed-bases store,
+# $5 the egress proxy's socket (empty: offline), $6 a Python for the relay, $7 its file; the
+# rest is `buildah bud`'s arguments, its `-t` the provider's store.
 _SCRIPT = """
 set -e
 w=$1 size=$2 layer=$3 bases=$4
-shift 4
 mount -t tmpfs -o "size=${size}m,mode=0700" campugrid-build "$w"
 ulimit -S -f $((layer * 2048))
-exec unshare --net -- buildah --root "$w/root" --runroot "$w/run" --storage-driver overlay \\
-  --storage-opt "overlay.imagestore=$bases" "$@"
+exec unshare --net -- /bin/sh -c "$NETNS" campugrid-netns "$@"
 """
+_NETNS = """
+set -e
+w=$1 bases=$4 egress=$5 python=$6 relay=$7
+shift 7
+set -- buildah --root "$w/root" --runroot "$w/run" --storage-driver overlay \\
+  --storage-opt "overlay.imagestore=$bases" "$@"
+[ -n "$egress" ] || exec "$@"
+"$python" "$relay" PORT "$egress" >"$w/relay.out" 2>&1 &
+relay=$!
+i=0
+until grep -q ready "$w/relay.out" 2>/dev/null; do
+  i=$((i + 1)); [ $i -lt 200 ] && kill -0 $relay 2>/dev/null || { cat "$w/relay.out"; exit 1; }
+  sleep 0.05
+done
+export http_proxy=http://127.0.0.1:PORT https_proxy=http://127.0.0.1:PORT
+export HTTP_PROXY=$http_proxy HTTPS_PROXY=$https_proxy no_proxy= NO_PROXY=
+"$@" && rc=0 || rc=$?
+kill $relay 2>/dev/null || true
+exit $rc
+""".replace("PORT", str(PROXY_PORT))
 
 
 class BuildahBuilder:
     name = "buildah"
+    online = True  # RUN steps may reach the egress proxy
 
     def __init__(self, buildah: str = "buildah", scope: str = "") -> None:
         self.buildah = shutil.which(buildah) or buildah
@@ -98,15 +131,16 @@ class BuildahBuilder:
         return f"containers-storage:[overlay@{graph}+{run}]{tag}"
 
     def bud_args(self, context_dir: Path, tag: str, dockerfile: Path | None = None,
-                 volumes: Sequence[tuple[Path, str]] = ()) -> list[str]:
+                 volumes: Sequence[tuple[Path, str]] = (), online: bool = False) -> list[str]:
         return [
             "bud",
             "--isolation", "oci",
             "--runtime", str(WRAPPER),
-            *RUNSC_FLAGS,
+            *(NETWORK_FLAGS if online else RUNSC_FLAGS),
             *([*profile.RUNTIME_FLAGS, "--security-opt", f"seccomp={self.seccomp}"]
               if self.seccomp else []),
-            "--network", "none",
+            # "host": the build's own namespace (only its loopback and the relay), not the host's
+            "--network", "host" if online else "none",
             "--pull-never",  # no registry: FROM names an allowed base this provider has
             "--layers=false", "--rm", "--force-rm",
             # Reproducible: every timestamp (image, history, files) is the epoch, so machines
@@ -119,18 +153,22 @@ class BuildahBuilder:
         ]
 
     def argv(self, store: Path, disk_mb: int, context_dir: Path, tag: str,
-             dockerfile: Path | None = None,
-             volumes: Sequence[tuple[Path, str]] = ()) -> list[str]:
-        return [self.buildah, "unshare", "/bin/sh", "-c", _SCRIPT, "campugrid-build",
+             dockerfile: Path | None = None, volumes: Sequence[tuple[Path, str]] = (),
+             egress: Path | None = None) -> list[str]:
+        trust = os.environ.get(CA_ENV, "") if egress is not None else ""
+        return [self.buildah, "unshare", "/usr/bin/env", f"NETNS={_NETNS}",
+                *([f"SSL_CERT_FILE={trust}"] if trust else []),
+                "/bin/sh", "-c", _SCRIPT, "campugrid-build",
                 str(store), str(disk_mb), str(layer_limit_mb(disk_mb)),
-                str(self.bases_store[0] / "root"),
-                *self.bud_args(context_dir, self.destination(tag), dockerfile, volumes)]
+                str(self.bases_store[0] / "root"), str(egress or ""), sys.executable, str(RELAY),
+                *self.bud_args(context_dir, self.destination(tag), dockerfile, volumes,
+                               online=egress is not None)]
 
     def build(self, context_dir: Path, tag: str, *, log: LogFn, timeout_s: float,
               cancel: threading.Event | None = None, memory_mb: int = 4096,
               cpus: float = 2.0, disk_mb: int = 512,
               bases: Sequence[BaseUse] | None = None, dockerfile: Path | None = None,
-              volumes: Sequence[tuple[Path, str]] = ()) -> str:
+              volumes: Sequence[tuple[Path, str]] = (), egress: Path | None = None) -> str:
         if bases is None:  # not checked by the caller: check here, with this host's policy
             try:
                 bases = check_dockerfile((context_dir / "Dockerfile").read_text()).bases
@@ -167,7 +205,7 @@ class BuildahBuilder:
                                         wait_s=0.0) as cg:
                 done = run_streaming(
                     host_limits.launcher(cg, self.argv(store, disk_mb, context_dir, tag,
-                                                       dockerfile, volumes)),
+                                                       dockerfile, volumes, egress)),
                     log=logged, timeout_s=timeout_s, cancel=cancel, on_orphan=(),
                     cgroups=cg.paths if cg is not None else ())
                 oom = done.returncode != 0 and cg is not None and cg.oom_killed()

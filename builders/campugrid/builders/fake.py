@@ -31,6 +31,7 @@ class FakeBuilder:
     """`images` is the image store it shares with a fake runtime: a built tag is added."""
 
     name = "fake"
+    online = True
 
     def __init__(self, images: set[str] | None = None, scope: str = "") -> None:
         self.images: set[str] = images if images is not None else set()
@@ -45,7 +46,7 @@ class FakeBuilder:
               cancel: threading.Event | None = None, memory_mb: int = 4096,
               cpus: float = 2.0, disk_mb: int = 512,
               bases: Sequence[BaseUse] | None = None, dockerfile: Path | None = None,
-              volumes: Sequence[tuple[Path, str]] = ()) -> str:
+              volumes: Sequence[tuple[Path, str]] = (), egress: Path | None = None) -> str:
         self.builds.append((context_dir, tag))
         self.limits.append({"memory_mb": memory_mb, "cpus": cpus, "disk_mb": disk_mb})
         tail: collections.deque[str] = collections.deque(maxlen=40)

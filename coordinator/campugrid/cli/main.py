@@ -329,6 +329,11 @@ def agent_run(
         min=0, help="Keep images built or pulled through the coordinator's registry, up to "
                     "this many MB, for later tasks of the same build; 0: never pull another "
                     "machine's build, always build here.")] = 20480,
+    build_network: Annotated[str, typer.Option(
+        envvar="CAMPUGRID_BUILD_NETWORK",
+        help="Where builds' RUN steps may connect: 'platform' (package registries, through the "
+             "coordinator's egress proxy), 'local' (package registries, from this machine, by "
+             "the same rules) or 'none' (every build offline).")] = "platform",
     poll_seconds: Annotated[float, typer.Option(
         envvar="CAMPUGRID_AGENT_POLL_SECONDS",
         help="How often an idle agent asks the coordinator for work, in seconds.")] = 1.0,
@@ -336,6 +341,7 @@ def agent_run(
 ) -> None:
     """Run a provider agent as this (unprivileged) user."""
     from campugrid.agent import backends, shares
+    from campugrid.agent.buildnet import MODES
     from campugrid.agent.gpus import GpuPolicy
     from campugrid.agent.install import AgentConfig
     from campugrid.agent.metrics import METRICS_PORT
@@ -345,6 +351,8 @@ def agent_run(
     _logging(log_format)
     try:
         check_poll_seconds(poll_seconds)  # before anything is made
+        if build_network not in MODES:
+            raise CampugridError(f"--build-network {build_network}: one of {', '.join(MODES)}")
         cfg = AgentConfig.load(config) if config else AgentConfig(state_dir=AGENT_DIR)
         state_dir = state_dir or (cfg.state_dir if cfg.state_dir != Path() else AGENT_DIR)
         name = name or cfg.name
@@ -365,7 +373,8 @@ def agent_run(
                                     require_limits=required, pin=pin or "",
                                     shares=shares.parse(share or []), owner=owner,
                                     metrics_port=METRICS_PORT if metrics_port is None else metrics_port,
-                                    image_cache_mb=image_cache_mb),
+                                    image_cache_mb=image_cache_mb,
+                                    build_network=build_network),
                       chosen, sandbox)
     except CampugridError as e:
         _fail(str(e))

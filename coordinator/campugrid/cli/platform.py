@@ -120,7 +120,9 @@ class ProviderUser:
         environment (the tests ask agents for work more often than every second)."""
         keep = {k: v for k, v in os.environ.items()
                 if k in ("LANG", "LC_ALL", "TZ", "CAMPUGRID_LOG_FORMAT",
-                         "CAMPUGRID_AGENT_POLL_SECONDS")}
+                         "CAMPUGRID_AGENT_POLL_SECONDS", "CAMPUGRID_BUILD_NETWORK",
+                         "CAMPUGRID_BUILD_CA_FILE", "CAMPUGRID_EGRESS_HOSTS",
+                         "CAMPUGRID_EGRESS_PINS")}
         return {**keep, "HOME": str(self.home), "USER": self.name, "LOGNAME": self.name,
                 "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
                 "XDG_RUNTIME_DIR": str(self.runtime_dir), "PYTHONUNBUFFERED": "1"}
@@ -269,9 +271,12 @@ class Platform:
                 log.warning("no Docker Hub mirror: %s cannot be reached (%s); FROMs on Docker "
                             "Hub are resolved and pulled from it directly", upstream, e)
         # The machines' package caches (coordinator/mirrors.py): a build's wheels and Debian
-        # packages come from the internet once for a sweep over many machines.
+        # packages come from the internet once for a sweep over many machines; and the
+        # egress proxy that builds reach package registries through (campugrid.egress), on
+        # a port of its own that leases name.
         settings = dataclasses.replace(settings, pip_mirror_dir=settings.pip_mirror_dir or
-                                       str(self.state_dir / "pypi"))
+                                       str(self.state_dir / "pypi"),
+                                       egress_port=settings.egress_port or free_port())
         if not settings.apt_cache:
             try:
                 self.apt_cache = EmbeddedAptCache(self.state_dir / "apt-cache").start()

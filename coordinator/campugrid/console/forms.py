@@ -45,8 +45,8 @@ def field_of(message: str) -> str:
         return "shards"
     if head.startswith("image"):
         return "image_reuse"
-    if head.startswith(("build.pip", "build.apt", "build.python")):
-        return head.replace(".", "_")
+    if head.startswith("build"):
+        return "build_offline"
     if head.startswith(("context", "Dockerfile", "FROM", "RUN", "ADD", "COPY")):
         return "context"
     return ""
@@ -94,14 +94,8 @@ def spec_of(form: FormData) -> JobSpec:
         value = _json_list(form, key, errors)
         if value is not None:
             data[key] = value
-    # What the build installs besides what its Dockerfile's pip and apt-get lines name
-    build: dict[str, Any] = {key: words for key in ("pip", "apt")
-                             if (words := str(form.get(f"build_{key}") or "").split())}
-    python = str(form.get("build_python") or "").strip()
-    if python:
-        build["python"] = python
-    if build:
-        data["build"] = build
+    if form.get("build_offline"):
+        data["build"] = {"network": "none"}
     if errors:
         raise FormErrors(errors)
     try:

@@ -118,14 +118,17 @@ def peer_address(context: grpc.ServicerContext) -> str:
 
 class AgentService(pb_grpc.AgentServiceServicer):
     def __init__(self, coord: Coordinator, register_per_minute: int = 20,
-                 rest_url: str = "", rest_pem: str = "") -> None:
+                 rest_url: str = "", rest_pem: str = "", egress_url: str = "") -> None:
         self.coord = coord
-        # The package caches this coordinator serves, each at rest_url/v1/mirrors/<kind>
+        # The package caches this coordinator serves, each at rest_url/v1/mirrors/<kind>,
+        # and its egress proxy for builds (campugrid.egress), at egress_url
         settings = coord.settings
         self._mirrors = [kind for kind, on in (("pypi", settings.pip_mirror_dir),
                                                ("apt", settings.apt_cache)) if on and rest_url]
         self._mirror_url = rest_url.rstrip("/") + MIRRORS_PREFIX
-        self._mirror_tokens = MirrorTokens(settings.registry_dir) if self._mirrors else None
+        self._egress_url = egress_url
+        self._mirror_tokens = MirrorTokens(settings.registry_dir) \
+            if self._mirrors or egress_url else None
         self._mirror_pem = rest_pem  # REST's certificate, when it serves TLS (our own)
         self.metrics = CoordinatorMetrics.of(coord)
         self._limiter = coord.store.limiter  # shared by every coordinator process
@@ -266,8 +269,11 @@ class AgentService(pb_grpc.AgentServiceServicer):
             return []
         token = self._mirror_tokens.mint(machine)
         pem = self._mirror_pem if self._mirror_url.startswith("https:") else ""
-        return [pb.Mirror(kind=kind, url=f"{self._mirror_url}/{kind}", token=token,
-                          certificate=pem) for kind in self._mirrors]
+        egress = [pb.Mirror(kind="egress", url=self._egress_url, token=token,
+                            certificate=self._mirror_pem if self._egress_url.startswith("https:")
+                            else "")] if self._egress_url else []
+        return [*(pb.Mirror(kind=kind, url=f"{self._mirror_url}/{kind}", token=token,
+                            certificate=pem) for kind in self._mirrors), *egress]
 
     def _bases_pb(self, bases: dict[str, str], machine: str) -> list[pb.BaseImage]:
         """The job's remote bases, each with where to pull it from (mirrors first)."""

@@ -81,6 +81,9 @@ class Settings:
     # apt-cacher-ng to pass /v1/mirrors/apt to (CAMPUGRID_APT_CACHE, host:port; empty: none).
     pip_mirror_dir: str = ""
     apt_cache: str = ""
+    # The platform's egress proxy for builds (campugrid.egress), on the REST host at this port
+    # (CAMPUGRID_EGRESS_PORT; 0: none, and machines build offline or through their own).
+    egress_port: int = 0
 
     @property
     def tls_dir(self) -> Path:
@@ -114,6 +117,7 @@ class Settings:
             "registry": env.get("CAMPUGRID_REGISTRY", "").strip(),
             "pip_mirror_dir": env.get("CAMPUGRID_PIP_MIRROR_DIR", "").strip(),
             "apt_cache": env.get("CAMPUGRID_APT_CACHE", "").strip(),
+            "egress_port": int(env.get("CAMPUGRID_EGRESS_PORT", "").strip() or 0),
         }
         if values["s3_addressing"] not in ("auto", "path", "virtual"):
             raise ValueError(f"CAMPUGRID_S3_ADDRESSING={env['CAMPUGRID_S3_ADDRESSING']!r}: "

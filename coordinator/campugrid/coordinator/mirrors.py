@@ -40,10 +40,10 @@ from campugrid.coordinator.registry import ISSUER, ensure_signing_key
 from campugrid.protocol.errors import AuthError, RateLimited
 
 AUDIENCE = "campugrid-mirror"
-KINDS = ("pypi", "apt")
+KINDS = ("pypi", "apt", "egress")  # what a machine's token opens (egress: campugrid.egress)
 PREFIX = "/v1/mirrors"
-# The distributions' own mirrors: the only hosts the apt cache fetches from (agent/debs.py
-# names no others; apt-cacher-ng is configured with the same list).
+# The distributions' own mirrors: the only hosts the apt cache fetches from (agent/buildnet.py
+# routes no others to it; apt-cacher-ng is configured with the same list).
 APT_HOSTS = ("deb.debian.org", "security.debian.org", "archive.ubuntu.com",
              "security.ubuntu.com", "ports.ubuntu.com")
 DEFAULT_UPSTREAM = "https://pypi.org/simple/"
@@ -81,6 +81,43 @@ class MirrorTokens:
         return sub if kind in (claims.get("kinds") or []) and sub.startswith("machine:") else None
 
 
+def machine_refusal(tokens: MirrorTokens, machine: Callable[[str], MachineRecord], guard: Guard,
+                    token: str, kind: str, address: str) -> tuple[int, str] | None:
+    """Why a request with this token may not use `kind` (HTTP status, reason); None: it may."""
+    sub = tokens.check(token, kind)
+    try:
+        if sub is None:
+            guard.failed(address, "", f"a {kind} request without a valid machine token",
+                         why="mirror_token")
+            return 401, "a machine's token is needed (from its lease)"
+        record = machine(sub.removeprefix("machine:"))
+    except RateLimited as e:
+        return 429, str(e)
+    except AuthError as e:
+        return 403, str(e)
+    if record.status is not MachineStatus.APPROVED:
+        return 403, (f"machine {record.id} is {record.status.value}: the package caches and "
+                     "the egress proxy serve approved machines only")
+    return None
+
+
+def egress_check(tokens: MirrorTokens, machine: Callable[[str], MachineRecord],
+                 guard: Guard) -> Callable[[str, str], str | None]:
+    """The platform egress proxy's check of a Proxy-Authorization header (campugrid.egress):
+    an approved machine's token, as the caches take it; None, or why not."""
+    def check(header: str, address: str) -> str | None:
+        scheme, _, credentials = header.partition(" ")
+        token = ""
+        if scheme.lower() == "basic":
+            try:
+                token = base64.b64decode(credentials.strip()).decode().partition(":")[2]
+            except (ValueError, UnicodeDecodeError):
+                token = ""
+        refused = machine_refusal(tokens, machine, guard, token, "egress", address)
+        return refused[1] if refused is not None else None
+    return check
+
+
 def create_mirrors(tokens: MirrorTokens, *, pypi_dir: Path | None, apt_address: str,
                    machine: Callable[[str], MachineRecord], guard: Guard) -> App:
     """The ASGI app mounted at PREFIX: each configured cache behind the token check and the
@@ -89,21 +126,7 @@ def create_mirrors(tokens: MirrorTokens, *, pypi_dir: Path | None, apt_address: 
     apt = _apt(apt_address) if apt_address else None
 
     def refusal(token: str, kind: str, address: str) -> tuple[int, str] | None:
-        sub = tokens.check(token, kind)
-        try:
-            if sub is None:
-                guard.failed(address, "", "a mirror request without a valid machine token",
-                             why="mirror_token")
-                return 401, "a machine's mirror token is needed (from its lease)"
-            record = machine(sub.removeprefix("machine:"))
-        except RateLimited as e:
-            return 429, str(e)
-        except AuthError as e:
-            return 403, str(e)
-        if record.status is not MachineStatus.APPROVED:
-            return 403, (f"machine {record.id} is {record.status.value}: the package caches "
-                         "serve approved machines only")
-        return None
+        return machine_refusal(tokens, machine, guard, token, kind, address)
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

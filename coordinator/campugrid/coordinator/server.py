@@ -14,7 +14,9 @@ import logging
 import os
 import secrets
 import socket
+import ssl
 import threading
+import urllib.parse
 from concurrent import futures
 from pathlib import Path
 
@@ -25,15 +27,18 @@ from campugrid.client.identity import Identity
 from campugrid.client.identity import default_path as default_identity
 from campugrid.coordinator.agent_service import AboutJob, AgentService, SignedCalls
 from campugrid.coordinator.api import create_app
-from campugrid.coordinator.auth import RateLimits
+from campugrid.coordinator.auth import Guard, RateLimits
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.db import make_engine, migrate
 from campugrid.coordinator.leader import Leadership, leadership
+from campugrid.coordinator.mirrors import MirrorTokens, egress_check
 from campugrid.coordinator.objects import S3Store
 from campugrid.coordinator.service import Coordinator
 from campugrid.coordinator.store import Store
 from campugrid.coordinator.tls import Certificate, ensure_certificate
 from campugrid.coordinator.wakeup import PostgresRelay, relay
+from campugrid.egress.policy import Policy
+from campugrid.egress.proxy import EgressProxy, Record, Serving
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
 from campugrid.protocol import keys
 from campugrid.protocol.errors import CampugridError
@@ -54,9 +59,12 @@ class Running:
     admin_identity: Path | None = None  # written at this start, if it was
     lead: Leadership | None = None  # whether this process runs the reaper
     relay: PostgresRelay | None = None  # held leases hear of other processes' work
+    egress: Serving | None = None  # the platform's egress proxy for builds
 
     def stop(self) -> None:
         self.stop_event.set()
+        if self.egress is not None:
+            self.egress.close()
         self.http.should_exit = True
         self.grpc_server.stop(grace=2).wait()
         if self.relay is not None:
@@ -136,9 +144,12 @@ def start(settings: Settings) -> Running:
     rest_tls = not local_rest if settings.rest_tls is None else settings.rest_tls
     scheme = "https" if rest_tls else "http"
     url = settings.public_url or f"{scheme}://{_host(settings.http_host)}:{settings.http_port}"
+    egress = start_egress(coord, settings, cert, rest_tls) if settings.egress_port else None
+    egress_url = (f"{scheme}://{urllib.parse.urlsplit(url).hostname}:{egress.address[1]}"
+                  if egress is not None and egress.address else "")
     pb_grpc.add_AgentServiceServicer_to_server(
         AgentService(coord, settings.registrations_per_minute, rest_url=url,
-                     rest_pem=cert.pem.decode()), server)
+                     rest_pem=cert.pem.decode(), egress_url=egress_url), server)
     credentials = grpc.ssl_server_credentials([(cert.key_pem, cert.pem)])
     port = server.add_secure_port(f"{settings.grpc_host}:{settings.grpc_port}", credentials)
     if port == 0:
@@ -159,7 +170,28 @@ def start(settings: Settings) -> Running:
     log.info("coordinator: REST %s/v1  console %s/console  gRPC %s (TLS, certificate %s)", url,
              url, grpc_address, cert.fingerprint)
     return Running(coord, server, http, stop, port, cert, url, grpc_address, admin, lead,
-                   relayed)
+                   relayed, egress)
+
+
+def start_egress(coord: Coordinator, settings: Settings, cert: Certificate,
+                 tls: bool) -> Serving:
+    """The platform's egress proxy (campugrid.egress), for approved machines' builds, on the
+    REST host: TLS with the coordinator's own certificate whenever REST is."""
+    context = None
+    if tls:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(cert.cert_file, cert.key_file)
+    check = egress_check(MirrorTokens(settings.registry_dir), coord.machine,
+                         Guard(coord.store.limiter))
+
+    def record(rec: Record) -> None:
+        log.info("egress: %s", rec.line().removeprefix("[egress] "))
+    try:
+        return Serving(EgressProxy(Policy.from_env(), authorize=check, log=record),
+                       tcp=(settings.http_host, settings.egress_port), tls=context)
+    except OSError as e:
+        raise CampugridError(f"cannot listen for builds' egress on {settings.http_host}:"
+                             f"{settings.egress_port}: {e}") from e
 
 
 def _host(host: str) -> str:

@@ -14,13 +14,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import dockerfile
 
-from campugrid.protocol.aptwords import AptInstall, apt_installs
 from campugrid.protocol.errors import InvalidInput
-from campugrid.protocol.pipwords import PipInstall, pip_installs
 
 DEFAULT_BASES = ("localhost/campugrid/python:bookworm",)
 BASES_ENV = "CAMPUGRID_ALLOWED_BASES"
@@ -42,6 +40,7 @@ _VAR = re.compile(r"\$(?:(?P<bare>" + _NAME + r")|\{(?P<name>" + _NAME +
                   r")(?:(?P<op>:?[-+])(?P<word>[^${}'\"\\`\s]*))?\})")
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _URLISH = re.compile(r"^[a-z][a-z0-9+.-]*://|^git@", re.IGNORECASE)
+_WEB = re.compile(r"^https?://", re.IGNORECASE)  # what ADD may fetch (through the egress proxy)
 _COPY_FLAGS = ("--chown", "--chmod", "--link")
 # distribution/reference's grammar: a registry host[:port], lowercase path components, a tag.
 _LABEL = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?"
@@ -157,12 +156,8 @@ class BaseUse:
 class CheckedDockerfile:
     stages: int
     bases: tuple[BaseUse, ...]
-    pip: tuple[PipInstall, ...] = ()  # what its RUN steps install with pip (pipwords.py)
     froms: tuple[tuple[int, int], ...] = ()  # every FROM's first and last line
-    apt: tuple[AptInstall, ...] = ()  # what its RUN steps install with apt (aptwords.py)
-    # for every FROM, the index in `bases` of the image its stage builds on (through earlier
-    # stages it names); None for scratch
-    from_bases: tuple[int | None, ...] = ()
+    urls: tuple[str, ...] = ()  # what its ADD lines fetch (through the egress proxy)
 
 
 @dataclasses.dataclass
@@ -188,8 +183,7 @@ def check_dockerfile(text: str, allowed: Sequence[AllowedBase] | None = None,
     global_args: dict[str, str | None] = {}
     stages: list[_Stage] = []
     bases: list[BaseUse] = []
-    pip: list[PipInstall] = []
-    apt: list[AptInstall] = []
+    urls: list[str] = []
     froms: list[tuple[int, int]] = []
     names = {str(c.value[2]).lower() for c in commands
              if c.cmd.upper() == "FROM" and len(c.value) == 3 and c.value[1].upper() == "AS"}
@@ -224,18 +218,14 @@ def check_dockerfile(text: str, allowed: Sequence[AllowedBase] | None = None,
             _env(cmd, stage.vars)
         elif inst == "RUN":
             _run_flags(cmd.flags, at)
-            pip.extend(pip_installs(cmd.value, cmd.json, line))
-            apt.extend(dataclasses.replace(a, stage=stage.index)
-                       for a in apt_installs(cmd.value, cmd.json, line))
         elif inst in ("ADD", "COPY"):
-            copied = _copy(cmd, inst, stage, stages, names, allowed, registries, at)
+            copied = _copy(cmd, inst, stage, stages, names, allowed, registries, at, urls)
             if copied is not None:
                 bases.append(copied)
     if not stages:
         raise InvalidInput("Dockerfile: no FROM instruction")
-    return CheckedDockerfile(stages=len(stages), bases=tuple(bases), pip=tuple(pip),
-                             froms=tuple(froms), apt=tuple(apt),
-                             from_bases=tuple(s.base for s in stages))
+    return CheckedDockerfile(stages=len(stages), bases=tuple(bases), froms=tuple(froms),
+                             urls=tuple(urls))
 
 
 def _from(cmd: dockerfile.Command, stages: list[_Stage], global_args: dict[str, str | None],
@@ -297,19 +287,16 @@ def _image(ref: str, allowed: Sequence[AllowedBase], registries: Sequence[str], 
 
 
 def pin_bases(text: str, local: dict[BaseUse, str], froms: Sequence[tuple[int, int]] = (),
-              run_args: Sequence[tuple[str, str]] = (),
-              from_args: Mapping[int, Sequence[tuple[str, str]]] | None = None) -> str:
+              run_args: Sequence[tuple[str, str]] = ()) -> str:
     """The Dockerfile with each FROM of `local` (BaseUses check_dockerfile found in this
     text) starting from that local image instead: its whole instruction's lines replaced
     (its AS name kept); after every FROM of `froms` (check_dockerfile's), an `ARG NAME=value`
-    line for each of `run_args` and of `from_args[i]` for the i-th FROM (what every RUN step
-    of the stage then sees, and the image does not keep); every other line as it was. Lines
+    line for each of `run_args` (what every RUN step of the stage then sees, and the image
+    does not keep); every other line as it was. Lines
     only, no parsing: the agent parses a job's Dockerfile only in a confined child."""
     lines = text.split("\n")  # as BuildKit counts them (not str.splitlines' other breaks)
     pinned = {use.line: use for use in local}
-    from_args = from_args or {}
-    args = {start: [f"ARG {name}={value}" for name, value in (*run_args, *from_args.get(i, ()))]
-            for i, (start, _) in enumerate(froms)}
+    args = {start: [f"ARG {name}={value}" for name, value in run_args] for start, _ in froms}
     spans = {start: end for start, end in froms if args[start]}
     spans |= {use.line: max(use.end_line, use.line) for use in local}
     for start in sorted(spans, reverse=True):
@@ -351,8 +338,8 @@ def _run_flags(flags: Iterable[str], at: str) -> None:
         if low in ("--network=none", "--network=default"):
             continue
         if low.startswith("--network"):
-            raise InvalidInput(f"{at}: RUN {flag}: builds run with no network; put what the "
-                               "build needs into the context")
+            raise InvalidInput(f"{at}: RUN {flag}: RUN steps reach package registries "
+                               "through the platform's egress proxy, and nothing else")
         if low.startswith("--mount"):
             raise InvalidInput(f"{at}: RUN --mount is not available on providers (bind, cache, "
                                "secret and ssh mounts all reach outside the build)")
@@ -361,7 +348,7 @@ def _run_flags(flags: Iterable[str], at: str) -> None:
 
 def _copy(cmd: dockerfile.Command, inst: str, stage: _Stage, stages: list[_Stage],
           names: Collection[str], allowed: Sequence[AllowedBase], registries: Sequence[str],
-          at: str) -> BaseUse | None:
+          at: str, urls: list[str]) -> BaseUse | None:
     """Checks an ADD or COPY; the image it copies from, where `--from` names one."""
     use = None
     for flag in cmd.flags:
@@ -381,10 +368,12 @@ def _copy(cmd: dockerfile.Command, inst: str, stage: _Stage, stages: list[_Stage
         raise InvalidInput(f"{at}: {inst} needs a source and a destination")
     for src in sources:
         word = _plain(src, stage.vars, at, inst, json_form=cmd.json)
-        if _URLISH.match(word) or "://" in word:
-            raise InvalidInput(f"{at}: {inst} {word}: only files from the context (no URLs): "
-                               "builds have no network; download it beforehand and put it "
-                               "into the context")
+        if inst == "ADD" and _WEB.match(word):
+            urls.append(word)  # fetched by Buildah through the egress proxy, as RUN steps are
+        elif _URLISH.match(word) or "://" in word:
+            raise InvalidInput(f"{at}: {inst} {word}: " + (
+                "ADD fetches http:// and https:// URLs only" if inst == "ADD" else
+                "COPY takes files from the context (ADD fetches an https:// URL)"))
     return use
 
 

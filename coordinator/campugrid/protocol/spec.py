@@ -13,9 +13,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from campugrid.protocol.aptwords import MAX_PACKAGES, package
 from campugrid.protocol.errors import InvalidInput
-from campugrid.protocol.pipwords import requirement
 
 CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
@@ -136,14 +134,17 @@ class ImageOptions:
 
 @dataclasses.dataclass(frozen=True)
 class BuildOptions:
-    """What the build needs fetched beforehand (RUN steps have no network): `pip`,
-    requirements besides those the Dockerfile's pip lines name; `python`, the base image's
-    Python ("3.11") where the image does not say (its PYTHON_VERSION); `apt`, Debian
-    packages besides those the Dockerfile's apt-get lines name."""
+    """How the image is built: `network` "default" lets RUN steps (and ADD <url>) reach
+    package registries through the platform's egress proxy; "none" builds offline, from the
+    context alone."""
 
-    pip: tuple[str, ...] = ()
-    python: str | None = None
-    apt: tuple[str, ...] = ()
+    network: str = "default"
+
+
+# Fields earlier specs declared the build's packages in, before RUN steps could fetch them
+# themselves: accepted (stored jobs keep working) and not needed any more.
+BUILD_FORMER = ("pip", "apt", "python")
+BUILD_NETWORKS = ("default", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,30 +337,18 @@ class JobSpec:
 
 
 GPU_KINDS = ("nvidia", "apple")
-MAX_BUILD_PIP = 500
 
 
 def _build(value: Any) -> BuildOptions:
     if value is None:
         return BuildOptions()
-    _require(isinstance(value, Mapping), "build",
-             'must be an object, e.g. {"pip": ["numpy==2.1.*"], "python": "3.11"}')
-    _no_unknown(value, BuildOptions, "build")
-    pip = value.get("pip") or []
-    _require(isinstance(pip, list) and len(pip) <= MAX_BUILD_PIP
-             and all(isinstance(r, str) for r in pip), "build.pip",
-             f"must be a list of at most {MAX_BUILD_PIP} requirements, e.g. \"numpy==2.1.*\"")
-    python = value.get("python")
-    _require(python is None or (isinstance(python, str)
-                                and re.fullmatch(r"3\.\d{1,2}", python) is not None),
-             "build.python", 'must be a Python version such as "3.11"')
-    apt = value.get("apt") or []
-    _require(isinstance(apt, list) and len(apt) <= MAX_PACKAGES
-             and all(isinstance(p, str) for p in apt), "build.apt",
-             f"must be a list of at most {MAX_PACKAGES} Debian packages, e.g. \"libgl1\"")
-    return BuildOptions(pip=tuple(requirement(r, f"build.pip[{i}]") for i, r in enumerate(pip)),
-                        python=python,
-                        apt=tuple(package(p, f"build.apt[{i}]") for i, p in enumerate(apt)))
+    _require(isinstance(value, Mapping), "build", 'must be an object, e.g. {"network": "none"}')
+    _no_unknown({k: v for k, v in value.items() if k not in BUILD_FORMER}, BuildOptions, "build")
+    network = value.get("network", "default")
+    _require(network in BUILD_NETWORKS, "build.network",
+             '"default" (package registries, through the platform\'s egress proxy) or "none" '
+             "(offline: the context is the build's only input)")
+    return BuildOptions(network=str(network))
 
 
 

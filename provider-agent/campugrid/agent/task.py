@@ -28,12 +28,12 @@ import httpx
 
 from campugrid import hooks
 from campugrid.agent import bases as remote_bases
-from campugrid.agent import checkpoints, debs, gpus, images, wheels
+from campugrid.agent import buildnet, checkpoints, gpus, images
 from campugrid.agent.client import CoordinatorApi
 from campugrid.agent.gpus import GpuPolicy
 from campugrid.agent.images import ImageCache
 from campugrid.agent.logship import LogShipper
-from campugrid.agent.messages import Gpu, Lease, Outcome, mirror
+from campugrid.agent.messages import Gpu, Lease, Outcome
 from campugrid.agent.metrics import METRICS
 from campugrid.agent.renewer import Renewer
 from campugrid.agent.shares import Shares
@@ -77,8 +77,9 @@ class Task:
     def __init__(self, client: CoordinatorApi, lease: Lease, work: Path,
                  builder: Builder, sandbox: Runtime, gpu_policy: GpuPolicy = GpuPolicy(),
                  slot: slots.Slot | None = None, shares: Shares | None = None,
-                 cache: ImageCache | None = None) -> None:
+                 cache: ImageCache | None = None, build_network: str = "platform") -> None:
         self.client, self.lease, self.work = client, lease, work
+        self.build_network = build_network  # this machine's (agent/buildnet.py MODES)
         self.cache = cache  # images shared through the registry (None: always build here)
         self.shares = shares or Shares({})
         self.builder, self.sandbox = builder, sandbox
@@ -260,47 +261,27 @@ class Task:
                                                stop=self.stop)
         except BuildFailed as e:
             return Outcome(succeeded=False, exit_code=-1, reason=e.reason)
-        staged: list[tuple[wheels.Staged | None, debs.Staged | None]] = []
         checked = info.checked
-        based, staging_s = time.monotonic(), 0.0
+        based = time.monotonic()
 
         def build() -> None:
-            nonlocal staging_s
-            if not staged:  # only for a build here: a pulled image needs no packages
-                staging = time.monotonic()
-                python = wheels.python_of(next(
-                    (env for u in uses if (env := self.ops().image_env(u.allowed.name))
-                     and any(e.startswith("PYTHON_VERSION=") for e in env)), None), spec.build)
-                staged.append((
-                    wheels.stage(checked.pip, spec.build, context_dir, work, python=python,
-                                 disk_mb=spec.resources.disk_mb, log=build_log, stop=self.stop,
-                                 mirror=mirror(lease.mirrors, "pypi")),
-                    debs.stage(checked.apt, spec.build, [u.allowed.name for u in uses],
-                               checked.from_bases, self.ops(), work,
-                               disk_mb=spec.resources.disk_mb, log=build_log, stop=self.stop,
-                               mirror=mirror(lease.mirrors, "apt"))))
-                staging_s = time.monotonic() - staging
-            wheeled, debbed = staged[0]
-            args = wheeled.run_args() if wheeled else ()
-            from_args = debbed.from_args(checked.from_bases) if debbed else {}
-            dockerfile = None
-            if local or args or from_args:  # the agent's copy: bases pinned, pip and apt
-                dockerfile = work / "Dockerfile.prepared"  # pointed at what was fetched
-                dockerfile.write_text(pin_bases((context_dir / "Dockerfile").read_text(), local,
-                                                checked.froms, args, from_args))
-            cpus = build_cpus(spec.resources.cpus)
-            build_log(f"[campugrid] building with {self.builder.name} on {cpus:g} CPUs, RUN steps "
-                      "under gVisor, offline")
-            try:
+            online = spec.build.network if self.builder.online else "none"
+            with buildnet.open_network(lease.mirrors, wanted=online, mode=self.build_network,
+                                       disk_mb=spec.resources.disk_mb, log=build_log) as net:
+                dockerfile = None
+                if local or net.run_args:  # the agent's copy: bases pinned, pip pointed at
+                    dockerfile = work / "Dockerfile.prepared"  # the platform's cache
+                    dockerfile.write_text(pin_bases((context_dir / "Dockerfile").read_text(),
+                                                    local, checked.froms, net.run_args))
+                cpus = build_cpus(spec.resources.cpus)
+                build_log(f"[campugrid] building with {self.builder.name} on {cpus:g} CPUs, RUN "
+                          f"steps under gVisor; network: {net.why}")
                 self.builder.build(context_dir, self.tag, log=build_log,
                                    timeout_s=min(BUILD_TIMEOUT_S, spec.resources.wall_time_s),
                                    cancel=self.stop, memory_mb=spec.resources.memory_mb,
                                    cpus=cpus, disk_mb=spec.resources.disk_mb,
-                                   bases=uses, dockerfile=dockerfile,
-                                   volumes=tuple(v for got in (wheeled, debbed) if got
-                                                 for v in got.volumes()))
-            except BuildFailed as e:
-                raise debs.explain(wheels.explain(e, wheeled), debbed) from e
+                                   bases=uses, dockerfile=dockerfile, volumes=net.volumes,
+                                   egress=net.socket)
 
         try:
             self.image = images.obtain(self.client, lease, self.builder, self.cache,
@@ -316,8 +297,8 @@ class Task:
         done = time.monotonic()
         METRICS.build_seconds.labels("ok").observe(done - began)
         build_log(f"[campugrid] ready to run {done - leased:.1f} s after the lease: context and "
-                  f"inputs {began - leased:.1f} s, base images {based - began:.1f} s, packages "
-                  f"{staging_s:.1f} s, image {done - based - staging_s:.1f} s")
+                  f"inputs {began - leased:.1f} s, base images {based - began:.1f} s, image "
+                  f"{done - based:.1f} s")
         if self.stop.is_set():
             return Outcome(succeeded=False, exit_code=-1, reason="stopped before running")
         mapped = self._check_gpus()

@@ -73,6 +73,8 @@ class AgentSettings:
     # Images shared through the coordinator's registry are kept here for later tasks of the
     # same build, up to this many MB (`--image-cache-mb`); 0: never pull, always build here.
     image_cache_mb: int = 20480
+    # Where builds' connections go (agent/buildnet.py: "platform", "local" or "none").
+    build_network: str = "platform"
 
     def __post_init__(self) -> None:
         check_poll_seconds(self.poll_seconds)
@@ -260,7 +262,8 @@ class Agent:
             # Every line the task logs (and its threads, started with logs.thread) names it.
             with logs.about_job(lease.job_id, lease.fencing_token):
                 self.task = kind(self.client, lease, work, self.builder, self.sandbox,
-                                 self.settings.gpu_policy, self.slot, self.shares, self.images)
+                                 self.settings.gpu_policy, self.slot, self.shares, self.images,
+                                 build_network=self.settings.build_network)
                 self.status.task_started(lease.job_id, lease.fencing_token)
                 metrics.METRICS.gpus.hold(lease.gpu_uuids, lease.gpu_memory_mb)
                 if self.stopping.is_set():  # a drain arrived between lease and start

@@ -1,1 +1,0 @@
-pip install --no-cache-dir idna==3.7
