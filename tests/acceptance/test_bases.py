@@ -160,6 +160,9 @@ def test_a_researchers_dockerfile_builds_unchanged(hubbed, tmp_path, name):
         for deb in expect.get("debs", []):
             assert any(f"/{deb}_" in line and "via the platform's apt cache" in line
                        for line in egress), (deb, egress)
+        for went in expect.get("egress", []):  # e.g. uv, which fetches the lock's https URLs
+            assert any(went in line for line in egress), (went, egress)
+        assert not [line for line in egress if line.startswith("[egress] refused")], egress
         net = [line.split()[1] for line in build.splitlines() if line.startswith("NET ")]
         assert net and net[-1] != "0", build[-2000:]  # connect_ex: an errno, never 0
         if "checkpoints" in expect:

@@ -2,7 +2,8 @@
 addresses only. The proxy resolves each name itself and connects to an address it checked, so
 an allowed name that resolves to loopback, a private range or a metadata address is refused
 as the address itself would be; a name the operator pins (`name:port=address:port`) goes
-there whatever it is, on the operator's word (a local artifact server, a test's stand-in)."""
+there whatever it is, on the operator's word (a local artifact server, a test's stand-in), and an
+allowed name may resolve into the operator's gateway networks (CAMPUGRID_EGRESS_GATEWAYS)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from collections.abc import Mapping
 
 HOSTS_ENV = "CAMPUGRID_EGRESS_HOSTS"
 PINS_ENV = "CAMPUGRID_EGRESS_PINS"
+# Networks the operator's own gateway answers from for allowed names, private or not (a
+# network whose DNS sends every registry to one filtering gateway), e.g. "203.0.113.80/32".
+GATEWAYS_ENV = "CAMPUGRID_EGRESS_GATEWAYS"
 # Certificates a build trusts besides its image's own (a machine whose TLS is intercepted, a
 # stand-in with a certificate of its own): a PEM bundle, given to Buildah and to RUN steps.
 CA_ENV = "CAMPUGRID_BUILD_CA_FILE"
@@ -46,6 +50,7 @@ class Refused(Exception):
 class Policy:
     hosts: tuple[str, ...] = DEFAULT_HOSTS
     pins: Mapping[tuple[str, int], tuple[str, int]] = dataclasses.field(default_factory=dict)
+    gateways: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Policy:
@@ -54,7 +59,12 @@ class Policy:
         for h in hosts:
             if not _NAME.match(h):
                 raise ValueError(f"{HOSTS_ENV}: {h!r} is not a host name (or *.name)")
-        return cls(hosts or DEFAULT_HOSTS, parse_pins(env.get(PINS_ENV, "")))
+        try:
+            gateways = tuple(ipaddress.ip_network(w) for w in
+                             re.split(r"[,\s]+", env.get(GATEWAYS_ENV, "")) if w)
+        except ValueError as e:
+            raise ValueError(f"{GATEWAYS_ENV}: {e}") from None
+        return cls(hosts or DEFAULT_HOSTS, parse_pins(env.get(PINS_ENV, "")), gateways)
 
     def allows(self, host: str) -> bool:
         host = host.lower().rstrip(".")
@@ -87,7 +97,8 @@ class Policy:
         except OSError as e:
             raise Refused(f"{name} does not resolve ({e.strerror or e})") from e
         found = list(dict.fromkeys(str(i[4][0]) for i in infos))
-        public = [a for a in found if not not_public(a)]
+        public = [a for a in found if not not_public(a)
+                  or any(ipaddress.ip_address(a) in net for net in self.gateways)]
         if not public:
             raise Refused(f"{name} resolves to {', '.join(found)}: "
                           f"{not_public(found[0])}, which builds never reach")

@@ -92,7 +92,6 @@ def open_network(mirrors: Sequence[Mirror], *, wanted: str, mode: str, disk_mb: 
         volumes.append((Path(ca), CA_MOUNT))
         args += [(name, CA_MOUNT) for name in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "PIP_CERT",
                                                "CURL_CA_BUNDLE", "GIT_SSL_CAINFO")]
-        args.append(("UV_NATIVE_TLS", "1"))  # uv's own roots would ignore SSL_CERT_FILE
     folder = Path(tempfile.mkdtemp(prefix="egress-", dir=os.environ.get("XDG_RUNTIME_DIR")))
     proxy = EgressProxy(policy or Policy.from_env(),
                         parent=Upstream(parent.url, parent.token, parent.certificate)
