@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +15,7 @@ from campugrid.cli.platform import ProviderUser
 from campugrid.cli.seaweed import EmbeddedS3
 from campugrid.coordinator.objects import S3Store
 from tests.support.postgres import TempPostgres
+
 
 def gateways_here() -> str:
     """Where this machine's DNS sends PyPI, if that is not a public address."""

@@ -5,7 +5,7 @@ same program as a pull-through mirror of Docker Hub (coordinator/bases.py).
 It accepts only bearer tokens the coordinator signs (coordinator/registry.py): a machine can
 push the one repository its task builds and pull the one it was told to, and nothing lists
 the catalogue. Deleting manifests is on, for the coordinator's garbage collection. At scale
-any registry configured the same way replaces it (README: "Shared images").
+any registry configured the same way replaces it (docs/jobs.md: "Shared images").
 """
 
 from __future__ import annotations
