@@ -51,8 +51,8 @@ BESIDE_THE_HOST = (
     "tests/unit/", "tests/test_static.py", "tests/security/test_trust.py",
     "tests/security/test_console.py",
     *(f"tests/integration/test_{name}.py" for name in (
-        "agent_service", "bases", "claim_plan", "cli_coordinator", "images", "inputs", "leader",
-        "machine_cache", "metrics", "migrations", "objects", "placement", "ratelimits",
+        "agent_service", "bases", "claim_plan", "cli_coordinator", "egress", "images", "inputs",
+        "leader", "machine_cache", "metrics", "migrations", "objects", "placement", "ratelimits",
         "seaweed_security", "shards_store", "store", "users")))
 
 

@@ -146,13 +146,11 @@ def parse_pins(text: str) -> dict[tuple[str, int], tuple[str, int]]:
     return pins
 
 
-def split_host_port(text: str, default: int | None = None) -> tuple[str, int]:
+def split_host_port(text: str) -> tuple[str, int]:
     """`host:port` (IPv6 in brackets); ValueError for anything else."""
     host, colon, port = text.rpartition(":")
     if not colon or "]" in port:
-        if default is None:
-            raise ValueError(f"{text!r} has no port")
-        host, port = text, str(default)
+        raise ValueError(f"{text!r} has no port")
     if not port.isdigit() or not 0 < int(port) < 65536 or not host:
         raise ValueError(f"{text!r}: not host:port")
     return host.strip("[]").lower(), int(port)

@@ -66,6 +66,8 @@ class Record:
 
     def line(self) -> str:
         where = f"{self.host}{self.path}" if self.path else f"{self.host}:{self.port}"
+        if self.method == "?":  # it never said what it wanted
+            return f"[egress] refused a connection: {self.refused}"
         if self.refused:
             return f"[egress] refused {self.method} {where}: {self.refused}"
         via = f" via {self.via}" if self.via else ""
@@ -77,7 +79,8 @@ class EgressProxy:
     """`policy` decides hosts (and addresses, when connecting directly); `parent`: ask the
     platform's proxy instead of connecting; `routes`: plain-HTTP hosts served by a cache;
     `authorize`: the platform's check of a Proxy-Authorization header and the peer's address
-    (None: allowed, else why not); `budget`: bytes a build may receive in all; `log`: hears every Record."""
+    (None: allowed, else why not); `budget`: bytes a build may receive in all; `log`: hears
+    every Record."""
 
     def __init__(self, policy: Policy, *, parent: Upstream | None = None,
                  routes: Mapping[str, tuple[Upstream, str]] | None = None,
@@ -89,6 +92,11 @@ class EgressProxy:
         self.over = ""  # why everything is refused from now on (the budget is spent)
         self._writers: set[asyncio.StreamWriter] = set()
 
+    def close_all(self) -> None:
+        """Close every connection, to the build and upstream."""
+        for writer in list(self._writers):
+            writer.close()
+
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
         rec = Record("?", "?", 0)
@@ -99,7 +107,13 @@ class EgressProxy:
             rec.refused = str(e)
             with contextlib.suppress(OSError, RuntimeError):
                 await _answer(writer, e.status, rec.refused)
-        except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError) as e:
+        except asyncio.LimitOverrunError:
+            rec.refused = f"a request head over {MAX_HEAD // 1024} KiB"
+            with contextlib.suppress(OSError, RuntimeError):
+                await _answer(writer, 400, rec.refused)
+        except asyncio.IncompleteReadError:
+            rec.refused = rec.refused or "closed before a whole request"
+        except (TimeoutError, OSError, ValueError) as e:
             rec.refused = rec.refused or f"{type(e).__name__}: {e}"[:300]
             with contextlib.suppress(OSError, RuntimeError):
                 await _answer(writer, 502, rec.refused)
@@ -107,19 +121,17 @@ class EgressProxy:
             rec.seconds = time.monotonic() - began
             self._writers.discard(writer)
             writer.close()
-            if self.log is not None and rec.method != "?":
+            if self.log is not None:  # every connection, whatever it sent
                 self.log(rec)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                       rec: Record) -> None:
+        # The servers' stream limit is MAX_HEAD: a longer head is a LimitOverrunError here.
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
-        if len(head) > MAX_HEAD:
-            raise ValueError("request head too large")
         lines = head.decode("latin-1").split("\r\n")
         words = lines[0].split(" ")
         if len(words) != 3 or not words[2].startswith("HTTP/1."):
-            rec.method = "?"
-            raise ValueError("not an HTTP/1 request")
+            raise Refused("not an HTTP/1 proxy request", 400)
         method, target = words[0], words[1]
         headers = [(k.strip(), v.strip()) for k, _, v in
                    (h.partition(":") for h in lines[1:] if h)]
@@ -216,8 +228,7 @@ class EgressProxy:
                         self.over = (f"the build downloaded more than "
                                      f"{self.budget // 1024**2} MB (resources.disk_mb)")
                         rec.refused = self.over
-                        for other in list(self._writers):
-                            other.close()
+                        self.close_all()
                         return
                 else:
                     rec.sent += len(data)
@@ -248,7 +259,8 @@ def _status(head: bytes) -> tuple[int, str]:
 
 
 async def _answer(writer: asyncio.StreamWriter, status: int, why: str) -> None:
-    text = {403: "Forbidden", 407: "Proxy Authentication Required", 502: "Bad Gateway"}
+    text = {400: "Bad Request", 403: "Forbidden", 407: "Proxy Authentication Required",
+            502: "Bad Gateway"}
     body = (why + "\n").encode()
     why_line = why.replace("\r", " ").replace("\n", " ")[:500]
     head = (f"HTTP/1.1 {status} {text.get(status, 'Error')}\r\n"
@@ -284,11 +296,12 @@ class Serving:
         try:
             if unix is not None:
                 server = self.loop.run_until_complete(
-                    asyncio.start_unix_server(self.proxy.handle, path=str(unix)))
+                    asyncio.start_unix_server(self.proxy.handle, path=str(unix), limit=MAX_HEAD))
             else:
                 assert tcp is not None
                 server = self.loop.run_until_complete(
-                    asyncio.start_server(self.proxy.handle, tcp[0], tcp[1], ssl=tls))
+                    asyncio.start_server(self.proxy.handle, tcp[0], tcp[1], ssl=tls,
+                                         limit=MAX_HEAD))
                 self.address = server.sockets[0].getsockname()[:2]
         except BaseException as e:
             self._error = e
@@ -299,8 +312,7 @@ class Serving:
             self.loop.run_forever()
         finally:
             server.close()
-            for w in list(self.proxy._writers):
-                w.close()
+            self.proxy.close_all()
             pending = asyncio.all_tasks(self.loop)
             for t in pending:
                 t.cancel()
