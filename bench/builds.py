@@ -94,7 +94,7 @@ def plain_build(user: ProviderUser, context: Path, tag: str) -> float:
     return took
 
 
-PHASES = ("lease wait + start", "context", "bases", "packages", "build", "commit")
+PHASES = ("lease wait + start", "context", "bases", "build", "commit")
 
 
 def campugrid_build(api: Api, context: Path, expect: dict[str, Any]) -> tuple[float, dict[str, float]]:
@@ -110,10 +110,10 @@ def campugrid_build(api: Api, context: Path, expect: dict[str, Any]) -> tuple[fl
     ready, built = READY.search(text), BUILT.search(text)
     if ready is None or built is None:
         raise RuntimeError(f"job {job}: its build log has no timing lines")
-    total, inputs, bases, packages, image = map(float, ready.groups())
+    total, inputs, bases, image = map(float, ready.groups())
     commit = float(built.group(2))
-    return took, dict(zip(PHASES, (took - total, inputs, bases, packages,
-                                   image - commit, commit), strict=True))
+    return took, dict(zip(PHASES, (took - total, inputs, bases, image - commit, commit),
+                          strict=True))
 
 
 def main() -> None:

@@ -68,12 +68,12 @@ def test_bad_submissions_are_refused_with_a_reason_and_store_nothing(
     assert len(api.jobs(limit=1000)) == before
 
 
-def test_a_dockerfile_that_needs_network_is_refused_at_submit(api, tmp_path):
+def test_a_dockerfile_that_asks_for_more_network_is_refused_at_submit(api, tmp_path):
     (tmp_path / "Dockerfile").write_text("FROM localhost/campugrid/python:bookworm\n"
-                                         "ADD https://example.org/model.bin /model.bin\n")
+                                         "RUN --network=host curl https://example.org/\n")
     with pytest.raises(ApiError) as err:
         api.submit(tar_folder(tmp_path), JobSpec())
-    assert err.value.status == 422 and "builds have no network" in err.value.detail
+    assert err.value.status == 422 and "through the platform's egress proxy" in err.value.detail
 
 
 @pytest.mark.parametrize(("fields", "says"), [
@@ -97,12 +97,13 @@ def test_text_that_is_not_utf8_is_refused_not_stored_as_mojibake(api, platform, 
 
 
 def test_the_dockerfile_is_read_as_the_builder_reads_it(api, tmp_path):
-    # One instruction to BuildKit and Buildah (a continued line): ADD of a loopback URL.
+    # One instruction to BuildKit and Buildah (a continued line): COPY of a loopback URL.
     (tmp_path / "Dockerfile").write_text("FROM localhost/campugrid/python:bookworm\n"
-                                         "ADD http:/\\\n/127.0.0.1:8750/v1/jobs /j\n")
+                                         "COPY http:/\\\n/127.0.0.1:8750/v1/jobs /j\n")
     with pytest.raises(ApiError) as err:
         api.submit(tar_folder(tmp_path), JobSpec())
-    assert err.value.status == 422 and "line 2" in err.value.detail and "no URLs" in err.value.detail
+    assert err.value.status == 422 and "line 2" in err.value.detail and \
+        "COPY takes files from the context" in err.value.detail
 
 
 def test_only_allowed_base_images_are_built_on(api, tmp_path):

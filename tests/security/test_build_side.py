@@ -178,9 +178,10 @@ def test_no_spelling_of_a_url_reaches_the_host_even_around_the_check(provider, s
     assert Recorder.seen == [], (Recorder.seen, res)
     assert not image_exists(provider, "localhost/campugrid-test/url:1") or res["ok"]
     if case[0] in ("continued URL", "escape directive", "JSON form", "ARG holding a URL",
-                   "heredoc hiding an ADD"):  # Buildah did try, and the egress proxy
-        log = "\n".join(res["lines"])  # refused it, in the build log:
-        assert "[egress] refused GET 127.0.0.1" in log and "an address, not a name" in log, log
+                   "heredoc hiding an ADD"):  # Buildah did try, and the build log says so:
+        # Go skips the proxy for loopback, and the build namespace's own loopback has nothing
+        log = "\n".join(res["lines"])
+        assert f"dial tcp 127.0.0.1:{listener}: connect: connection refused" in log, log
     subprocess.run(provider.command(["podman", "rmi", "-f", "localhost/campugrid-test/url:1"]),
                    capture_output=True)
 

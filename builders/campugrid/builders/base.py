@@ -22,12 +22,15 @@ class Builder(Protocol):
               cancel: threading.Event | None = None, memory_mb: int = 4096,
               cpus: float = 2.0, disk_mb: int = 512,
               bases: Sequence[BaseUse] | None = None, dockerfile: Path | None = None,
-              volumes: Sequence[tuple[Path, str]] = (), egress: Path | None = None) -> str:
+              volumes: Sequence[tuple[Path, str]] = (), egress: Path | None = None,
+              store_on: Path | None = None) -> str:
         """Build context_dir/Dockerfile (or `dockerfile`: the agent's copy with remote bases
         pinned and pip pointed at the platform's cache) into the provider's image store as
         `tag`. `volumes`: host paths RUN steps see read-only, at the given paths (extra
         certificates to trust). `egress`: the unix socket of the agent's egress proxy, the
-        only way out of the build (agent/buildnet.py); None: offline.
+        only way out of the build (agent/buildnet.py); None: offline. `store_on`: a folder on a
+        filesystem the agent bounds to `disk_mb` (its output slot), for what the build writes;
+        None: the builder bounds it itself where it can (a tmpfs: memory).
 
         `bases` are the allowed base images the checked Dockerfile starts from (None: check
         the Dockerfile here): each must be here with its pinned digest, if any. RUN steps get

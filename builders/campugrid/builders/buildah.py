@@ -14,8 +14,10 @@ Each build runs in Buildah's user namespace (`buildah unshare`) with, in it:
   its own, without the relay). Nothing else is there to reach: a tool that ignores the proxy
   finds no route, no DNS server, no host. Without `egress` the loopback stays down and RUN
   steps run with runsc `network=none`: the build is offline;
-- its own image store on a tmpfs of `disk_mb`, so everything the RUN steps write (the
-  working layer, and any earlier stage's image) stops at that size and vanishes with the build;
+- its own image store in `store_on` (a folder on a filesystem the agent bounds to `disk_mb`:
+  its output slot, sandbox/slots.py), else on a tmpfs of `disk_mb` (which counts as memory),
+  so everything the RUN steps write (the working layer, any earlier stage's image) stops at
+  that size; the store goes with the build;
 - as the only other images, a store of this provider's allowed base images (read-only), so
   no other job's image can be named as a base, a `--from` or a mount.
 The finished image is committed straight into the provider's own store, to run. That commit
@@ -44,7 +46,7 @@ from campugrid.egress.policy import CA_ENV
 from campugrid.protocol.dockerfiles import BaseUse, check_dockerfile
 from campugrid.protocol.errors import BuildFailed, InvalidInput
 from campugrid.sandbox import limits as host_limits
-from campugrid.sandbox import profile
+from campugrid.sandbox import profile, slots
 from campugrid.sandbox.podman_runsc import RUNSC_FLAGS, runtime_dir
 from campugrid.sandbox.process import LogFn, run_streaming
 
@@ -64,13 +66,14 @@ def layer_limit_mb(disk_mb: int) -> int:
 
 
 PROXY_PORT = 3128  # where the relay listens, on the build's own loopback
-# $1 store folder, $2 its size in MB, $3 the layer limit in MB, $4 the allowed-bases store,
+# $1 store folder, $2 its tmpfs's size in MB (0: none, it is on a bounded disk), $3 the layer
+# limit in MB, $4 the allowed-bases store,
 # $5 the egress proxy's socket (empty: offline), $6 a Python for the relay, $7 its file; the
 # rest is `buildah bud`'s arguments, its `-t` the provider's store.
 _SCRIPT = """
 set -e
 w=$1 size=$2 layer=$3 bases=$4
-mount -t tmpfs -o "size=${size}m,mode=0700" campugrid-build "$w"
+[ "$size" = 0 ] || mount -t tmpfs -o "size=${size}m,mode=0700" campugrid-build "$w"
 ulimit -S -f $((layer * 2048))
 exec unshare --net -- /bin/sh -c "$NETNS" campugrid-netns "$@"
 """
@@ -154,12 +157,12 @@ class BuildahBuilder:
 
     def argv(self, store: Path, disk_mb: int, context_dir: Path, tag: str,
              dockerfile: Path | None = None, volumes: Sequence[tuple[Path, str]] = (),
-             egress: Path | None = None) -> list[str]:
+             egress: Path | None = None, tmpfs: bool = True) -> list[str]:
         trust = os.environ.get(CA_ENV, "") if egress is not None else ""
         return [self.buildah, "unshare", "/usr/bin/env", f"NETNS={_NETNS}",
                 *([f"SSL_CERT_FILE={trust}"] if trust else []),
                 "/bin/sh", "-c", _SCRIPT, "campugrid-build",
-                str(store), str(disk_mb), str(layer_limit_mb(disk_mb)),
+                str(store), str(disk_mb if tmpfs else 0), str(layer_limit_mb(disk_mb)),
                 str(self.bases_store[0] / "root"), str(egress or ""), sys.executable, str(RELAY),
                 *self.bud_args(context_dir, self.destination(tag), dockerfile, volumes,
                                online=egress is not None)]
@@ -168,7 +171,8 @@ class BuildahBuilder:
               cancel: threading.Event | None = None, memory_mb: int = 4096,
               cpus: float = 2.0, disk_mb: int = 512,
               bases: Sequence[BaseUse] | None = None, dockerfile: Path | None = None,
-              volumes: Sequence[tuple[Path, str]] = (), egress: Path | None = None) -> str:
+              volumes: Sequence[tuple[Path, str]] = (), egress: Path | None = None,
+              store_on: Path | None = None) -> str:
         if bases is None:  # not checked by the caller: check here, with this host's policy
             try:
                 bases = check_dockerfile((context_dir / "Dockerfile").read_text()).bases
@@ -193,24 +197,30 @@ class BuildahBuilder:
                 line = line[:-len(final)] + COMMIT + tag
             log(line)
         name = "build-" + "".join(c if c.isalnum() else "-" for c in tag)[-60:]
-        # Next to the context (in the task's work folder, which the agent sweeps) if it can.
-        near = context_dir.parent if os.access(context_dir.parent, os.W_OK) else None
+        # On the bounded disk, else a tmpfs next to the context (in the task's work folder,
+        # which the agent sweeps) if it can.
+        near = store_on or (context_dir.parent if os.access(context_dir.parent, os.W_OK)
+                            else None)
         store = Path(tempfile.mkdtemp(prefix="build-store-", dir=near))
         try:
-            # The store's tmpfs is memory: the build may use its memory and its disk.
+            # A tmpfs store is memory: the build may then use its memory and its disk.
             # Not waited for at the end: the build runtime's last `runsc delete` goes on in
             # the background for seconds (runsc-build-runtime); the reaper removes the cgroup.
-            with host_limits.job_cgroup(self.limits, name, memory_mb=memory_mb + disk_mb,
+            with host_limits.job_cgroup(self.limits, name,
+                                        memory_mb=memory_mb + (0 if store_on else disk_mb),
                                         cpus=cpus, pids=4096, scope=self.scope,
                                         wait_s=0.0) as cg:
                 done = run_streaming(
                     host_limits.launcher(cg, self.argv(store, disk_mb, context_dir, tag,
-                                                       dockerfile, volumes, egress)),
+                                                       dockerfile, volumes, egress,
+                                                       tmpfs=store_on is None)),
                     log=logged, timeout_s=timeout_s, cancel=cancel, on_orphan=(),
                     cgroups=cg.paths if cg is not None else ())
                 oom = done.returncode != 0 and cg is not None and cg.oom_killed()
         finally:
-            shutil.rmtree(store, ignore_errors=True)  # an empty mount point by now
+            # A tmpfs's mount point is empty by now; a store on disk holds files of the build's
+            # user namespace's ids, removed from inside it
+            slots.remove_tree(store)
         if done.cancelled or done.timed_out or done.returncode != 0:
             # A build can fail after its image is committed (Buildah cleaning up on a full
             # tmpfs): a failed build leaves no image.
@@ -227,7 +237,7 @@ class BuildahBuilder:
             if any(s in said for s in ("no space left on device", "file too large",
                                        "io: read/write on closed pipe")):
                 raise BuildFailed(f"the build used more than {disk_mb} MB of disk "
-                                  "(resources.disk_mb bounds what its steps write, and the "
+                                  "(resources.build_mb bounds what its steps write, and the "
                                   "layer it commits, sparse files at their full size)", tail)
             why = f"; a RUN step used more than {memory_mb} MB" if oom else ""
             raise BuildFailed(f"build failed (buildah exit {done.returncode}{why})", tail)

@@ -46,7 +46,8 @@ class FakeBuilder:
               cancel: threading.Event | None = None, memory_mb: int = 4096,
               cpus: float = 2.0, disk_mb: int = 512,
               bases: Sequence[BaseUse] | None = None, dockerfile: Path | None = None,
-              volumes: Sequence[tuple[Path, str]] = (), egress: Path | None = None) -> str:
+              volumes: Sequence[tuple[Path, str]] = (), egress: Path | None = None,
+              store_on: Path | None = None) -> str:
         self.builds.append((context_dir, tag))
         self.limits.append({"memory_mb": memory_mb, "cpus": cpus, "disk_mb": disk_mb})
         tail: collections.deque[str] = collections.deque(maxlen=40)

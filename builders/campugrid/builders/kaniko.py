@@ -97,7 +97,8 @@ class KanikoBuilder:
               cancel: threading.Event | None = None, memory_mb: int = 4096,
               cpus: float = 2.0, disk_mb: int = 512,
               bases: Sequence[BaseUse] | None = None, dockerfile: Path | None = None,
-              volumes: Sequence[tuple[Path, str]] = (), egress: Path | None = None) -> str:
+              volumes: Sequence[tuple[Path, str]] = (), egress: Path | None = None,
+              store_on: Path | None = None) -> str:
         """memory_mb and cpus are not applied: the API service's containers are outside the
         job cgroups (and rootless cgroup v1 ignores the API's limits). `bases` are checked by
         the policy only: Kaniko resolves FROM inside its own sandbox, which has no registry."""

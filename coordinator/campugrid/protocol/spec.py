@@ -41,6 +41,7 @@ IMAGE_REUSE = ("first", "verified", "never")
 LIMITS = ("memory", "cpu", "pids", "disk", "wall_time", "build_disk", "confinement",
           "sandbox_seccomp", "output")
 ENFORCED = "enforced"  # what an agent reports for a limit that holds on its machine
+BUILD_MB = 20480  # a build's disk where the job does not say: a PyTorch stack fits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,9 @@ class Resources:
     cpus: float = 1.0
     memory_mb: int = 1024
     disk_mb: int = 256  # the size of the job's writable /tmp
+    # The build's disk (what its steps write and download, and so the image's size); None:
+    # what the machine offers, up to BUILD_MB. A machine that cannot give it hands the job back.
+    build_mb: int | None = None
     output_mb: int = 4096  # /output and /checkpoints together
     gpus: int = 0
     gpu_memory_mb: int = 0  # per GPU
@@ -214,6 +218,8 @@ class JobSpec:
             cpus=_number(res, "cpus", 1.0, 0.1, 256, "resources"),
             memory_mb=_integer(res, "memory_mb", 1024, 64, 4 * 1024 * 1024, "resources"),
             disk_mb=_integer(res, "disk_mb", 256, 1, 1024 * 1024, "resources"),
+            build_mb=None if res.get("build_mb") is None else
+            _integer(res, "build_mb", BUILD_MB, 64, 16 * 1024 * 1024, "resources"),
             output_mb=_integer(res, "output_mb", 4096, 1, 1024 * 1024, "resources"),
             gpus=_integer(res, "gpus", 0, 0, 16, "resources"),
             gpu_memory_mb=_integer(res, "gpu_memory_mb", 0, 0, 1024 * 1024, "resources"),
@@ -310,6 +316,8 @@ class JobSpec:
                      "require_limits": list(self.resources.require_limits)}
         if not self.resources.require_limits:  # stored specs stay as they were without it
             del resources["require_limits"]
+        if self.resources.build_mb is None:  # likewise
+            del resources["build_mb"]
         out: dict[str, Any] = {
             "command": list(self.command) if self.command is not None else None,
             "env": dict(self.env),

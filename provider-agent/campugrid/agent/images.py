@@ -380,9 +380,9 @@ def unpacked_bytes(staged: Path, limit: int, skip: set[str] | frozenset[str] = f
 
 
 def declared(build: BuildOptions) -> dict[str, str]:
-    """The spec's build options as a build input: two jobs of one context that fetch other
-    packages for their builds do not share an image (none when the spec sets none, so the
-    keys of such builds stay as they were)."""
+    """The spec's build options as a build input: two jobs of one context that build
+    differently (online or offline) do not share an image (none when the spec sets none, so
+    the keys of such builds stay as they were)."""
     if build == BuildOptions():
         return {}
     return {"build": json.dumps(dataclasses.asdict(build), sort_keys=True)}
@@ -442,7 +442,7 @@ def obtain(client: CoordinatorApi, lease: Lease, builder: Builder, cache: ImageC
                                             step.token)
                 if size > allowed:
                     raise SandboxError(f"it is {size // 1024**2} MB, more than the bases and "
-                                       f"resources.disk_mb ({allowed // 1024**2} MB)")
+                                       f"resources.build_mb ({allowed // 1024**2} MB)")
                 found = cache.pull(step.registry, step.repository, step.digest, step.token,
                                    work=work, limit_bytes=allowed, cancel=stop, user=user)
             except SandboxError as e:

@@ -25,6 +25,7 @@ from typing import Any
 
 from campugrid.agent import status
 from campugrid.protocol.errors import InvalidInput
+from campugrid.sandbox.slots import remove_tree
 
 UNIT_NAME = "campugrid-agent.service"
 AGENT_DIR = Path("~/.local/share/campugrid-agent").expanduser()  # its key, membership, work
@@ -189,19 +190,6 @@ def stop_agent(state_dir: Path, wait_s: float = 30.0) -> bool:
         time.sleep(0.2)
     os.kill(pid, signal.SIGKILL)
     return True
-
-
-def remove_tree(path: Path) -> None:
-    """rmtree, never through a link, and where a job left files owned by its user
-    namespace's ids (which this user may not unlink from outside), the same from inside that
-    namespace."""
-    if path.is_symlink() or path.is_file():
-        path.unlink(missing_ok=True)
-        return
-    shutil.rmtree(path, ignore_errors=True)
-    if path.exists():
-        subprocess.run(["podman", "unshare", "rm", "-rf", "--", str(path)], capture_output=True,
-                       timeout=120, check=False)
 
 
 def remove_state(state_dir: Path) -> None:

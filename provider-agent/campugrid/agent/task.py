@@ -10,6 +10,7 @@ and the sandbox.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -19,7 +20,7 @@ import signal
 import tarfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -41,7 +42,7 @@ from campugrid.builders.base import Builder
 from campugrid.protocol import logs
 from campugrid.protocol.dockerfiles import allowed_bases, pin_bases
 from campugrid.protocol.errors import BuildFailed, CampugridError, InvalidInput, SandboxError
-from campugrid.protocol.spec import ENFORCED, JobSpec
+from campugrid.protocol.spec import BUILD_MB, ENFORCED, JobSpec
 from campugrid.protocol.tarballs import extract_context_file
 from campugrid.sandbox import confine, slots
 from campugrid.sandbox.podman_ops import CliOps, PodmanOps
@@ -263,31 +264,39 @@ class Task:
             return Outcome(succeeded=False, exit_code=-1, reason=e.reason)
         checked = info.checked
         based = time.monotonic()
+        build_mb, short = self.build_disk()
+        if short:
+            self.handback = short
+            return Outcome(succeeded=False, exit_code=-1, reason=short)
 
         def build() -> None:
             online = spec.build.network if self.builder.online else "none"
-            with buildnet.open_network(lease.mirrors, wanted=online, mode=self.build_network,
-                                       disk_mb=spec.resources.disk_mb, log=build_log) as net:
+            with self._slot_holds(build_mb), \
+                    buildnet.open_network(lease.mirrors, wanted=online, mode=self.build_network,
+                                          disk_mb=build_mb, log=build_log) as net:
                 dockerfile = None
                 if local or net.run_args:  # the agent's copy: bases pinned, pip pointed at
                     dockerfile = work / "Dockerfile.prepared"  # the platform's cache
                     dockerfile.write_text(pin_bases((context_dir / "Dockerfile").read_text(),
                                                     local, checked.froms, net.run_args))
                 cpus = build_cpus(spec.resources.cpus)
-                build_log(f"[campugrid] building with {self.builder.name} on {cpus:g} CPUs, RUN "
-                          f"steps under gVisor; network: {net.why}")
+                disk = "on disk" if self.slot is not None else "a tmpfs (memory)"
+                build_log(f"[campugrid] building with {self.builder.name} on {cpus:g} CPUs and "
+                          f"{build_mb} MB of disk ({disk}), RUN steps under gVisor; network: "
+                          f"{net.why}")
                 self.builder.build(context_dir, self.tag, log=build_log,
                                    timeout_s=min(BUILD_TIMEOUT_S, spec.resources.wall_time_s),
                                    cancel=self.stop, memory_mb=spec.resources.memory_mb,
-                                   cpus=cpus, disk_mb=spec.resources.disk_mb,
+                                   cpus=cpus, disk_mb=build_mb,
                                    bases=uses, dockerfile=dockerfile, volumes=net.volumes,
-                                   egress=net.socket)
+                                   egress=net.socket,
+                                   store_on=self.files if self.slot is not None else None)
 
         try:
             self.image = images.obtain(self.client, lease, self.builder, self.cache,
                                        bases=uses, tag=self.tag, work=work,
                                        log=build_log, stop=self.stop, build=build,
-                                       disk_mb=spec.resources.disk_mb,
+                                       disk_mb=build_mb,
                                        declared=images.declared(spec.build),
                                        later=self._share if self.push_beside else None)
         except BuildFailed as e:
@@ -305,6 +314,32 @@ class Task:
         if self.handback:
             return Outcome(succeeded=False, exit_code=-1, reason=self.handback)
         return mapped
+
+    def build_disk(self) -> tuple[int, str]:
+        """The build's disk in MB, and why this machine cannot give it ('' if it can): what
+        the job asks (resources.build_mb), else what the output slot holds up to BUILD_MB;
+        without a slot, a tmpfs, which is memory: what the job asks, else its disk_mb."""
+        asked = self.spec.resources.build_mb
+        if self.slot is None:
+            return asked or self.spec.resources.disk_mb, ""
+        offered = (self.slot.capacity() + self.slot.used()) // 1024**2
+        if asked is not None and asked > offered:
+            return asked, (f"this machine's build disk holds {offered} MB; the job asks for "
+                           f"{asked} MB (resources.build_mb)")
+        return asked or min(BUILD_MB, offered), ""
+
+    @contextlib.contextmanager
+    def _slot_holds(self, build_mb: int) -> Iterator[None]:
+        """While the build runs, the output slot holds its disk (the store is in the task's
+        folder); then /output and /checkpoints to output_mb again."""
+        if self.slot is None:
+            yield
+            return
+        self.slot.resize(build_mb * 1024**2)
+        try:
+            yield
+        finally:
+            self.slot.resize(self.spec.resources.output_mb * 1024**2)
 
     def _share(self, push: Callable[[], object]) -> None:
         """The push of this task's build runs beside the job: others wait for it, this job

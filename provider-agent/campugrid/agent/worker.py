@@ -25,7 +25,7 @@ from campugrid.agent import gpus, metrics, speed
 from campugrid.agent.client import CoordinatorApi, CoordinatorClient, fetch_membership
 from campugrid.agent.gpus import GpuPolicy
 from campugrid.agent.images import ImageCache
-from campugrid.agent.install import remove_tree, scope_of
+from campugrid.agent.install import scope_of
 from campugrid.agent.messages import Capabilities, Lease
 from campugrid.agent.owner import Owner, OwnerPolicy
 from campugrid.agent.shards import ShardSessionTask
@@ -255,7 +255,7 @@ class Agent:
     def run_task(self, lease: Lease) -> None:
         log.info("task %s attempt %d leased", lease.job_id, lease.fencing_token)
         work = self.work_root / f"{lease.job_id}-{lease.fencing_token}"
-        remove_tree(work)
+        slots.remove_tree(work)
         work.mkdir(parents=True)
         kind = ShardSessionTask if lease.shard is not None else Task
         try:
@@ -288,10 +288,10 @@ class Agent:
         for image in self.sandbox.sweep_images(job_image_prefix(self.scope)):
             log.log(level, "removed image %s left by %s", image, whose)
         for folder in sorted(self.work_root.glob("*")) if self.work_root.is_dir() else []:
-            remove_tree(folder)
+            slots.remove_tree(folder)
             log.log(level, "removed work folder %s left by %s", folder.name, whose)
         for path in self.slot.leftovers() if self.slot is not None else []:
-            remove_tree(path)
+            slots.remove_tree(path)
             log.log(level, "removed %s from output slot %s, left by %s", path.name,
                     path.parent, whose)
 

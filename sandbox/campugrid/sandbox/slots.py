@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import fcntl
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -41,23 +42,39 @@ class Slot:
         if self.leftovers():  # another job's files must never reach this one
             raise SandboxError(f"output slot {self.path} still holds "
                                f"{', '.join(p.name for p in self.leftovers())}")
+        self._start = self._free()  # nothing of this task's yet
+        self.resize(limit_bytes)
+        folder = self.path / "task"
+        folder.mkdir()
+        return folder
+
+    def resize(self, limit_bytes: int) -> None:
+        """Bound the task's files to `limit_bytes` from now on, what they hold already
+        included: the build's disk while it builds (its store in the task's folder), then
+        /output's. SandboxError if the slot cannot hold that much."""
+        used = self.used()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path / BALLAST)
         free = self._free()
-        ballast = free - limit_bytes - SLACK
+        ballast = free - max(0, limit_bytes - used) - SLACK
         if ballast < 0:
             raise SandboxError(f"{limit_bytes // 2**20} MB is more than output slot {self.path} "
-                               f"holds ({max(0, free - SLACK) // 2**20} MB)")
+                               f"holds ({max(0, free + used - SLACK) // 2**20} MB)")
         if ballast:
             fd = os.open(self.path / BALLAST, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 os.posix_fallocate(fd, 0, ballast)
             finally:
                 os.close(fd)
-        self._start = self._free()
-        folder = self.path / "task"
-        folder.mkdir()
-        return folder
+        self._start = self._free() + used
+
+    def capacity(self) -> int:
+        """The most a task may be given here: the slot's room without its ballast."""
+        try:
+            ballast = os.stat(self.path / BALLAST).st_blocks * 512
+        except FileNotFoundError:
+            ballast = 0
+        return max(0, self._free() + ballast - SLACK)
 
     def used(self) -> int:
         """Bytes of disk the task's files hold now (blocks, as the filesystem counts them)."""
@@ -74,6 +91,19 @@ class Slot:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             os.close(self._lock_fd)
+
+
+def remove_tree(path: Path) -> None:
+    """rmtree, never through a link, and where a job left files owned by its user
+    namespace's ids (which this user may not unlink from outside), the same from inside that
+    namespace."""
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    if path.exists():
+        subprocess.run(["podman", "unshare", "rm", "-rf", "--", str(path)], capture_output=True,
+                       timeout=120, check=False)
 
 
 def _visible_to_podman(path: Path) -> bool:
