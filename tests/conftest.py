@@ -3,7 +3,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,30 +14,16 @@ from campugrid.cli.platform import ProviderUser
 from campugrid.cli.seaweed import EmbeddedS3
 from campugrid.coordinator.objects import S3Store
 from tests.support.postgres import TempPostgres
-
-
-def gateways_here() -> str:
-    """Where this machine's DNS sends PyPI, if that is not a public address."""
-    from campugrid.egress.policy import not_public
-    try:
-        found = {str(i[4][0]) for i in socket.getaddrinfo("pypi.org", 443, type=socket.SOCK_STREAM)}
-    except OSError:
-        return ""
-    return " ".join(sorted(a for a in found if not_public(a)))
-
+from tests.support.standins import this_network
 
 # Agents the tests start (Platform.start_agent passes this on; so does `campugrid up`) ask for
 # work every 0.2 s, not every second: a job starts up to 0.8 s sooner, some hundred times a
 # run. The product's default stays 1.0 s (bench/idle.py measures an idle agent at that).
 os.environ.setdefault("CAMPUGRID_AGENT_POLL_SECONDS", "0.2")
-# Outbound TLS on these machines passes through an intercepting authority that only the host's
-# bundle holds (../shared/PLATFORM.md): builds here trust it as well as their image's own (a
-# real provider needs nothing of the kind).
-os.environ.setdefault("CAMPUGRID_BUILD_CA_FILE", "/etc/ssl/certs/ca-certificates.crt")
-# And their DNS answers every package registry with one gateway address in a reserved range
-# (203.0.113.80, which the egress proxy refuses as not public): the operator's setting for
-# such a network names it, as found here (nothing is set where PyPI resolves publicly).
-os.environ.setdefault("CAMPUGRID_EGRESS_GATEWAYS", gateways_here())
+# What this machine's network needs for builds to reach the real registries (an intercepting
+# TLS authority, one gateway address for every registry): tests/support/standins.py.
+for _name, _value in this_network().items():
+    os.environ.setdefault(_name, _value)
 
 # infra/test runs two pytest-xdist workers (`--dist loadscope`, scheduled as below). Every test
 # that touches the provider user's Podman, runsc, Buildah or an agent runs on one of them, one

@@ -2,7 +2,9 @@
 platform's pull-through mirror of Docker Hub (here a stand-in: an open registry holding a
 locally made python image with pip under the Hub's name, as no public registry is reachable
 from these machines), the tag resolved to a digest at submit, the agent pulling that digest
-through the mirror and fetching the declared wheels from PyPI, the build offline."""
+through the mirror, and RUN steps fetching what they install through the egress proxy: from
+PyPI and Debian for real, from GitHub and the PyTorch index through stand-ins
+(tests/support/standins.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from campugrid.cli.seaweed import free_port
 from campugrid.client import ApiError, tar_folder
 from campugrid.protocol.spec import JobSpec
 from tests.support.oci import UV, OpenRegistry, python_slim, uv_image
+from tests.support.standins import StandIns
 
 pytestmark = pytest.mark.acceptance
 APP = """import json, socket, sys
@@ -45,15 +48,26 @@ def hubbed() -> Iterator[tuple[Platform, OpenRegistry, str]]:
     hub.push(uv_image(root / "uv-image"), UV, as_user=provider.command([]))
     p = Platform(root / "state", http_port=free_port(), lease_seconds=4.0,
                  admin_identity=root / "admin.json", hub_upstream=f"http://{hub.address}")
-    os.environ["CAMPUGRID_REGISTRY_MIRRORS"] = f"ghcr.io=http://{hub.address}"
+    standins = StandIns(root / "standins")
+    # The operator's settings for the stand-ins: where their names go, what builds trust.
+    settings = {"CAMPUGRID_REGISTRY_MIRRORS": f"ghcr.io=http://{hub.address}",
+                "CAMPUGRID_EGRESS_PINS": standins.pins(),
+                "CAMPUGRID_BUILD_CA_FILE": str(standins.bundle)}
+    before = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
     try:
         p.start()
         p.start_agent("bases-agent")
         yield p, hub, digest
     finally:
-        os.environ.pop("CAMPUGRID_REGISTRY_MIRRORS", None)
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         p.stop()
         hub.stop()
+        standins.stop()
         log = root / "state" / "agents" / "bases-agent.log"
         if log.exists():
             print("--- agent log (tail) ---\n" + "\n".join(log.read_text().splitlines()[-30:]))
@@ -127,11 +141,9 @@ def corpus() -> dict[str, tuple[Path, dict]]:
 
 @pytest.mark.parametrize("name", list(corpus()))
 def test_a_researchers_dockerfile_builds_unchanged(hubbed, tmp_path, name):
-    """tests/corpus: python slim + a requirements file (the README's example), a scientific
-    stack, a pyproject project, a uv project synced from its lock, apt-get then pip, a
-    multi-stage build. Each builds as written, its RUN steps reaching package registries
-    through the egress proxy and nothing else (a raw connection finds no route), and the job
-    ends as its expect.json says."""
+    """tests/corpus (its README lists the entries). Each builds as written, its RUN steps
+    reaching package registries through the egress proxy and nothing else (a raw connection
+    finds no route), and the job ends as its expect.json says."""
     platform, _, _ = hubbed
     source, expect = corpus()[name]
     context = tmp_path / name

@@ -75,15 +75,17 @@ def test_a_machine_that_cannot_give_the_build_its_disk_hands_the_job_back(api, t
                      JobSpec.from_dict({"command": ["true"], "max_attempts": 1,
                                         "resources": {"build_mb": 16 * 1024 * 1024}}))
     try:
+        # Handed back, not failed: with one attempt allowed, a second hand-back shows that
+        # the first cost none (the only machine takes it again at once).
         deadline = time.monotonic() + 120
         while True:
             events = api.job(job["id"])["events"]
             handed = [e for e in events if "build disk holds" in (e.get("detail") or "")]
-            if handed:
+            if len(handed) >= 2:
                 break
             assert time.monotonic() < deadline, events
             time.sleep(0.5)
         assert "the job asks for 16777216 MB (resources.build_mb)" in handed[0]["detail"]
-        assert api.job(job["id"])["state"] == "queued"  # handed back: it costs no attempt
+        assert api.job(job["id"])["state"] in ("queued", "building")
     finally:
         api.cancel(job["id"])

@@ -140,6 +140,9 @@ class RecordedNvml:
 
 SANDBOX = {4101, 4102}  # runsc's sandbox and gofer: the job's own
 LENT = "GPU-2f1c0e8a-lent"
+# Other processes' pids, above the kernel's largest (2**22): no real process has them, so
+# their names read "?" (a pid that exists here would show its real name).
+PID = 2**22
 
 
 def recorded(**lent):
@@ -153,18 +156,18 @@ def recorded(**lent):
 def test_only_processes_outside_the_sandbox_on_the_lent_gpus_count():
     ours = SANDBOX.__contains__
     assert foreign_gpu_users(recorded(), {LENT}, ours) == []
-    found = foreign_gpu_users(recorded(graphics=[(5200, 1536 * MIB)]), {LENT}, ours)
-    assert found == ["pid 5200 (?) on GPU 1, 1536 MiB"]
+    found = foreign_gpu_users(recorded(graphics=[(PID + 200, 1536 * MIB)]), {LENT}, ours)
+    assert found == [f"pid {PID + 200} (?) on GPU 1, 1536 MiB"]
     # memory NVML cannot attribute (None on some drivers) still names the process
-    assert foreign_gpu_users(recorded(compute=[(4101, None), (5300, None)]), {LENT}, ours) == [
-        "pid 5300 (?) on GPU 1"]
+    assert foreign_gpu_users(recorded(compute=[(4101, None), (PID + 300, None)]), {LENT}, ours) == [
+        f"pid {PID + 300} (?) on GPU 1"]
     # a process busy on the GPU without memory of its own shows in the utilisation samples
-    busy = recorded(utilisation=[(4102, 90), (5400, 35), (5500, 0)])
-    assert foreign_gpu_users(busy, {LENT}, ours) == ["pid 5400 (?) on GPU 1, 35% busy"]
+    busy = recorded(utilisation=[(4102, 90), (PID + 400, 35), (PID + 500, 0)])
+    assert foreign_gpu_users(busy, {LENT}, ours) == [f"pid {PID + 400} (?) on GPU 1, 35% busy"]
     # a GPU that does not list compute processes still lists graphics ones
-    partial = recorded(compute=RecordedNvml.NVMLError_NotSupported, graphics=[(5600, 64 * MIB)],
+    partial = recorded(compute=RecordedNvml.NVMLError_NotSupported, graphics=[(PID + 600, 64 * MIB)],
                        utilisation=RecordedNvml.NVMLError_NotSupported)
-    assert foreign_gpu_users(partial, {LENT}, ours) == ["pid 5600 (?) on GPU 1, 64 MiB"]
+    assert foreign_gpu_users(partial, {LENT}, ours) == [f"pid {PID + 600} (?) on GPU 1, 64 MiB"]
 
 
 def test_the_owner_drains_for_pause_listed_programs_and_foreign_gpu_use(tmp_path, program):
