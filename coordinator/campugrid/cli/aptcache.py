@@ -20,7 +20,7 @@ from typing import ClassVar
 import httpx
 
 from campugrid.cli.daemon import Daemon
-from campugrid.coordinator.mirrors import APT_HOSTS
+from campugrid.egress.policy import APT_HOSTS
 from campugrid.protocol.errors import StorageError
 
 # Each host's path prefixes: the repositories the cache serves (a Remap rule each)

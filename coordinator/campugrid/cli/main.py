@@ -347,12 +347,17 @@ def agent_run(
     from campugrid.agent.metrics import METRICS_PORT
     from campugrid.agent.owner import Hours, OwnerPolicy
     from campugrid.agent.worker import Agent, AgentSettings, check_poll_seconds
+    from campugrid.egress.policy import Policy
 
     _logging(log_format)
     try:
         check_poll_seconds(poll_seconds)  # before anything is made
         if build_network not in MODES:
             raise CampugridError(f"--build-network {build_network}: one of {', '.join(MODES)}")
+        try:  # the builds' egress settings, checked now rather than at the first build
+            Policy.from_env()
+        except ValueError as e:
+            raise CampugridError(str(e)) from e
         cfg = AgentConfig.load(config) if config else AgentConfig(state_dir=AGENT_DIR)
         state_dir = state_dir or (cfg.state_dir if cfg.state_dir != Path() else AGENT_DIR)
         name = name or cfg.name

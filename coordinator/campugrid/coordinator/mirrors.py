@@ -37,15 +37,12 @@ from campugrid.coordinator.auth import Guard
 from campugrid.coordinator.machines import MachineRecord
 from campugrid.coordinator.machines import Status as MachineStatus
 from campugrid.coordinator.registry import ISSUER, ensure_signing_key
+from campugrid.egress.policy import APT_HOSTS
 from campugrid.protocol.errors import AuthError, RateLimited
 
 AUDIENCE = "campugrid-mirror"
 KINDS = ("pypi", "apt", "egress")  # what a machine's token opens (egress: campugrid.egress)
 PREFIX = "/v1/mirrors"
-# The distributions' own mirrors: the only hosts the apt cache fetches from (agent/buildnet.py
-# routes no others to it; apt-cacher-ng is configured with the same list).
-APT_HOSTS = ("deb.debian.org", "security.debian.org", "archive.ubuntu.com",
-             "security.ubuntu.com", "ports.ubuntu.com")
 DEFAULT_UPSTREAM = "https://pypi.org/simple/"
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -125,9 +122,6 @@ def create_mirrors(tokens: MirrorTokens, *, pypi_dir: Path | None, apt_address: 
     pypi = _pypi(pypi_dir) if pypi_dir is not None else None
     apt = _apt(apt_address) if apt_address else None
 
-    def refusal(token: str, kind: str, address: str) -> tuple[int, str] | None:
-        return machine_refusal(tokens, machine, guard, token, kind, address)
-
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
@@ -138,7 +132,8 @@ def create_mirrors(tokens: MirrorTokens, *, pypi_dir: Path | None, apt_address: 
         if scope["method"] not in ("GET", "HEAD"):
             return await _answer(send, 405, "the mirrors are read-only")
         address = (scope.get("client") or ("?", 0))[0]
-        refused = await run_in_threadpool(refusal, _token(scope), kind, address)
+        refused = await run_in_threadpool(machine_refusal, tokens, machine, guard, _token(scope),
+                                          kind, address)
         if refused is not None:
             return await _answer(send, *refused, {"www-authenticate": 'Basic realm="campugrid"'}
                                  if refused[0] == 401 else None)

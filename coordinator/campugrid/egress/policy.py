@@ -22,12 +22,15 @@ GATEWAYS_ENV = "CAMPUGRID_EGRESS_GATEWAYS"
 # Certificates a build trusts besides its image's own (a machine whose TLS is intercepted, a
 # stand-in with a certificate of its own): a PEM bundle, given to Buildah and to RUN steps.
 CA_ENV = "CAMPUGRID_BUILD_CA_FILE"
+# The distributions' own mirrors: what the platform's apt cache serves (coordinator/mirrors.py)
+# and the agent's proxy sends it (agent/buildnet.py).
+APT_HOSTS = ("deb.debian.org", "security.debian.org", "archive.ubuntu.com",
+             "security.ubuntu.com", "ports.ubuntu.com")
 # Package registries researchers' Dockerfiles use. `*.name` is any name under it.
 DEFAULT_HOSTS = (
     "pypi.org", "files.pythonhosted.org",  # PyPI and its file host
     "download.pytorch.org", "pypi.nvidia.com", "developer.download.nvidia.com",
-    "deb.debian.org", "security.debian.org", "archive.ubuntu.com", "security.ubuntu.com",
-    "ports.ubuntu.com",
+    *APT_HOSTS,
     "conda.anaconda.org", "repo.anaconda.com", "micro.mamba.pm",
     "github.com", "codeload.github.com", "raw.githubusercontent.com",
     "objects.githubusercontent.com", "release-assets.githubusercontent.com",

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from campugrid.agent.messages import Mirror, mirror
-from campugrid.egress.policy import CA_ENV, Policy
+from campugrid.egress.policy import APT_HOSTS, CA_ENV, Policy
 from campugrid.egress.proxy import EgressProxy, Serving, Upstream
 
 MODES = ("platform", "local", "none")
@@ -32,8 +32,6 @@ CA_MOUNT = "/dev/campugrid-build-ca.pem"
 # The platform's PyPI cache as the build sees it: a name that resolves nowhere; this proxy
 # alone knows where it is.
 PYPI_ALIAS = "pypi.campugrid.internal"
-APT_HOSTS = ("deb.debian.org", "security.debian.org", "archive.ubuntu.com",
-             "security.ubuntu.com", "ports.ubuntu.com")
 
 
 @dataclasses.dataclass
