@@ -105,8 +105,8 @@ class KanikoBuilder:
         import docker.errors
 
         if volumes:
-            raise BuildFailed("the kaniko builder cannot give RUN steps the Python wheels "
-                              "fetched for them; use the buildah builder")
+            raise BuildFailed("the kaniko builder cannot give RUN steps files of the machine's "
+                              "(extra certificates); use the buildah builder")
         if dockerfile is not None:
             raise BuildFailed("the kaniko builder cannot start from images on registries (its "
                               "sandbox has none); use the buildah builder")
