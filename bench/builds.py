@@ -79,12 +79,14 @@ def context_copy(source: Path, root: Path, user: ProviderUser) -> Path:
 
 
 def plain_build(user: ProviderUser, context: Path, tag: str) -> float:
-    # uv trusts its own roots unless told to use the system's, which hold this network's
-    # TLS proxy (pip in the image already does): a build argument after each FROM, as the
-    # agent adds its own, not kept in the image.
+    # uv and Poetry (requests) trust their own roots unless told to use the system's, which
+    # hold this network's TLS proxy (pip in the image already does): build arguments after
+    # each FROM, as the agent adds its own, not kept in the image.
     text = (context / "Dockerfile").read_text()
     (context / "Dockerfile.plain").write_text(
-        pin_bases(text, {}, check_dockerfile(text).froms, (("UV_SYSTEM_CERTS", "1"),)))
+        pin_bases(text, {}, check_dockerfile(text).froms,
+                  (("UV_SYSTEM_CERTS", "1"),
+                   ("REQUESTS_CA_BUNDLE", "/etc/ssl/certs/ca-certificates.crt"))))
     t = time.monotonic()
     done = subprocess.run(user.command(["buildah", "bud", "--isolation", "chroot",
                                         "--pull-never", "--layers=false", "-q", "-t", tag,
@@ -172,9 +174,10 @@ def main() -> None:
 
     print(f"\nthe corpus built on a warm cache, median of {args.rounds} rounds (campugrid: "
           "submit -> running)\n")
-    print("| Dockerfile        | plain buildah, network | campugrid, RUN in gVisor, proxied | vs base "
+    w = max(17, *map(len, corpus))  # the first column fits the longest name
+    print(f"| {'Dockerfile':<{w}} | plain buildah, network | campugrid, RUN in gVisor, proxied | vs base "
           "| its build alone | vs base |")
-    print("|-------------------|------------------------|-----------------------------------|---------"
+    print(f"|{'-' * (w + 2)}|------------------------|-----------------------------------|---------"
           "|-----------------|---------|")
     ratios, alone_ratios = [], []
     for name in corpus:
@@ -182,21 +185,21 @@ def main() -> None:
         alone = statistics.median(s["build"] + s["commit"] for s in phases[name])
         ratios.append(got / base)
         alone_ratios.append(alone / base)
-        print(f"| {name:<17} | {base:20.1f} s | {got:31.1f} s | {got / base:6.2f}x "
+        print(f"| {name:<{w}} | {base:20.1f} s | {got:31.1f} s | {got / base:6.2f}x "
               f"| {alone:13.1f} s | {alone / base:6.2f}x |")
     geo = statistics.geometric_mean(ratios)
-    print(f"| geometric mean    |                        |                                   "
+    print(f"| {'geometric mean':<{w}} |                        |                                   "
           f"| {geo:6.2f}x |                 | {statistics.geometric_mean(alone_ratios):6.2f}x |")
     print("\nits build alone: the build and commit phases below, the builder's own time with every "
           "RUN step in gVisor\n(bench/run_steps.py measures that sandbox's cost per step); the "
           "rest is the lease, the context and the bases")
     print("\ncampugrid's time by phase, seconds (median of the rounds; build: the base check, "
           "RUN steps under gVisor; commit: the image into the machine's own store)\n")
-    print("| Dockerfile        | " + " | ".join(f"{p:>7}" for p in PHASES) + " |")
-    print("|-------------------|" + "|".join("-" * (max(7, len(p)) + 2) for p in PHASES) + "|")
+    print(f"| {'Dockerfile':<{w}} | " + " | ".join(f"{p:>7}" for p in PHASES) + " |")
+    print(f"|{'-' * (w + 2)}|" + "|".join("-" * (max(7, len(p)) + 2) for p in PHASES) + "|")
     for name in corpus:
         cells = [statistics.median(s[p] for s in phases[name]) for p in PHASES]
-        print(f"| {name:<17} | " + " | ".join(f"{c:>{max(7, len(p))}.1f}"
+        print(f"| {name:<{w}} | " + " | ".join(f"{c:>{max(7, len(p))}.1f}"
                                                 for c, p in zip(cells, PHASES, strict=True)) + " |")
 
 
