@@ -67,9 +67,9 @@ def layer_limit_mb(disk_mb: int) -> int:
 
 PROXY_PORT = 3128  # where the relay listens, on the build's own loopback
 # $1 store folder, $2 its tmpfs's size in MB (0: none, it is on a bounded disk), $3 the layer
-# limit in MB, $4 the allowed-bases store,
-# $5 the egress proxy's socket (empty: offline), $6 a Python for the relay, $7 its file; the
-# rest is `buildah bud`'s arguments, its `-t` the provider's store.
+# limit in MB, $4 the allowed-bases store, $5 the egress proxy's socket (empty: offline), $6 a
+# Python for the relay, $7 its file; the rest is `buildah bud`'s arguments, its `-t` the
+# provider's store.
 _SCRIPT = """
 set -e
 w=$1 size=$2 layer=$3 bases=$4
