@@ -79,6 +79,25 @@ def s3_server() -> Iterator[EmbeddedS3]:
     shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True)
+def _drop_new_buckets(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Each bucket is a SeaweedFS collection with volumes of its own, and the session's server
+    has room for a couple of hundred: a test's buckets go when it ends (wider fixtures' stay)."""
+    if "s3_server" not in request.fixturenames:
+        yield
+        return
+    from minio import Minio
+
+    server: EmbeddedS3 = request.getfixturevalue("s3_server")
+    client = Minio(server.endpoint, server.access_key, server.secret_key, secure=False)
+    before = {b.name for b in client.list_buckets()}
+    yield
+    for bucket in {b.name for b in client.list_buckets()} - before:
+        for obj in client.list_objects(bucket, recursive=True):
+            client.remove_object(bucket, obj.object_name)
+        client.remove_bucket(bucket)
+
+
 @pytest.fixture
 def s3(s3_server: EmbeddedS3) -> S3Store:
     """A fresh bucket per test on the session's SeaweedFS."""

@@ -100,6 +100,12 @@ def _write_private(path: Path, text: str) -> None:
         f.write(text)
 
 
+# A bucket is a collection, and the master grows 7 volumes for each new one by default:
+# with volume.max derived from free disk (256 MB a volume), a few dozen buckets used every
+# slot and writes to the next failed with 500s. One volume at a time; more as they fill.
+_MASTER_TOML = "[master.volume_growth]\ncopy_1 = 1\ncopy_2 = 2\ncopy_3 = 3\ncopy_other = 1\n"
+
+
 def _security_toml() -> str:
     """JWT keys, new at every start: even inside the namespace, the filer and volume server
     answer no HTTP read or write that the S3 gateway (or master) did not sign."""
@@ -300,6 +306,7 @@ class EmbeddedS3:
         }]}))
         # Read from the working directory first; WEED_* variables would win (_env drops them).
         _write_private(self.data_dir / "security.toml", _security_toml())
+        _write_private(self.data_dir / "master.toml", _MASTER_TOML)
         argv, env = self._argv(), self._env()
         try:
             self._forwarder = _Forwarder(self.data_dir / "s3.sock", self.port)
