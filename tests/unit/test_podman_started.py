@@ -61,3 +61,24 @@ def test_a_container_podman_is_removing_reads_as_gone_and_other_errors_do_not():
     _api_ops(racing).kill("t-1", "KILL")  # type: ignore[attr-defined]  # nothing to kill
     with pytest.raises(APIError, match="storage is full"):
         _api_ops(APIError("500 Server Error", explanation="storage is full")).state("t-1")  # type: ignore[attr-defined]
+
+
+def test_a_podman_whose_service_will_not_start_is_tried_twice_then_the_command_line_saying_why(
+        tmp_path, caplog):
+    """The agent's Podman questions go through the command line where the API service cannot
+    start, and the log says what the service printed (a flake once left no trace of why)."""
+    import logging
+
+    from campugrid.sandbox.podman_ops import CliOps, connect
+
+    tries = tmp_path / "tries"
+    podman = tmp_path / "podman"
+    podman.write_text(f"#!/bin/sh\necho x >> {tries}\necho 'Error: database is locked' >&2\n"
+                      "exit 125\n")
+    podman.chmod(0o755)
+    with caplog.at_level(logging.INFO, logger="campugrid.sandbox.podman_ops"):
+        ops = connect(tmp_path / "run", str(podman))
+    assert isinstance(ops, CliOps)
+    assert tries.read_text().count("x") == 2
+    assert "did not start" in caplog.text and "database is locked" in caplog.text
+    assert not list((tmp_path / "run" / "campugrid").iterdir())  # socket and log cleaned up

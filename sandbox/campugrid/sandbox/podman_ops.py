@@ -209,10 +209,13 @@ class ApiOps:
         self.socket = socket
         socket.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         socket.unlink(missing_ok=True)
-        self.service = subprocess.Popen(
-            [self.podman, "system", "service", "--time=0", f"unix://{socket}"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True)
+        self.log = socket.with_suffix(".log")  # what the service said, for the refusal below
+        fd = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as err:
+            self.service = subprocess.Popen(
+                [self.podman, "system", "service", "--time=0", f"unix://{socket}"],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                start_new_session=True)
         # It dies with us, even by SIGKILL: asked to stop first (it finishes what it is doing
         # and lets go of its locks), killed after two seconds.
         pid = self.service.pid
@@ -223,7 +226,9 @@ class ApiOps:
             deadline = time.monotonic() + 30
             while not socket.exists():
                 if self.service.poll() is not None or time.monotonic() > deadline:
-                    raise OSError(f"podman system service did not start on {socket}")
+                    said = self.log.read_text(errors="replace").strip().splitlines()[-3:]
+                    raise OSError(f"podman system service did not start on {socket}"
+                                  + (f": {' / '.join(said)}" if said else ""))
                 time.sleep(0.02)
             os.chmod(socket, 0o600)
             self.client = PodmanClient(base_url=f"unix://{socket}", timeout=60)
@@ -240,6 +245,7 @@ class ApiOps:
                 self.service.wait(timeout=10)
         release_guard(self._guard)
         self.socket.unlink(missing_ok=True)
+        self.log.unlink(missing_ok=True)
 
     def _container(self, name: str) -> Any:
         from podman.errors import APIError, NotFound
@@ -416,9 +422,18 @@ def _layer_index(root: str, driver: str) -> list[Path]:
 
 
 def connect(runtime_dir: Path, podman: str = "podman") -> PodmanOps:
-    """The API service where it starts, else the command line (and why, in the log)."""
-    try:
-        return ApiOps(runtime_dir / "campugrid" / f"podman-{os.getpid()}.sock", podman)
-    except (OSError, ImportError) as e:
-        log.warning("Podman's API service is not usable (%s); using the podman command line", e)
-        return CliOps(podman)
+    """The API service where it starts (a second try where the first did not: a service that
+    met another Podman command's lock can give up), else the command line (and why, in the
+    log)."""
+    socket = runtime_dir / "campugrid" / f"podman-{os.getpid()}.sock"
+    for attempt in (1, 2):
+        try:
+            return ApiOps(socket, podman)
+        except ImportError as e:
+            reason: Exception = e
+            break
+        except OSError as e:
+            reason = e
+            log.info("Podman's API service, try %d: %s", attempt, e)
+    log.warning("Podman's API service is not usable (%s); using the podman command line", reason)
+    return CliOps(podman)
