@@ -139,6 +139,20 @@ def test_cancelling_a_running_job_removes_its_sandbox(api, platform):
     while job["id"] not in containers():
         assert time.monotonic() < deadline, "the job's container never appeared"
         time.sleep(0.2)
+    # A busy machine is online, says what it is busy with, and keeps telling the coordinator
+    # it is alive (a heartbeat at least every 10 s, not only between tasks).
+    [machine] = api.machines()
+    assert (machine["online"], machine["busy"]) == (True, job["id"][:8])
+    behind = api.submit(tar_folder(HELLO), JobSpec())
+    assert api.job(behind["id"])["waiting_reason"] == (
+        f"waiting for the one machine that fits (acceptance-agent): busy with job {job['id'][:8]}")
+    seen = machine["last_seen_at"]
+    deadline = time.monotonic() + 15
+    while api.machines()[0]["last_seen_at"] == seen:
+        assert time.monotonic() < deadline, "no heartbeat while the machine was busy"
+        time.sleep(0.5)
+    assert api.job(job["id"])["state"] == "running"
+    api.cancel(behind["id"])
     assert api.cancel(job["id"])["state"] == "cancelled"
     deadline = time.monotonic() + 3 * platform.lease_seconds + 15
     while job["id"] in containers():

@@ -296,7 +296,7 @@ def test_a_machine_its_owner_holds_is_listed_so_and_queued_jobs_say_why(coordina
     [m] = [m for m in api.machines() if m["id"] == c.machine_id]
     assert m["held"].startswith("its owner's program steam started")
     c.heartbeat(pb.Capabilities(runtime="runsc", builder="buildah"))  # the game is closed
-    assert api.job(job["id"])["waiting_reason"] == "waiting for a free machine (every online machine is busy)"
+    assert api.job(job["id"])["waiting_reason"] == "waiting for a machine that fits to ask for work"
     assert [m["held"] for m in api.machines() if m["id"] == c.machine_id] == [""]
 
 
@@ -400,3 +400,20 @@ def test_an_ask_its_machine_gave_up_or_whose_machine_was_revoked_claims_nothing(
     assert not other.result(timeout=10).has_task
     assert api.job(job["id"])["state"] == "queued"
     assert client(running, tmp_path, "fresh").lease().job_id == job["id"]
+
+
+def test_a_lease_takes_only_a_job_that_fits_the_room_the_machine_reports(coordinator, tmp_path):
+    running, api = coordinator
+    job = api.submit(tar_folder(HELLO), JobSpec.from_dict({"resources": {"cpus": 4}}))
+    c = client(running, tmp_path, "two-cores")
+    c.heartbeat(pb.Capabilities(runtime="runsc", builder="buildah", cpus=2, memory_mb=8192,
+                                disk_mb=30_000))
+    assert not c.lease(room=(2, 8192, 30_000)).has_task
+    assert api.job(job["id"])["waiting_reason"] == (
+        "needs 4 CPUs; the one online machine has 2 CPUs")
+    [m] = [m for m in api.machines() if m["id"] == c.machine_id]
+    assert (m["cpus"], m["disk_mb"], m["online"], m["busy"]) == (2, 30_000, True, "")
+    lease = c.lease(room=(8, 8192, 30_000))
+    assert lease.has_task and lease.job_id == job["id"]
+    [m] = [m for m in api.machines() if m["id"] == c.machine_id]
+    assert (m["online"], m["busy"]) == (True, job["id"][:8])  # busy, not offline

@@ -159,14 +159,14 @@ def test_job_commands_print_one_json_document_with_the_fields(coord, env, tmp_pa
                                 "resources": {"gpus": 1, "gpu_memory_mb": 1000}}))
     job = cli_json(env, "submit", str(folder), "--spec", str(spec), "--client-id", "sweep-1")
     assert job["client_job_id"] == "sweep-1" and job["shards"]["total"] == 3
-    status = cli_json(env, "status", job["id"])
+    status = cli_json(env, "status", job["id"][:8])  # as the CLI and console show ids
     assert status["id"] == job["id"] and status["events"] and status["waiting_reason"]
     assert job["id"] in [j["id"] for j in cli_json(env, "jobs", "--limit", "100")]
     logs = cli_json(env, "logs", job["id"])
     assert logs == {"job_id": job["id"], "chunks": [], "next_after": 0, "state": "queued"}
     shards = cli_json(env, "shards", job["id"])
     assert [(s["index"], s["state"]) for s in shards] == [(0, "queued"), (1, "queued"), (2, "queued")]
-    assert cli_json(env, "cancel", job["id"])["state"] == "cancelled"
+    assert cli_json(env, "cancel", job["id"][:6])["state"] == "cancelled"
     # the human forms still read as before
     assert cli(env, "status", job["id"]).startswith(f"job      {job['id']}\nstate    cancelled")
 
@@ -186,7 +186,9 @@ def test_admin_commands_and_login_print_json(coord, env, tmp_path):
     joined = cli_json(env, "agent", "join", coord.grpc_address, "--pin", coord.certificate.fingerprint,
                       "--state-dir", str(tmp_path / "agent"), "--name", "box")
     assert joined["status"] == "pending" and joined["fingerprint"].startswith("SHA256:")
-    assert joined["machine_id"] in [m["id"] for m in cli_json(env, "machines")]
+    [listed] = [m for m in cli_json(env, "machines") if m["id"] == joined["machine_id"]]
+    assert (listed["online"], listed["busy"]) == (False, "")  # pending: never online
+    assert "pending" in cli(env, "machines")
     assert cli_json(env, "machines", "approve", joined["machine_id"])["status"] == "approved"
     assert cli_json(env, "machines", "revoke", "box")["status"] == "revoked"
 

@@ -258,3 +258,83 @@ def test_why_a_job_waits_names_the_share_no_machine_has(store: Store):
     assert why_waiting(JobSpec().resources, [view], "imagenet") == (
         "no online machine shares 'imagenet' (GET /v1/shares lists what is shared)")
     assert store.machines.shared() == {"coco": {("a.jpg", 3, "b" * 64): 1}}
+
+
+def sized(machine_id: str, cpus: float, memory_gb: int, disk_gb: int,
+          base: MachineView | None = None) -> MachineView:
+    return dataclasses.replace(base or MachineView(machine_id, "m"), cpus=cpus,
+                               memory_mb=memory_gb * GB, disk_mb=disk_gb * GB)
+
+
+@pytest.mark.parametrize("kind", ["plain", "sharded", "gpu", "share"])
+@pytest.mark.parametrize("asks", [{"cpus": 32}, {"memory_mb": 64 * GB},
+                                  {"output_mb": 100 * GB}, {"build_mb": 100 * GB}])
+def test_a_job_goes_only_to_a_machine_that_can_give_what_it_asks(store: Store, kind: str,
+                                                                  asks: dict):
+    extra: dict = {
+        "gpu": {"resources": {"gpus": 1, "gpu_memory_mb": GB}},
+        "sharded": {"command": ["true"], "shards": [{"payload": 1}]},
+        "share": {"datasets": [{"name": "d", "share": "imagenet",
+                                "sha256": {"val/x.jpg": "a" * 64}}]}}.get(kind, {})
+    res = {**extra.get("resources", {})}
+
+    def submit(**more) -> str:
+        spec = JobSpec.from_dict({**extra, "resources": {**res, **more}})
+        return store.submit(spec, "contexts/x.tar", "ab" * 32)[0].id
+
+    big = submit(**asks)
+    small = submit()
+
+    def offer(m: str, cpus: float, memory_gb: int, disk_gb: int) -> MachineView:
+        base = rig(m, 24) if kind == "gpu" else MachineView(m, "m")
+        if kind == "share":
+            base = dataclasses.replace(base, shares=frozenset({"imagenet"}))
+        return sized(m, cpus, memory_gb, disk_gb, base)
+
+    laptop = add_machine(store, "laptop", {})
+    # The older job is too big for this machine: it takes the one behind it, then nothing.
+    got = store.claim_next(laptop, 30, offer(laptop, 2, 24, 32))
+    assert got is not None and got.id == small
+    assert store.claim_next(laptop, 30, offer(laptop, 2, 24, 32)) is None
+    server = add_machine(store, "server", {})
+    got = store.claim_next(server, 30, offer(server, 64, 256, 1024))
+    assert got is not None and got.id == big
+
+
+def test_a_machine_that_does_not_say_its_size_is_placed_as_before(store: Store):
+    """An agent from before sizes were reported sends none (0): GPUs and limits decide."""
+    big = store.submit(JobSpec.from_dict({"resources": {"cpus": 32, "memory_mb": 64 * GB}}),
+                       "contexts/x.tar", "ab" * 32)[0].id
+    m = add_machine(store, "old-agent", {})
+    got = store.claim_next(m, 30, MachineView(m, "old-agent"))
+    assert got is not None and got.id == big
+
+
+def test_why_a_job_waits_names_the_resource_and_the_largest_machine(store: Store):
+    add_machine(store, "laptop", {"cpus": 2, "memory_mb": 24 * GB - 300, "disk_mb": 30 * GB})
+    add_machine(store, "desktop", {"cpus": 16, "memory_mb": 8 * GB, "disk_mb": 500 * GB})
+    views = store.machines.online()
+    assert {(v.name, v.cpus, v.disk_mb) for v in views} == {("laptop", 2, 30 * GB),
+                                                             ("desktop", 16, 500 * GB)}
+    huge = JobSpec.from_dict({"resources": {"memory_mb": 64 * GB}}).resources
+    assert why_waiting(huge, views) == (
+        "needs 64 GB of memory; the largest online machine has 24 GB of memory")
+    both = JobSpec.from_dict({"resources": {"cpus": 32, "output_mb": 600 * GB}}).resources
+    assert why_waiting(both, views) == (
+        "needs 32 CPUs; the largest online machine has 16 CPUs; "
+        "needs 600 GB of disk; the largest online machine has 500 GB of disk")
+    # Each machine lacks one thing, but not the same one.
+    mixed = JobSpec.from_dict({"resources": {"cpus": 4, "memory_mb": 16 * GB}}).resources
+    assert why_waiting(mixed, views) == (
+        "no online machine has all of 4 CPUs, 16 GB of memory, 4 GB of disk")
+
+
+def test_a_busy_machine_is_online_and_the_queue_says_what_it_is_busy_with(store: Store):
+    m = add_machine(store, "only-box", {"cpus": 2, "memory_mb": 4 * GB, "disk_mb": 30 * GB})
+    running = store.submit(JobSpec(), "contexts/x.tar", "ab" * 32)[0].id
+    waiting = store.submit(JobSpec(), "contexts/x.tar", "cd" * 32)[0]
+    assert store.claim_next(m, 30, sized(m, 2, 4, 30)).id == running
+    [view] = store.machines.online()
+    assert view.busy == running[:8]
+    assert why_waiting(waiting.spec.resources, [view]) == (
+        f"waiting for the one machine that fits (only-box): busy with job {running[:8]}")

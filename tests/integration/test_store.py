@@ -352,3 +352,30 @@ def test_a_claim_hands_out_the_job_exactly_as_stored(store: Store):
     assert claim.job.lease_expires_at is not None
     assert claim.job.lease_expires_at.tzinfo is not None
     assert claim.job.created_at == job.created_at
+
+
+def test_a_job_is_named_by_its_id_or_any_start_of_it_that_is_its_alone(store: Store, monkeypatch):
+    import uuid
+
+    from campugrid.protocol.errors import InvalidInput
+
+    ids = iter([uuid.UUID("abcd1234-0000-4000-8000-000000000001"),
+                uuid.UUID("abcd1234-0000-4000-8000-000000000002"),
+                uuid.UUID("abcd9999-0000-4000-8000-000000000003")])
+    monkeypatch.setattr("campugrid.coordinator.store.uuid.uuid4", lambda: next(ids))
+    one, _ = store.submit(JobSpec(), "contexts/x", "0" * 64, owner="app-a")
+    two, _ = store.submit(JobSpec(), "contexts/x", "0" * 64, owner="app-b")
+    three, _ = store.submit(JobSpec(), "contexts/x", "0" * 64, owner="app-a")
+    monkeypatch.undo()
+    assert store.job_id(one.id) == one.id
+    assert store.job_id(" ABCD9999 ") == three.id  # as printed, upper case and spaces aside
+    assert store.job_id("abcd9") == three.id
+    with pytest.raises(InvalidInput, match=f"several jobs \\({one.id}, {two.id}, …\\): give more"):
+        store.job_id("abcd1234")
+    # Among one app's own jobs the start is its alone; another app's ids are never confirmed.
+    assert store.job_id("abcd1234", owner="app-a") == one.id
+    with pytest.raises(NotFound, match="no job whose id starts with 'abcd1234-0000-4000-8000-00000000000'"):
+        store.job_id("abcd1234-0000-4000-8000-00000000000", owner="app-c")
+    for bad in ("abc", "zzzz1234", "abcd'; --", ""):
+        with pytest.raises(NotFound, match="a job id is a UUID, or its first characters"):
+            store.job_id(bad)

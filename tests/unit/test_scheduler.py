@@ -116,5 +116,6 @@ def test_machines_their_owners_hold_are_not_counted_as_free():
         "every approved machine online (2) is held by its owner now: its owner paused the machine "
         "(campugrid provider pause); its owner's program blender started")
     # one machine that takes work: the reason is about that one
-    assert why_waiting(Resources(), [paused, MachineView("m3", "nas")]).startswith("waiting for a free machine")
+    assert why_waiting(Resources(), [paused, MachineView("m3", "nas", busy="ab12cd34")]) == (
+        "waiting for the one machine that fits (nas): busy with job ab12cd34")
     assert why_waiting(need(gb=1), [paused, MachineView("m3", "nas")]).startswith("no online machine has a GPU (1 ")

@@ -493,10 +493,18 @@ def machines_list(ctx: typer.Context, server: Server = DEFAULT_SERVER,
         found = _api(server).machines()
     except CampugridError as e:
         _fail(str(e))
-    emit(as_json, found, "\n".join(
-        f"{m['id']}  {m['status']:<8} {m['fingerprint']}  {m['name']}  "
-        f"(from {m['address'] or '?'}, seen {m['last_seen_at'][:19]})"
-        + (f"\n    held by its owner: {m['held']}" if m.get("held") else "") for m in found))
+    emit(as_json, found, "\n".join(_machine_line(m) for m in found))
+
+
+def _machine_line(m: dict[str, Any]) -> str:
+    """One machine: who, whether it is online (and busy, or held), and what it can give."""
+    now = ("busy with job " + m["busy"] if m.get("busy") else "held" if m.get("held")
+           else "idle") if m.get("online") else "offline" if m["status"] == "approved" else ""
+    size = (f"{m['cpus']} CPUs, {m['memory_mb'] / 1024:.0f} GB memory, "
+            f"{m['disk_mb'] / 1024:.0f} GB disk" if m.get("cpus") else "size not reported")
+    return (f"{m['id']}  {m['status']:<8} {now:<22} {m['name']}  {size}\n"
+            f"    {m['fingerprint']}  (from {m['address'] or '?'}, seen {m['last_seen_at'][:19]})"
+            + (f"\n    held by its owner: {m['held']}" if m.get("held") else ""))
 
 
 @machines_app.command("invite")

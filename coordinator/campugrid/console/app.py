@@ -182,16 +182,14 @@ def create_console(coord: Coordinator) -> FastAPI:
         return page(request, "jobs.html", jobs=list(zip(found, reasons, strict=True)),
                     states=STATES, state=state if chosen else "", name=name)
 
-    def job_id_ok(job_id: str) -> str:
-        try:
-            return str(uuid.UUID(job_id))
-        except ValueError as e:
-            raise NotFound(f"no job {job_id[:64]!r} (job ids are UUIDs)") from e
+    def job_id_ok(request: Request, ref: str) -> str:
+        """The id of the job `ref` names (an id, or a start of one), among the caller's."""
+        return coord.job_id(ref, owner(user_of(request)))
 
     @private.get("/jobs/{job_id}", response_class=HTMLResponse)
     def job(request: Request, job_id: str) -> HTMLResponse:
         user = user_of(request)
-        found = coord.get_job(job_id_ok(job_id), owner(user))
+        found = coord.get_job(job_id_ok(request, job_id), owner(user))
         [why] = coord.waiting_reasons([found])
         final = found.state in FINAL
         chunks = coord.job_log_tail(found.id, owner(user))  # the end of a long log
@@ -211,7 +209,7 @@ def create_console(coord: Coordinator) -> FastAPI:
         """Server-sent events: `log` per new chunk, `state` when it changes, `end` once the job
         has ended and every chunk was sent. A reconnect resumes after Last-Event-ID."""
         user = user_of(request)
-        job_id = job_id_ok(job_id)
+        job_id = job_id_ok(request, job_id)
         await run_in_threadpool(coord.get_job, job_id, owner(user))  # NotFound before 200
         last = request.headers.get("last-event-id", "")
         start = int(last) if last.isdigit() and len(last) < 19 else after
@@ -258,12 +256,12 @@ def create_console(coord: Coordinator) -> FastAPI:
 
     @private.post("/jobs/{job_id}/cancel")
     def cancel(request: Request, job_id: str) -> Response:
-        found = coord.cancel(job_id_ok(job_id), owner(user_of(request)))
+        found = coord.cancel(job_id_ok(request, job_id), owner(user_of(request)))
         return RedirectResponse(f"{request.scope.get('root_path', '')}/jobs/{found.id}", 303)
 
     @private.get("/jobs/{job_id}/output")
     def output(request: Request, job_id: str) -> StreamingResponse:
-        found, chunks = coord.open_output(job_id_ok(job_id), owner(user_of(request)))
+        found, chunks = coord.open_output(job_id_ok(request, job_id), owner(user_of(request)))
         return StreamingResponse(chunks, media_type="application/gzip", headers={
             "content-disposition": f'attachment; filename="{found.id}-output.tar.gz"'})
 
@@ -319,7 +317,7 @@ def create_console(coord: Coordinator) -> FastAPI:
         found = coord.machines()
         order = {"pending": 0, "approved": 1, "revoked": 2}
         found.sort(key=lambda m: (order.get(m.status.value, 3), m.name))
-        online = {m.id: m for m in coord.store.machines.online()}
+        online = {m.id: m for m in coord.online_machines()}
         recent = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=30)
         drawn: dict[str, list[charts.Chart]] = {}
         for chart in charts.charts(coord.store.gpu_history.since(CHART_MINUTES)):

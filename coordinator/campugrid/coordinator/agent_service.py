@@ -70,8 +70,9 @@ MAX_HELD = 300  # why an owner holds the machine: shown to researchers, so short
 
 
 def _caps(c: pb.Capabilities) -> dict[str, Any]:
-    return {"runtime": c.runtime, "builder": c.builder, "cpus": c.cpus,
-            "memory_mb": c.memory_mb, "limits": dict(c.limits),
+    return {"runtime": c.runtime, "builder": c.builder, "cpus": _size(c.cpus),
+            "memory_mb": _size(c.memory_mb), "disk_mb": _size(c.disk_mb),
+            "limits": dict(c.limits),
             "gpu_isolation": c.gpu_isolation, "gpu_note": c.gpu_note,
             "speed_gflops": c.speed_gflops if math.isfinite(c.speed_gflops) else 0.0,
             "held": "".join(ch if ch.isprintable() else " " for ch in c.held[:MAX_HELD]),
@@ -80,6 +81,11 @@ def _caps(c: pb.Capabilities) -> dict[str, Any]:
             "shares": {sh.name[:64]: [[f.path[:1000], max(0, f.size), f.sha256[:64]]
                                       for f in sh.files[:MAX_SHARED_FILES]]
                        for sh in c.shares[:MAX_SHARES]}}
+
+
+def _size(reported: int) -> int:
+    """A size an agent reports, bounded (2**30 MB is a petabyte; as many CPUs, more than any)."""
+    return min(max(0, int(reported)), 2**30)
 
 
 def _gpus(gpus: Sequence[pb.Gpu]) -> tuple[GpuView, ...]:
@@ -208,7 +214,9 @@ class AgentService(pb_grpc.AgentServiceServicer):
         machine = self._machine(context)
         offer = MachineView(machine, "", _gpus(request.gpus), request.gpu_isolation,
                             enforced=frozenset(request.enforced_limits),
-                            shares=frozenset(x[:64] for x in request.shares[:MAX_SHARES]))
+                            shares=frozenset(x[:64] for x in request.shares[:MAX_SHARES]),
+                            cpus=_size(request.cpus), memory_mb=_size(request.memory_mb),
+                            disk_mb=_size(request.disk_mb))
         self.coord.note_memory(machine, _memory(request.gpus))
         seen = self.coord.work.generation
         lease, took = self._claim(context, machine, offer)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import re
-import uuid
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,6 +21,7 @@ from campugrid.coordinator.machines import MachineRecord
 from campugrid.coordinator.metrics import CONTENT_TYPE, CoordinatorMetrics, TokenView
 from campugrid.coordinator.mirrors import PREFIX as MIRRORS_PREFIX
 from campugrid.coordinator.mirrors import MirrorTokens, create_mirrors
+from campugrid.coordinator.scheduler import MachineView
 from campugrid.coordinator.service import Coordinator
 from campugrid.coordinator.users import UserView
 from campugrid.coordinator.views import JobView
@@ -162,12 +162,19 @@ class MachineOut(BaseModel):
     registered_at: dt.datetime
     last_seen_at: dt.datetime
     held: str  # why its owner holds it now (paused, a listed program runs); "" takes work
+    online: bool  # approved and heard from in the last 30 s (a busy machine is online)
+    busy: str  # the job it runs now (an id prefix); "" while it asks for work
+    cpus: int  # what one task can be given there, as it last said (0: not said)
+    memory_mb: int
+    disk_mb: int
 
     @classmethod
-    def of(cls, m: MachineRecord) -> MachineOut:
+    def of(cls, m: MachineRecord, online: MachineView | None = None) -> MachineOut:
         return cls(id=m.id, name=m.name, status=m.status.value, fingerprint=m.fingerprint,
                    address=m.address, registered_at=m.registered_at, last_seen_at=m.last_seen_at,
-                   held=m.held)
+                   held=m.held, online=online is not None,
+                   busy=online.busy if online is not None else "", cpus=m.cpus,
+                   memory_mb=m.memory_mb, disk_mb=m.disk_mb)
 
 
 class JoinOut(BaseModel):
@@ -335,11 +342,6 @@ def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
                    else None)
         return JSONResponse({"detail": str(exc)}, status_code=status, headers=headers)
 
-    def job_id_ok(job_id: str) -> str:
-        try:
-            return str(uuid.UUID(job_id))
-        except ValueError as e:
-            raise NotFound(f"no job {job_id!r} (job ids are UUIDs)") from e
 
     @app.get("/v1/health")
     def health() -> dict[str, str]:
@@ -376,7 +378,7 @@ def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
 
     @app.get("/v1/jobs/{job_id}", response_model=JobOut)
     def get_job(job_id: str, who: Caller) -> JobOut:
-        job = coord.get_job(job_id_ok(job_id), owner_of(who))
+        job = coord.get_job(coord.job_id(job_id, owner_of(who)), owner_of(who))
         events = [EventOut(at=e.at, attempt=e.attempt, kind=e.kind, detail=e.detail)
                   for e in coord.job_events(job.id, owner_of(who))]
         [why] = coord.waiting_reasons([job])
@@ -391,16 +393,16 @@ def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
         """A sharded job's shards in index order, with their results; page with `after`
         (the last index seen)."""
         return [ShardOut(**dataclasses.asdict(v)) for v in coord.shards(
-            job_id_ok(job_id), state=state, after=after, limit=limit, owner=owner_of(who))]
+            coord.job_id(job_id, owner_of(who)), state=state, after=after, limit=limit, owner=owner_of(who))]
 
     @app.post("/v1/jobs/{job_id}/cancel", response_model=JobOut)
     def cancel(job_id: str, who: Caller) -> JobOut:
-        return JobOut.of(coord.cancel(job_id_ok(job_id), owner_of(who)))
+        return JobOut.of(coord.cancel(coord.job_id(job_id, owner_of(who)), owner_of(who)))
 
     @app.get("/v1/jobs/{job_id}/logs", response_model=LogsOut)
     def logs(job_id: str, who: Caller, after: Annotated[int, Query(ge=0, le=2**62)] = 0,
              stream: Annotated[str | None, Query(pattern="^(build|run)$")] = None) -> LogsOut:
-        job, chunks = coord.job_logs(job_id_ok(job_id), after_id=after, stream=stream,
+        job, chunks = coord.job_logs(coord.job_id(job_id, owner_of(who)), after_id=after, stream=stream,
                                      owner=owner_of(who))
         state = job.state
         return LogsOut(
@@ -411,7 +413,7 @@ def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
     @app.get("/v1/jobs/{job_id}/output", response_class=StreamingResponse,
              responses={200: {"content": {"application/gzip": {}}}})
     def output(job_id: str, who: Caller) -> StreamingResponse:
-        job, stream = coord.open_output(job_id_ok(job_id), owner_of(who))
+        job, stream = coord.open_output(coord.job_id(job_id, owner_of(who)), owner_of(who))
         return StreamingResponse(stream, media_type="application/gzip", headers={
             "content-disposition": f'attachment; filename="{job.id}-output.tar.gz"'})
 
@@ -467,7 +469,8 @@ def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
 
     @app.get("/v1/machines", response_model=list[MachineOut])
     def list_machines(_: Admin) -> list[MachineOut]:
-        return [MachineOut.of(m) for m in coord.machines()]
+        online = {v.id: v for v in coord.online_machines()}
+        return [MachineOut.of(m, online.get(m.id)) for m in coord.machines()]
 
     @app.get("/v1/machines/join", response_model=JoinOut)
     def join(_: Admin) -> JoinOut:

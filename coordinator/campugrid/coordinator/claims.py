@@ -104,7 +104,7 @@ class Claimer:
             # CPU job. None: the queue is empty, or a sharded job is first (the path below).
             now = utcnow()
             params = {"machine_id": machine_id, "expires": now + dt.timedelta(seconds=lease_s),
-                      "now": now, "lacks": offer.lacks_mask}
+                      "now": now, **_room(offer)}
             row = (conn.execute(_TAKE_NEXT_PG, params).first() if postgres
                    else _take_next_sqlite(conn, params))
             if row is not None:
@@ -114,8 +114,7 @@ class Claimer:
                 conn.execute(_LOCK_MACHINE, {"machine_id": machine_id})
             candidates: list[tuple[Any, str, int, tuple[str, ...], int, int]] = [
                 (created, job_id, attempt, (), 0, shards) for job_id, attempt, created, shards
-                in conn.execute(_NEXT_CPU_JOB_PG if postgres else _NEXT_CPU_JOB,
-                                {"lacks": offer.lacks_mask})]
+                in conn.execute(_NEXT_CPU_JOB_PG if postgres else _NEXT_CPU_JOB, _room(offer))]
             if wants_gpu_jobs:
                 found = self._gpu_candidate(conn, machine_id, offer)
                 if found is not None:
@@ -123,8 +122,7 @@ class Claimer:
             if offer.shares:
                 candidates += [(created, job_id, attempt, (), 0, shards)
                                for job_id, attempt, created, shards in conn.execute(
-                                   _next_share_job(offer.shares, postgres),
-                                   {"lacks": offer.lacks_mask})]
+                                   _next_share_job(offer.shares, postgres), _room(offer))]
             if not candidates:
                 return None
             _, job_id, attempt, gpus, gpu_mb, sharded = min(candidates)
@@ -177,11 +175,10 @@ class Claimer:
         # commit. The guarded update in claim_next settles races; the machine row lock (taken
         # by the caller on PostgreSQL) keeps two leases from reserving one GPU's memory twice.
         q = (select(Job.id, Job.attempt, Job.created_at, Job.spec_json, Job.shards_total)
-             .where(Job.state == _CLAIMABLE.value, Job.gpus_needed > 0,
-                   Job.limits_needed.op("&")(offer.lacks_mask) == 0,
+             .where(Job.state == _CLAIMABLE.value, Job.gpus_needed > 0, _SUITS_LIMITS,
                    Job.share.is_(None) | Job.share.in_(sorted(offer.shares)))
              .order_by(Job.created_at, Job.id).limit(window))
-        for job_id, attempt, created, spec_json, shards in s.execute(q):
+        for job_id, attempt, created, spec_json, shards in s.execute(q, _room(offer)):
             need = stored_spec(spec_json).resources
             chosen = place(need, view)
             if chosen:
@@ -193,8 +190,19 @@ class Claimer:
 # row (none: another machine took the job first, so the next candidate is tried).
 _JOBS, _CHECKPOINTS = Base.metadata.tables["jobs"], Base.metadata.tables["checkpoints"]
 (_CLAIMABLE,) = sources_of(JobState.BUILDING)  # one state, so an equality the index serves
-# A job is for a machine only if it needs no limit the machine lacks (bit masks, spec.LIMITS).
-_SUITS_LIMITS = _JOBS.c.limits_needed.op("&")(bindparam("lacks")) == 0
+# A job is for a machine only if it needs no limit the machine lacks (bit masks, spec.LIMITS)
+# and no more CPUs, memory or disk than one task can be given there (_room).
+_SUITS_LIMITS = ((_JOBS.c.limits_needed.op("&")(bindparam("lacks")) == 0)
+                 & (_JOBS.c.cpus_needed <= bindparam("cpus"))
+                 & (_JOBS.c.memory_needed_mb <= bindparam("memory_mb"))
+                 & (_JOBS.c.disk_needed_mb <= bindparam("disk_mb")))
+_UNSAID = 2**31 - 1  # a size the machine did not say (an older agent): no bound
+
+
+def _room(offer: MachineView) -> dict[str, Any]:
+    """The claim's bounds for this machine: its limits and sizes as _SUITS_LIMITS reads them."""
+    return {"lacks": offer.lacks_mask, "cpus": offer.cpus or _UNSAID,
+            "memory_mb": offer.memory_mb or _UNSAID, "disk_mb": offer.disk_mb or _UNSAID}
 # The fast path takes jobs that need no provider share; those come through _share_candidate.
 _NEXT_CPU_JOB = (select(_JOBS.c.id, _JOBS.c.attempt, _JOBS.c.created_at, _JOBS.c.shards_total)
                  .where(_JOBS.c.state == _CLAIMABLE.value, _JOBS.c.gpus_needed == 0,
@@ -239,7 +247,7 @@ def _take_next_sqlite(conn: Connection, params: dict[str, Any]) -> SimpleNamespa
         compiled = _TAKE_NEXT.compile(dialect=conn.dialect)
         order = tuple(compiled.positiontup or ())
         fixed = dict(compiled.construct_params({"machine_id": "", "expires": None, "now": None,
-                                                "lacks": 0}))
+                                                **_room(MachineView("", ""))}))
         _SQLITE_TAKE = (str(compiled), order, fixed)
     sql, order, fixed = _SQLITE_TAKE
     values = {**fixed, **params}

@@ -48,13 +48,19 @@ class MachineRecord:
     registered_at: dt.datetime
     last_seen_at: dt.datetime
     held: str = ""  # why its owner holds it now, as its last heartbeat said
+    # What one task can be given there, as its last heartbeat said (0: not said).
+    cpus: int = 0
+    memory_mb: int = 0
+    disk_mb: int = 0
 
     @classmethod
     def from_row(cls, m: Machine) -> MachineRecord:
         caps = json.loads(m.capabilities_json or "{}")
+        caps = caps if isinstance(caps, dict) else {}
         return cls(m.id, m.name, m.fingerprint, Status(m.status), m.public_key, m.address,
-                   m.registered_at, m.last_seen_at,
-                   str(caps.get("held") or "") if isinstance(caps, dict) else "")
+                   m.registered_at, m.last_seen_at, str(caps.get("held") or ""),
+                   int(caps.get("cpus") or 0), int(caps.get("memory_mb") or 0),
+                   int(caps.get("disk_mb") or 0))
 
 
 class Machines:
@@ -154,9 +160,15 @@ class Machines:
             s.execute(update(Machine).where(Machine.id == machine_id).values(**values))
 
     def online(self, within_s: float = 30) -> list[MachineView]:
-        """Approved machines seen recently, with their GPUs minus what is reserved on them."""
+        """Approved machines seen recently, with their GPUs minus what is reserved on them,
+        and the job each one runs now."""
         since = utcnow() - dt.timedelta(seconds=within_s)
         with self.db.read() as s:
+            busy = {m: j for m, j in s.execute(
+                select(Job.machine_id, Job.id).where(Job.state.in_([x.value for x in ACTIVE])))}
+            busy.update((m, j) for m, j in s.execute(
+                select(ShardSession.machine_id, ShardSession.job_id)
+                .where(ShardSession.active.is_(True))))
             reserved = {(m, g): int(mb) for m, g, mb in s.execute(
                 select(GpuReservation.machine_id, GpuReservation.gpu_uuid,
                        func.sum(GpuReservation.memory_mb))
@@ -176,7 +188,11 @@ class Machines:
                 out.append(MachineView(m.id, m.name, gpus, bool(snap.get("isolation")),
                                        float(caps.get("speed_gflops") or 0.0), enforced,
                                        frozenset(shares) if isinstance(shares, dict) else frozenset(),
-                                       str(caps.get("held") or "")))
+                                       str(caps.get("held") or ""),
+                                       cpus=float(caps.get("cpus") or 0),
+                                       memory_mb=int(caps.get("memory_mb") or 0),
+                                       disk_mb=int(caps.get("disk_mb") or 0),
+                                       busy=str(busy.get(m.id) or "")[:8]))
             return out
 
     def shared(self, within_s: float = 30) -> dict[str, dict[tuple[str, int, str], int]]:

@@ -74,6 +74,11 @@ class Job(Base):
     # resources.require_limits as a bit mask over protocol.spec.LIMITS: a claim takes the job
     # only if the machine enforces every one (limits_needed & what it lacks = 0).
     limits_needed: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # What one machine must be able to give it (Resources.cpus, memory_mb, disk_needed_mb):
+    # a claim takes the job only if the asking machine has that much.
+    cpus_needed: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
+    memory_needed_mb: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    disk_needed_mb: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     # The provider share the job's files come from (spec.share): only a machine sharing it
     # takes the job. NULL for almost every job, which keeps the claim's fast path.
     share: Mapped[str | None] = mapped_column(String(64))

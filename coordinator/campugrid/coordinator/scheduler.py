@@ -37,11 +37,29 @@ class MachineView:
     enforced: frozenset[str] = frozenset()  # the limits (spec.LIMITS) that hold on it
     shares: frozenset[str] = frozenset()  # the folders its owner shares (agent run --share)
     held: str = ""  # why its owner holds it (paused, a listed program runs); "" takes work
+    # What one task can be given there (LeaseRequest, Capabilities); 0: not said (an older
+    # agent), which places by GPUs and limits alone.
+    cpus: float = 0.0
+    memory_mb: int = 0
+    disk_mb: int = 0
+    busy: str = ""  # the job it runs now ("" while it asks for work)
 
     @property
     def lacks_mask(self) -> int:
         """The limits it cannot enforce, as a mask: a job needing any of them is not for it."""
         return limits_mask(set(LIMITS) - self.enforced)
+
+
+# What a job may need of one machine, in the order a too-small one is told:
+# (name, what the job asks, what the machine has).
+def _sizes(need: Resources, m: MachineView) -> list[tuple[str, float, float]]:
+    return [("CPUs", need.cpus, m.cpus), ("memory", need.memory_mb, m.memory_mb),
+            ("disk", need.disk_needed_mb, m.disk_mb)]
+
+
+def too_small(need: Resources, machine: MachineView) -> str:
+    """What this machine has too little of for the job ("" if it can give it all)."""
+    return next((name for name, asked, has in _sizes(need, machine) if has and asked > has), "")
 
 
 def place(need: Resources, machine: MachineView) -> tuple[str, ...] | None:
@@ -91,8 +109,12 @@ def why_waiting(need: Resources, machines: Sequence[MachineView], share: str | N
             return (f"no online machine enforces {', '.join(lacking)} "
                     f"(resources.require_limits; {len(machines)} online)")
         machines = able
+    big = [m for m in machines if not too_small(need, m)]
+    if not big:
+        return _too_small(need, machines)
+    machines = big
     if need.gpus == 0:
-        return "waiting for a free machine (every online machine is busy)"
+        return _busy(machines)
     gpus = [(m, g) for m in machines for g in m.gpus]
     if not gpus:
         return f"no online machine has a GPU ({len(machines)} CPU-only online)"
@@ -117,7 +139,45 @@ def why_waiting(need: Resources, machines: Sequence[MachineView], share: str | N
         count = f"{need.gpus} GPUs with " if need.gpus > 1 else ""
         return (f"no machine has {count}{_gb(need.gpu_memory_mb)} free "
                 f"(most free: {m.name}, {_gb(max(0, g.available_mb))})")
-    return "waiting for a machine with a suitable GPU to ask for work"
+    return _busy([m for m in machines if any(mm.id == m.id for mm, _ in roomy)])
+
+
+def _too_small(need: Resources, machines: Sequence[MachineView]) -> str:
+    """The resources no machine online has enough of, and the most one has."""
+    sizes = [_sizes(need, m) for m in machines]
+    whys = []
+    for i, (name, asked, _) in enumerate(sizes[0]):
+        has = [size[i][2] for size in sizes]
+        if all(h and asked > h for h in has):
+            one = "the one online machine has" if len(has) == 1 else "the largest online machine has"
+            whys.append(f"needs {_amount(name, asked)}; {one} {_amount(name, max(has))}")
+    if whys:
+        return "; ".join(whys)
+    # Each machine lacks something, but no one resource is short everywhere.
+    return "no online machine has all of " + ", ".join(
+        _amount(name, asked) for name, asked, _ in sizes[0])
+
+
+def _busy(machines: Sequence[MachineView]) -> str:
+    """Every machine that could take the job is at work (or about to ask for it)."""
+    busy = [m for m in machines if m.busy]
+    if len(busy) < len(machines):
+        return "waiting for a machine that fits to ask for work"
+    if len(busy) == 1:
+        return f"waiting for the one machine that fits ({busy[0].name}): busy with job {busy[0].busy}"
+    shown = ", ".join(f"{m.name} with {m.busy}" for m in busy[:3])
+    return (f"waiting for a free machine: the {len(busy)} that fit are busy ({shown}"
+            + (", …)" if len(busy) > 3 else ")"))
+
+
+def _amount(name: str, value: float) -> str:
+    """'32 CPUs', '64 GB of memory', '2.5 GB of disk'."""
+    if name == "CPUs":
+        return f"{value:g} CPU" + ("" if value == 1 else "s")
+    mb = int(value)
+    size = (f"{mb / 1024:.0f} GB" if mb >= 10240 else f"{mb / 1024:.1f}".removesuffix(".0")
+            + " GB" if mb >= 1024 else f"{mb} MB")
+    return f"{size} of {name}"
 
 
 def _gb(mb: int) -> str:

@@ -125,6 +125,10 @@ class Coordinator:
     # Every read or change of a job takes `owner`: the app asking, or None for an admin. A job
     # of another app is NotFound, as one that does not exist.
 
+    def job_id(self, ref: str, owner: str | None = None) -> str:
+        """The id of the job `ref` names (its id, or a start of it that is one job's alone)."""
+        return self.store.job_id(ref, owner)
+
     def get_job(self, job_id: str, owner: str | None = None) -> JobView:
         return self.store.get(job_id, owner)
 
@@ -216,6 +220,10 @@ class Coordinator:
 
     def machines(self) -> list[MachineRecord]:
         return self.store.machines.all()
+
+    def online_machines(self) -> list[MachineView]:
+        """Approved machines heard from lately, with their GPUs and the job each one runs."""
+        return self.store.machines.online()
 
     def approve_machine(self, ref: str) -> MachineRecord:
         m = self.store.machines.set_status(self.store.machines.find(ref).id,

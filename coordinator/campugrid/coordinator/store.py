@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -49,6 +50,7 @@ from campugrid.coordinator.views import (
 from campugrid.protocol.errors import (
     Conflict,
     IllegalTransition,
+    InvalidInput,
     NotFound,
     StaleAttempt,
 )
@@ -98,6 +100,8 @@ class Store:
             state=JobState.QUEUED.value, spec_json=spec_text, context_key=context_key,
             context_sha256=context_sha256, attempt=0, max_attempts=spec.max_attempts,
             gpus_needed=spec.resources.gpus, limits_needed=limits_mask(spec.resources.require_limits),
+            cpus_needed=spec.resources.cpus, memory_needed_mb=spec.resources.memory_mb,
+            disk_needed_mb=spec.resources.disk_needed_mb,
             share=spec.share,
             created_at=now, updated_at=now,
             shards_total=len(spec.shards), shards_queued=len(spec.shards), shards_done=0,
@@ -132,6 +136,31 @@ class Store:
         with self.tx() as s:
             s.add(JobEvent(job_id=job_id, at=utcnow(), attempt=attempt, kind=kind,
                            detail=detail[:4000]))
+
+    def job_id(self, ref: str, owner: str | None = None) -> str:
+        """The id of the job `ref` names: its id, or (as the CLI and console show them) any
+        start of it that is one job's alone, among `owner`'s jobs when given. NotFound, or
+        InvalidInput for a start several jobs share."""
+        ref = ref.strip().lower()
+        try:
+            return str(uuid.UUID(ref))
+        except ValueError:
+            pass
+        if not _ID_START.fullmatch(ref):
+            raise NotFound(f"no job {ref[:64]!r} (a job id is a UUID, or its first characters: "
+                           f"at least {_ID_START_MIN})")
+        # A range the primary key serves, then the exact test (collations may order '-' apart).
+        q = select(Job.id).where(Job.id >= ref, Job.id < ref + "g").order_by(Job.id).limit(50)
+        if owner is not None:
+            q = q.where(Job.owner_id == owner)
+        with self.read() as s:
+            found = [i for i in s.scalars(q) if i.startswith(ref)][:2]
+        if not found:
+            raise NotFound(f"no job whose id starts with {ref!r}")
+        if len(found) > 1:
+            raise InvalidInput(f"{ref!r} starts the ids of several jobs ({found[0]}, "
+                               f"{found[1]}, …): give more of it")
+        return found[0]
 
     def get(self, job_id: str, owner: str | None = None) -> JobView:
         """The job; with `owner`, only if that app submitted it (else NotFound, as for a job
@@ -400,6 +429,10 @@ class Store:
             detail = f"{what} from attempt {token} refused: the job is {row.state}"
         s.add(JobEvent(job_id=row.id, at=utcnow(), attempt=token, kind="refused", detail=detail))
         return StaleAttempt(detail) if row.attempt != token else IllegalTransition(detail)
+
+
+_ID_START_MIN = 4
+_ID_START = re.compile(rf"[0-9a-f][0-9a-f-]{{{_ID_START_MIN - 1},35}}")
 
 
 def _owned(row: Job, owner: str | None) -> Job:

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Capabilities(_message.Message):
-    __slots__ = ("runtime", "builder", "cpus", "memory_mb", "limits", "gpus", "gpu_isolation", "gpu_note", "speed_gflops", "shares", "held")
+    __slots__ = ("runtime", "builder", "cpus", "memory_mb", "limits", "gpus", "gpu_isolation", "gpu_note", "speed_gflops", "shares", "held", "disk_mb")
     class LimitsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class Capabilities(_message.Message):
     SPEED_GFLOPS_FIELD_NUMBER: _ClassVar[int]
     SHARES_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
+    DISK_MB_FIELD_NUMBER: _ClassVar[int]
     runtime: str
     builder: str
     cpus: int
@@ -37,7 +38,8 @@ class Capabilities(_message.Message):
     speed_gflops: float
     shares: _containers.RepeatedCompositeFieldContainer[Share]
     held: str
-    def __init__(self, runtime: _Optional[str] = ..., builder: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_mb: _Optional[int] = ..., limits: _Optional[_Mapping[str, str]] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_isolation: _Optional[bool] = ..., gpu_note: _Optional[str] = ..., speed_gflops: _Optional[float] = ..., shares: _Optional[_Iterable[_Union[Share, _Mapping]]] = ..., held: _Optional[str] = ...) -> None: ...
+    disk_mb: int
+    def __init__(self, runtime: _Optional[str] = ..., builder: _Optional[str] = ..., cpus: _Optional[int] = ..., memory_mb: _Optional[int] = ..., limits: _Optional[_Mapping[str, str]] = ..., gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_isolation: _Optional[bool] = ..., gpu_note: _Optional[str] = ..., speed_gflops: _Optional[float] = ..., shares: _Optional[_Iterable[_Union[Share, _Mapping]]] = ..., held: _Optional[str] = ..., disk_mb: _Optional[int] = ...) -> None: ...
 
 class Share(_message.Message):
     __slots__ = ("name", "files")
@@ -109,18 +111,24 @@ class HeartbeatReply(_message.Message):
     def __init__(self) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("gpus", "gpu_isolation", "enforced_limits", "shares", "wait_ms")
+    __slots__ = ("gpus", "gpu_isolation", "enforced_limits", "shares", "wait_ms", "cpus", "memory_mb", "disk_mb")
     GPUS_FIELD_NUMBER: _ClassVar[int]
     GPU_ISOLATION_FIELD_NUMBER: _ClassVar[int]
     ENFORCED_LIMITS_FIELD_NUMBER: _ClassVar[int]
     SHARES_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
+    DISK_MB_FIELD_NUMBER: _ClassVar[int]
     gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
     gpu_isolation: bool
     enforced_limits: _containers.RepeatedScalarFieldContainer[str]
     shares: _containers.RepeatedScalarFieldContainer[str]
     wait_ms: int
-    def __init__(self, gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_isolation: _Optional[bool] = ..., enforced_limits: _Optional[_Iterable[str]] = ..., shares: _Optional[_Iterable[str]] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    cpus: int
+    memory_mb: int
+    disk_mb: int
+    def __init__(self, gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_isolation: _Optional[bool] = ..., enforced_limits: _Optional[_Iterable[str]] = ..., shares: _Optional[_Iterable[str]] = ..., wait_ms: _Optional[int] = ..., cpus: _Optional[int] = ..., memory_mb: _Optional[int] = ..., disk_mb: _Optional[int] = ...) -> None: ...
 
 class Dataset(_message.Message):
     __slots__ = ("name", "share", "files")

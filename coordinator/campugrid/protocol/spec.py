@@ -63,6 +63,12 @@ class Resources:
     require_limits: tuple[str, ...] = ()
 
     @property
+    def disk_needed_mb(self) -> int:
+        """The disk one machine must give the job: its build's store and then its /output and
+        /checkpoints use the same room, one after the other."""
+        return max(self.output_mb, self.build_mb or 0)
+
+    @property
     def min_cc(self) -> tuple[int, int]:
         if not self.min_compute_capability:
             return (0, 0)

@@ -278,13 +278,17 @@ class CoordinatorClient:
 
     def lease(self, gpus: Sequence[pb.Gpu] = (), gpu_isolation: bool = False,
               enforced: Sequence[str] = (), shares: Sequence[str] = (), wait_s: float = 0.0,
-              give_up: Callable[[], bool] | None = None) -> pb.LeaseReply:
-        """The next task; with `wait_s`, the coordinator may hold the call that long for
-        work (coordinator/wakeup.py), and `give_up`, asked every GIVE_UP_POLL_S meanwhile,
-        ends the wait early (no task then)."""
+              give_up: Callable[[], bool] | None = None,
+              room: tuple[int, int, int] = (0, 0, 0)) -> pb.LeaseReply:
+        """The next task that fits `room` (CPUs, memory and disk in MB; 0: not said); with
+        `wait_s`, the coordinator may hold the call that long for work
+        (coordinator/wakeup.py), and `give_up`, asked every GIVE_UP_POLL_S meanwhile, ends the
+        wait early (no task then)."""
+        cpus, memory_mb, disk_mb = room
         call = self.stub.Lease.future(
             pb.LeaseRequest(gpus=gpus, gpu_isolation=gpu_isolation, enforced_limits=enforced,
-                            shares=shares, wait_ms=int(wait_s * 1000)),
+                            shares=shares, wait_ms=int(wait_s * 1000), cpus=cpus,
+                            memory_mb=memory_mb, disk_mb=disk_mb),
             timeout=RPC_TIMEOUT_S + wait_s)
         while True:
             try:
@@ -386,11 +390,13 @@ class CoordinatorApi:
 
     def lease(self, gpus: Sequence[m.Gpu] = (), gpu_isolation: bool = False,
               enforced: Sequence[str] = (), shares: Sequence[str] = (), wait_s: float = 0.0,
-              give_up: Callable[[], bool] | None = None) -> m.Lease | None:
+              give_up: Callable[[], bool] | None = None,
+              room: m.Room | None = None) -> m.Lease | None:
         """The next task for this machine, or None when none is queued for it (after up to
         `wait_s` of waiting for one, unless `give_up` says so first)."""
         reply = self.wire.lease([gpu_pb(g) for g in gpus], gpu_isolation, enforced, shares,
-                                wait_s, give_up)
+                                wait_s, give_up, (room.cpus, room.memory_mb, room.disk_mb)
+                                if room is not None else (0, 0, 0))
         return lease_from_pb(reply) if reply.has_task else None
 
     def renew(self, job_id: str, token: int, phase: str, timeout_s: float) -> m.Renewal:
@@ -456,6 +462,7 @@ def capabilities_pb(c: m.Capabilities) -> pb.Capabilities:
                            memory_mb=c.memory_mb, limits=dict(c.limits),
                            gpus=[gpu_pb(g) for g in c.gpus], gpu_isolation=c.gpu_isolation,
                            gpu_note=c.gpu_note, speed_gflops=c.speed_gflops, held=c.held,
+                           disk_mb=c.disk_mb,
                            shares=[pb.Share(name=name, files=[
                                pb.Share.File(path=f.path, size=f.size, sha256=f.sha256)
                                for f in files]) for name, files in sorted(c.shares.items())])

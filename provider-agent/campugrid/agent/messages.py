@@ -34,6 +34,16 @@ class Capabilities:
     speed_gflops: float = 0.0
     shares: Mapping[str, tuple[SharedFile, ...]] = dataclasses.field(default_factory=dict)
     held: str = ""  # why the owner holds the machine now (campugrid.agent.owner); "" takes work
+    disk_mb: int = 0  # the most disk one task can be given (Room.disk_mb)
+
+
+@dataclasses.dataclass(frozen=True)
+class Room:
+    """What one task can be given on this machine: a lease asks only for jobs that fit."""
+
+    cpus: int
+    memory_mb: int
+    disk_mb: int  # the output slot's room (a build's store, then /output), else the free disk
 
 
 @dataclasses.dataclass(frozen=True)

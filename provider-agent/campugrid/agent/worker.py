@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from campugrid.agent.client import CoordinatorApi, CoordinatorClient, fetch_memb
 from campugrid.agent.gpus import GpuPolicy
 from campugrid.agent.images import ImageCache
 from campugrid.agent.install import scope_of
-from campugrid.agent.messages import Capabilities, Lease
+from campugrid.agent.messages import Capabilities, Lease, Room
 from campugrid.agent.owner import Owner, OwnerPolicy
 from campugrid.agent.shards import ShardSessionTask
 from campugrid.agent.shares import Shares
@@ -44,9 +45,11 @@ from campugrid.sandbox.runtime import Runtime
 log = logging.getLogger("campugrid.agent")
 OWNER_POLL_S = 0.5  # how often the owner's say is checked: drains start within this
 # The coordinator may hold an ask for work this long, answering as soon as work comes
-# (coordinator/wakeup.py). Heartbeats, sent between asks, stay within 10 s plus this of each
-# other: inside the 30 s in which the coordinator counts a machine online.
+# (coordinator/wakeup.py). Heartbeats, sent between asks (and during a task), stay within
+# HEARTBEAT_S plus this of each other: inside the 30 s in which the coordinator counts a
+# machine online.
 LEASE_WAIT_S = 8.0
+HEARTBEAT_S = 10.0
 MAX_POLL_S = 3600.0  # the longest wait between two asks for work that --poll-seconds takes
 
 
@@ -127,6 +130,7 @@ class Agent:
         log.info("speed score: %.1f GFLOP/s (matmul)", self.speed)
         self.owner = Owner(settings.state_dir, settings.owner, nvml=_nvml())
         self.held = ""  # why the owner holds the machine now; "" while it takes work
+        self.last_beat = 0.0  # when the coordinator last heard from it (time.monotonic)
         self.status = StatusFile(settings.state_dir, name=settings.name,
                                  coordinator=self.client.wire.membership.coordinator,
                                  fingerprint=self.client.wire.fingerprint,
@@ -144,18 +148,36 @@ class Agent:
                      self.settings.drain_grace_seconds)
             self.task.drain(self.settings.drain_grace_seconds)
 
-    def capabilities(self) -> Capabilities:
+    def room(self) -> Room:
+        """What one task can be given here: the machine's CPUs and memory, and the output
+        slot's room (without one, the free space where tasks' files go)."""
         mem_kb = 0
         with contextlib.suppress(OSError, ValueError, IndexError):
             mem_kb = int(Path("/proc/meminfo").read_text().split("\n")[0].split()[1])
+        if self.slot is not None:
+            disk = self.slot.capacity()
+        else:
+            disk = shutil.disk_usage(self.settings.state_dir).free
+        return Room(cpus=machine_cpus(), memory_mb=mem_kb // 1024, disk_mb=disk // 2**20)
+
+    def capabilities(self) -> Capabilities:
         found = gpus.discover(self.settings.gpu_policy)
         note = "; ".join(n for n in (found.note, self.gpu_note if found.gpus else "") if n)
+        room = self.room()
         return Capabilities(runtime=self.sandbox.describe(), builder=self.builder.name,
-                            cpus=machine_cpus(), memory_mb=mem_kb // 1024,
+                            cpus=room.cpus, memory_mb=room.memory_mb, disk_mb=room.disk_mb,
                             limits=self.limits, gpus=found.gpus,
                             gpu_isolation=self.gpu_isolation and bool(found.gpus),
                             gpu_note=note, speed_gflops=self.speed,
                             shares=self.shares.listing(), held=self.held)
+
+    def beat(self, *, every_s: float = HEARTBEAT_S) -> None:
+        """Tell the coordinator this machine is alive, and what it has now, at most every
+        `every_s`: between asks for work, and from the owner's watcher while a task runs (a
+        busy machine is not an offline one). RpcError from the call."""
+        if time.monotonic() - self.last_beat > every_s:
+            self.last_beat = time.monotonic()
+            self.client.heartbeat(self.capabilities())
 
     def run(self, *, once: bool = False) -> None:
         served = self._serve_metrics()
@@ -198,18 +220,16 @@ class Agent:
         if self.images is not None and self.images.available:
             for image in self.images.sweep_unknown():
                 log.warning("removed image %s, which the image cache had lost track of", image)
-        last_beat, told_pending = 0.0, 0.0
+        told_pending = 0.0
         while not self.stopping.is_set():
             held = self.owner.hold()
             if held != self.held:
                 log.info("the owner holds this machine: %s", held or "no more; taking work again")
                 self.held = held
                 self.status.update(held=held)
-                last_beat = 0.0  # the coordinator hears of it now, not in 10 s
+                self.last_beat = 0.0  # the coordinator hears of it now, not in 10 s
             try:
-                if time.monotonic() - last_beat > 10:
-                    self.client.heartbeat(self.capabilities())
-                    last_beat = time.monotonic()
+                self.beat()
                 if held:
                     self.stopping.wait(OWNER_POLL_S)
                     continue
@@ -218,7 +238,7 @@ class Agent:
                 lease = self.client.lease(offer, self.gpu_isolation and bool(offer),
                                           self.enforced, self.shares.names(), LEASE_WAIT_S,
                                           give_up=lambda: self.stopping.is_set() or
-                                          bool(self.owner.hold()))
+                                          bool(self.owner.hold()), room=self.room())
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.PERMISSION_DENIED and "revoked" in str(e.details()):
                     log.error("%s; the agent stops", e.details())
@@ -241,10 +261,17 @@ class Agent:
                 return
 
     def _watch_owner(self) -> None:
-        """Drain the running task as soon as the owner wants the machine back."""
+        """Drain the running task as soon as the owner wants the machine back; and while one
+        runs, keep the heartbeats going."""
         while not self.stopping.wait(OWNER_POLL_S):
             task = self.task
-            if task is None or task.draining:
+            if task is None:
+                continue
+            try:
+                self.beat()
+            except grpc.RpcError as e:
+                log.debug("heartbeat during task %s: %s", task.lease.job_id, e.code())
+            if task.draining:
                 continue
             why = self.owner.drain_reason(task.lease.gpu_uuids, _members(self.sandbox, task.name))
             if why and self.task is task:
