@@ -338,3 +338,32 @@ def test_a_busy_machine_is_online_and_the_queue_says_what_it_is_busy_with(store:
     assert view.busy == running[:8]
     assert why_waiting(waiting.spec.resources, [view]) == (
         f"waiting for the one machine that fits (only-box): busy with job {running[:8]}")
+
+
+@pytest.mark.parametrize("kind", ["plain", "sharded"])
+def test_a_machine_that_cannot_run_a_job_hands_it_back_and_is_never_offered_it_again(
+        store: Store, kind: str):
+    from campugrid.coordinator.service import _waiting_reason
+
+    sharded = {"command": ["true"], "shards": [{"payload": 1}]} if kind == "sharded" else {}
+    job = store.submit(JobSpec.from_dict({**sharded, "max_attempts": 1}),
+                       "contexts/x.tar", "ab" * 32)[0].id
+    lacking = add_machine(store, "no-base", {})
+    got = store.claim(lacking, 30, MachineView(lacking, "no-base"))
+    assert got is not None and got.job.id == job
+    why = "Dockerfile line 1: base image localhost/x:1 is not on this machine"
+    if kind == "sharded":  # as Coordinator.release does it for a shard session
+        store.refuse(job, lacking, why)
+        store.shards.release(job, got.token, lacking, why, failed=False)
+    else:
+        store.release(job, got.token, lacking, why, cannot_run_here=True)
+    view = store.get(job)
+    assert view.state is JobState.QUEUED  # its only attempt is not used up
+    assert store.claim_next(lacking, 30, MachineView(lacking, "no-base")) is None
+    assert store.refusals([job]) == {job: {lacking: why}}
+    [online] = store.machines.online()
+    assert _waiting_reason(view, [online], 0, store.refusals([job])[job]) == (
+        f"every online machine said it cannot run this job (no-base: {why})")
+    able = add_machine(store, "has-base", {})
+    got = store.claim_next(able, 30, MachineView(able, "has-base"))
+    assert got is not None and got.id == job

@@ -29,7 +29,7 @@ class Answers:
         return SimpleNamespace(returncode=code, stdout=text, stderr="")
 
 
-def host(tmp_path: Path, *, tools=("podman", "runsc"), subids=65536, v2=False,
+def host(tmp_path: Path, *, tools=("podman", "runsc", "skopeo"), subids=65536, v2=False,
          delegated=(), answers=None, systemd=True) -> prereqs.Host:
     (tmp_path / "subuid").write_text(f"someone:100000:65536\nada:200000:{subids}\n")
     (tmp_path / "subgid").write_text(f"ada:200000:{subids}\n")
@@ -46,7 +46,8 @@ def host(tmp_path: Path, *, tools=("podman", "runsc"), subids=65536, v2=False,
         systemd=tmp_path / ("systemd" if systemd else "none"),
         run=answers or Answers(**{"podman --version": (0, "podman version 4.3.1"),
                                   "runsc --version": (0, "runsc version 0.0~20240729.0"),
-                                  "podman info --format": (0, "overlay\n")}),
+                                  "podman info --format": (0, "overlay\n"),
+                                  "podman image exists": (0, "")}),
         which=lambda t: f"/usr/bin/{t}" if t in tools else None)
 
 
@@ -78,9 +79,10 @@ def test_each_missing_piece_is_explained_with_its_fix_and_root_fixes_go_in_one_s
     assert not checks["subuid range"].ok and "1000 subordinate ids" in checks["subuid range"].found
     assert not checks["cgroup limits"].ok and not checks["cgroup limits"].blocking
     assert not checks["lingering"].ok and checks["lingering"].fix == "loginctl enable-linger ada"
+    assert not checks["skopeo"].ok and not checks["skopeo"].blocking
     script = prereqs.root_step("ada", list(checks.values()), cgroup=tmp_path / "cgroup",
                                subuid=tmp_path / "subuid", subgid=tmp_path / "subgid")
-    assert script.startswith("set -eu\napt-get install -y podman runsc")
+    assert script.startswith("set -eu\napt-get install -y podman runsc uidmap slirp4netns skopeo")
     # the first range that overlaps nobody's (someone: 100000+65536, ada's own 200000+1000)
     assert "usermod --add-subuids 231072-296607 ada" in script
     assert "usermod --add-subgids 231072-296607 ada" in script
@@ -199,3 +201,15 @@ def test_a_free_range_overlaps_no_one(tmp_path):
     (tmp_path / "g").write_text("c:300000:10\n")
     assert prereqs.free_range(tmp_path / "u", tmp_path / "g") == 231072
     assert prereqs.free_range(tmp_path / "none") == 100000
+
+
+def test_a_missing_base_image_or_skopeo_is_a_warning_that_says_where_such_jobs_go(tmp_path):
+    answers = Answers(**{"podman image exists": (1, "")})
+    h = host(tmp_path, answers=answers, tools=("podman", "runsc"))
+    base = prereqs.base_images(h, ["localhost/campugrid/python:bookworm"])
+    assert not base.ok and not base.blocking and "infra/base-image.sh ada" in base.fix, base.line
+    assert base.found == ("localhost/campugrid/python:bookworm missing: jobs built FROM it go "
+                          "to other machines")
+    assert prereqs.base_images(dataclasses.replace(
+        h, run=Answers(**{"podman image exists": (0, "")})), ["a:1"]).ok
+    assert prereqs.root_step("ada", [prereqs.skopeo(h)]) == "set -eu\napt-get install -y skopeo\n"

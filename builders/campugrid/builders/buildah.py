@@ -44,7 +44,7 @@ from pathlib import Path
 
 from campugrid.egress.policy import CA_ENV
 from campugrid.protocol.dockerfiles import BaseUse, check_dockerfile
-from campugrid.protocol.errors import BuildFailed, InvalidInput
+from campugrid.protocol.errors import BuildFailed, CannotRunHere, InvalidInput
 from campugrid.sandbox import limits as host_limits
 from campugrid.sandbox import profile, slots
 from campugrid.sandbox.podman_runsc import RUNSC_FLAGS, runtime_dir
@@ -291,9 +291,10 @@ class BuildahBuilder:
             raise BuildFailed(f"Dockerfile line {use.line}: {use.said} is an image "
                               "on a registry, which the agent pulls first (agent/bases.py)", "")
         here = self._find(main, use.allowed.name, self._buildah)
-        if here is None:
-            raise BuildFailed(f"Dockerfile line {use.line}: base image {use.allowed.name} is not "
-                              "on this provider", "")
+        if here is None:  # an allowed base the provider has not made or loaded
+            raise CannotRunHere(f"Dockerfile line {use.line}: base image {use.allowed.name} is "
+                                "not on this machine (`campugrid provider check` says how to "
+                                "add it)")
         known = self._find(copied, use.allowed.name, self._buildah_bases)
         if known is None or known.get("id") != here.get("id"):
             graph, run = self.main_store()
@@ -307,8 +308,8 @@ class BuildahBuilder:
                 copied[use.allowed.name] = here
         digest, want = str(here.get("digest", "")), use.allowed.digest or use.digest
         if want and digest != want:
-            raise BuildFailed(f"Dockerfile line {use.line}: base image {use.allowed.name} here is "
-                              f"{digest or 'unknown'}, not the pinned {want}", "")
+            raise CannotRunHere(f"Dockerfile line {use.line}: base image {use.allowed.name} "
+                                f"here is {digest or 'unknown'}, not the pinned {want}")
 
     def _drop_evicted(self, main: dict[str, dict[str, object]] | None = None,
                       copied: dict[str, dict[str, object]] | None = None) -> None:

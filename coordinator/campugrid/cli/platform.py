@@ -122,7 +122,8 @@ class ProviderUser:
                 if k in ("LANG", "LC_ALL", "TZ", "CAMPUGRID_LOG_FORMAT",
                          "CAMPUGRID_AGENT_POLL_SECONDS", "CAMPUGRID_BUILD_NETWORK",
                          "CAMPUGRID_BUILD_CA_FILE", "CAMPUGRID_EGRESS_HOSTS",
-                         "CAMPUGRID_EGRESS_PINS", "CAMPUGRID_EGRESS_GATEWAYS")}
+                         "CAMPUGRID_EGRESS_PINS", "CAMPUGRID_EGRESS_GATEWAYS",
+                         "CAMPUGRID_ALLOWED_BASES")}
         return {**keep, "HOME": str(self.home), "USER": self.name, "LOGNAME": self.name,
                 "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
                 "XDG_RUNTIME_DIR": str(self.runtime_dir), "PYTHONUNBUFFERED": "1"}

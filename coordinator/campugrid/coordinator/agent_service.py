@@ -357,10 +357,12 @@ class AgentService(pb_grpc.AgentServiceServicer):
         try:
             self._guard(context, lambda: self.coord.release(
                 request.job_id, request.fencing_token, machine, request.reason,
-                failed=request.failed))
+                failed=request.failed, cannot_run_here=request.cannot_run_here))
         except (StaleAttempt, IllegalTransition) as e:
             return pb.ReleaseReply(accepted=False, reason=str(e))
-        log.info("job %s released after a drain", request.job_id)
+        log.info("job %s handed back by machine %s: %s", request.job_id, machine,
+                 "it cannot run it" if request.cannot_run_here else
+                 "failed there" if request.failed else "drained")
         return pb.ReleaseReply(accepted=True)
 
     def NextShard(self, request: pb.NextShardRequest,

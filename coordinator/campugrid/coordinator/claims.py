@@ -15,7 +15,7 @@ import threading
 from types import SimpleNamespace
 from typing import Any
 
-from sqlalchemy import Connection, Row, bindparam, func, insert, select, update
+from sqlalchemy import Connection, Row, bindparam, exists, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from campugrid.coordinator.db import Database, job_row
@@ -104,7 +104,7 @@ class Claimer:
             # CPU job. None: the queue is empty, or a sharded job is first (the path below).
             now = utcnow()
             params = {"machine_id": machine_id, "expires": now + dt.timedelta(seconds=lease_s),
-                      "now": now, **_room(offer)}
+                      "now": now, **_room(machine_id, offer)}
             row = (conn.execute(_TAKE_NEXT_PG, params).first() if postgres
                    else _take_next_sqlite(conn, params))
             if row is not None:
@@ -114,7 +114,8 @@ class Claimer:
                 conn.execute(_LOCK_MACHINE, {"machine_id": machine_id})
             candidates: list[tuple[Any, str, int, tuple[str, ...], int, int]] = [
                 (created, job_id, attempt, (), 0, shards) for job_id, attempt, created, shards
-                in conn.execute(_NEXT_CPU_JOB_PG if postgres else _NEXT_CPU_JOB, _room(offer))]
+                in conn.execute(_NEXT_CPU_JOB_PG if postgres else _NEXT_CPU_JOB,
+                                _room(machine_id, offer))]
             if wants_gpu_jobs:
                 found = self._gpu_candidate(conn, machine_id, offer)
                 if found is not None:
@@ -122,7 +123,8 @@ class Claimer:
             if offer.shares:
                 candidates += [(created, job_id, attempt, (), 0, shards)
                                for job_id, attempt, created, shards in conn.execute(
-                                   _next_share_job(offer.shares, postgres), _room(offer))]
+                                   _next_share_job(offer.shares, postgres),
+                                   _room(machine_id, offer))]
             if not candidates:
                 return None
             _, job_id, attempt, gpus, gpu_mb, sharded = min(candidates)
@@ -178,7 +180,7 @@ class Claimer:
              .where(Job.state == _CLAIMABLE.value, Job.gpus_needed > 0, _SUITS_LIMITS,
                    Job.share.is_(None) | Job.share.in_(sorted(offer.shares)))
              .order_by(Job.created_at, Job.id).limit(window))
-        for job_id, attempt, created, spec_json, shards in s.execute(q, _room(offer)):
+        for job_id, attempt, created, spec_json, shards in s.execute(q, _room(machine_id, offer)):
             need = stored_spec(spec_json).resources
             chosen = place(need, view)
             if chosen:
@@ -192,16 +194,21 @@ _JOBS, _CHECKPOINTS = Base.metadata.tables["jobs"], Base.metadata.tables["checkp
 (_CLAIMABLE,) = sources_of(JobState.BUILDING)  # one state, so an equality the index serves
 # A job is for a machine only if it needs no limit the machine lacks (bit masks, spec.LIMITS)
 # and no more CPUs, memory or disk than one task can be given there (_room).
+# Nor a job this machine said it cannot run (job_refusals: a base it lacks, say).
+_REFUSALS = Base.metadata.tables["job_refusals"]
 _SUITS_LIMITS = ((_JOBS.c.limits_needed.op("&")(bindparam("lacks")) == 0)
                  & (_JOBS.c.cpus_needed <= bindparam("cpus"))
                  & (_JOBS.c.memory_needed_mb <= bindparam("memory_mb"))
-                 & (_JOBS.c.disk_needed_mb <= bindparam("disk_mb")))
+                 & (_JOBS.c.disk_needed_mb <= bindparam("disk_mb"))
+                 & ~exists().where(_REFUSALS.c.job_id == _JOBS.c.id,
+                                   _REFUSALS.c.machine_id == bindparam("machine_id")))
 _UNSAID = 2**31 - 1  # a size the machine did not say (an older agent): no bound
 
 
-def _room(offer: MachineView) -> dict[str, Any]:
-    """The claim's bounds for this machine: its limits and sizes as _SUITS_LIMITS reads them."""
-    return {"lacks": offer.lacks_mask, "cpus": offer.cpus or _UNSAID,
+def _room(machine_id: str, offer: MachineView) -> dict[str, Any]:
+    """The claim's bounds for this machine: what _SUITS_LIMITS reads (its id for its
+    refusals, the limits it lacks, its sizes)."""
+    return {"machine_id": machine_id, "lacks": offer.lacks_mask, "cpus": offer.cpus or _UNSAID,
             "memory_mb": offer.memory_mb or _UNSAID, "disk_mb": offer.disk_mb or _UNSAID}
 # The fast path takes jobs that need no provider share; those come through _share_candidate.
 _NEXT_CPU_JOB = (select(_JOBS.c.id, _JOBS.c.attempt, _JOBS.c.created_at, _JOBS.c.shards_total)
@@ -247,7 +254,7 @@ def _take_next_sqlite(conn: Connection, params: dict[str, Any]) -> SimpleNamespa
         compiled = _TAKE_NEXT.compile(dialect=conn.dialect)
         order = tuple(compiled.positiontup or ())
         fixed = dict(compiled.construct_params({"machine_id": "", "expires": None, "now": None,
-                                                **_room(MachineView("", ""))}))
+                                                **_room("", MachineView("", ""))}))
         _SQLITE_TAKE = (str(compiled), order, fixed)
     sql, order, fixed = _SQLITE_TAKE
     values = {**fixed, **params}

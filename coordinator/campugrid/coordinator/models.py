@@ -126,6 +126,18 @@ class JobEvent(Base):
     detail: Mapped[str] = mapped_column(Text, default="")
 
 
+class JobRefusal(Base):
+    """A machine that cannot run a job (CannotRunHere: a base it lacks, too little disk):
+    the claim never offers it that job again."""
+
+    __tablename__ = "job_refusals"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
+    machine_id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    at: Mapped[dt.datetime] = mapped_column()
+    reason: Mapped[str] = mapped_column(Text, default="")
+
+
 class LogChunk(Base):
     __tablename__ = "log_chunks"
 

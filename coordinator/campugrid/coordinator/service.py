@@ -139,10 +139,11 @@ class Coordinator:
     def waiting_reasons(self, jobs: Sequence[JobView]) -> list[str | None]:
         """Why each queued job is not running, from the machines online now (read once for
         a whole page: a sweep's jobs are mostly queued)."""
-        queued = any(j.state is JobState.QUEUED for j in jobs)
+        queued = [j.id for j in jobs if j.state is JobState.QUEUED]
         machines = self.store.machines.online() if queued else []
         pending = self.store.machines.pending_online() if queued else 0
-        return [_waiting_reason(j, machines, pending) for j in jobs]
+        refused = self.store.refusals(queued)
+        return [_waiting_reason(j, machines, pending, refused.get(j.id, {})) for j in jobs]
 
     def job_events(self, job_id: str, owner: str | None = None) -> list[EventView]:
         self.store.get(job_id, owner)
@@ -328,14 +329,20 @@ class Coordinator:
         log.info("job %s %s", job.id, job.state.value, extra={"job_id": job.id})
 
     def release(self, job_id: str, token: int, machine_id: str, reason: str, *,
-                failed: bool) -> None:
-        """Hand an attempt or a shard session back: a drain, or (`failed`) a provider-side
-        failure, which counts against the job's attempts or the shard's tries."""
+                failed: bool, cannot_run_here: bool = False) -> None:
+        """Hand an attempt or a shard session back: a drain, (`failed`) a provider-side
+        failure, which counts against the job's attempts or the shard's tries, or
+        (`cannot_run_here`) a machine that cannot run the job, which is never offered it
+        again."""
         why = reason[:2000] or "drained"
         if session_of(token) is not None:
-            self.store.shards.release(job_id, token, machine_id, why, failed=failed)
+            if cannot_run_here:  # before its shards are queued again
+                self.store.refuse(job_id, machine_id, why)
+            self.store.shards.release(job_id, token, machine_id, why,
+                                      failed=failed and not cannot_run_here)
         else:
-            self.store.release(job_id, token, machine_id, why, failed=failed)
+            self.store.release(job_id, token, machine_id, why, failed=failed,
+                               cannot_run_here=cannot_run_here)
         self.work.notify()
 
     def requeue_expired(self) -> list[str]:
@@ -556,10 +563,19 @@ def _how_inputs_move(job: JobView, lease: Lease) -> str:
     return "; ".join(parts)
 
 
-def _waiting_reason(job: JobView, machines: list[MachineView], pending: int = 0) -> str | None:
+def _waiting_reason(job: JobView, machines: list[MachineView], pending: int = 0,
+                    refused: dict[str, str] | None = None) -> str | None:
+    """Why a queued job waits: the machines online, less those that said they cannot run it."""
     if job.state is not JobState.QUEUED:
         return None
-    why = why_waiting(job.spec.resources, machines, job.spec.share)
+    refused = refused or {}
+    able = [m for m in machines if m.id not in refused]
+    if machines and not able:
+        said = [f"{m.name}: {refused[m.id]}" for m in machines][:2]
+        why = ("every online machine said it cannot run this job (" + "; ".join(said)
+               + ("; …" if len(machines) > 2 else "") + ")")
+    else:
+        why = why_waiting(job.spec.resources, able, job.spec.share)
     if why is not None and pending:
         why += (f"; {pending} machine(s) online wait for their owner's approval "
                 "(`campugrid machines`)")

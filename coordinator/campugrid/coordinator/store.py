@@ -28,6 +28,7 @@ from campugrid.coordinator.models import (
     GpuReservation,
     Job,
     JobEvent,
+    JobRefusal,
     LogChunk,
     Nonce,
     RateCounter,
@@ -161,6 +162,21 @@ class Store:
             raise InvalidInput(f"{ref!r} starts the ids of several jobs ({found[0]}, "
                                f"{found[1]}, …): give more of it")
         return found[0]
+
+    def refuse(self, job_id: str, machine_id: str, reason: str) -> None:
+        """This machine cannot run this job: it is never offered it again."""
+        with self.tx() as s:
+            _refuse(s, job_id, machine_id, reason, utcnow())
+
+    def refusals(self, job_ids: Sequence[str]) -> dict[str, dict[str, str]]:
+        """job id -> machine id -> why that machine cannot run it (CannotRunHere)."""
+        out: dict[str, dict[str, str]] = {}
+        if not job_ids:
+            return out
+        with self.read() as s:
+            for r in s.scalars(select(JobRefusal).where(JobRefusal.job_id.in_(job_ids))):
+                out.setdefault(r.job_id, {})[r.machine_id] = r.reason
+        return out
 
     def get(self, job_id: str, owner: str | None = None) -> JobView:
         """The job; with `owner`, only if that app submitted it (else NotFound, as for a job
@@ -375,16 +391,20 @@ class Store:
             return [CheckpointView.from_row(r) for r in rows]
 
     def release(self, job_id: str, token: int, machine_id: str, reason: str,
-                failed: bool = False) -> JobView:
+                failed: bool = False, cannot_run_here: bool = False) -> JobView:
         """The attempt goes back to the queue: a drain does not count against max_attempts;
-        a provider-side failure (`failed`) does, and fails the job when none are left."""
+        a provider-side failure (`failed`) does, and fails the job when none are left; a
+        machine that cannot run the job (`cannot_run_here`) does not, and is never offered
+        it again."""
         now = utcnow()
+        failed = failed and not cannot_run_here
         with self.tx() as s:
             row = job_row(s, job_id)
             used = row.attempt - row.drained
             exhausted = failed and used >= row.max_attempts
             target = JobState.FAILED if exhausted else JobState.QUEUED
             why = (f"attempt {token} failed on its machine: {reason}" if failed
+                   else f"its machine cannot run it: {reason}" if cannot_run_here
                    else f"drained: {reason}")
             if exhausted:
                 why += f"; all {row.max_attempts} attempts used"
@@ -397,7 +417,10 @@ class Store:
                 refused = self._refusal(s, row, token, "release")
             else:
                 s.add(JobEvent(job_id=job_id, at=now, attempt=token,
-                               kind="handed_back" if failed else "drained", detail=clean(reason)))
+                               kind="handed_back" if failed or cannot_run_here else "drained",
+                               detail=clean(why if cannot_run_here else reason)))
+                if cannot_run_here:
+                    _refuse(s, job_id, machine_id, reason, now)
                 self._free_gpus(s, job_id)
             row = job_row(s, job_id)
         if refused is not None:
@@ -429,6 +452,10 @@ class Store:
             detail = f"{what} from attempt {token} refused: the job is {row.state}"
         s.add(JobEvent(job_id=row.id, at=utcnow(), attempt=token, kind="refused", detail=detail))
         return StaleAttempt(detail) if row.attempt != token else IllegalTransition(detail)
+
+
+def _refuse(s: Session, job_id: str, machine_id: str, reason: str, now: dt.datetime) -> None:
+    s.merge(JobRefusal(job_id=job_id, machine_id=machine_id, at=now, reason=clean(reason)))
 
 
 _ID_START_MIN = 4

@@ -408,16 +408,18 @@ class RecordCheckpointReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("job_id", "fencing_token", "reason", "failed")
+    __slots__ = ("job_id", "fencing_token", "reason", "failed", "cannot_run_here")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
+    CANNOT_RUN_HERE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     fencing_token: int
     reason: str
     failed: bool
-    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., reason: _Optional[str] = ..., failed: _Optional[bool] = ...) -> None: ...
+    cannot_run_here: bool
+    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., reason: _Optional[str] = ..., failed: _Optional[bool] = ..., cannot_run_here: _Optional[bool] = ...) -> None: ...
 
 class ReleaseReply(_message.Message):
     __slots__ = ("accepted", "reason")

@@ -80,6 +80,12 @@ class BuildFailed(CampugridError):
         return f"{self.reason}\n{self.log_tail}" if self.log_tail else self.reason
 
 
+class CannotRunHere(CampugridError):
+    """This machine cannot run this job, through no fault of the job's: a base image it does
+    not have or cannot pull, too little build disk. The agent hands the task back without
+    using an attempt, and the coordinator never leases the job to this machine again."""
+
+
 class SandboxError(CampugridError):
     """The sandbox could not be set up or run (not: the job's own command failed). Carries
     the failing tool's exit code and the tail of its stderr where there was one."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from campugrid.agent.images import ImageCache
 from campugrid.agent.messages import BaseImage
 from campugrid.protocol.dockerfiles import AllowedBase, BaseUse, parse_image_ref
-from campugrid.protocol.errors import BuildFailed, SandboxError
+from campugrid.protocol.errors import BuildFailed, CannotRunHere, SandboxError
 from campugrid.sandbox.process import LogFn
 
 
@@ -36,8 +36,9 @@ def prepare(uses: Sequence[BaseUse], resolved: Sequence[BaseImage], cache: Image
     if not any(u.remote for u in uses):
         return {}, tuple(uses)
     if cache is None or not cache.available:
-        raise BuildFailed("this Dockerfile starts from images on registries, and this machine "
-                          "cannot pull images (skopeo is missing, or --image-cache-mb is 0)", "")
+        raise CannotRunHere("this Dockerfile starts from images on registries, and this "
+                            "machine cannot pull images (skopeo is missing, or "
+                            "--image-cache-mb is 0)")
     by_ref = {b.ref: b for b in resolved}
     local: dict[BaseUse, str] = {}
     out = []
@@ -52,7 +53,7 @@ def prepare(uses: Sequence[BaseUse], resolved: Sequence[BaseImage], cache: Image
                                   "resolved by the coordinator for this job", "")
             local[use] = _obtain(base, use, cache, work, user, log, stop)
             out.append(BaseUse(use.line, AllowedBase(local[use]), None, copy=use.copy))
-    except BuildFailed:
+    except (BuildFailed, CannotRunHere):
         cache.release(user)  # the task ends here
         raise
     return local, tuple(out)
@@ -81,5 +82,7 @@ def _obtain(base: BaseImage, use: BaseUse, cache: ImageCache, work: Path, user: 
             continue
         log(f"[campugrid] pulled base {base.ref} in {time.monotonic() - began:.1f} s")
         return image
-    raise BuildFailed(f"Dockerfile line {use.line}: {use.said}: cannot pull "
-                      f"{base.digest} ({'; '.join(errors) or 'no source'})"[:2000], "")
+    # The coordinator resolved this digest at submit: a machine that cannot get it lacks
+    # something (a route, room), which is not the job's fault.
+    raise CannotRunHere(f"Dockerfile line {use.line}: {use.said}: cannot pull "
+                        f"{base.digest} ({'; '.join(errors) or 'no source'})"[:2000])

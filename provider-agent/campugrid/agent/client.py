@@ -328,9 +328,11 @@ class CoordinatorClient:
                                                                      timeout=300)
         return reply
 
-    def release(self, job_id: str, token: int, reason: str, failed: bool = False) -> pb.ReleaseReply:
+    def release(self, job_id: str, token: int, reason: str, failed: bool = False,
+                cannot_run_here: bool = False) -> pb.ReleaseReply:
         reply: pb.ReleaseReply = self.stub.Release(
-            pb.ReleaseRequest(job_id=job_id, fencing_token=token, reason=reason, failed=failed),
+            pb.ReleaseRequest(job_id=job_id, fencing_token=token, reason=reason, failed=failed,
+                              cannot_run_here=cannot_run_here),
             timeout=RPC_TIMEOUT_S)
         return reply
 
@@ -426,8 +428,11 @@ class CoordinatorApi:
             upload_id=rec.upload_id, etags=list(rec.etags), size=rec.size, sha256=rec.sha256))
         return m.Verdict(r.accepted, r.reason)
 
-    def release(self, job_id: str, token: int, reason: str, failed: bool = False) -> m.Verdict:
-        r = self.wire.release(job_id, token, reason, failed)
+    def release(self, job_id: str, token: int, reason: str, failed: bool = False,
+                cannot_run_here: bool = False) -> m.Verdict:
+        """Hand the task back: drained, `failed` here (the attempt counts), or this machine
+        `cannot_run_here` (it does not count, and the job is not offered here again)."""
+        r = self.wire.release(job_id, token, reason, failed, cannot_run_here)
         return m.Verdict(r.accepted, r.reason)
 
     def next_shard(self, job_id: str, token: int, done: m.ShardResult | None) -> m.NextShard:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from campugrid.agent.gpus import nvml_text
+from campugrid.protocol.dockerfiles import allowed_bases
 from campugrid.sandbox.limits import delegated_subtree as v1_subtree
 
 PACKAGES = ("podman", "runsc", "uidmap", "slirp4netns")
@@ -85,7 +86,7 @@ class Host:
 def check_all(host: Host, state_dir: Path, nvml: Any = None) -> list[Check]:
     checks = [podman(host), runsc(host), subids(host, host.subuid, "subuid"),
               subids(host, host.subgid, "subgid"), storage(host), cgroups(host), lingering(host),
-              disk(state_dir)]
+              disk(state_dir), base_images(host), skopeo(host)]
     checks += gpus(host, nvml)
     return checks
 
@@ -221,6 +222,30 @@ def disk(state_dir: Path) -> Check:
                  "go there)", blocking=False)
 
 
+def base_images(host: Host, bases: Sequence[str] | None = None) -> Check:
+    """The allowed bases (CAMPUGRID_ALLOWED_BASES) that jobs build FROM without a registry.
+    A machine without one hands such jobs back to the queue (CannotRunHere): they go to the
+    machines that have it, so this is a warning, not a stop."""
+    names = list(bases) if bases is not None else [b.name for b in allowed_bases()]
+    missing = [n for n in names if host.output(["podman", "image", "exists", n], 60)[0] != 0]
+    if not missing:
+        return Check("base images", True, ", ".join(names))
+    return Check("base images", False,
+                 f"{', '.join(missing)} missing: jobs built FROM it go to other machines",
+                 f"infra/base-image.sh {host.user} (from the campugrid repository; as root it "
+                 "also makes the image's root file system), or `podman load` of a copy",
+                 blocking=False)
+
+
+def skopeo(host: Host) -> Check:
+    """skopeo pulls the bases that Dockerfiles name on registries (agent/bases.py)."""
+    if host.which("skopeo"):
+        return Check("skopeo", True, "pulls base images from registries")
+    return Check("skopeo", False, "not installed: jobs whose Dockerfile starts FROM an image "
+                 "on a registry go to other machines", "apt-get install -y skopeo", root=True,
+                 blocking=False)
+
+
 def gpus(host: Host, nvml: Any = None) -> list[Check]:
     """NVML, and whether this runsc can hand this driver's GPUs to gVisor: gVisor supports
     an exact list of driver versions and crashes with only "EOF" on any other."""
@@ -294,7 +319,10 @@ def root_step(user: str, checks: Sequence[Check], cgroup: Path = CGROUP,
     wanted = {c.name for c in checks if not c.ok and c.root}
     lines: list[str] = []
     if wanted & {"podman", "runsc (gVisor)"}:
-        lines.append("apt-get install -y " + " ".join(PACKAGES))
+        lines.append("apt-get install -y " + " ".join(PACKAGES)
+                     + (" skopeo" if "skopeo" in wanted else ""))
+    elif "skopeo" in wanted:
+        lines.append("apt-get install -y skopeo")
     if wanted & {"subuid range", "subgid range"}:
         first = free_range(subuid, subgid)
         span = f"{first}-{first + MIN_SUBIDS - 1}"

@@ -41,7 +41,13 @@ from campugrid.agent.shares import Shares
 from campugrid.builders.base import Builder
 from campugrid.protocol import logs
 from campugrid.protocol.dockerfiles import allowed_bases, pin_bases
-from campugrid.protocol.errors import BuildFailed, CampugridError, InvalidInput, SandboxError
+from campugrid.protocol.errors import (
+    BuildFailed,
+    CampugridError,
+    CannotRunHere,
+    InvalidInput,
+    SandboxError,
+)
 from campugrid.protocol.spec import BUILD_MB, ENFORCED, JobSpec
 from campugrid.protocol.tarballs import extract_context_file
 from campugrid.sandbox import confine, slots
@@ -166,8 +172,13 @@ class Task:
         self.renewer.start()
         outcome = Outcome(succeeded=False, exit_code=-1)
         failed_here = ""  # the provider failed, not the job: hand back, counting the attempt
+        cannot = ""  # this machine cannot run the job: hand back, never to be offered it again
         try:
             outcome = self._execute()
+        except CannotRunHere as e:
+            cannot = str(e)
+            self.shipper.line("build", f"[campugrid] this machine cannot run the job: {cannot}; "
+                                       "it goes back to the queue for another machine")
         except (BuildFailed, InvalidInput) as e:  # the job's own fault: final
             outcome = Outcome(succeeded=False, exit_code=-1, reason=str(e))
         except httpx.HTTPError as e:
@@ -185,6 +196,11 @@ class Task:
             if self.lost.is_set():
                 log.info("task %s attempt %d stopped: %s", job_id, token, self.renewer.reason)
                 self.ended = f"stopped: {self.renewer.reason}"
+            elif cannot:
+                log.warning("task %s: this machine cannot run it (%s); handing it back",
+                            job_id, cannot)
+                _retry(lambda: self.client.release(job_id, token, cannot, cannot_run_here=True))
+                self.ended = f"handed back: this machine cannot run it: {cannot}"
             elif failed_here:
                 log.warning("task %s attempt %d failed on this machine: %s", job_id, token,
                             failed_here)
@@ -266,8 +282,7 @@ class Task:
         based = time.monotonic()
         build_mb, short = self.build_disk()
         if short:
-            self.handback = short
-            return Outcome(succeeded=False, exit_code=-1, reason=short)
+            raise CannotRunHere(short)
 
         def build() -> None:
             online = spec.build.network if self.builder.online else "none"
