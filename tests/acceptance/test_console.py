@@ -126,9 +126,18 @@ def test_from_nothing_to_a_finished_job_in_the_console(page):
         with p.api() as api:
             assert fingerprint == next(m["fingerprint"] for m in api.machines()
                                        if m["id"] == machine_id)
+        # Approving asks once, naming the fingerprint; saying no changes nothing.
+        asked: list[str] = []
+        machines.once("dialog", lambda d: (asked.append(d.message), d.dismiss()))
+        row.locator("button:has-text('Approve')").click()
+        assert asked and fingerprint in asked[0], asked
+        expect(row).to_have_class(re.compile("pending"))
+        machines.once("dialog", lambda d: d.accept())
         row.locator("button:has-text('Approve')").click()
         expect(machines.locator("tr.machine", has_text="home-pc")).to_have_class(
             re.compile("approved"))
+        expect(machines.locator("#notice")).to_have_text(
+            "Machine approved: it takes work from now on.")
 
         # The job page follows the run live: lines arrive while the job is still running,
         # before the page reloads itself at the end.

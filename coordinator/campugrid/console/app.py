@@ -88,6 +88,7 @@ def create_console(coord: Coordinator) -> FastAPI:
         for key in ("errors", "values"):  # a form's fields without an error or a value
             if key in values:
                 values[key] = collections.defaultdict(str, values[key])
+        values.setdefault("notice", NOTICES.get(request.query_params.get("done", "")))
         body = env.get_template(template).render(
             user=user, csrf=csrf_token(request, users), root=request.scope.get("root_path", ""),
             **values)
@@ -257,7 +258,8 @@ def create_console(coord: Coordinator) -> FastAPI:
     @private.post("/jobs/{job_id}/cancel")
     def cancel(request: Request, job_id: str) -> Response:
         found = coord.cancel(job_id_ok(request, job_id), owner(user_of(request)))
-        return RedirectResponse(f"{request.scope.get('root_path', '')}/jobs/{found.id}", 303)
+        return RedirectResponse(f"{request.scope.get('root_path', '')}/jobs/{found.id}"
+                                "?done=cancelled", 303)
 
     @private.get("/jobs/{job_id}/output")
     def output(request: Request, job_id: str) -> StreamingResponse:
@@ -329,17 +331,28 @@ def create_console(coord: Coordinator) -> FastAPI:
     def approve(request: Request, ref: str) -> Response:
         admin(request)
         coord.approve_machine(ref)
-        return RedirectResponse(f"{request.scope.get('root_path', '')}/machines", 303)
+        return RedirectResponse(f"{request.scope.get('root_path', '')}/machines?done=approved",
+                                303)
 
     @private.post("/machines/{ref}/revoke")
     def revoke(request: Request, ref: str) -> Response:
         admin(request)
         coord.revoke_machine(ref)
-        return RedirectResponse(f"{request.scope.get('root_path', '')}/machines", 303)
+        return RedirectResponse(f"{request.scope.get('root_path', '')}/machines?done=revoked",
+                                303)
 
     console.include_router(public)
     console.include_router(private)
     return console
+
+
+# What a page says after an action redirected to it (?done=…): fixed words, never the query's.
+NOTICES = {
+    "cancelled": "Job cancelled: its sandbox is stopped, and it will not run again.",
+    "approved": "Machine approved: it takes work from now on.",
+    "revoked": "Machine revoked: its leases have ended, its jobs are queued again, and "
+               "whatever it still sends is refused.",
+}
 
 
 def _safe_next(target: str, request: Request) -> str:

@@ -1,5 +1,12 @@
 // Live job page: follow the job's server-sent events (logs, state), no polling.
 "use strict";
+// Destructive and trust actions (cancel, approve, revoke) ask once before they are sent.
+document.addEventListener("submit", (ev) => {
+  const form = ev.target;
+  if (form.dataset && form.dataset.confirm && !window.confirm(form.dataset.confirm)) {
+    ev.preventDefault();
+  }
+});
 (function () {
   const job = document.getElementById("job");
   if (!job || !job.dataset.stream) return;
