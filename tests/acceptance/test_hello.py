@@ -88,7 +88,7 @@ def test_the_sample_job_builds_and_runs_in_gvisor_offline_as_non_root(api, platf
 
 def test_the_cli_shows_the_job(api, platform):
     job = api.submit(tar_folder(HELLO), JobSpec(name="cli check"))
-    api.wait(job["id"], timeout_s=240, poll_s=0.2)
+    api.wait(job["id"], timeout_s=240, poll_s=0.2, check=False)
     cli = [sys.executable, "-m", "campugrid.cli"]
     out = subprocess.run([*cli, "status", job["id"], "--server", platform.url],
                          capture_output=True, env=platform.cli_env(), text=True, timeout=60)
@@ -109,7 +109,7 @@ def test_a_failed_build_fails_the_job_with_the_build_log_tail(api, tmp_path):
     (tmp_path / "Dockerfile").write_text(
         "FROM localhost/campugrid/python:bookworm\nRUN echo preparing-step-91c && exit 4\n")
     job = api.submit(tar_folder(tmp_path), JobSpec())
-    final = api.wait(job["id"], timeout_s=240, poll_s=0.2)
+    final = api.wait(job["id"], timeout_s=240, poll_s=0.2, check=False)
     assert final["state"] == "failed"
     assert final["reason"].startswith("build failed")
     assert "preparing-step-91c" in final["reason"]
@@ -117,7 +117,7 @@ def test_a_failed_build_fails_the_job_with_the_build_log_tail(api, tmp_path):
 
 def test_a_failing_command_gives_its_exit_status(api):
     job = api.submit(tar_folder(HELLO), JobSpec.from_dict({"command": "echo partial; exit 7"}))
-    final = api.wait(job["id"], timeout_s=240, poll_s=0.2)
+    final = api.wait(job["id"], timeout_s=240, poll_s=0.2, check=False)
     assert final["state"] == "failed" and final["exit_code"] == 7
     assert final["reason"] == "the job's command exited with status 7"
     assert final["result"] == "partial"
@@ -238,7 +238,7 @@ def test_a_gpu_job_on_a_cpu_only_platform_waits_and_says_why(api, platform):
 def test_writing_past_the_output_limit_stops_the_job(api):
     spec = JobSpec.from_dict({"command": ["sh", "-c", "dd if=/dev/zero of=/output/big bs=1M count=64; sleep 30"],
                               "resources": {"output_mb": 8}})
-    final = api.wait(api.submit(tar_folder(HELLO), spec)["id"], timeout_s=240, poll_s=0.2)
+    final = api.wait(api.submit(tar_folder(HELLO), spec)["id"], timeout_s=240, poll_s=0.2, check=False)
     assert final["state"] == "failed"
     assert "wrote more than 8 MB to /output and /checkpoints" in final["reason"]
 
@@ -263,3 +263,28 @@ def test_a_file_sent_with_the_job_is_mounted_read_only_and_deleted_after(api, pl
     while objects.exists(f"uploads/{ticket}"):
         assert time.monotonic() < deadline, "the upload outlived its job"
         time.sleep(0.5)
+
+
+def test_the_sdk_snippet_in_the_docs_runs_as_printed(platform, tmp_path):
+    """docs/using.md's Python example, pasted into a file and run next to a folder
+    `mytrain`: it prints the job's result; a failing job raises JobFailed."""
+    text = (Path(__file__).parents[2] / "docs" / "using.md").read_text()
+    snippet = text.split("```python\n", 1)[1].split("```", 1)[0]
+    assert 'api.submit(Path("mytrain")' in snippet
+    (tmp_path / "mytrain").mkdir()
+    (tmp_path / "mytrain" / "Dockerfile").write_text(
+        "FROM localhost/campugrid/python:bookworm\nCOPY . /app\nWORKDIR /app\n")
+    (tmp_path / "mytrain" / "train.py").write_text("import os\nprint('loss 0.1', "
+                                                   "os.path.exists('/app/big.bin'))\n")
+    (tmp_path / "mytrain" / "big.bin").write_bytes(b"\0" * 1024)
+    (tmp_path / "mytrain" / ".dockerignore").write_text("*.bin\n")
+    (tmp_path / "snippet.py").write_text(snippet)
+    env = {**platform.cli_env(), "CAMPUGRID_SERVER": ""}
+    out = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert (out.returncode, out.stdout) == (0, "loss 0.1 False\n"), out.stderr[-2000:]
+    (tmp_path / "mytrain" / "train.py").write_text("raise SystemExit(3)\n")
+    out = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1 and "JobFailed: job " in out.stderr, out.stderr[-2000:]
+    assert "failed: the job's command exited with status 3" in out.stderr, out.stderr[-2000:]

@@ -330,3 +330,26 @@ def test_the_coordinator_checks_and_stores_a_large_context_without_holding_it(co
             tracemalloc.stop()
     assert peak < 24 * 1024 * 1024, peak  # the old read of the whole upload peaked above 48 MiB
     assert stored_context(coord, job["id"]) == tgz.read_bytes()
+
+
+def test_ctrl_c_during_submit_wait_says_the_job_goes_on_and_how_to_follow_or_cancel_it(
+        coord, env, tmp_path):
+    import signal
+
+    folder = context_folder(tmp_path)
+    with subprocess.Popen([*CLI, "submit", str(folder), "--wait", "--json"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        submitted = json.loads(proc.stdout.readline())  # it is queued: nobody takes it here
+        job_id = submitted["job"]["id"]
+        time.sleep(1)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    short = job_id[:8]
+    assert (f"stopped following job {short}; it goes on. Follow it again with `campugrid logs "
+            f"{short} --follow`, or stop it with `campugrid cancel {short}`") in stderr, stderr
+    assert "Traceback" not in stderr
+    assert cli_json(env, "status", short)["state"] == "queued"
+    cli_json(env, "cancel", short)

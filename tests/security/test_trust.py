@@ -80,7 +80,7 @@ def healthy(coord, admin) -> Iterator[None]:
     """After the refusal, nothing new is stored and a signed request still works."""
     before = {j["id"]: j["state"] for j in admin.jobs(limit=1000)}
     yield
-    assert httpx.get(f"{coord.url}/v1/health").json() == {"status": "ok"}
+    assert httpx.get(f"{coord.url}/v1/health").json()["status"] == "ok"
     assert {j["id"]: j["state"] for j in admin.jobs(limit=1000)} == before
 
 
@@ -93,6 +93,12 @@ def test_an_unsigned_request_is_refused(coord, healthy):
                      "/nothing-here"):
         refused(httpx.get(f"{coord.url}{spelling}"), 401, "not signed")
     assert httpx.get(f"{coord.url}/openapi.json").status_code == 200  # the docs are public
+    # A browser at the address goes to the console; its icon request is answered plainly.
+    home = httpx.get(f"{coord.url}/")
+    assert (home.status_code, home.headers["location"]) == (307, "/console/")
+    assert httpx.get(f"{coord.url}/favicon.ico").status_code == 204
+    for near in ("/favicon.ico/x", "//", "/index.html"):  # only those two paths
+        refused(httpx.get(f"{coord.url}{near}"), 401, "not signed")
     spec = JobSpec().to_json().encode()
     resp = httpx.post(f"{coord.url}/v1/jobs", files={"context": ("c.tar.gz", tar_folder(HELLO)),
                                                      "spec_file": ("s.json", spec)})

@@ -123,3 +123,37 @@ def test_truncated_archives_are_refused_not_crashed():
     data = make_tar([("Dockerfile", "file", DOCKERFILE), ("big", "file", b"x" * 100000)])
     with pytest.raises(InvalidInput, match=r"not a tar|damaged"):
         inspect_context(data[: len(data) // 2])
+
+
+def test_the_client_packs_what_dockerignore_leaves_and_the_dockerfile_always(tmp_path):
+    from campugrid.client.api import pack_folder
+
+    (tmp_path / "Dockerfile").write_bytes(DOCKERFILE)
+    (tmp_path / ".dockerignore").write_text("# big things stay home\n\ndata/\n*.ckpt\n"
+                                            "!keep.ckpt\nDockerfile\n**/__pycache__\n")
+    for name in ("app.py", "data/train.csv", "old.ckpt", "keep.ckpt", "src/m.py",
+                 "src/__pycache__/m.cpython-311.pyc"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(name)
+    buf = io.BytesIO()
+    pack_folder(tmp_path, buf)
+    with tarfile.open(fileobj=io.BytesIO(buf.getvalue())) as tar:
+        names = {m.name for m in tar.getmembers() if m.isfile()}
+    assert names == {"Dockerfile", ".dockerignore", "app.py", "keep.ckpt", "src/m.py"}
+
+
+def test_the_client_stops_packing_past_the_coordinators_limit_before_any_upload(tmp_path):
+    import os
+
+    from campugrid.client.api import pack_folder
+
+    (tmp_path / "Dockerfile").write_bytes(DOCKERFILE)
+    (tmp_path / "weights.bin").write_bytes(os.urandom(8 * 1024 * 1024))  # does not compress
+    out = io.BytesIO()
+    with pytest.raises(InvalidInput, match=r"larger than the coordinator takes \(2 MiB "
+                                           r"compressed\); leave big files out with a "
+                                           r"\.dockerignore"):
+        pack_folder(tmp_path, out, limit=2 * 1024 * 1024)
+    assert out.tell() < 4 * 1024 * 1024  # it stopped soon after the limit, not at the end
+    (tmp_path / ".dockerignore").write_text("*.bin\n")
+    assert pack_folder(tmp_path, io.BytesIO(), limit=2 * 1024 * 1024) < 4096

@@ -129,3 +129,16 @@ def test_bad_shards_are_refused_with_the_field(raw, says):
     with pytest.raises(InvalidInput) as e:
         JobSpec.from_dict(raw)
     assert says in str(e.value)
+
+
+def test_a_spec_takes_plain_values_as_json_has_them_and_checks_them_alike():
+    spec = JobSpec(command=["python3", "train.py"], env={"SEED": "1"},
+                   resources={"memory_mb": 4096, "cpus": 2}, build={"network": "none"})
+    assert spec == JobSpec.from_dict({"command": ["python3", "train.py"], "env": {"SEED": "1"},
+                                      "resources": {"memory_mb": 4096, "cpus": 2},
+                                      "build": {"network": "none"}})
+    assert spec.resources.memory_mb == 4096 and spec.build.network == "none"
+    with pytest.raises(InvalidInput, match="did you mean 'memory_mb'"):
+        JobSpec(resources={"memry_mb": 1})
+    with pytest.raises(InvalidInput, match="CAMPUGRID_ are reserved"):
+        JobSpec(env={"CAMPUGRID_X": "1"})

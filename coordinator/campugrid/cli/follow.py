@@ -37,7 +37,7 @@ def follow(api: Any, job_id: str, as_json: bool = False) -> dict[str, Any]:
                 emit_line(True, {"event": "log", "job_id": job_id, **chunk}, "")
             elif text := log_text(chunk):
                 now.echo(text)
-        return dict(api.wait(job_id))
+        return dict(api.wait(job_id, check=False))
 
 
 class _JobNews:

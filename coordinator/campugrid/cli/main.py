@@ -151,14 +151,21 @@ def submit(
             spec = JobSpec.from_dict(raw)
             # The context goes through a temporary file, never memory, however big it is.
             with tempfile.TemporaryFile(prefix="campugrid-context-") as context:
-                pack_folder(folder, context, bars.bar("packing"))
+                pack_folder(folder, context, bars.bar("packing"), limit=api.max_context_bytes())
                 context.seek(0)
                 job = api.submit(context, spec, progress=bars.bar("uploading"))
         if not wait:
             emit(as_json, job, job["id"])
             return
         emit_line(as_json, {"event": "submitted", "job": job}, job["id"])
-        job = follow_job(api, job["id"], as_json)
+        try:
+            job = follow_job(api, job["id"], as_json)
+        except KeyboardInterrupt:
+            short = job["id"][:8]
+            typer.echo(f"\nstopped following job {short}; it goes on. Follow it again with "
+                       f"`campugrid logs {short} --follow`, or stop it with "
+                       f"`campugrid cancel {short}`", err=True)
+            raise typer.Exit(130) from None
     except (CampugridError, OSError, ValueError) as e:  # ValueError: UTF-8
         _fail(str(e))
     _finish(job, as_json)

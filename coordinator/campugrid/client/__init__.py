@@ -2,15 +2,24 @@
 
     from campugrid.client import Api
     with Api.from_identity() as api:          # ~/.config/campugrid/identity.json
-        job = api.submit(tar_folder(folder), JobSpec(command=["python3", "train.py"]))
-        print(api.wait(job["id"])["result"])
+        job = api.submit(Path("mytrain"), {"command": ["python3", "train.py"]})
+        print(api.wait(job["id"])["result"])  # JobFailed unless it succeeded
 
-A big folder goes through a file instead (`pack_folder(folder, tmp)`, then `api.submit(tmp,
-spec)`), and `api.download_output(job_id, path)` streams a job's output to disk.
+A folder is packed into a temporary file (.dockerignore honoured), never into memory, and
+`api.download_output(job_id, path)` streams a job's output to disk.
 """
 
-from campugrid.client.api import FINAL, Api, ApiError, Download, Progress, pack_folder, tar_folder
+from campugrid.client.api import (
+    FINAL,
+    Api,
+    ApiError,
+    Download,
+    JobFailed,
+    Progress,
+    pack_folder,
+    tar_folder,
+)
 from campugrid.client.identity import Identity, Signer, StreamedBody
 
-__all__ = ["FINAL", "Api", "ApiError", "Download", "Identity", "Progress", "Signer",
+__all__ = ["FINAL", "Api", "ApiError", "Download", "Identity", "JobFailed", "Progress", "Signer",
            "StreamedBody", "pack_folder", "tar_folder"]

@@ -13,6 +13,7 @@ import secrets
 import ssl
 import stat
 import tarfile
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -39,6 +40,15 @@ class ApiError(CampugridError):
         self.detail = detail
 
 
+class JobFailed(CampugridError):
+    """Api.wait: the job ended without succeeding (failed or cancelled); `job` is its
+    record, with its reason and history."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        super().__init__(f"job {job['id']} {job['state']}: {job.get('reason') or 'no reason given'}")
+        self.job = job
+
+
 class _Counted:
     """A member's file as tarfile reads it, its bytes counted on the way."""
 
@@ -52,13 +62,29 @@ class _Counted:
         return chunk
 
 
-def pack_folder(folder: Path, out: BinaryIO, progress: Progress | None = None) -> int:
+def context_paths(folder: Path) -> list[Path]:
+    """What of `folder` goes into its build context: everything but what its .dockerignore
+    leaves out, read as Docker reads it (docker-py's own matcher; the Dockerfile always
+    goes), in a stable order."""
+    from docker.utils.build import exclude_paths
+
+    patterns: list[str] = []
+    ignore = folder / ".dockerignore"
+    if ignore.is_file():  # as docker-py's build reads it: no blank lines, no comments
+        patterns = [line.strip() for line in ignore.read_text().splitlines()
+                    if line.strip() and not line.strip().startswith("#")]
+    return sorted(folder / p for p in exclude_paths(str(folder), patterns, "Dockerfile"))
+
+
+def pack_folder(folder: Path, out: BinaryIO, progress: Progress | None = None,
+                limit: int | None = None) -> int:
     """Write `folder` as a tar.gz build context to `out` (a file: a temporary one for a big
-    folder), one file at a time; `progress` counts the folder's bytes packed. Returns the
-    tar.gz's size."""
+    folder), one file at a time, without what .dockerignore leaves out; `progress` counts the
+    folder's bytes packed. InvalidInput as soon as the tar.gz is larger than `limit` (the
+    coordinator's, so that nothing is uploaded to be refused). Returns the tar.gz's size."""
     if not (folder / "Dockerfile").is_file():
         raise InvalidInput(f"{folder}: no Dockerfile in this folder")
-    paths = sorted(folder.rglob("*"))
+    paths = context_paths(folder)
     total = sum(st.st_size for st in map(os.lstat, paths) if stat.S_ISREG(st.st_mode))
     done = 0
 
@@ -67,6 +93,11 @@ def pack_folder(folder: Path, out: BinaryIO, progress: Progress | None = None) -
         done += n
         if progress is not None:
             progress(done, total)
+        if limit is not None and out.tell() - start > limit:
+            raise InvalidInput(
+                f"{folder}: the build context is larger than the coordinator takes "
+                f"({limit // 1024**2} MiB compressed); leave big files out with a "
+                ".dockerignore, and send data as a dataset (`submit --upload NAME=FILE`)")
 
     start = out.tell()
     with tarfile.open(fileobj=out, mode="w:gz") as tar:
@@ -192,17 +223,32 @@ class Api:
             raise ApiError(resp.status_code, str(detail))
         return resp.json()
 
-    def submit(self, context: bytes | BinaryIO | Path, spec: JobSpec, retries: int = 5,
-               progress: Progress | None = None) -> dict[str, Any]:
+    def max_context_bytes(self) -> int | None:
+        """The largest build context (compressed) the coordinator takes; None if it does not
+        say (an older one)."""
+        said = self._check(self._send("GET", "/v1/health")).get("max_context_bytes")
+        return int(said) if isinstance(said, int) else None
+
+    def submit(self, context: bytes | BinaryIO | Path, spec: JobSpec | dict[str, Any] | None = None,
+               retries: int = 5, progress: Progress | None = None) -> dict[str, Any]:
         """Submit; retried on transport errors with the same client_job_id, so never twice.
-        `context` is the tar.gz: bytes, an open file (from its position) or a path; a file
-        is streamed, never read whole. `progress` counts the request's bytes sent."""
+        `context` is a folder with a Dockerfile (packed here, as `campugrid submit` packs
+        it: .dockerignore honoured, refused before any upload if too big), or the tar.gz:
+        bytes, an open file (from its position) or a path; a file is streamed, never read
+        whole. `spec`: a JobSpec, or the same as plain values (JobSpec.from_dict).
+        `progress` counts the request's bytes sent."""
+        if spec is None or isinstance(spec, dict):
+            spec = JobSpec.from_dict(spec or {})
         if spec.client_job_id is None:
             spec = dataclasses.replace(spec, client_job_id=f"cli-{uuid.uuid4()}")
         last: Exception | None = None
         with contextlib.ExitStack() as stack:
             if isinstance(context, bytes):
                 file: BinaryIO = io.BytesIO(context)
+            elif isinstance(context, Path) and context.is_dir():
+                file = stack.enter_context(tempfile.TemporaryFile(prefix="campugrid-context-"))
+                pack_folder(context, file, limit=self.max_context_bytes())
+                file.seek(0)
             elif isinstance(context, Path):
                 file = stack.enter_context(open(context, "rb"))
             else:
@@ -266,12 +312,22 @@ class Api:
             if not page["chunks"]:
                 time.sleep(poll_s)
 
-    def wait(self, job_id: str, timeout_s: float = 3600, poll_s: float = 0.5) -> dict[str, Any]:
+    def wait(self, job_id: str, timeout_s: float = 3600, poll_s: float = 0.5, *,
+             check: bool = True) -> dict[str, Any]:
+        """The job once it has ended. With `check` (the default), JobFailed unless it
+        succeeded; without, whatever its end. TimeoutError if it has not ended in
+        `timeout_s` (the job goes on)."""
         deadline = time.monotonic() + timeout_s
         while True:
             job = self.job(job_id)
-            if job["state"] in FINAL or time.monotonic() > deadline:
+            if job["state"] in FINAL:
+                if check and job["state"] != "succeeded":
+                    raise JobFailed(job)
                 return job
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job['id']} is still {job['state']} after "
+                                   f"{timeout_s:g} s (it goes on: `campugrid status "
+                                   f"{job['id'][:8]}`)")
             time.sleep(poll_s)
 
     def output(self, job_id: str) -> bytes:

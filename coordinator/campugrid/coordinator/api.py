@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, File, Form, HTTPException, Query, Request, UploadFile
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette import formparsers
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -343,9 +343,20 @@ def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
         return JSONResponse({"detail": str(exc)}, status_code=status, headers=headers)
 
 
+    @app.get("/", include_in_schema=False)
+    def root(request: Request) -> Response:
+        """A browser at the coordinator's address: to the console (the API is under /v1)."""
+        return RedirectResponse(f"{request.scope.get('root_path', '')}/console/", 307)
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    def favicon() -> Response:
+        return Response(status_code=204)  # no icon, and no signature asked of a browser
+
     @app.get("/v1/health")
-    def health() -> dict[str, str]:
-        return {"status": "ok"}
+    def health() -> dict[str, str | int]:
+        """Up; and the largest build context it takes (compressed), for clients to stop
+        packing before they upload what would be refused."""
+        return {"status": "ok", "max_context_bytes": coord.settings.max_context_bytes}
 
     @app.post("/v1/jobs", status_code=201, response_model=JobOut,
               responses={200: {"model": JobOut, "description": "already submitted"}})

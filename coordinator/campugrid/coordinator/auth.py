@@ -46,8 +46,9 @@ CHUNK = 1024**2
 # The only paths served without a signature: everything else, whatever its spelling, must
 # be signed (a route added later is covered without a word here).
 # /metrics checks a scrape token of its own (Prometheus cannot sign; coordinator.metrics).
+# "/" leads a browser to the console, and a browser's /favicon.ico is answered plainly.
 PUBLIC = frozenset({"/v1/health", "/v1/login", "/metrics", "/docs", "/docs/oauth2-redirect",
-                    "/openapi.json", "/redoc"})
+                    "/openapi.json", "/redoc", "/", "/favicon.ico"})
 # The web console signs people in with its own sessions (console.gate), on every path under it.
 CONSOLE = "/console"
 

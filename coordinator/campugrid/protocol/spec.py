@@ -151,6 +151,15 @@ class BuildOptions:
     network: str = "default"
 
 
+def _is_plain(name: str, value: Any) -> bool:
+    if name == "command":
+        return isinstance(value, (str, list))
+    if name == "datasets":
+        return isinstance(value, list) or (isinstance(value, tuple) and any(
+            isinstance(d, Mapping) for d in value))
+    return isinstance(value, Mapping)
+
+
 # Fields earlier specs declared the build's packages in, before RUN steps could fetch them
 # themselves: accepted (stored jobs keep working) and not needed any more.
 BUILD_FORMER = ("pip", "apt", "python")
@@ -172,6 +181,20 @@ class JobSpec:
     shard_mode: str = "process"
     image: ImageOptions = ImageOptions()
     build: BuildOptions = BuildOptions()
+
+    # Fields that may be given as plain values too, as JSON has them: JobSpec(resources=
+    # {"memory_mb": 4096}, env={"SEED": "1"}, command="python3 train.py").
+    _PLAIN = ("command", "env", "resources", "datasets", "image", "build")
+
+    def __post_init__(self) -> None:
+        """Plain values (dicts, lists, a command string) are read and checked as from_dict
+        reads them, into the same typed fields."""
+        plain = {name: getattr(self, name) for name in self._PLAIN
+                 if _is_plain(name, getattr(self, name))}
+        if plain:
+            typed = JobSpec.from_dict(plain)
+            for name in plain:
+                object.__setattr__(self, name, getattr(typed, name))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> JobSpec:
