@@ -150,8 +150,9 @@ def test_a_provider_installs_runs_a_job_and_uninstalls_leaving_nothing():
             job = api.submit(tar_folder(HELLO), JobSpec())
             done = api.wait(job["id"], timeout_s=240, poll_s=0.2)
             assert done["state"] == "succeeded" and done["machine_id"] == info["machine_id"], done
-        status = cli_json(account.run(campugrid, "provider", "status",
-                                      "--state-dir", info["state_dir"], "--json"))
+        # No --state-dir: status reads the folder install configured.
+        status = cli_json(account.run(campugrid, "provider", "status", "--json"))
+        assert status["agent"]["machine_id"] == info["machine_id"]
         assert status["agent"]["limits"]["memory"] == "enforced"  # the delegated cgroups
         assert status["agent"]["programs"] == ["steam"]
 
@@ -159,6 +160,7 @@ def test_a_provider_installs_runs_a_job_and_uninstalls_leaving_nothing():
         gone = cli_json(account.run(campugrid, "provider", "uninstall", "--json"))  # its config
         #                                                         names the state folder
         assert "the running agent" in gone["removed"]
+        assert gone["machine_id"] == info["machine_id"]  # what the operator is told to revoke
         assert agent.wait(timeout=60) is not None
         for path in (config, unit, Path(info["state_dir"])):
             assert not path.exists(), path

@@ -210,10 +210,18 @@ def uninstall(
         if folder.is_dir() and not any(folder.iterdir()):
             folder.rmdir()
     user = prereqs.Host.this_user().user
-    emit(as_json, {"removed": removed},
+    # The machine's key is gone, so it can never call again; the coordinator still lists it
+    # until its operator revokes it (a pending or approved machine that is simply silent).
+    operator = (f"\nThe coordinator at {membership.coordinator} still lists machine "
+                f"{membership.machine_id} until its operator revokes it: `campugrid machines "
+                f"revoke {membership.machine_id[:8]}` (its jobs are queued again at once; "
+                "without that, when its lease runs out)."
+                if membership is not None and membership.machine_id else "")
+    emit(as_json, {"removed": removed, "machine_id": membership.machine_id if membership else None,
+                   "coordinator": membership.coordinator if membership else None},
          ("removed " + "\n        ".join(removed) if removed else "nothing to remove: not "
-          "installed") + f"\nThe root step's changes stay; as root, `campugrid provider prepare "
-         f"--user {user} --undo` removes its cgroups and lingering.")
+          "installed") + operator + f"\nThe root step's changes stay; as root, `campugrid "
+         f"provider prepare --user {user} --undo` removes its cgroups and lingering.")
 
 
 def prepare(

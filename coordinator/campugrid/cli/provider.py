@@ -15,8 +15,9 @@ from typing import Annotated, Any
 import typer
 
 from campugrid.agent import owner, status
-from campugrid.agent.install import AGENT_DIR
+from campugrid.agent.install import AGENT_DIR, AgentConfig, default_config
 from campugrid.cli.install import install, prepare, uninstall
+from campugrid.protocol.errors import CampugridError
 
 PAUSE_WAIT_S = 15.0  # the agent hands its job back within 10 s of a pause
 
@@ -26,8 +27,24 @@ provider_app.command("install")(install)
 provider_app.command("uninstall")(uninstall)
 provider_app.command("prepare")(prepare)
 
-StateDir = Annotated[Path, typer.Option(help="The agent's state folder.")]
+StateDir = Annotated[Path | None, typer.Option(
+    help="The agent's state folder (default: the one `provider install` configured).")]
 Json = Annotated[bool, typer.Option("--json", help="Print JSON, for scripts.")]
+
+
+def _state_dir(given: Path | None) -> Path:
+    """The folder given, else the one in the configuration `provider install` wrote, else
+    the default one."""
+    if given is not None:
+        return given
+    config = default_config()
+    if config.is_file():
+        try:
+            return AgentConfig.load(config).state_dir
+        except CampugridError as e:
+            typer.secho(f"error: {e}; say which agent with --state-dir", fg="red", err=True)
+            raise typer.Exit(2) from e
+    return AGENT_DIR
 
 
 def _emit(as_json: bool, data: dict[str, Any], text: str) -> None:
@@ -35,8 +52,9 @@ def _emit(as_json: bool, data: dict[str, Any], text: str) -> None:
 
 
 @provider_app.command("status")
-def provider_status(state_dir: StateDir = AGENT_DIR, as_json: Json = False) -> None:
+def provider_status(state_dir: StateDir = None, as_json: Json = False) -> None:
     """What the agent runs now, what this machine enforces, and the last jobs."""
+    state_dir = _state_dir(state_dir)
     state = status.read(state_dir)
     paused = owner.paused_since(state_dir)
     if state is None:
@@ -69,12 +87,13 @@ def provider_status(state_dir: StateDir = AGENT_DIR, as_json: Json = False) -> N
 
 
 @provider_app.command("pause")
-def provider_pause(state_dir: StateDir = AGENT_DIR, as_json: Json = False,
+def provider_pause(state_dir: StateDir = None, as_json: Json = False,
                    wait: Annotated[float, typer.Option(
                        help="Seconds to wait for the running job to be handed back.")] = PAUSE_WAIT_S,
                    ) -> None:
     """Take the machine back now: the running job is handed back after a final checkpoint
     (it resumes elsewhere, without losing an attempt) and no work is taken until `resume`."""
+    state_dir = _state_dir(state_dir)
     newly = owner.pause(state_dir, by="campugrid provider pause")
     since = owner.paused_since(state_dir)
     state = status.read(state_dir)
@@ -104,8 +123,9 @@ def provider_pause(state_dir: StateDir = AGENT_DIR, as_json: Json = False,
 
 
 @provider_app.command("resume")
-def provider_resume(state_dir: StateDir = AGENT_DIR, as_json: Json = False) -> None:
+def provider_resume(state_dir: StateDir = None, as_json: Json = False) -> None:
     """Let the agent take work again."""
+    state_dir = _state_dir(state_dir)
     changed = owner.resume(state_dir)
     _emit(as_json, {"paused": False, "changed": changed},
           "resumed: the agent takes work again (within its hours)" if changed
@@ -113,9 +133,10 @@ def provider_resume(state_dir: StateDir = AGENT_DIR, as_json: Json = False) -> N
 
 
 @provider_app.command("metrics-token")
-def provider_metrics_token(state_dir: StateDir = AGENT_DIR, as_json: Json = False) -> None:
+def provider_metrics_token(state_dir: StateDir = None, as_json: Json = False) -> None:
     """Print a new token for the agent's /metrics (on 127.0.0.1 only), once: the one before
     stops working now. Only its SHA-256 is kept, in the state folder."""
+    state_dir = _state_dir(state_dir)
     from campugrid.agent import metrics
 
     token = metrics.mint_token(state_dir)
