@@ -107,7 +107,8 @@ def test_the_cli_shows_the_job(api, platform):
 
 def test_a_failed_build_fails_the_job_with_the_build_log_tail(api, tmp_path):
     (tmp_path / "Dockerfile").write_text(
-        "FROM localhost/campugrid/python:bookworm\nRUN echo preparing-step-91c && exit 4\n")
+        "FROM localhost/campugrid/python:bookworm\nRUN echo preparing-step-91c && exit 4\n"
+        'CMD ["true"]\n')
     job = api.submit(tar_folder(tmp_path), JobSpec())
     final = api.wait(job["id"], timeout_s=240, poll_s=0.2, check=False)
     assert final["state"] == "failed"

@@ -104,7 +104,8 @@ def screen_lines(terminal: str) -> list[str]:
 def context_folder(root: Path) -> Path:
     folder = root / "ctx"
     (folder / "data").mkdir(parents=True, exist_ok=True)
-    (folder / "Dockerfile").write_text("FROM localhost/campugrid/python:bookworm\nCOPY . /app\n")
+    (folder / "Dockerfile").write_text("FROM localhost/campugrid/python:bookworm\nCOPY . /app\n"
+                                       "CMD [\"python3\", \"/app/train.py\"]\n")
     (folder / "data" / "blob.bin").write_bytes(os.urandom(3 * 1024 * 1024 + 17))
     (folder / "train.py").write_text("print('trained')\n")
     return folder
@@ -168,7 +169,8 @@ def test_job_commands_print_one_json_document_with_the_fields(coord, env, tmp_pa
     assert [(s["index"], s["state"]) for s in shards] == [(0, "queued"), (1, "queued"), (2, "queued")]
     assert cli_json(env, "cancel", job["id"][:6])["state"] == "cancelled"
     # the human forms still read as before
-    assert cli(env, "status", job["id"]).startswith(f"job      {job['id']}\nstate    cancelled")
+    assert cli(env, "status", job["id"]).startswith(f"job      {job['id']}  (ctx)\n"
+                                                    "state    cancelled")
 
 
 def test_admin_commands_and_login_print_json(coord, env, tmp_path):
@@ -294,7 +296,7 @@ def test_submit_wait_shows_the_phase_on_a_terminal(coord, env, machine, tmp_path
     driver.join(10)
     lines = stdout.splitlines()
     assert lines[1:3] == ["build| STEP 1/2: FROM python", "epoch 1 loss 0.5"], stdout
-    assert lines[3] == f"job      {lines[0]}" and lines[4].startswith("state    succeeded")
+    assert lines[3] == f"job      {lines[0]}  (ctx)" and lines[4].startswith("state    succeeded")
     assert "building its image" in terminal and ": running" in terminal, terminal
     assert "checkpoint epoch 1 saved (3.0 MB)" in terminal, terminal
     assert "STEP 1/2" not in terminal  # the logs went to stdout, and only there
@@ -315,7 +317,7 @@ def test_the_coordinator_checks_and_stores_a_large_context_without_holding_it(co
 
     folder = tmp_path / "big"
     folder.mkdir()
-    (folder / "Dockerfile").write_text("FROM localhost/campugrid/python:bookworm\n")
+    (folder / "Dockerfile").write_text("FROM localhost/campugrid/python:bookworm\nCMD [\"true\"]\n")
     (folder / "weights.bin").write_bytes(os.urandom(48 * 1024 * 1024))
     tgz = tmp_path / "big.tar.gz"
     with open(tgz, "wb") as f:
@@ -353,3 +355,27 @@ def test_ctrl_c_during_submit_wait_says_the_job_goes_on_and_how_to_follow_or_can
     assert "Traceback" not in stderr
     assert cli_json(env, "status", short)["state"] == "queued"
     cli_json(env, "cancel", short)
+
+
+def test_submit_takes_the_common_flags_the_folders_own_spec_and_another_dockerfile(
+        coord, env, tmp_path):
+    folder = context_folder(tmp_path)
+    (folder / "job.yaml").write_text("env:\n  MODE: fast\n" + PARKED)  # picked up unasked
+    (folder / "docker").mkdir()
+    (folder / "docker" / "train.Dockerfile").write_text(
+        'FROM localhost/campugrid/python:bookworm\nCOPY train.py /t.py\nCMD ["python3", "/t.py"]\n')
+    (folder / ".dockerignore").write_text("data/\n")
+    job = cli_json(env, "submit", str(folder), "--cpus", "2", "--memory", "4G", "-e", "SEED=7",
+                   "--env", "LR=3e-4", "-f", str(folder / "docker" / "train.Dockerfile"))
+    assert job["name"] == "ctx"  # the folder's name
+    res = job["spec"]["resources"]
+    assert (res["cpus"], res["memory_mb"], res["gpus"]) == (2, 4096, 1)  # flags over job.yaml
+    assert sorted(job["spec"]["env"]) == ["LR", "MODE", "SEED"]  # values are not shown back
+    stored = coord.coord.get_job(job["id"]).spec.env
+    assert dict(stored) == {"MODE": "fast", "SEED": "7", "LR": "3e-4"}
+    with tarfile.open(fileobj=io.BytesIO(stored_context(coord, job["id"]))) as tar:
+        got = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+    assert got["Dockerfile"] == (folder / "docker" / "train.Dockerfile").read_bytes()
+    assert not any(n.startswith("data/") for n in got)  # .dockerignore
+    cli(env, "submit", str(folder), "--memory", "lots", code=2)
+    cli(env, "submit", str(folder), "--env", "NOVALUE", code=2)

@@ -233,6 +233,10 @@ def test_the_submit_form_refuses_bad_input_by_field_and_stores_nothing(coord, ad
           "acknowledge": "yes"}, "image_reuse", "must be one of first, verified, never"),
         ({"dockerfile": "FROM localhost/campugrid/python:bookworm\nRUN --network=host true\n",
           "acknowledge": "yes"}, "context", "egress proxy"),
+        ({"dockerfile": "FROM localhost/campugrid/python:bookworm\nCOPY train.py /t.py\n",
+          "acknowledge": "yes"}, "context", "train.py is not in the build context"),
+        ({"dockerfile": "FROM localhost/campugrid/python:bookworm\n", "acknowledge": "yes"},
+         "command", "the job says nothing to run"),
     ]
     for fields, field, words in cases:
         r = bea.post("/console/submit", page, **fields)
@@ -250,7 +254,7 @@ def test_the_submit_form_refuses_bad_input_by_field_and_stores_nothing(coord, ad
 def test_the_submit_form_can_ask_for_an_offline_build(coord, admin, bea):
     page = bea.http.get("/console/submit").text
     r = bea.post("/console/submit", page, dockerfile="FROM localhost/campugrid/python:bookworm\n",
-                 build_offline="1", acknowledge="yes")
+                 command="true", build_offline="1", acknowledge="yes")
     assert r.status_code == 303, r.text[-2000:]
     job = admin.job(r.headers["location"].rsplit("/", 1)[1])
     assert job["spec"]["build"] == {"network": "none"}

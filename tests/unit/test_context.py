@@ -32,16 +32,18 @@ def make_tar(members, gz=True):
 def test_a_good_context_unpacks_with_modes_and_links(tmp_path):
     data = make_tar([("Dockerfile", "file", DOCKERFILE), ("src", "dir", None),
                      ("src/run.sh", "file", b"#!/bin/sh\necho hi\n"),
-                     ("src/link", "symlink", "run.sh"), ("copy.sh", "hardlink", "src/run.sh")])
+                     ("src/link", "symlink", "run.sh"), ("copy.sh", "hardlink", "src/run.sh"),
+                     ("app.py", "file", b"print(1)")])
     info = extract_context(data, tmp_path / "ctx")
-    assert info.members == 5 and "COPY app.py" in info.dockerfile
+    assert info.members == 6 and "COPY app.py" in info.dockerfile
     assert (tmp_path / "ctx/src/run.sh").stat().st_mode & 0o111
     assert (tmp_path / "ctx/src/link").resolve() == (tmp_path / "ctx/src/run.sh").resolve()
     assert (tmp_path / "ctx/copy.sh").read_bytes() == b"#!/bin/sh\necho hi\n"
 
 
 def test_plain_tar_is_accepted_too():
-    assert inspect_context(make_tar([("./Dockerfile", "file", DOCKERFILE)], gz=False)).members == 1
+    assert inspect_context(make_tar([("./Dockerfile", "file", DOCKERFILE),
+                                     ("./app.py", "file", b"")], gz=False)).members == 2
 
 
 @pytest.mark.parametrize(("members", "says"), [
@@ -157,3 +159,38 @@ def test_the_client_stops_packing_past_the_coordinators_limit_before_any_upload(
     assert out.tell() < 4 * 1024 * 1024  # it stopped soon after the limit, not at the end
     (tmp_path / ".dockerignore").write_text("*.bin\n")
     assert pack_folder(tmp_path, io.BytesIO(), limit=2 * 1024 * 1024) < 4096
+
+
+@pytest.mark.parametrize(("copy", "found"), [
+    ("COPY app.py /app.py", True), ("COPY ./src/ /src", True), ("COPY src/run.sh /x", True),
+    ("COPY src/*.sh /bin/", True), ("COPY . /app", True), ("COPY /app.py /a", True),
+    ("COPY linked/inner.txt /x", True),  # through a link: the build judges
+    ("COPY data/ /x", True),  # a folder the tarball has only files of
+    ("COPY --from=localhost/campugrid/python:bookworm /etc/os-release /x", True),  # an image
+    ("COPY requirements.txt /r.txt", False), ("COPY src/*.py /x", False),
+    ("ADD model.bin /m", False), ("COPY app.py missing.py /x/", False),
+])
+def test_a_copy_of_something_not_in_the_context_is_refused_at_submit_naming_the_line(copy, found):
+    text = b"FROM localhost/campugrid/python:bookworm\n" + copy.encode() + b"\n"
+    data = make_tar([("Dockerfile", "file", text), ("app.py", "file", b""), ("src", "dir", None),
+                     ("src/run.sh", "file", b""), ("linked", "symlink", "src"),
+                     ("data/a.csv", "file", b"")])
+    if found:
+        inspect_context(data)
+    else:
+        with pytest.raises(InvalidInput, match=r"Dockerfile line 2: \S+ is not in the build "
+                                                r"context \(the folder submitted, less what its "
+                                                r"\.dockerignore leaves out\)"):
+            inspect_context(data)
+
+
+@pytest.mark.parametrize(("dockerfile", "runs"), [
+    ("FROM localhost/campugrid/python:bookworm\n", False),
+    ("FROM localhost/campugrid/python:bookworm\nCMD [\"python3\", \"x.py\"]\n", True),
+    ("FROM localhost/campugrid/python:bookworm\nENTRYPOINT [\"python3\"]\n", True),
+    ("FROM localhost/campugrid/python:bookworm AS b\nCMD [\"x\"]\nFROM b\nRUN true\n", True),
+    ("FROM localhost/campugrid/python:bookworm AS b\nCMD [\"x\"]\n"
+     "FROM localhost/campugrid/python:bookworm\nCOPY --from=b /x /x\n", False),
+])
+def test_whether_an_image_says_what_to_run_follows_its_last_stage(dockerfile, runs):
+    assert check_dockerfile(dockerfile).runs is runs

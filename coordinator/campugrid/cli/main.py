@@ -23,7 +23,7 @@ from campugrid.cli.metrics import metrics_app
 from campugrid.cli.output import Json, Transfers, emit, emit_array, emit_line, interactive
 from campugrid.cli.provider import provider_app
 from campugrid.cli.users import users_app
-from campugrid.protocol.errors import CampugridError
+from campugrid.protocol.errors import CampugridError, InvalidInput
 from campugrid.protocol.logs import configure as configure_logging
 from campugrid.protocol.spec import LIMITS, JobSpec
 
@@ -112,6 +112,26 @@ def _finish(job: dict[str, Any], as_json: bool) -> NoReturn:
     raise typer.Exit(0 if job["state"] == "succeeded" else 1)
 
 
+SPEC_NAMES = ("campugrid.yaml", "campugrid.yml", "job.yaml", "job.yml", "job.json")
+
+
+def _flags(**given: Any) -> dict[str, Any]:
+    """The options given on the command line (None: not given)."""
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _megabytes(text: str) -> int:
+    """'4096' (MB), '512M', '4G' or '4GB' as MB."""
+    t = text.strip().upper().removesuffix("B")
+    scale = {"M": 1, "G": 1024, "T": 1024 * 1024}.get(t[-1:], 0)
+    number = t[:-1] if scale else t
+    try:
+        value = float(number) * (scale or 1)
+    except ValueError:
+        raise InvalidInput(f"--memory {text}: give MB, or a size such as 512M or 4G") from None
+    return int(value)
+
+
 @app.command()
 def submit(
     folder: Annotated[Path, typer.Argument(help="Folder with a Dockerfile (the build context).")],
@@ -119,6 +139,15 @@ def submit(
         "--spec", help="Job spec file: YAML (.yaml, .yml) or JSON.")] = None,
     command: Annotated[str | None, typer.Option(help="Command to run instead of the image's CMD.")] = None,
     client_id: Annotated[str | None, typer.Option(help="Your own id: resubmitting it is safe.")] = None,
+    name: Annotated[str | None, typer.Option(help="The job's name (default: the folder's).")] = None,
+    cpus: Annotated[float | None, typer.Option(help="CPUs (resources.cpus).")] = None,
+    memory: Annotated[str | None, typer.Option(
+        help="Memory: MB, or with a unit (512M, 4G) (resources.memory_mb).")] = None,
+    gpus: Annotated[int | None, typer.Option(help="GPUs (resources.gpus).")] = None,
+    env: Annotated[list[str] | None, typer.Option(
+        "--env", "-e", help="NAME=VALUE in the job's environment. Repeatable.")] = None,
+    dockerfile: Annotated[Path | None, typer.Option(
+        "--file", "-f", help="A Dockerfile of another name or place (default: FOLDER/Dockerfile).")] = None,
     upload: Annotated[list[str] | None, typer.Option(
         "--upload", help="[NAME=]FILE: send a file that exists nowhere else (mounted at "
                          "/data/NAME/; NAME defaults to the file's name). Repeatable.")] = None,
@@ -132,11 +161,22 @@ def submit(
     from campugrid.client import pack_folder
 
     try:
+        if spec_file is None:  # the folder's own spec, if it has one
+            spec_file = next((folder / n for n in SPEC_NAMES if (folder / n).is_file()), None)
+            if spec_file is not None and not as_json:
+                typer.echo(f"spec: {spec_file}", err=True)
         raw = specfile.load(spec_file) if spec_file else {}
-        if command is not None:
-            raw["command"] = command
-        if client_id is not None:
-            raw["client_job_id"] = client_id
+        raw.update(_flags(command=command, client_job_id=client_id, name=name))
+        if not raw.get("name"):
+            raw["name"] = folder.resolve().name[:200]
+        sizes = _flags(cpus=cpus, memory_mb=_megabytes(memory) if memory else None, gpus=gpus)
+        if sizes:
+            raw["resources"] = {**(raw.get("resources") or {}), **sizes}
+        for item in env or []:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise InvalidInput(f"--env {item}: give NAME=VALUE")
+            raw["env"] = {**(raw.get("env") or {}), key: value}
         JobSpec.from_dict(raw)  # refused here, before any upload, if it is wrong
         api = _api(server)
         with Transfers(interactive(as_json)) as bars:
@@ -151,7 +191,8 @@ def submit(
             spec = JobSpec.from_dict(raw)
             # The context goes through a temporary file, never memory, however big it is.
             with tempfile.TemporaryFile(prefix="campugrid-context-") as context:
-                pack_folder(folder, context, bars.bar("packing"), limit=api.max_context_bytes())
+                pack_folder(folder, context, bars.bar("packing"), limit=api.max_context_bytes(),
+                            dockerfile=dockerfile)
                 context.seek(0)
                 job = api.submit(context, spec, progress=bars.bar("uploading"))
         if not wait:

@@ -77,14 +77,19 @@ def context_paths(folder: Path) -> list[Path]:
 
 
 def pack_folder(folder: Path, out: BinaryIO, progress: Progress | None = None,
-                limit: int | None = None) -> int:
+                limit: int | None = None, dockerfile: Path | None = None) -> int:
     """Write `folder` as a tar.gz build context to `out` (a file: a temporary one for a big
     folder), one file at a time, without what .dockerignore leaves out; `progress` counts the
-    folder's bytes packed. InvalidInput as soon as the tar.gz is larger than `limit` (the
+    folder's bytes packed. `dockerfile`: a Dockerfile of another name or place, packed as the
+    context's Dockerfile. InvalidInput as soon as the tar.gz is larger than `limit` (the
     coordinator's, so that nothing is uploaded to be refused). Returns the tar.gz's size."""
-    if not (folder / "Dockerfile").is_file():
-        raise InvalidInput(f"{folder}: no Dockerfile in this folder")
+    if dockerfile is not None and not dockerfile.is_file():
+        raise InvalidInput(f"{dockerfile}: no such file")
+    if dockerfile is None and not (folder / "Dockerfile").is_file():
+        raise InvalidInput(f"{folder}: no Dockerfile in this folder (or name one with --file)")
     paths = context_paths(folder)
+    if dockerfile is not None:
+        paths = [p for p in paths if p != folder / "Dockerfile"]
     total = sum(st.st_size for st in map(os.lstat, paths) if stat.S_ISREG(st.st_mode))
     done = 0
 
@@ -110,6 +115,11 @@ def pack_folder(folder: Path, out: BinaryIO, progress: Progress | None = None,
                     tar.addfile(info, _Counted(f, count))
             else:
                 tar.addfile(info)
+        if dockerfile is not None:
+            text = dockerfile.read_bytes()
+            info = tarfile.TarInfo("Dockerfile")
+            info.size, info.mode, info.mtime = len(text), 0o644, int(time.time())
+            tar.addfile(info, io.BytesIO(text))
     return out.tell() - start
 
 

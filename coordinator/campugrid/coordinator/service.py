@@ -111,6 +111,11 @@ class Coordinator:
                     "object's sha256 (for a prefix: \"sha256\": {path: sha256} of the files the "
                     "job reads), or upload the file with a ticket (`submit --upload`)")
             self._dataset_files(ds)  # refuses unknown buckets and missing files now
+        if spec.command is None and not info.checked.runs:
+            raise InvalidInput("command: the job says nothing to run: give a command in the spec "
+                               "(`command`, or `submit --command`), or end the Dockerfile with "
+                               "CMD [...] (without either, it would run its base image's "
+                               "default, which is often a shell that exits at once)")
         context.seek(0)
         digest = hashlib.file_digest(context, "sha256").hexdigest()  # type: ignore[arg-type]
         key = f"contexts/{digest}.tar"

@@ -158,6 +158,11 @@ class CheckedDockerfile:
     bases: tuple[BaseUse, ...]
     froms: tuple[tuple[int, int], ...] = ()  # every FROM's first and last line
     urls: tuple[str, ...] = ()  # what its ADD lines fetch (through the egress proxy)
+    # (line, path) of what its COPY and ADD lines take from the context, as written there
+    sources: tuple[tuple[int, str], ...] = ()
+    # Whether the image says what to run (CMD or ENTRYPOINT in its last stage, or in the
+    # earlier stage that one builds on): else only its base's default, or nothing.
+    runs: bool = True
 
 
 @dataclasses.dataclass
@@ -166,6 +171,7 @@ class _Stage:
     name: str | None
     vars: dict[str, str | None]  # None: declared, but with no value we can know
     base: int | None = None  # index in the check's bases of the image it builds on
+    runs: bool = False  # it has a CMD or ENTRYPOINT (or the earlier stage it builds on has)
 
 
 def check_dockerfile(text: str, allowed: Sequence[AllowedBase] | None = None,
@@ -184,6 +190,7 @@ def check_dockerfile(text: str, allowed: Sequence[AllowedBase] | None = None,
     stages: list[_Stage] = []
     bases: list[BaseUse] = []
     urls: list[str] = []
+    sources: list[tuple[int, str]] = []
     froms: list[tuple[int, int]] = []
     names = {str(c.value[2]).lower() for c in commands
              if c.cmd.upper() == "FROM" and len(c.value) == 3 and c.value[1].upper() == "AS"}
@@ -219,13 +226,16 @@ def check_dockerfile(text: str, allowed: Sequence[AllowedBase] | None = None,
         elif inst == "RUN":
             _run_flags(cmd.flags, at)
         elif inst in ("ADD", "COPY"):
-            copied = _copy(cmd, inst, stage, stages, names, allowed, registries, at, urls)
+            copied = _copy(cmd, inst, stage, stages, names, allowed, registries, at, urls,
+                           sources)
             if copied is not None:
                 bases.append(copied)
+        elif inst in ("CMD", "ENTRYPOINT"):
+            stage.runs = True
     if not stages:
         raise InvalidInput("Dockerfile: no FROM instruction")
     return CheckedDockerfile(stages=len(stages), bases=tuple(bases), froms=tuple(froms),
-                             urls=tuple(urls))
+                             urls=tuple(urls), sources=tuple(sources), runs=stages[-1].runs)
 
 
 def _from(cmd: dockerfile.Command, stages: list[_Stage], global_args: dict[str, str | None],
@@ -248,7 +258,8 @@ def _from(cmd: dockerfile.Command, stages: list[_Stage], global_args: dict[str, 
     index = len(stages)
     for earlier in stages:
         if earlier.name is not None and earlier.name == ref.lower():
-            return _Stage(index, name, dict(earlier.vars), earlier.base), None  # ENV too
+            return _Stage(index, name, dict(earlier.vars), earlier.base,  # ENV too
+                          earlier.runs), None
     if ref == "scratch":
         return _Stage(index, name, {}), None
     use = _image(ref, allowed, registries, at, "FROM")
@@ -348,13 +359,16 @@ def _run_flags(flags: Iterable[str], at: str) -> None:
 
 def _copy(cmd: dockerfile.Command, inst: str, stage: _Stage, stages: list[_Stage],
           names: Collection[str], allowed: Sequence[AllowedBase], registries: Sequence[str],
-          at: str, urls: list[str]) -> BaseUse | None:
-    """Checks an ADD or COPY; the image it copies from, where `--from` names one."""
+          at: str, urls: list[str], sources: list[tuple[int, str]]) -> BaseUse | None:
+    """Checks an ADD or COPY; the image it copies from, where `--from` names one. What it
+    takes from the context goes into `sources`."""
     use = None
+    outside = False  # --from: its sources are in a stage or an image, not the context
     for flag in cmd.flags:
         key, _, value = flag.partition("=")
         key = key.lower()
         if key == "--from":
+            outside = True
             ref = _plain(value, stage.vars, at, f"{inst} --from")
             if not _earlier_stage(ref, stage, stages, names, at, inst):
                 if inst != "COPY":
@@ -363,10 +377,10 @@ def _copy(cmd: dockerfile.Command, inst: str, stage: _Stage, stages: list[_Stage
                                           line=cmd.start_line, end_line=cmd.end_line, copy=True)
         elif key not in _COPY_FLAGS:
             raise InvalidInput(f"{at}: {inst} {flag} is not available")
-    sources = list(cmd.value)[:-1]
-    if not sources:
+    words = list(cmd.value)[:-1]
+    if not words:
         raise InvalidInput(f"{at}: {inst} needs a source and a destination")
-    for src in sources:
+    for src in words:
         word = _plain(src, stage.vars, at, inst, json_form=cmd.json)
         if inst == "ADD" and _WEB.match(word):
             urls.append(word)  # fetched by Buildah through the egress proxy, as RUN steps are
@@ -374,6 +388,8 @@ def _copy(cmd: dockerfile.Command, inst: str, stage: _Stage, stages: list[_Stage
             raise InvalidInput(f"{at}: {inst} {word}: " + (
                 "ADD fetches http:// and https:// URLs only" if inst == "ADD" else
                 "COPY takes files from the context (ADD fetches an https:// URL)"))
+        elif not outside:
+            sources.append((cmd.start_line, word))
     return use
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import io
 import os
 import posixpath
@@ -66,9 +67,11 @@ def _inspect(data: bytes | BinaryIO, allowed: Sequence[AllowedBase] | None,
     count = 0
     dockerfile: bytes | None = None
     links: dict[str, str] = {}
+    names: set[str] = set()
     with _open(data) as tar:
         for member, name in _checked_members(tar):
             count += 1
+            names.add(name)
             if member.issym():
                 links[name] = member.linkname
             total += member.size if member.isfile() else 0
@@ -102,7 +105,28 @@ def _inspect(data: bytes | BinaryIO, allowed: Sequence[AllowedBase] | None,
     except UnicodeDecodeError as e:
         raise InvalidInput("context: Dockerfile is not UTF-8 text") from e
     checked = check_dockerfile(text, allowed, registries)
+    for line, source in checked.sources:
+        if not _in_context(source, names, links):
+            raise InvalidInput(f"Dockerfile line {line}: {source} is not in the build context "
+                               "(the folder submitted, less what its .dockerignore leaves out)")
     return ContextInfo(members=count, unpacked_bytes=total, dockerfile=text, checked=checked)
+
+
+def _in_context(source: str, names: set[str], links: dict[str, str]) -> bool:
+    """Whether a COPY or ADD source can be found in the context: a file or folder there, a
+    pattern that something there matches, or a path through a link (judged by the build).
+    Patterns are matched more loosely than the builder does (`*` spans folders here), so
+    nothing the builder would find is refused."""
+    path = posixpath.normpath(source.lstrip("/"))
+    if path in (".", "") or path in names:
+        return True
+    if any(c in path for c in "*?["):
+        return any(fnmatch.fnmatchcase(n, path) or fnmatch.fnmatchcase(n, path + "/*")
+                   for n in names)
+    parts = path.split("/")
+    if any("/".join(parts[:i]) in links for i in range(1, len(parts))):
+        return True
+    return any(n.startswith(path + "/") for n in names)  # a folder without its own entry
 
 
 def extract_context(data: bytes, dest: Path, allowed: Sequence[AllowedBase] | None = None,
