@@ -146,6 +146,10 @@ def test_from_nothing_to_a_finished_job_in_the_console(page):
         expect(page.locator("#run-log")).to_contain_text("tick 2", timeout=240_000)
         assert page.locator("#job-state").inner_text() == "running"
         assert reloads == [], "the log arrived by a reload, not by the stream"
+        # The attempts table and the machine follow too: the lease, by the machine's name.
+        expect(page.locator("#events")).to_contain_text("leased")
+        expect(page.locator("#job-machine")).to_have_text("home-pc")
+        assert reloads == []
         expect(page.locator("#job-state")).to_have_text("succeeded", timeout=120_000)
         # The state event comes just before the stream's end, which reloads the page: wait
         # for that event, not only for the state (a full run once read `reloads` in between).
@@ -155,6 +159,12 @@ def test_from_nothing_to_a_finished_job_in_the_console(page):
         assert reloads, "the page reloads itself once the job has ended"
         expect(page.locator("#run-log")).to_contain_text("tick 8")
         expect(page.locator("#events")).to_contain_text("succeeded")
+        # The list names the machine, not an id's start.
+        listed = page.context.new_page()
+        listed.goto(f"{p.url}/console/")
+        expect(listed.locator("tr.job", has=listed.locator(f"a[href$='{job_id}']"))).to_contain_text(
+            "home-pc")
+        listed.close()
 
         # The memory chart: the real agent has no GPU; a machine that reports two GPUs and
         # Apple unified memory over real signed gRPC is drawn to one scale.

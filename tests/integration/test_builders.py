@@ -54,6 +54,9 @@ def test_run_steps_execute_in_gvisor_without_network(provider, shared_tmp):
         # path holds the provider's user name).
         assert f"COMMIT {tag}" in res["lines"], res["lines"]
         assert not any("containers-storage:[" in line for line in res["lines"]), res["lines"]
+        # Nor Buildah's word on every layer it copies and image it writes.
+        assert not any(line.startswith(("Copying blob", "Copying config", "Writing manifest"))
+                       for line in res["lines"]), res["lines"]
         out = shared_tmp / "out"
         out.mkdir()
         os.chown(out, provider.uid, provider.gid) if os.geteuid() == 0 else None

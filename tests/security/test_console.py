@@ -4,6 +4,7 @@ HttpOnly and SameSite=Strict, and a person sees only their own app's jobs."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
 from collections.abc import Iterator
@@ -276,3 +277,33 @@ def test_an_enrolment_link_works_once_and_a_reset_gives_a_new_one(coord, admin):
         assert admin.remove_user("eli") == {"removed": True}
         assert eli.http.get("/console/").status_code == 303  # signed out everywhere
 
+
+
+def test_a_jobs_checkpoint_downloads_for_its_owner_only_and_its_machine_shows_by_name(
+        coord, admin, bea):
+    from tests.support.machines import add_machine
+
+    store = coord.coord.store
+    for queued in admin.jobs(state="queued", limit=1000):  # earlier tests' jobs: out of the way
+        admin.cancel(queued["id"])
+    page = bea.http.get("/console/submit").text
+    made = bea.post("/console/submit", page, dockerfile="FROM localhost/campugrid/python:bookworm\n",
+                    command="true", name="ckpt", acknowledge="yes")
+    job_id = made.headers["location"].rsplit("/", 1)[1]
+    m = add_machine(store, "ck", {})
+    assert store.claim_next(m, 30).id == job_id
+    data = b"a checkpoint's bytes"
+    coord.coord.objects.put_bytes(f"checkpoints/{job_id}/1-2.tar.gz", data)
+    store.record_checkpoint(job_id, 1, m, epoch=2, key=f"checkpoints/{job_id}/1-2.tar.gz",
+                            size=len(data), sha256=hashlib.sha256(data).hexdigest(), keep=3)
+    shown = bea.http.get(f"/console/jobs/{job_id[:8]}").text  # an id's start works here too
+    assert f'href="/console/jobs/{job_id}/checkpoints/2"' in shown
+    assert "ck" in re.search(r'id="job-machine">([^<]*)<', shown)[1]  # its name, not its id
+    got = bea.http.get(f"/console/jobs/{job_id}/checkpoints/2")
+    assert got.status_code == 200 and got.content == data
+    assert f'filename="{job_id}-epoch-2.tar.gz"' in got.headers["content-disposition"]
+    assert bea.http.get(f"/console/jobs/{job_id}/checkpoints/3").status_code == 404
+    with Person(coord, add(admin, "hal")) as hal:  # another person's app: not found
+        assert hal.sign_in("hal", hal.totp.at(time.time() + 30)).status_code == 303
+        assert hal.http.get(f"/console/jobs/{job_id}/checkpoints/2").status_code == 404
+    store.cancel(job_id)

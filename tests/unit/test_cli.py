@@ -142,3 +142,39 @@ def test_the_agents_poll_interval_must_be_a_positive_number_of_seconds(tmp_path)
         assert not (tmp_path / "agent").exists()  # refused before anything was made
     assert AgentSettings("c:1", tmp_path, "m").poll_seconds == 1.0  # the product's default
     assert AgentSettings("c:1", tmp_path, "m", poll_seconds=0.2).poll_seconds == 0.2
+
+
+def test_a_jobs_text_gives_its_reason_once_with_its_lines_and_no_exit_for_no_process():
+    from campugrid.cli.main import _job_text
+
+    reason = "build failed: RUN exited 4; last lines of the build log:\nSTEP 2/2\nboom"
+    text = _job_text({"id": "abc", "name": "t", "state": "failed", "attempt": 1,
+                      "max_attempts": 3, "reason": reason, "exit_code": -1,
+                      "events": [{"at": "2026-12-05T08:00:00", "attempt": 1, "kind": "failed",
+                                  "detail": reason}]})
+    assert text.count("boom") == 1 and "STEP 2/2" in text
+    assert "reason   build failed: RUN exited 4; last lines of the build log:\n" \
+           "         STEP 2/2\n         boom" in text
+    assert "exit" not in text.replace("exited", "")
+    assert text.endswith("#1  failed         build failed: RUN exited 4; last lines of the "
+                         "build log: (…)")
+
+
+def test_sizes_read_as_people_read_them():
+    from campugrid.cli.follow import _news_text, size_text
+
+    assert [size_text(n) for n in (812, 10 * 1024 + 200, 126_353_408, 5 * 1024**3)] == [
+        "812 bytes", "10.2 KB", "120.5 MB", "5.0 GB"]
+    assert _news_text({"kind": "checkpoint", "detail": "epoch 3, 10445 bytes"}) == \
+        "checkpoint epoch 3 saved (10.2 KB)"
+
+
+def test_a_sharded_jobs_results_table_has_a_column_per_key_its_results_have():
+    from types import SimpleNamespace
+
+    from campugrid.console.app import _result_keys
+
+    shards = [SimpleNamespace(result={"loss": 0.1, "lr": 3e-4}), SimpleNamespace(result=None),
+              SimpleNamespace(result='{"acc": 0.9, "loss": 0.2}'), SimpleNamespace(result=7)]
+    assert _result_keys(shards) == ["loss", "lr", "acc"]
+    assert _result_keys([SimpleNamespace(result=[1, 2])]) == []  # not objects: one column

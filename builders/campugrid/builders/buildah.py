@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -55,6 +56,10 @@ RELAY = Path(__file__).with_name("relay.py")
 NETWORK_FLAGS = tuple("network=host" if f == "network=none" else f for f in RUNSC_FLAGS)
 WRAPPER = Path(__file__).with_name("runsc-build-runtime")
 PULLED_PREFIX = "localhost/campugrid-cache/"  # agent/images.py's cache names
+# What Buildah says of every layer it copies and every image it writes: nothing a researcher
+# acts on, and dozens of lines in front of the steps (the build log keeps the steps).
+_NOISE = re.compile(r"(Copying (blob|config) |Writing manifest to image destination|"
+                    r"Storing signatures|Getting image source signatures)")
 COMMIT = "COMMIT "  # Buildah's line as it begins to commit an image (the final one: the last)
 
 
@@ -191,6 +196,8 @@ class BuildahBuilder:
         final = COMMIT + dest
 
         def logged(line: str) -> None:
+            if _NOISE.match(line):
+                return
             if line.endswith(final):  # "[2/2] COMMIT ..." in a multi-stage build
                 committing.append(time.monotonic())
                 # without the store's path, which names the provider's user

@@ -65,13 +65,23 @@ class _JobNews:
         return fresh
 
 
+def size_text(nbytes: int) -> str:
+    """Bytes for people: '812 bytes', '10.2 KB', '120.5 MB', '3.1 GB'."""
+    if nbytes < 1024:
+        return f"{nbytes} bytes"
+    for unit in ("KB", "MB", "GB"):
+        nbytes /= 1024  # type: ignore[assignment]
+        if nbytes < 1024 or unit == "GB":
+            return f"{nbytes:.1f} {unit}"
+    return ""  # not reached
+
+
 def _news_text(event: dict[str, Any]) -> str:
     detail = str(event.get("detail", ""))
     if event.get("kind") == "checkpoint":  # "epoch N, SIZE bytes"
         epoch, _, size = detail.partition(", ")
         nbytes = size.removesuffix(" bytes")
-        mb = f"{int(nbytes) / 1024**2:.1f} MB" if nbytes.isdigit() else size
-        return f"checkpoint {epoch} saved ({mb})"
+        return f"checkpoint {epoch} saved ({size_text(int(nbytes)) if nbytes.isdigit() else size})"
     if event.get("kind") == "inputs":
         return f"inputs staged: {detail[:80]}"
     return f"{event.get('kind')}: {detail[:80]}"

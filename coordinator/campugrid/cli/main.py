@@ -86,9 +86,9 @@ def _job_text(job: dict[str, Any]) -> str:
         lines.append(f"state    {job['state']}  (attempt {job['attempt']} of {job['max_attempts']})")
     if job.get("waiting_reason"):
         lines.append(f"waiting  {job['waiting_reason']}")
-    if job.get("reason"):
-        lines.append(f"reason   {job['reason']}")
-    if job.get("exit_code") is not None:
+    if job.get("reason"):  # once, with its own line breaks (a build log's tail)
+        lines.append("reason   " + "\n         ".join(str(job["reason"]).splitlines()))
+    if job.get("exit_code") is not None and job["exit_code"] >= 0:  # -1: no process exited
         lines.append(f"exit     {job['exit_code']}")
     if job.get("result"):
         lines.append(f"result   {job['result']}")
@@ -97,8 +97,10 @@ def _job_text(job: dict[str, Any]) -> str:
     for limit, how in (job.get("limits") or {}).items():
         if how != "enforced":
             lines.append(f"limit    {limit}: {how}")
-    for ev in job.get("events") or []:
-        lines.append(f"  {ev['at'][:19]}  #{ev['attempt']}  {ev['kind']:<14} {ev['detail']}")
+    for ev in job.get("events") or []:  # one line each: a long reason is printed above
+        first, *more = str(ev["detail"]).splitlines() or [""]
+        lines.append(f"  {ev['at'][:19]}  #{ev['attempt']}  {ev['kind']:<14} {first}"
+                     + (" (…)" if more else ""))
     return "\n".join(lines)
 
 

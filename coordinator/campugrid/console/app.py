@@ -16,6 +16,7 @@ from typing import Annotated, Any
 import jinja2
 import segno
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi import Path as PathParam
 from fastapi.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from limits import RateLimitItemPerMinute
@@ -181,7 +182,8 @@ def create_console(coord: Coordinator) -> FastAPI:
         found = found[:200]
         reasons = coord.waiting_reasons(found)
         return page(request, "jobs.html", jobs=list(zip(found, reasons, strict=True)),
-                    states=STATES, state=state if chosen else "", name=name)
+                    states=STATES, state=state if chosen else "", name=name,
+                    machines=coord.machine_names())
 
     def job_id_ok(request: Request, ref: str) -> str:
         """The id of the job `ref` names (an id, or a start of one), among the caller's."""
@@ -196,9 +198,12 @@ def create_console(coord: Coordinator) -> FastAPI:
         chunks = coord.job_log_tail(found.id, owner(user))  # the end of a long log
         shards = (coord.shards(found.id, state=None, after=-1, limit=200, owner=owner(user))
                   if found.shards_total else [])
+        names = coord.machine_names()
         return page(request, "job.html", job=found, why=why, final=final,
                     events=coord.job_events(found.id, owner(user)),
-                    checkpoints=coord.store.checkpoints(found.id), shards=shards,
+                    machine=names.get(found.machine_id or "", found.machine_id or ""),
+                    checkpoints=coord.checkpoints(found.id, owner(user)),
+                    shards=shards, shard_keys=_result_keys(shards),
                     build_log=_tail("".join(c.text for c in chunks if c.stream == "build")),
                     run_log=_tail("".join(c.text for c in chunks if c.stream != "build")),
                     last_log=chunks[-1].id if chunks else 0,
@@ -222,6 +227,8 @@ def create_console(coord: Coordinator) -> FastAPI:
     async def _events(request: Request, job_id: str, after: int, who: str | None,
                       session: str) -> AsyncIterator[str]:
         seen = ""
+        told = len(await run_in_threadpool(coord.job_events, job_id, who))  # on the page
+        names = await run_in_threadpool(coord.machine_names)
         quiet = 0.0
         checked = asyncio.get_running_loop().time()
         while not await request.is_disconnected():
@@ -236,8 +243,20 @@ def create_console(coord: Coordinator) -> FastAPI:
                 after = c.id
                 yield _sse("log", {"stream": c.stream, "attempt": c.attempt, "text": c.text}, c.id)
             [why] = await run_in_threadpool(coord.waiting_reasons, [found])
+            history = await run_in_threadpool(coord.job_events, job_id, who)
+            if len(history) > told:  # the attempts table follows too
+                rows = [{"at": e.at.strftime("%H:%M:%S"), "iso": e.at.isoformat(),
+                         "attempt": e.attempt, "kind": e.kind, "detail": e.detail}
+                        for e in history[told:]]
+                # No id: the stream's ids are log positions (a reconnect resumes after one).
+                yield f"event: history\ndata: {json.dumps(rows)}\n\n"
+                told = len(history)
+            machine = found.machine_id or ""
+            if machine and machine not in names:  # a machine that joined since
+                names = await run_in_threadpool(coord.machine_names)
             state = json.dumps({"state": found.state.value, "attempt": found.attempt,
-                                "max_attempts": found.max_attempts, "machine": found.machine_id,
+                                "max_attempts": found.max_attempts,
+                                "machine": names.get(machine, machine),
                                 "reason": found.reason, "waiting": why,
                                 "exit_code": found.exit_code})
             if state != seen:
@@ -260,6 +279,16 @@ def create_console(coord: Coordinator) -> FastAPI:
         found = coord.cancel(job_id_ok(request, job_id), owner(user_of(request)))
         return RedirectResponse(f"{request.scope.get('root_path', '')}/jobs/{found.id}"
                                 "?done=cancelled", 303)
+
+    @private.get("/jobs/{job_id}/checkpoints/{epoch}")
+    def checkpoint(request: Request, job_id: str,
+                   epoch: Annotated[int, PathParam(ge=0, le=2**31)]) -> StreamingResponse:
+        """One of the job's checkpoints, for its owner to keep (as the hooks packed it)."""
+        found, chunks = coord.open_checkpoint(job_id_ok(request, job_id), epoch,
+                                              owner(user_of(request)))
+        return StreamingResponse(chunks, media_type="application/gzip", headers={
+            "content-disposition":
+                f'attachment; filename="{found.job_id}-epoch-{found.epoch}.tar.gz"'})
 
     @private.get("/jobs/{job_id}/output")
     def output(request: Request, job_id: str) -> StreamingResponse:
@@ -353,6 +382,26 @@ NOTICES = {
     "revoked": "Machine revoked: its leases have ended, its jobs are queued again, and "
                "whatever it still sends is refused.",
 }
+
+
+def _result_keys(shards: list[Any], most: int = 8) -> list[str]:
+    """The columns of a sharded job's results table: the keys its shards' JSON objects
+    have (in first-seen order, at most `most`); none where results are not objects."""
+    keys: list[str] = []
+    for shard in shards:
+        value = _parsed(shard.result)
+        if isinstance(value, dict):
+            keys += [str(k) for k in value if str(k) not in keys]
+    return keys[:most]
+
+
+def _parsed(result: Any) -> Any:
+    if isinstance(result, str):
+        try:
+            return json.loads(result)
+        except ValueError:
+            return result
+    return result
 
 
 def _safe_next(target: str, request: Request) -> str:

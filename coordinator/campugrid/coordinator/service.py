@@ -28,6 +28,7 @@ from campugrid.coordinator.uploads import UploadView
 from campugrid.coordinator.users import SecretBox, Users
 from campugrid.coordinator.views import (
     CheckpointUpload,
+    CheckpointView,
     Claim,
     DatasetFile,
     EventView,
@@ -179,6 +180,23 @@ class Coordinator:
         if job.output_key is None or not self.objects.exists(job.output_key):
             raise NotFound(f"job {job.id} has no output (state {job.state.value})")
         return job, self.objects.stream(job.output_key)
+
+    def checkpoints(self, job_id: str, owner: str | None = None) -> list[CheckpointView]:
+        """The job's checkpoints kept in storage (the last few epochs), oldest first."""
+        self.store.get(job_id, owner)
+        return self.store.checkpoints(job_id)
+
+    def open_checkpoint(self, job_id: str, epoch: int,
+                        owner: str | None = None) -> tuple[CheckpointView, Iterator[bytes]]:
+        """One of the job's checkpoints, streamed from storage, for its owner to keep."""
+        found = [c for c in self.checkpoints(job_id, owner) if c.epoch == epoch]
+        if not found or not self.objects.exists(found[-1].key):
+            raise NotFound(f"job {job_id} has no checkpoint of epoch {epoch} in storage")
+        return found[-1], self.objects.stream(found[-1].key)
+
+    def machine_names(self) -> dict[str, str]:
+        """Every machine's name by its id (for pages that would otherwise show ids)."""
+        return {m.id: m.name for m in self.store.machines.all()}
 
     # --- apps ---------------------------------------------------------------------------------
 

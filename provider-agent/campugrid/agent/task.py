@@ -192,6 +192,9 @@ class Task:
             if self.sharing is not None:  # recorded under this lease, logged, before the end
                 self.sharing.join()
             self.shipper.close()
+        # The attempt's last call comes next: a renewal after it would only be refused (and
+        # recorded in the job's history as a refused call).
+        self.renewer.stop()
         try:
             if self.lost.is_set():
                 log.info("task %s attempt %d stopped: %s", job_id, token, self.renewer.reason)

@@ -29,6 +29,20 @@ document.addEventListener("submit", (ev) => {
     document.getElementById("job-machine").textContent = s.machine || "none";
     document.getElementById("job-waiting").textContent = s.waiting || "";
   });
+  source.addEventListener("history", (ev) => {  // the attempts table, as it grows
+    const body = document.querySelector("#events tbody");
+    for (const e of JSON.parse(ev.data)) {
+      const row = body.insertRow();
+      row.className = "event " + e.kind;
+      const when = document.createElement("time");
+      when.dateTime = e.iso;
+      when.textContent = e.at;
+      row.insertCell().append(when);
+      for (const text of [String(e.attempt), e.kind, e.detail]) {
+        row.insertCell().textContent = text;
+      }
+    }
+  });
   source.addEventListener("end", () => {
     source.close();
     status.textContent = "The job has ended.";
