@@ -367,3 +367,23 @@ def test_a_machine_that_cannot_run_a_job_hands_it_back_and_is_never_offered_it_a
     able = add_machine(store, "has-base", {})
     got = store.claim_next(able, 30, MachineView(able, "has-base"))
     assert got is not None and got.id == job
+
+
+def test_with_no_machine_online_the_queue_says_the_approved_ones_are_offline(store: Store):
+    from sqlalchemy import update
+
+    from campugrid.coordinator.models import Machine
+    from campugrid.coordinator.service import _offline, _waiting_reason
+
+    view = store.submit(JobSpec(), "contexts/x.tar", "ab" * 32)[0]
+    assert _waiting_reason(view, [], 0, {}, _offline(store.machines.all())) == (
+        "no approved machine online")
+    add_machine(store, "pending-box", {}, approve=False)
+    gone = add_machine(store, "gamer-pc", {})
+    with store.db.tx() as s:
+        s.execute(update(Machine).where(Machine.id == gone)
+                  .values(last_seen_at=utcnow() - dt.timedelta(minutes=7, seconds=5)))
+    assert store.machines.online() == []
+    assert _waiting_reason(view, [], 0, {}, _offline(store.machines.all())) == (
+        "no approved machine online (1 approved, all offline; gamer-pc was last heard from "
+        "7 min ago)")

@@ -149,7 +149,9 @@ class Coordinator:
         machines = self.store.machines.online() if queued else []
         pending = self.store.machines.pending_online() if queued else 0
         refused = self.store.refusals(queued)
-        return [_waiting_reason(j, machines, pending, refused.get(j.id, {})) for j in jobs]
+        offline = _offline(self.store.machines.all()) if queued and not machines else ""
+        return [_waiting_reason(j, machines, pending, refused.get(j.id, {}), offline)
+                for j in jobs]
 
     def job_events(self, job_id: str, owner: str | None = None) -> list[EventView]:
         self.store.get(job_id, owner)
@@ -586,14 +588,28 @@ def _how_inputs_move(job: JobView, lease: Lease) -> str:
     return "; ".join(parts)
 
 
+def _offline(known: Sequence[MachineRecord]) -> str:
+    """With no machine online: the approved ones that are not, and when one was last heard."""
+    approved = [m for m in known if m.status is MachineStatus.APPROVED]
+    if not approved:
+        return ""
+    last = max(approved, key=lambda m: m.last_seen_at)
+    ago = max(0, int((utcnow() - last.last_seen_at).total_seconds()))
+    when = f"{ago // 3600} h" if ago >= 3600 else f"{ago // 60} min" if ago >= 60 else f"{ago} s"
+    return (f"no approved machine online ({len(approved)} approved, all offline; "
+            f"{last.name} was last heard from {when} ago)")
+
+
 def _waiting_reason(job: JobView, machines: list[MachineView], pending: int = 0,
-                    refused: dict[str, str] | None = None) -> str | None:
+                    refused: dict[str, str] | None = None, offline: str = "") -> str | None:
     """Why a queued job waits: the machines online, less those that said they cannot run it."""
     if job.state is not JobState.QUEUED:
         return None
     refused = refused or {}
     able = [m for m in machines if m.id not in refused]
-    if machines and not able:
+    if not machines and offline:
+        why = offline
+    elif machines and not able:
         said = [f"{m.name}: {refused[m.id]}" for m in machines][:2]
         why = ("every online machine said it cannot run this job (" + "; ".join(said)
                + ("; …" if len(machines) > 2 else "") + ")")
