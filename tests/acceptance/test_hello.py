@@ -83,6 +83,8 @@ def test_the_sample_job_builds_and_runs_in_gvisor_offline_as_non_root(api, platf
     # the /output folder, as a tarball
     with tarfile.open(fileobj=io.BytesIO(api.output(job["id"]))) as tar:
         assert json.load(tar.extractfile("result.json"))["message"] == "hello from campugrid"
+        # listed on the job as its agent packed it
+        assert final["output_files"] == [[m.name, m.size] for m in tar.getmembers()]
     assert all(v == "enforced" or v.startswith("not enforced: ") for v in final["limits"].values())
     # A plain success's history: no call was refused (no renewal after the attempt ended).
     assert "refused" not in [e["kind"] for e in api.job(job["id"])["events"]], final["events"]

@@ -18,7 +18,7 @@ import typer
 from campugrid.agent.install import AGENT_DIR
 from campugrid.cli import specfile
 from campugrid.cli.follow import follow as follow_job
-from campugrid.cli.follow import log_text
+from campugrid.cli.follow import log_text, size_text
 from campugrid.cli.metrics import metrics_app
 from campugrid.cli.output import Json, Transfers, emit, emit_array, emit_line, interactive
 from campugrid.cli.provider import provider_app
@@ -92,6 +92,11 @@ def _job_text(job: dict[str, Any]) -> str:
         lines.append(f"exit     {job['exit_code']}")
     if job.get("result"):
         lines.append(f"result   {job['result']}")
+    files = job.get("output_files") or []
+    if files:
+        shown = ", ".join(f"{path} ({size_text(size)})" for path, size in files[:5])
+        lines.append(f"output   {shown}" + (f", and {len(files) - 5} more" if len(files) > 5
+                                             else "") + "  (campugrid output JOB)")
     for ref, digest in (job.get("bases") or {}).items():
         lines.append(f"base     {ref}@{digest}")
     for limit, how in (job.get("limits") or {}).items():

@@ -322,7 +322,8 @@ class AgentService(pb_grpc.AgentServiceServicer):
                 request.job_id, request.fencing_token, machine, succeeded=request.succeeded,
                 exit_code=request.exit_code, reason=request.reason or None,
                 result=request.result or None, output_uploaded=request.output_uploaded,
-                limits=dict(request.limits)))
+                limits=dict(request.limits),
+                output_files=[(f.path, f.size) for f in request.output_files[:1000]]))
         except (StaleAttempt, IllegalTransition) as e:
             log.warning("completion refused: %s", e)
             return pb.CompleteReply(accepted=False, reason=str(e))

@@ -85,6 +85,7 @@ class JobOut(BaseModel):
     reason: str | None
     result: str | None
     has_output: bool
+    output_files: list[tuple[str, int]] = []  # (path in /output, size), as its agent listed them
     limits: dict[str, str]
     bases: dict[str, str] = {}  # each FROM on a registry -> the digest it was resolved to
     spec: dict[str, Any]
@@ -101,7 +102,8 @@ class JobOut(BaseModel):
             id=job.id, client_job_id=job.client_job_id, name=job.name, state=job.state,
             attempt=job.attempt, max_attempts=job.max_attempts, machine_id=job.machine_id,
             exit_code=job.exit_code, reason=job.reason, result=job.result,
-            has_output=job.output_key is not None, limits=job.limits, bases=job.bases,
+            has_output=job.output_key is not None, output_files=list(job.output_files),
+            limits=job.limits, bases=job.bases,
             spec=_redacted(job),
             created_at=job.created_at, updated_at=job.updated_at, events=events,
             waiting_reason=waiting_reason,

@@ -95,6 +95,8 @@ class Job(Base):
     reason: Mapped[str | None] = mapped_column(Text)
     result: Mapped[str | None] = mapped_column(Text)
     output_key: Mapped[str | None] = mapped_column(String(200))
+    # [[path, size], ...] of the files in that output, as the agent listed them (bounded)
+    output_files_json: Mapped[str | None] = mapped_column(Text)
     limits_json: Mapped[str | None] = mapped_column(Text)
     # Each remote FROM (normalized name:tag) and the digest it resolved to at submit: every
     # machine builds on the same base (coordinator/bases.py).

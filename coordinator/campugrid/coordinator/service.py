@@ -51,6 +51,8 @@ log = logging.getLogger("campugrid.coordinator")
 SPEEDS_REFRESH_S = 10.0  # how old the machines' speed ranking may be
 
 
+MAX_OUTPUT_FILES = 1000  # files of an output listed on its job (the rest: in the archive)
+
 class Coordinator:
     def __init__(self, settings: Settings, store: Store, objects: ObjectStore) -> None:
         self.settings = settings
@@ -338,9 +340,11 @@ class Coordinator:
 
     def complete(self, job_id: str, token: int, machine_id: str, *, succeeded: bool,
                  exit_code: int | None, reason: str | None, result: str | None,
-                 output_uploaded: bool, limits: dict[str, str]) -> None:
+                 output_uploaded: bool, limits: dict[str, str],
+                 output_files: Sequence[tuple[str, int]] = ()) -> None:
         """The end of an attempt, or of a shard session: a failed session is the job's own
-        fault (its image does not build, its shard runner cannot start), so the job fails."""
+        fault (its image does not build, its shard runner cannot start), so the job fails.
+        `output_files`: what the agent says the output holds (kept bounded, shown as said)."""
         if session_of(token) is not None:
             failure = None if succeeded else ((reason or "")[:4000] or "session failed")
             self.store.shards.end(job_id, token, machine_id, failure=failure)
@@ -350,7 +354,9 @@ class Coordinator:
             key = None  # claimed but not there: never point researchers at nothing
         job = self.store.finish(job_id, token, machine_id, succeeded=succeeded,
                                 exit_code=exit_code, reason=reason, result=result,
-                                output_key=key, limits=limits)
+                                output_key=key, limits=limits,
+                                output_files=[(p.replace("\x00", "")[:1000], max(0, int(n)))
+                                              for p, n in output_files[:MAX_OUTPUT_FILES]])
         log.info("job %s %s", job.id, job.state.value, extra={"job_id": job.id})
 
     def release(self, job_id: str, token: int, machine_id: str, reason: str, *,

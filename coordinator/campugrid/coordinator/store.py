@@ -293,7 +293,8 @@ class Store:
 
     def finish(self, job_id: str, token: int, machine_id: str, *, succeeded: bool,
                exit_code: int | None, reason: str | None, result: str | None,
-               output_key: str | None, limits: dict[str, str]) -> JobView:
+               output_key: str | None, limits: dict[str, str],
+               output_files: Sequence[tuple[str, int]] = ()) -> JobView:
         target = JobState.SUCCEEDED if succeeded else JobState.FAILED
         refused: StaleAttempt | IllegalTransition | None = None
         with self.tx() as s:
@@ -301,6 +302,8 @@ class Store:
                 move_job(s, job_id, target, within=ACTIVE, where=_held(token, machine_id),
                          exit_code=exit_code, reason=clean(reason), result=clean(result),
                          output_key=output_key, limits_json=json.dumps(limits),
+                         output_files_json=json.dumps([list(f) for f in output_files])
+                         if output_key and output_files else None,
                          lease_expires_at=None)
             except IllegalTransition:
                 refused = self._refusal(s, job_row(s, job_id), token, "complete")

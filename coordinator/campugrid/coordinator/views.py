@@ -91,6 +91,7 @@ class JobView:
     shards_done: int = 0
     shards_failed: int = 0
     bases: dict[str, str] = dataclasses.field(default_factory=dict)  # remote FROM -> digest
+    output_files: tuple[tuple[str, int], ...] = ()  # (path in /output, size), as listed
 
     @classmethod
     def from_row(cls, row: Job | Row[Any] | SimpleNamespace) -> JobView:
@@ -105,6 +106,8 @@ class JobView:
             spec_json=row.spec_json, shards_total=row.shards_total or 0, shards_queued=row.shards_queued or 0,
             shards_done=row.shards_done or 0, shards_failed=row.shards_failed or 0,
             bases=json.loads(row.bases_json or "{}"),
+            output_files=tuple((str(p), int(n)) for p, n in
+                               json.loads(getattr(row, "output_files_json", None) or "[]")),
         )
 
 

@@ -315,7 +315,7 @@ class LogsReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
 
 class CompleteRequest(_message.Message):
-    __slots__ = ("job_id", "fencing_token", "succeeded", "exit_code", "reason", "result", "output_uploaded", "limits")
+    __slots__ = ("job_id", "fencing_token", "succeeded", "exit_code", "reason", "result", "output_uploaded", "limits", "output_files")
     class LimitsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -331,6 +331,7 @@ class CompleteRequest(_message.Message):
     RESULT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_UPLOADED_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FILES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     fencing_token: int
     succeeded: bool
@@ -339,7 +340,16 @@ class CompleteRequest(_message.Message):
     result: str
     output_uploaded: bool
     limits: _containers.ScalarMap[str, str]
-    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., succeeded: _Optional[bool] = ..., exit_code: _Optional[int] = ..., reason: _Optional[str] = ..., result: _Optional[str] = ..., output_uploaded: _Optional[bool] = ..., limits: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    output_files: _containers.RepeatedCompositeFieldContainer[OutputFile]
+    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., succeeded: _Optional[bool] = ..., exit_code: _Optional[int] = ..., reason: _Optional[str] = ..., result: _Optional[str] = ..., output_uploaded: _Optional[bool] = ..., limits: _Optional[_Mapping[str, str]] = ..., output_files: _Optional[_Iterable[_Union[OutputFile, _Mapping]]] = ...) -> None: ...
+
+class OutputFile(_message.Message):
+    __slots__ = ("path", "size")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size: int
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class CompleteReply(_message.Message):
     __slots__ = ("accepted", "reason")

@@ -153,6 +153,7 @@ class Outcome:
     result: str = ""  # the job's last line of output
     output_uploaded: bool = False
     limits: Mapping[str, str] = dataclasses.field(default_factory=dict)  # which held
+    output_files: tuple[tuple[str, int], ...] = ()  # what the uploaded output holds
 
 
 @dataclasses.dataclass(frozen=True)

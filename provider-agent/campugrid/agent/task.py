@@ -404,9 +404,9 @@ class Task:
                 self.shipper.line("run", f"[campugrid] the last checkpoint was not kept: {why}")
         else:
             self.uploader.stop(wait=False)  # the coordinator would refuse what it uploads
-        uploaded = False
+        listed: tuple[tuple[str, int], ...] = ()
         if not self.stop.is_set() and not self.draining and not self.disk_exceeded:
-            uploaded = _upload_output(lease.output_url, output_dir, work / "output.tar.gz")
+            listed = _upload_output(lease.output_url, output_dir, work / "output.tar.gz")
         if self.disk_exceeded:
             reason = (f"the job wrote more than {spec.resources.output_mb} MB to /output and "
                       "/checkpoints (resources.output_mb); it was stopped")
@@ -425,7 +425,7 @@ class Task:
             succeeded=result.exit_code == 0 and not result.timed_out and not self.disk_exceeded,
             exit_code=result.exit_code,
             reason=reason, result=last_line[0][-4000:] if last_line else "",
-            output_uploaded=uploaded)
+            output_uploaded=bool(listed), output_files=listed[:1000])
 
     def job_env(self) -> dict[str, str]:
         # The job's own PYTHONPATH (the spec's, else its image's ENV) first, then the hooks.
@@ -568,11 +568,12 @@ def _fetch_datasets(http: httpx.Client, lease: Lease, data_dir: Path,
     return notes
 
 
-def _upload_output(url: str, output_dir: Path, tarball: Path) -> bool:
-    """Tar the output folder (regular files only: links the job made are skipped) and PUT it."""
+def _upload_output(url: str, output_dir: Path, tarball: Path) -> tuple[tuple[str, int], ...]:
+    """Tar the output folder (regular files only: links the job made are skipped) and PUT it;
+    what it holds, each file's path and size (nothing: there was no output)."""
     files = hooks.regular_files(output_dir)
     if not files:
-        return False
+        return ()
     if sum(p.stat().st_size for p in files) > MAX_OUTPUT_BYTES:
         raise InvalidInput(f"output: larger than {MAX_OUTPUT_BYTES // 1024**2} MiB; not uploaded")
     with tarfile.open(tarball, mode="w:gz") as tar:
@@ -581,4 +582,4 @@ def _upload_output(url: str, output_dir: Path, tarball: Path) -> bool:
     size = tarball.stat().st_size
     with httpx.Client(timeout=300) as http, open(tarball, "rb") as f:
         http.put(url, content=f, headers={"content-length": str(size)}).raise_for_status()
-    return True
+    return tuple((str(p.relative_to(output_dir)), p.stat().st_size) for p in files)
