@@ -13,15 +13,17 @@ import pytest
 from sqlalchemy import create_engine, insert, text
 from sqlalchemy.dialects import postgresql
 
-from campugrid.coordinator.claims import _NEXT_CPU_JOB_PG
+from campugrid.coordinator.claims import _NEXT_CPU_JOB_PG, _room
 from campugrid.coordinator.db import make_engine, migrate
 from campugrid.coordinator.models import Job
+from campugrid.coordinator.scheduler import MachineView
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobState
 
 pytestmark = pytest.mark.integration
-# The claim path's own statement (claims.py), for a machine that lacks no limit.
-CLAIM = str(_NEXT_CPU_JOB_PG.params(lacks=0).compile(
+# The claim path's own statement (claims.py), for a 16-CPU machine that lacks no limit.
+CLAIM = str(_NEXT_CPU_JOB_PG.params(_room("m-1", MachineView(
+    "m-1", "box", cpus=16, memory_mb=64 * 1024, disk_mb=500 * 1024))).compile(
     dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}))
 
 
