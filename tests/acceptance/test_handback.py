@@ -4,20 +4,16 @@ says so while it waits; a machine that has the base then runs it."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from campugrid.cli.platform import BASE_IMAGE, Platform, ProviderUser
-from campugrid.cli.seaweed import free_port
 from campugrid.client import tar_folder
 from campugrid.protocol.spec import JobSpec
+from tests.acceptance.conftest import a_platform
 
 pytestmark = pytest.mark.acceptance
 ABSENT = "localhost/campugrid/handback-test:1"
@@ -28,16 +24,8 @@ def platform() -> Iterator[Platform]:
     """The platform and one agent, both allowing a base that the provider does not have."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CAMPUGRID_ALLOWED_BASES", f"{BASE_IMAGE},{ABSENT}")
-        root = Path(tempfile.mkdtemp(prefix="campugrid-handback-"))
-        os.chmod(root, 0o711)
-        p = Platform(root / "state", http_port=free_port(), lease_seconds=4.0,
-                     admin_identity=root / "admin.json").start()
-        try:
-            p.start_agent("no-base")
+        with a_platform("no-base") as p:
             yield p
-        finally:
-            p.stop()
-            shutil.rmtree(root, ignore_errors=True)
 
 
 def test_a_machine_without_the_base_hands_the_job_back_and_one_with_it_runs_it(platform,
