@@ -199,7 +199,7 @@ def test_from_nothing_to_a_finished_job_in_the_console(page):
                 ".map(e => e.name || e.id)")
             assert unlabelled == [], (path, unlabelled)
         page.set_viewport_size({"width": 390, "height": 844})
-        for path in ("/console/", f"/console/jobs/{job_id}", "/console/submit"):
+        for path in ("/console/", f"/console/jobs/{job_id}", "/console/submit", "/console/machines"):
             page.goto(f"{p.url}{path}")
             assert page.evaluate("() => document.documentElement.scrollWidth <= window.innerWidth"), path
         page.set_viewport_size({"width": 1280, "height": 800})
