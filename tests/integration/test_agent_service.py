@@ -417,3 +417,20 @@ def test_a_lease_takes_only_a_job_that_fits_the_room_the_machine_reports(coordin
     assert lease.has_task and lease.job_id == job["id"]
     [m] = [m for m in api.machines() if m["id"] == c.machine_id]
     assert (m["online"], m["busy"]) == (True, job["id"][:8])  # busy, not offline
+
+
+def test_what_an_agent_says_its_output_holds_is_kept_bounded_and_printable(coordinator, tmp_path):
+    running, api = coordinator
+    job = api.submit(tar_folder(HELLO), JobSpec())
+    c = client(running, tmp_path, "lister")
+    lease = c.lease()
+    assert lease.has_task and lease.job_id == job["id"]
+    running.coord.objects.put_bytes(running.coord.output_key(job["id"], lease.attempt), b"tgz")
+    files = [pb.OutputFile(path=f"f{i}\x1b[31m" + "x" * 400, size=i) for i in range(300)]
+    assert c.complete(pb.CompleteRequest(job_id=job["id"], fencing_token=lease.fencing_token,
+                                         succeeded=True, output_uploaded=True,
+                                         output_files=files)).accepted
+    listed = api.job(job["id"])["output_files"]
+    assert len(listed) == 200 and listed[3][1] == 3
+    assert all(len(p) <= 256 and p.isprintable() for p, _ in listed)
+    assert listed[0][0].startswith("f0?[31mxxx")

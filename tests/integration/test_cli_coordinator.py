@@ -379,3 +379,6 @@ def test_submit_takes_the_common_flags_the_folders_own_spec_and_another_dockerfi
     assert not any(n.startswith("data/") for n in got)  # .dockerignore
     cli(env, "submit", str(folder), "--memory", "lots", code=2)
     cli(env, "submit", str(folder), "--env", "NOVALUE", code=2)
+    gpu = cli_json(env, "submit", str(folder), "--gpus", "2", "--gpu-memory", "12G")
+    assert (gpu["spec"]["resources"]["gpus"], gpu["spec"]["resources"]["gpu_memory_mb"]) == (
+        2, 12 * 1024)

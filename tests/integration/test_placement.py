@@ -338,6 +338,13 @@ def test_a_busy_machine_is_online_and_the_queue_says_what_it_is_busy_with(store:
     assert view.busy == running[:8]
     assert why_waiting(waiting.spec.resources, [view]) == (
         f"waiting for the one machine that fits (only-box): busy with job {running[:8]}")
+    # To another app, the job it is busy with is not named.
+    from campugrid.coordinator.service import _waiting_reason
+
+    theirs = store.submit(JobSpec(), "contexts/x.tar", "ef" * 32, owner="app-b")[0]
+    assert _waiting_reason(theirs, [view]) == (
+        "waiting for the one machine that fits (only-box): busy with another app's job")
+    assert _waiting_reason(waiting, [view]).endswith(f"busy with job {running[:8]}")
 
 
 @pytest.mark.parametrize("kind", ["plain", "sharded"])
@@ -364,6 +371,22 @@ def test_a_machine_that_cannot_run_a_job_hands_it_back_and_is_never_offered_it_a
     [online] = store.machines.online()
     assert _waiting_reason(view, [online], 0, store.refusals([job])[job]) == (
         f"every online machine said it cannot run this job (no-base: {why})")
+    # An hour on, what the machine lacked may have been passing (a registry down): it is
+    # offered the job again.
+    from sqlalchemy import update
+
+    from campugrid.coordinator.claims import REFUSAL_TTL_S
+    from campugrid.coordinator.models import JobRefusal
+    with store.db.tx() as s:
+        s.execute(update(JobRefusal).values(
+            at=utcnow() - dt.timedelta(seconds=REFUSAL_TTL_S + 1)))
+    assert store.refusals([job]) == {}
+    again = store.claim(lacking, 30, MachineView(lacking, "no-base"))
+    assert again is not None and again.job.id == job
+    if kind == "sharded":
+        store.shards.release(job, again.token, lacking, why, failed=False)
+    else:
+        store.release(job, again.token, lacking, why, cannot_run_here=True)
     able = add_machine(store, "has-base", {})
     got = store.claim_next(able, 30, MachineView(able, "has-base"))
     assert got is not None and got.id == job

@@ -379,3 +379,18 @@ def test_a_job_is_named_by_its_id_or_any_start_of_it_that_is_its_alone(store: St
     for bad in ("abc", "zzzz1234", "abcd'; --", ""):
         with pytest.raises(NotFound, match="a job id is a UUID, or its first characters"):
             store.job_id(bad)
+
+
+def test_a_renewal_that_crosses_its_attempts_end_is_refused_without_a_line_in_the_history(
+        store: Store):
+    job = submit(store)
+    m = add_machine(store, "m", {})
+    store.claim_next(m, lease_s=30)
+    store.finish(job.id, 1, m, succeeded=True, exit_code=0, reason=None, result=None,
+                 output_key=None, limits={})
+    with pytest.raises(IllegalTransition, match="the job is succeeded"):
+        store.renew_lease(job.id, 1, m, JobState.RUNNING, 30)
+    assert "refused" not in [e.kind for e in store.events(job.id)]
+    with pytest.raises(StaleAttempt):  # another attempt's late call is still recorded
+        store.renew_lease(job.id, 7, m, JobState.RUNNING, 30)
+    assert [e.kind for e in store.events(job.id)].count("refused") == 1

@@ -167,7 +167,8 @@ def test_the_client_stops_packing_past_the_coordinators_limit_before_any_upload(
     ("COPY linked/inner.txt /x", True),  # through a link: the build judges
     ("COPY data/ /x", True),  # a folder the tarball has only files of
     ("COPY --from=localhost/campugrid/python:bookworm /etc/os-release /x", True),  # an image
-    ("COPY requirements.txt /r.txt", False), ("COPY src/*.py /x", False),
+    ("COPY src/*.py /x", True), ("COPY linked/*.sh /x", True),  # patterns: the build's call
+    ("COPY requirements.txt /r.txt", False),
     ("ADD model.bin /m", False), ("COPY app.py missing.py /x/", False),
 ])
 def test_a_copy_of_something_not_in_the_context_is_refused_at_submit_naming_the_line(copy, found):

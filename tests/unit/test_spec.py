@@ -138,6 +138,8 @@ def test_a_spec_takes_plain_values_as_json_has_them_and_checks_them_alike():
                                       "resources": {"memory_mb": 4096, "cpus": 2},
                                       "build": {"network": "none"}})
     assert spec.resources.memory_mb == 4096 and spec.build.network == "none"
+    ds = {"name": "d", "uri": "s3://bucket/k", "sha256": "a" * 64}
+    assert JobSpec(datasets=(ds,)).datasets == JobSpec(datasets=[ds]).datasets  # a tuple too
     with pytest.raises(InvalidInput, match="did you mean 'memory_mb'"):
         JobSpec(resources={"memry_mb": 1})
     with pytest.raises(InvalidInput, match="CAMPUGRID_ are reserved"):

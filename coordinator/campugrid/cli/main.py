@@ -96,7 +96,8 @@ def _job_text(job: dict[str, Any]) -> str:
     if files:
         shown = ", ".join(f"{path} ({size_text(size)})" for path, size in files[:5])
         lines.append(f"output   {shown}" + (f", and {len(files) - 5} more" if len(files) > 5
-                                             else "") + "  (campugrid output JOB)")
+                                             else "")
+                     + f"  (campugrid output {job['id'][:8]} -o out.tar.gz)")
     for ref, digest in (job.get("bases") or {}).items():
         lines.append(f"base     {ref}@{digest}")
     for limit, how in (job.get("limits") or {}).items():
@@ -127,7 +128,7 @@ def _flags(**given: Any) -> dict[str, Any]:
     return {k: v for k, v in given.items() if v is not None}
 
 
-def _megabytes(text: str) -> int:
+def _megabytes(text: str, flag: str) -> int:
     """'4096' (MB), '512M', '4G' or '4GB' as MB."""
     t = text.strip().upper().removesuffix("B")
     scale = {"M": 1, "G": 1024, "T": 1024 * 1024}.get(t[-1:], 0)
@@ -135,7 +136,7 @@ def _megabytes(text: str) -> int:
     try:
         value = float(number) * (scale or 1)
     except ValueError:
-        raise InvalidInput(f"--memory {text}: give MB, or a size such as 512M or 4G") from None
+        raise InvalidInput(f"{flag} {text}: give MB, or a size such as 512M or 4G") from None
     return int(value)
 
 
@@ -151,6 +152,8 @@ def submit(
     memory: Annotated[str | None, typer.Option(
         help="Memory: MB, or with a unit (512M, 4G) (resources.memory_mb).")] = None,
     gpus: Annotated[int | None, typer.Option(help="GPUs (resources.gpus).")] = None,
+    gpu_memory: Annotated[str | None, typer.Option(
+        help="Memory per GPU: MB, or with a unit (24G) (resources.gpu_memory_mb).")] = None,
     env: Annotated[list[str] | None, typer.Option(
         "--env", "-e", help="NAME=VALUE in the job's environment. Repeatable.")] = None,
     dockerfile: Annotated[Path | None, typer.Option(
@@ -176,7 +179,9 @@ def submit(
         raw.update(_flags(command=command, client_job_id=client_id, name=name))
         if not raw.get("name"):
             raw["name"] = folder.resolve().name[:200]
-        sizes = _flags(cpus=cpus, memory_mb=_megabytes(memory) if memory else None, gpus=gpus)
+        sizes = _flags(cpus=cpus, memory_mb=_megabytes(memory, "--memory") if memory else None,
+                       gpus=gpus, gpu_memory_mb=_megabytes(gpu_memory, "--gpu-memory")
+                       if gpu_memory else None)
         if sizes:
             raw["resources"] = {**(raw.get("resources") or {}), **sizes}
         for item in env or []:
@@ -555,8 +560,8 @@ def _machine_line(m: dict[str, Any]) -> str:
     """One machine: who, whether it is online (and busy, or held), and what it can give."""
     now = ("busy with job " + m["busy"] if m.get("busy") else "held" if m.get("held")
            else "idle") if m.get("online") else "offline" if m["status"] == "approved" else ""
-    size = (f"{m['cpus']} CPUs, {m['memory_mb'] / 1024:.0f} GB memory, "
-            f"{m['disk_mb'] / 1024:.0f} GB disk" if m.get("cpus") else "size not reported")
+    size = (f"{m['cpus']} CPUs, {size_text(m['memory_mb'] * 2**20)} memory, "
+            f"{size_text(m['disk_mb'] * 2**20)} disk" if m.get("cpus") else "size not reported")
     return (f"{m['id']}  {m['status']:<8} {now:<22} {m['name']}  {size}\n"
             f"    {m['fingerprint']}  (from {m['address'] or '?'}, seen {m['last_seen_at'][:19]})"
             + (f"\n    held by its owner: {m['held']}" if m.get("held") else ""))

@@ -215,7 +215,7 @@ def create_console(coord: Coordinator) -> FastAPI:
         """Server-sent events: `log` per new chunk, `state` when it changes, `end` once the job
         has ended and every chunk was sent. A reconnect resumes after Last-Event-ID."""
         user = user_of(request)
-        job_id = job_id_ok(request, job_id)
+        job_id = await run_in_threadpool(job_id_ok, request, job_id)
         await run_in_threadpool(coord.get_job, job_id, owner(user))  # NotFound before 200
         last = request.headers.get("last-event-id", "")
         start = int(last) if last.isdigit() and len(last) < 19 else after

@@ -323,7 +323,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
                 exit_code=request.exit_code, reason=request.reason or None,
                 result=request.result or None, output_uploaded=request.output_uploaded,
                 limits=dict(request.limits),
-                output_files=[(f.path, f.size) for f in request.output_files[:1000]]))
+                output_files=[(f.path[:1000], f.size) for f in request.output_files[:1000]]))
         except (StaleAttempt, IllegalTransition) as e:
             log.warning("completion refused: %s", e)
             return pb.CompleteReply(accepted=False, reason=str(e))

@@ -194,21 +194,25 @@ _JOBS, _CHECKPOINTS = Base.metadata.tables["jobs"], Base.metadata.tables["checkp
 (_CLAIMABLE,) = sources_of(JobState.BUILDING)  # one state, so an equality the index serves
 # A job is for a machine only if it needs no limit the machine lacks (bit masks, spec.LIMITS)
 # and no more CPUs, memory or disk than one task can be given there (_room).
-# Nor a job this machine said it cannot run (job_refusals: a base it lacks, say).
+# Nor a job this machine said it cannot run lately (job_refusals: a base it lacks, say; after
+# REFUSAL_TTL_S it is offered again: what it lacked may have been a passing failure).
 _REFUSALS = Base.metadata.tables["job_refusals"]
+REFUSAL_TTL_S = 3600.0
 _SUITS_LIMITS = ((_JOBS.c.limits_needed.op("&")(bindparam("lacks")) == 0)
                  & (_JOBS.c.cpus_needed <= bindparam("cpus"))
                  & (_JOBS.c.memory_needed_mb <= bindparam("memory_mb"))
                  & (_JOBS.c.disk_needed_mb <= bindparam("disk_mb"))
                  & ~exists().where(_REFUSALS.c.job_id == _JOBS.c.id,
-                                   _REFUSALS.c.machine_id == bindparam("machine_id")))
+                                   _REFUSALS.c.machine_id == bindparam("machine_id"),
+                                   _REFUSALS.c.at > bindparam("refused_since")))
 _UNSAID = 2**31 - 1  # a size the machine did not say (an older agent): no bound
 
 
 def _room(machine_id: str, offer: MachineView) -> dict[str, Any]:
     """The claim's bounds for this machine: what _SUITS_LIMITS reads (its id for its
     refusals, the limits it lacks, its sizes)."""
-    return {"machine_id": machine_id, "lacks": offer.lacks_mask, "cpus": offer.cpus or _UNSAID,
+    return {"machine_id": machine_id, "lacks": offer.lacks_mask,
+            "refused_since": utcnow() - dt.timedelta(seconds=REFUSAL_TTL_S), "cpus": offer.cpus or _UNSAID,
             "memory_mb": offer.memory_mb or _UNSAID, "disk_mb": offer.disk_mb or _UNSAID}
 # The fast path takes jobs that need no provider share; those come through _share_candidate.
 _NEXT_CPU_JOB = (select(_JOBS.c.id, _JOBS.c.attempt, _JOBS.c.created_at, _JOBS.c.shards_total)

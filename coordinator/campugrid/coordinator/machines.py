@@ -164,10 +164,12 @@ class Machines:
         and the job each one runs now."""
         since = utcnow() - dt.timedelta(seconds=within_s)
         with self.db.read() as s:
-            busy = {m: j for m, j in s.execute(
-                select(Job.machine_id, Job.id).where(Job.state.in_([x.value for x in ACTIVE])))}
-            busy.update((m, j) for m, j in s.execute(
-                select(ShardSession.machine_id, ShardSession.job_id)
+            busy = {m: (j, o) for m, j, o in s.execute(
+                select(Job.machine_id, Job.id, Job.owner_id)
+                .where(Job.state.in_([x.value for x in ACTIVE])))}
+            busy.update((m, (j, o)) for m, j, o in s.execute(
+                select(ShardSession.machine_id, ShardSession.job_id, Job.owner_id)
+                .join(Job, Job.id == ShardSession.job_id)
                 .where(ShardSession.active.is_(True))))
             reserved = {(m, g): int(mb) for m, g, mb in s.execute(
                 select(GpuReservation.machine_id, GpuReservation.gpu_uuid,
@@ -192,7 +194,8 @@ class Machines:
                                        cpus=float(caps.get("cpus") or 0),
                                        memory_mb=int(caps.get("memory_mb") or 0),
                                        disk_mb=int(caps.get("disk_mb") or 0),
-                                       busy=str(busy.get(m.id) or "")[:8]))
+                                       busy=busy.get(m.id, ("", ""))[0][:8],
+                                       busy_owner=busy.get(m.id, ("", ""))[1] or ""))
             return out
 
     def shared(self, within_s: float = 30) -> dict[str, dict[tuple[str, int, str], int]]:

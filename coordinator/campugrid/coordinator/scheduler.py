@@ -42,7 +42,8 @@ class MachineView:
     cpus: float = 0.0
     memory_mb: int = 0
     disk_mb: int = 0
-    busy: str = ""  # the job it runs now ("" while it asks for work)
+    busy: str = ""  # the job it runs now, an id's start ("" while it asks for work)
+    busy_owner: str = ""  # the app whose job that is
 
     @property
     def lacks_mask(self) -> int:
@@ -164,10 +165,18 @@ def _busy(machines: Sequence[MachineView]) -> str:
     if len(busy) < len(machines):
         return "waiting for a machine that fits to ask for work"
     if len(busy) == 1:
-        return f"waiting for the one machine that fits ({busy[0].name}): busy with job {busy[0].busy}"
-    shown = ", ".join(f"{m.name} with {m.busy}" for m in busy[:3])
+        return (f"waiting for the one machine that fits ({busy[0].name}): busy with "
+                f"{_job(busy[0].busy)}")
+    shown = ", ".join(f"{m.name} with {_job(m.busy)}" for m in busy[:3])
     return (f"waiting for a free machine: the {len(busy)} that fit are busy ({shown}"
             + (", …)" if len(busy) > 3 else ")"))
+
+
+OTHER_APPS = "*"  # MachineView.busy where the job is another app's (its id is not told)
+
+
+def _job(busy: str) -> str:
+    return "another app's job" if busy == OTHER_APPS else f"job {busy}"
 
 
 def _amount(name: str, value: float) -> str:

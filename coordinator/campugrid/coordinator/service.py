@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import functools
 import hashlib
@@ -22,7 +23,7 @@ from campugrid.coordinator.machines import MachineRecord, MachineRecords
 from campugrid.coordinator.machines import Status as MachineStatus
 from campugrid.coordinator.objects import ObjectStore
 from campugrid.coordinator.registry import RegistryTokens
-from campugrid.coordinator.scheduler import MachineView, fast_from, why_waiting
+from campugrid.coordinator.scheduler import OTHER_APPS, MachineView, fast_from, why_waiting
 from campugrid.coordinator.store import Store
 from campugrid.coordinator.uploads import UploadView
 from campugrid.coordinator.users import SecretBox, Users
@@ -51,7 +52,8 @@ log = logging.getLogger("campugrid.coordinator")
 SPEEDS_REFRESH_S = 10.0  # how old the machines' speed ranking may be
 
 
-MAX_OUTPUT_FILES = 1000  # files of an output listed on its job (the rest: in the archive)
+MAX_OUTPUT_FILES = 200  # files of an output listed on its job (the rest: in the archive)
+MAX_OUTPUT_PATH = 256  # characters of each listed path
 
 class Coordinator:
     def __init__(self, settings: Settings, store: Store, objects: ObjectStore) -> None:
@@ -355,7 +357,7 @@ class Coordinator:
         job = self.store.finish(job_id, token, machine_id, succeeded=succeeded,
                                 exit_code=exit_code, reason=reason, result=result,
                                 output_key=key, limits=limits,
-                                output_files=[(p.replace("\x00", "")[:1000], max(0, int(n)))
+                                output_files=[(_printable(p)[:MAX_OUTPUT_PATH], max(0, int(n)))
                                               for p, n in output_files[:MAX_OUTPUT_FILES]])
         log.info("job %s %s", job.id, job.state.value, extra={"job_id": job.id})
 
@@ -367,10 +369,12 @@ class Coordinator:
         again."""
         why = reason[:2000] or "drained"
         if session_of(token) is not None:
-            if cannot_run_here:  # before its shards are queued again
-                self.store.refuse(job_id, machine_id, why)
+            # The session's token is checked first; the machine asking is the one handing
+            # back, so it asks for no other work before its refusal is written.
             self.store.shards.release(job_id, token, machine_id, why,
                                       failed=failed and not cannot_run_here)
+            if cannot_run_here:
+                self.store.refuse(job_id, machine_id, why)
         else:
             self.store.release(job_id, token, machine_id, why, failed=failed,
                                cannot_run_here=cannot_run_here)
@@ -594,6 +598,11 @@ def _how_inputs_move(job: JobView, lease: Lease) -> str:
     return "; ".join(parts)
 
 
+def _printable(text: str) -> str:
+    """What an agent said, as pages and terminals may show it: no control characters."""
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
 def _offline(known: Sequence[MachineRecord]) -> str:
     """With no machine online: the approved ones that are not, and when one was last heard."""
     approved = [m for m in known if m.status is MachineStatus.APPROVED]
@@ -612,7 +621,9 @@ def _waiting_reason(job: JobView, machines: list[MachineView], pending: int = 0,
     if job.state is not JobState.QUEUED:
         return None
     refused = refused or {}
-    able = [m for m in machines if m.id not in refused]
+    # Another app's job is not named to this one (its id is not confirmed to strangers).
+    able = [m if not m.busy or m.busy_owner == job.owner_id else
+            dataclasses.replace(m, busy=OTHER_APPS) for m in machines if m.id not in refused]
     if not machines and offline:
         why = offline
     elif machines and not able:

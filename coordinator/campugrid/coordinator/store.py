@@ -18,7 +18,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from campugrid.coordinator.apps import Apps, Nonces
-from campugrid.coordinator.claims import Claimer
+from campugrid.coordinator.claims import REFUSAL_TTL_S, Claimer
 from campugrid.coordinator.db import Database, job_row, side_database
 from campugrid.coordinator.gpu_history import GpuHistories
 from campugrid.coordinator.machines import Machines
@@ -169,12 +169,15 @@ class Store:
             _refuse(s, job_id, machine_id, reason, utcnow())
 
     def refusals(self, job_ids: Sequence[str]) -> dict[str, dict[str, str]]:
-        """job id -> machine id -> why that machine cannot run it (CannotRunHere)."""
+        """job id -> machine id -> why that machine cannot run it (CannotRunHere), for the
+        refusals still in force (REFUSAL_TTL_S)."""
         out: dict[str, dict[str, str]] = {}
         if not job_ids:
             return out
+        since = utcnow() - dt.timedelta(seconds=REFUSAL_TTL_S)
         with self.read() as s:
-            for r in s.scalars(select(JobRefusal).where(JobRefusal.job_id.in_(job_ids))):
+            for r in s.scalars(select(JobRefusal).where(JobRefusal.job_id.in_(job_ids),
+                                                        JobRefusal.at > since)):
                 out.setdefault(r.job_id, {})[r.machine_id] = r.reason
         return out
 
@@ -264,7 +267,11 @@ class Store:
                          where=_held(token, machine_id),
                          lease_expires_at=now + dt.timedelta(seconds=lease_s), updated_at=now)
             except IllegalTransition:
-                refused = self._refusal(s, job_row(s, job_id), token, "renew")
+                row = job_row(s, job_id)
+                # A renewal that crossed its own attempt's last call is no one's concern: it is
+                # refused without a line in the job's history.
+                ended = row.attempt == token and row.state not in {x.value for x in ACTIVE}
+                refused = self._refusal(s, row, token, "renew", record=not ended)
             row = job_row(s, job_id)
         if refused is not None:
             raise refused
@@ -447,13 +454,17 @@ class Store:
         s.execute(delete(GpuReservation).where(GpuReservation.job_id == job_id))
 
     @staticmethod
-    def _refusal(s: Session, row: Job, token: int, what: str) -> StaleAttempt | IllegalTransition:
-        """Record a refused call in the job's history; the caller raises after committing."""
+    def _refusal(s: Session, row: Job, token: int, what: str,
+                 record: bool = True) -> StaleAttempt | IllegalTransition:
+        """Record a refused call in the job's history (unless not `record`); the caller raises
+        after committing."""
         if row.attempt != token:
             detail = f"{what} from attempt {token} refused: the current attempt is {row.attempt}"
         else:
             detail = f"{what} from attempt {token} refused: the job is {row.state}"
-        s.add(JobEvent(job_id=row.id, at=utcnow(), attempt=token, kind="refused", detail=detail))
+        if record:
+            s.add(JobEvent(job_id=row.id, at=utcnow(), attempt=token, kind="refused",
+                           detail=detail))
         return StaleAttempt(detail) if row.attempt != token else IllegalTransition(detail)
 
 

@@ -92,6 +92,7 @@ class JobView:
     shards_failed: int = 0
     bases: dict[str, str] = dataclasses.field(default_factory=dict)  # remote FROM -> digest
     output_files: tuple[tuple[str, int], ...] = ()  # (path in /output, size), as listed
+    owner_id: str = ""  # the app that submitted it ("" for none)
 
     @classmethod
     def from_row(cls, row: Job | Row[Any] | SimpleNamespace) -> JobView:
@@ -108,6 +109,7 @@ class JobView:
             bases=json.loads(row.bases_json or "{}"),
             output_files=tuple((str(p), int(n)) for p, n in
                                json.loads(getattr(row, "output_files_json", None) or "[]")),
+            owner_id=getattr(row, "owner_id", None) or "",
         )
 
 

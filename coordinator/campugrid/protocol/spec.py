@@ -189,8 +189,8 @@ class JobSpec:
     def __post_init__(self) -> None:
         """Plain values (dicts, lists, a command string) are read and checked as from_dict
         reads them, into the same typed fields."""
-        plain = {name: getattr(self, name) for name in self._PLAIN
-                 if _is_plain(name, getattr(self, name))}
+        plain = {name: list(v) if isinstance(v, tuple) else v
+                 for name in self._PLAIN if _is_plain(name, v := getattr(self, name))}
         if plain:
             typed = JobSpec.from_dict(plain)
             for name in plain:

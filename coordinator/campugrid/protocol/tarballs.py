@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fnmatch
 import io
 import os
 import posixpath
@@ -113,16 +112,12 @@ def _inspect(data: bytes | BinaryIO, allowed: Sequence[AllowedBase] | None,
 
 
 def _in_context(source: str, names: set[str], links: dict[str, str]) -> bool:
-    """Whether a COPY or ADD source can be found in the context: a file or folder there, a
-    pattern that something there matches, or a path through a link (judged by the build).
-    Patterns are matched more loosely than the builder does (`*` spans folders here), so
-    nothing the builder would find is refused."""
+    """Whether a COPY or ADD source can be found in the context: a file or folder there, or
+    a path through a link or a pattern (both left to the build: builders differ on patterns
+    that match nothing, and on their syntax). Only a plain path that is not there is told."""
     path = posixpath.normpath(source.lstrip("/"))
-    if path in (".", "") or path in names:
+    if path in (".", "") or path in names or any(c in path for c in "*?[\\"):
         return True
-    if any(c in path for c in "*?["):
-        return any(fnmatch.fnmatchcase(n, path) or fnmatch.fnmatchcase(n, path + "/*")
-                   for n in names)
     parts = path.split("/")
     if any("/".join(parts[:i]) in links for i in range(1, len(parts))):
         return True

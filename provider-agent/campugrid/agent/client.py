@@ -413,7 +413,7 @@ class CoordinatorApi:
             job_id=job_id, fencing_token=token, succeeded=outcome.succeeded,
             exit_code=outcome.exit_code, reason=outcome.reason, result=outcome.result,
             output_uploaded=outcome.output_uploaded, limits=dict(outcome.limits),
-            output_files=[pb.OutputFile(path=p, size=n) for p, n in outcome.output_files[:1000]]))
+            output_files=[pb.OutputFile(path=p, size=n) for p, n in outcome.output_files[:200]]))
         return m.Verdict(r.accepted, r.reason)
 
     def begin_checkpoint(self, job_id: str, token: int, epoch: int,

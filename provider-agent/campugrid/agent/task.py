@@ -192,9 +192,6 @@ class Task:
             if self.sharing is not None:  # recorded under this lease, logged, before the end
                 self.sharing.join()
             self.shipper.close()
-        # The attempt's last call comes next: a renewal after it would only be refused (and
-        # recorded in the job's history as a refused call).
-        self.renewer.stop()
         try:
             if self.lost.is_set():
                 log.info("task %s attempt %d stopped: %s", job_id, token, self.renewer.reason)
@@ -425,7 +422,8 @@ class Task:
             succeeded=result.exit_code == 0 and not result.timed_out and not self.disk_exceeded,
             exit_code=result.exit_code,
             reason=reason, result=last_line[0][-4000:] if last_line else "",
-            output_uploaded=bool(listed), output_files=listed[:1000])
+            output_uploaded=bool(listed),
+            output_files=tuple((p[:256], n) for p, n in listed[:200]))  # as it is kept
 
     def job_env(self) -> dict[str, str]:
         # The job's own PYTHONPATH (the spec's, else its image's ENV) first, then the hooks.

@@ -131,6 +131,7 @@ class Agent:
         self.owner = Owner(settings.state_dir, settings.owner, nvml=_nvml())
         self.held = ""  # why the owner holds the machine now; "" while it takes work
         self.last_beat = 0.0  # when the coordinator last heard from it (time.monotonic)
+        self.idle_room: Room | None = None  # what one task could have, measured between tasks
         self.status = StatusFile(settings.state_dir, name=settings.name,
                                  coordinator=self.client.wire.membership.coordinator,
                                  fingerprint=self.client.wire.fingerprint,
@@ -163,7 +164,8 @@ class Agent:
     def capabilities(self) -> Capabilities:
         found = gpus.discover(self.settings.gpu_policy)
         note = "; ".join(n for n in (found.note, self.gpu_note if found.gpus else "") if n)
-        room = self.room()
+        # While a task runs, what the machine offers is what it had before (its disk is in use).
+        room = self.idle_room if self.task is not None and self.idle_room else self.room()
         return Capabilities(runtime=self.sandbox.describe(), builder=self.builder.name,
                             cpus=room.cpus, memory_mb=room.memory_mb, disk_mb=room.disk_mb,
                             limits=self.limits, gpus=found.gpus,
@@ -214,6 +216,7 @@ class Agent:
                  self.client.machine_id, self.client.wire.fingerprint)
         self.status.update(machine_id=self.client.machine_id)
         logs.thread(self._watch_owner, name="owner").start()
+        logs.thread(self._beat_while_busy, name="heartbeat").start()
         for name in self.sandbox.sweep(self.client.machine_id):
             log.warning("removed sandbox %s left from an earlier run of this agent", name)
         self.sweep("an earlier run of this agent", logging.WARNING)
@@ -238,7 +241,7 @@ class Agent:
                 lease = self.client.lease(offer, self.gpu_isolation and bool(offer),
                                           self.enforced, self.shares.names(), LEASE_WAIT_S,
                                           give_up=lambda: self.stopping.is_set() or
-                                          bool(self.owner.hold()), room=self.room())
+                                          bool(self.owner.hold()), room=self._idle_room())
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.PERMISSION_DENIED and "revoked" in str(e.details()):
                     log.error("%s; the agent stops", e.details())
@@ -260,10 +263,15 @@ class Agent:
             if once:
                 return
 
-    def _watch_owner(self) -> None:
-        """Drain the running task as soon as the owner wants the machine back; and while one
-        runs, keep the heartbeats going."""
-        while not self.stopping.wait(OWNER_POLL_S):
+    def _idle_room(self) -> Room:
+        self.idle_room = self.room()
+        return self.idle_room
+
+    def _beat_while_busy(self) -> None:
+        """While a task runs, the heartbeats go on (between tasks the main loop sends them):
+        a busy machine is not an offline one. Its own thread: a slow coordinator holds up
+        nothing else."""
+        while not self.stopping.wait(1.0):
             task = self.task
             if task is None:
                 continue
@@ -271,7 +279,12 @@ class Agent:
                 self.beat()
             except grpc.RpcError as e:
                 log.debug("heartbeat during task %s: %s", task.lease.job_id, e.code())
-            if task.draining:
+
+    def _watch_owner(self) -> None:
+        """Drain the running task as soon as the owner wants the machine back."""
+        while not self.stopping.wait(OWNER_POLL_S):
+            task = self.task
+            if task is None or task.draining:
                 continue
             why = self.owner.drain_reason(task.lease.gpu_uuids, _members(self.sandbox, task.name))
             if why and self.task is task:

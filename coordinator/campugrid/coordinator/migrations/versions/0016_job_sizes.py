@@ -25,10 +25,12 @@ def upgrade() -> None:
                                       nullable=False))
         batch_op.add_column(sa.Column("disk_needed_mb", sa.Integer(), server_default="0",
                                       nullable=False))
-    # Jobs still queued: their needs come from their spec (the others are never claimed again).
+    # Jobs not ended (queued, or running and queued again if their machine is lost): their
+    # needs come from their spec. Ended jobs are never claimed again.
     conn = op.get_bind()
     for job_id, spec_json in conn.execute(sa.text(
-            "SELECT id, spec_json FROM jobs WHERE state = 'queued'")).all():
+            "SELECT id, spec_json FROM jobs WHERE state NOT IN "
+            "('succeeded', 'failed', 'cancelled')")).all():
         try:
             res = json.loads(spec_json).get("resources", {}) or {}
             values = {"c": float(res.get("cpus", 1.0)), "m": int(res.get("memory_mb", 1024)),
