@@ -164,7 +164,7 @@ class Store:
         return found[0]
 
     def refuse(self, job_id: str, machine_id: str, reason: str) -> None:
-        """This machine cannot run this job: it is never offered it again."""
+        """This machine cannot run this job: it is not offered it again for REFUSAL_TTL_S."""
         with self.tx() as s:
             _refuse(s, job_id, machine_id, reason, utcnow())
 

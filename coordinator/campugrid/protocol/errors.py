@@ -83,7 +83,8 @@ class BuildFailed(CampugridError):
 class CannotRunHere(CampugridError):
     """This machine cannot run this job, through no fault of the job's: a base image it does
     not have or cannot pull, too little build disk. The agent hands the task back without
-    using an attempt, and the coordinator never leases the job to this machine again."""
+    using an attempt, and the coordinator does not lease the job to this machine again
+    for an hour (claims.REFUSAL_TTL_S)."""
 
 
 class SandboxError(CampugridError):

@@ -1,4 +1,4 @@
-"""Machines that cannot run a job (a base they lack, too little disk): never offered it again
+"""Machines that cannot run a job (a base they lack, too little disk): not offered it again for a while
 
 Revision ID: 0017
 Revises: 0016
