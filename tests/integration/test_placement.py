@@ -339,18 +339,18 @@ def test_a_busy_machine_is_online_and_the_queue_says_what_it_is_busy_with(store:
     assert why_waiting(waiting.spec.resources, [view]) == (
         f"waiting for the one machine that fits (only-box): busy with job {running[:8]}")
     # To another app, the job it is busy with is not named.
-    from campugrid.coordinator.service import _waiting_reason
+    from campugrid.coordinator.waiting import waiting_reason
 
     theirs = store.submit(JobSpec(), "contexts/x.tar", "ef" * 32, owner="app-b")[0]
-    assert _waiting_reason(theirs, [view]) == (
+    assert waiting_reason(theirs, [view]) == (
         "waiting for the one machine that fits (only-box): busy with another app's job")
-    assert _waiting_reason(waiting, [view]).endswith(f"busy with job {running[:8]}")
+    assert waiting_reason(waiting, [view]).endswith(f"busy with job {running[:8]}")
 
 
 @pytest.mark.parametrize("kind", ["plain", "sharded"])
 def test_a_machine_that_cannot_run_a_job_hands_it_back_and_is_never_offered_it_again(
         store: Store, kind: str):
-    from campugrid.coordinator.service import _waiting_reason
+    from campugrid.coordinator.waiting import waiting_reason
 
     sharded = {"command": ["true"], "shards": [{"payload": 1}]} if kind == "sharded" else {}
     job = store.submit(JobSpec.from_dict({**sharded, "max_attempts": 1}),
@@ -369,7 +369,7 @@ def test_a_machine_that_cannot_run_a_job_hands_it_back_and_is_never_offered_it_a
     assert store.claim_next(lacking, 30, MachineView(lacking, "no-base")) is None
     assert store.refusals([job]) == {job: {lacking: why}}
     [online] = store.machines.online()
-    assert _waiting_reason(view, [online], 0, store.refusals([job])[job]) == (
+    assert waiting_reason(view, [online], 0, store.refusals([job])[job]) == (
         f"every online machine said it cannot run this job (no-base: {why})")
     # An hour on, what the machine lacked may have been passing (a registry down): it is
     # offered the job again.
@@ -392,14 +392,14 @@ def test_a_machine_that_cannot_run_a_job_hands_it_back_and_is_never_offered_it_a
     assert got is not None and got.id == job
 
 
-def test_with_no_machine_online_the_queue_says_the_approved_ones_are_offline(store: Store):
+def test_with_no_machine_online_the_queue_says_the_approved_ones_areoffline_text(store: Store):
     from sqlalchemy import update
 
     from campugrid.coordinator.models import Machine
-    from campugrid.coordinator.service import _offline, _waiting_reason
+    from campugrid.coordinator.waiting import offline_text, waiting_reason
 
     view = store.submit(JobSpec(), "contexts/x.tar", "ab" * 32)[0]
-    assert _waiting_reason(view, [], 0, {}, _offline(store.machines.all())) == (
+    assert waiting_reason(view, [], 0, {}, offline_text(store.machines.all())) == (
         "no approved machine online")
     add_machine(store, "pending-box", {}, approve=False)
     gone = add_machine(store, "gamer-pc", {})
@@ -407,6 +407,6 @@ def test_with_no_machine_online_the_queue_says_the_approved_ones_are_offline(sto
         s.execute(update(Machine).where(Machine.id == gone)
                   .values(last_seen_at=utcnow() - dt.timedelta(minutes=7, seconds=5)))
     assert store.machines.online() == []
-    assert _waiting_reason(view, [], 0, {}, _offline(store.machines.all())) == (
+    assert waiting_reason(view, [], 0, {}, offline_text(store.machines.all())) == (
         "no approved machine online (1 approved, all offline; gamer-pc was last heard from "
         "7 min ago)")

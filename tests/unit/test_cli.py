@@ -145,10 +145,10 @@ def test_the_agents_poll_interval_must_be_a_positive_number_of_seconds(tmp_path)
 
 
 def test_a_jobs_text_gives_its_reason_once_with_its_lines_and_no_exit_for_no_process():
-    from campugrid.cli.main import _job_text
+    from campugrid.cli.show import job_text
 
     reason = "build failed: RUN exited 4; last lines of the build log:\nSTEP 2/2\nboom"
-    text = _job_text({"id": "abc", "name": "t", "state": "failed", "attempt": 1,
+    text = job_text({"id": "abc", "name": "t", "state": "failed", "attempt": 1,
                       "max_attempts": 3, "reason": reason, "exit_code": -1,
                       "events": [{"at": "2026-12-05T08:00:00", "attempt": 1, "kind": "failed",
                                   "detail": reason}]})

@@ -18,10 +18,11 @@ import typer
 from campugrid.agent.install import AGENT_DIR
 from campugrid.cli import specfile
 from campugrid.cli.follow import follow as follow_job
-from campugrid.cli.follow import log_text, size_text
+from campugrid.cli.follow import log_text
 from campugrid.cli.metrics import metrics_app
 from campugrid.cli.output import Json, Transfers, emit, emit_array, emit_line, interactive
 from campugrid.cli.provider import provider_app
+from campugrid.cli.show import job_text, machine_line
 from campugrid.cli.users import users_app
 from campugrid.protocol.errors import CampugridError, InvalidInput
 from campugrid.protocol.logs import configure as configure_logging
@@ -75,69 +76,14 @@ def _api(server: str | None) -> Any:
     return Api.from_identity(server=server)
 
 
-def _job_text(job: dict[str, Any]) -> str:
-    lines = [f"job      {job['id']}" + (f"  ({job['name']})" if job.get("name") else "")]
-    shards = job.get("shards")
-    if shards:
-        lines.append(f"state    {job['state']}  ({shards['total']} shards: {shards['queued']} "
-                     f"queued, {shards['running']} running, {shards['done'] - shards['failed']} "
-                     f"succeeded, {shards['failed']} failed)")
-    else:
-        lines.append(f"state    {job['state']}  (attempt {job['attempt']} of {job['max_attempts']})")
-    if job.get("waiting_reason"):
-        lines.append(f"waiting  {job['waiting_reason']}")
-    if job.get("reason"):  # once, with its own line breaks (a build log's tail)
-        lines.append("reason   " + "\n         ".join(str(job["reason"]).splitlines()))
-    if job.get("exit_code") is not None and job["exit_code"] >= 0:  # -1: no process exited
-        lines.append(f"exit     {job['exit_code']}")
-    if job.get("result"):
-        lines.append(f"result   {job['result']}")
-    files = job.get("output_files") or []
-    if files:
-        shown = ", ".join(f"{path} ({size_text(size)})" for path, size in files[:5])
-        lines.append(f"output   {shown}" + (f", and {len(files) - 5} more" if len(files) > 5
-                                             else "")
-                     + f"  (campugrid output {job['id'][:8]} -o out.tar.gz)")
-    for ref, digest in (job.get("bases") or {}).items():
-        lines.append(f"base     {ref}@{digest}")
-    for limit, how in (job.get("limits") or {}).items():
-        if how != "enforced":
-            lines.append(f"limit    {limit}: {how}")
-    for ev in job.get("events") or []:  # one line each: a long reason is printed above
-        first, *more = str(ev["detail"]).splitlines() or [""]
-        lines.append(f"  {ev['at'][:19]}  #{ev['attempt']}  {ev['kind']:<14} {first}"
-                     + (" (…)" if more else ""))
-    return "\n".join(lines)
-
-
 def _print_job(job: dict[str, Any]) -> None:
-    typer.echo(_job_text(job))
+    typer.echo(job_text(job))
 
 
 def _finish(job: dict[str, Any], as_json: bool) -> NoReturn:
     """After following a job: print it, and exit 0 if it succeeded, else 1."""
-    emit_line(as_json, {"event": "final", "job": job}, _job_text(job))
+    emit_line(as_json, {"event": "final", "job": job}, job_text(job))
     raise typer.Exit(0 if job["state"] == "succeeded" else 1)
-
-
-SPEC_NAMES = ("campugrid.yaml", "campugrid.yml", "job.yaml", "job.yml", "job.json")
-
-
-def _flags(**given: Any) -> dict[str, Any]:
-    """The options given on the command line (None: not given)."""
-    return {k: v for k, v in given.items() if v is not None}
-
-
-def _megabytes(text: str, flag: str) -> int:
-    """'4096' (MB), '512M', '4G' or '4GB' as MB."""
-    t = text.strip().upper().removesuffix("B")
-    scale = {"M": 1, "G": 1024, "T": 1024 * 1024}.get(t[-1:], 0)
-    number = t[:-1] if scale else t
-    try:
-        value = float(number) * (scale or 1)
-    except ValueError:
-        raise InvalidInput(f"{flag} {text}: give MB, or a size such as 512M or 4G") from None
-    return int(value)
 
 
 @app.command()
@@ -172,16 +118,17 @@ def submit(
 
     try:
         if spec_file is None:  # the folder's own spec, if it has one
-            spec_file = next((folder / n for n in SPEC_NAMES if (folder / n).is_file()), None)
+            spec_file = next((folder / n for n in specfile.SPEC_NAMES if (folder / n).is_file()), None)
             if spec_file is not None and not as_json:
                 typer.echo(f"spec: {spec_file}", err=True)
         raw = specfile.load(spec_file) if spec_file else {}
-        raw.update(_flags(command=command, client_job_id=client_id, name=name))
+        raw.update(specfile.given(command=command, client_job_id=client_id, name=name))
         if not raw.get("name"):
             raw["name"] = folder.resolve().name[:200]
-        sizes = _flags(cpus=cpus, memory_mb=_megabytes(memory, "--memory") if memory else None,
-                       gpus=gpus, gpu_memory_mb=_megabytes(gpu_memory, "--gpu-memory")
-                       if gpu_memory else None)
+        sizes = specfile.given(
+            cpus=cpus, gpus=gpus,
+            memory_mb=specfile.megabytes(memory, "--memory") if memory else None,
+            gpu_memory_mb=specfile.megabytes(gpu_memory, "--gpu-memory") if gpu_memory else None)
         if sizes:
             raw["resources"] = {**(raw.get("resources") or {}), **sizes}
         for item in env or []:
@@ -231,7 +178,7 @@ def status(job_id: str, server: Server = DEFAULT_SERVER, as_json: Json = False) 
         job = _api(server).job(job_id)
     except CampugridError as e:
         _fail(str(e))
-    emit(as_json, job, _job_text(job))
+    emit(as_json, job, job_text(job))
 
 
 @app.command()
@@ -281,7 +228,7 @@ def cancel(job_id: str, server: Server = DEFAULT_SERVER, as_json: Json = False) 
         job = _api(server).cancel(job_id)
     except CampugridError as e:
         _fail(str(e))
-    emit(as_json, job, _job_text(job))
+    emit(as_json, job, job_text(job))
 
 
 @app.command()
@@ -553,18 +500,7 @@ def machines_list(ctx: typer.Context, server: Server = DEFAULT_SERVER,
         found = _api(server).machines()
     except CampugridError as e:
         _fail(str(e))
-    emit(as_json, found, "\n".join(_machine_line(m) for m in found))
-
-
-def _machine_line(m: dict[str, Any]) -> str:
-    """One machine: who, whether it is online (and busy, or held), and what it can give."""
-    now = ("busy with job " + m["busy"] if m.get("busy") else "held" if m.get("held")
-           else "idle") if m.get("online") else "offline" if m["status"] == "approved" else ""
-    size = (f"{m['cpus']} CPUs, {size_text(m['memory_mb'] * 2**20)} memory, "
-            f"{size_text(m['disk_mb'] * 2**20)} disk" if m.get("cpus") else "size not reported")
-    return (f"{m['id']}  {m['status']:<8} {now:<22} {m['name']}  {size}\n"
-            f"    {m['fingerprint']}  (from {m['address'] or '?'}, seen {m['last_seen_at'][:19]})"
-            + (f"\n    held by its owner: {m['held']}" if m.get("held") else ""))
+    emit(as_json, found, "\n".join(machine_line(m) for m in found))
 
 
 @machines_app.command("invite")

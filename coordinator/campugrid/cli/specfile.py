@@ -137,3 +137,24 @@ def load(path: Path) -> dict[str, Any]:
         return _from_json(path, text)
     except InvalidInput:
         return _from_yaml(path, text)
+
+
+# A folder's own spec, picked up by `submit` when no --spec is given.
+SPEC_NAMES = ("campugrid.yaml", "campugrid.yml", "job.yaml", "job.yml", "job.json")
+
+
+def given(**given: Any) -> dict[str, Any]:
+    """The options given on the command line (None: not given)."""
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def megabytes(text: str, flag: str) -> int:
+    """'4096' (MB), '512M', '4G' or '4GB' as MB."""
+    t = text.strip().upper().removesuffix("B")
+    scale = {"M": 1, "G": 1024, "T": 1024 * 1024}.get(t[-1:], 0)
+    number = t[:-1] if scale else t
+    try:
+        value = float(number) * (scale or 1)
+    except ValueError:
+        raise InvalidInput(f"{flag} {text}: give MB, or a size such as 512M or 4G") from None
+    return int(value)

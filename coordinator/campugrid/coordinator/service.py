@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import functools
 import hashlib
@@ -23,7 +22,7 @@ from campugrid.coordinator.machines import MachineRecord, MachineRecords
 from campugrid.coordinator.machines import Status as MachineStatus
 from campugrid.coordinator.objects import ObjectStore
 from campugrid.coordinator.registry import RegistryTokens
-from campugrid.coordinator.scheduler import OTHER_APPS, MachineView, fast_from, why_waiting
+from campugrid.coordinator.scheduler import MachineView, fast_from
 from campugrid.coordinator.store import Store
 from campugrid.coordinator.uploads import UploadView
 from campugrid.coordinator.users import SecretBox, Users
@@ -42,6 +41,7 @@ from campugrid.coordinator.views import (
     session_of,
     utcnow,
 )
+from campugrid.coordinator.waiting import offline_text, waiting_reason
 from campugrid.coordinator.wakeup import Wakeup
 from campugrid.protocol.errors import Conflict, Forbidden, InvalidInput, NotFound, StorageError
 from campugrid.protocol.spec import MAX_SHARD_RESULT, DatasetRef, JobSpec
@@ -153,8 +153,8 @@ class Coordinator:
         machines = self.store.machines.online() if queued else []
         pending = self.store.machines.pending_online() if queued else 0
         refused = self.store.refusals(queued)
-        offline = _offline(self.store.machines.all()) if queued and not machines else ""
-        return [_waiting_reason(j, machines, pending, refused.get(j.id, {}), offline)
+        offline = offline_text(self.store.machines.all()) if queued and not machines else ""
+        return [waiting_reason(j, machines, pending, refused.get(j.id, {}), offline)
                 for j in jobs]
 
     def job_events(self, job_id: str, owner: str | None = None) -> list[EventView]:
@@ -601,44 +601,6 @@ def _how_inputs_move(job: JobView, lease: Lease) -> str:
 def _printable(text: str) -> str:
     """What an agent said, as pages and terminals may show it: no control characters."""
     return "".join(c if c.isprintable() else "?" for c in text)
-
-
-def _offline(known: Sequence[MachineRecord]) -> str:
-    """With no machine online: the approved ones that are not, and when one was last heard."""
-    approved = [m for m in known if m.status is MachineStatus.APPROVED]
-    if not approved:
-        return ""
-    last = max(approved, key=lambda m: m.last_seen_at)
-    ago = max(0, int((utcnow() - last.last_seen_at).total_seconds()))
-    when = f"{ago // 3600} h" if ago >= 3600 else f"{ago // 60} min" if ago >= 60 else f"{ago} s"
-    return (f"no approved machine online ({len(approved)} approved, all offline; "
-            f"{last.name} was last heard from {when} ago)")
-
-
-def _waiting_reason(job: JobView, machines: list[MachineView], pending: int = 0,
-                    refused: dict[str, str] | None = None, offline: str = "") -> str | None:
-    """Why a queued job waits: the machines online, less those that said they cannot run it."""
-    if job.state is not JobState.QUEUED:
-        return None
-    refused = refused or {}
-    # Another app's job is not named to this one (its id is not confirmed to strangers).
-    able = [m if not m.busy or m.busy_owner == job.owner_id else
-            dataclasses.replace(m, busy=OTHER_APPS) for m in machines if m.id not in refused]
-    if not machines and offline:
-        why = offline
-    elif machines and not able:
-        said = [f"{m.name}: {refused[m.id]}" for m in machines][:2]
-        why = ("every online machine said it cannot run this job (" + "; ".join(said)
-               + ("; …" if len(machines) > 2 else "") + ")")
-    else:
-        why = why_waiting(job.spec.resources, able, job.spec.share)
-    if why is not None and pending:
-        why += (f"; {pending} machine(s) online wait for their owner's approval "
-                "(`campugrid machines`)")
-    running = job.shards_total - job.shards_queued - job.shards_done
-    if job.shards_total and running:
-        return f"{job.shards_queued} shards wait, {running} running: {why}"
-    return why
 
 
 def _check_result(index: int, result_json: str) -> None:

@@ -108,8 +108,8 @@ class JobView:
             shards_done=row.shards_done or 0, shards_failed=row.shards_failed or 0,
             bases=json.loads(row.bases_json or "{}"),
             output_files=tuple((str(p), int(n)) for p, n in
-                               json.loads(getattr(row, "output_files_json", None) or "[]")),
-            owner_id=getattr(row, "owner_id", None) or "",
+                               json.loads(row.output_files_json or "[]")),
+            owner_id=row.owner_id or "",
         )
 
 
