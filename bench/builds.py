@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/builds.py [--rounds 3] [--only NAME ...]    (as root, after infra/setup.sh)
 
-The corpus (tests/corpus, but the entries that fetch from the stand-ins for GitHub and the
+The corpus (tests/corpus, but the entries that fetch from the stand-ins for GitHub, conda and the
 PyTorch index, which a plain build cannot reach) built two ways on this machine, in the same
 run, caches warm (one round first, not counted: the base pulled, the caches filled):
   - baseline: a plain rootless `buildah bud` as the provider user, RUN steps with the host's

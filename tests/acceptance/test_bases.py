@@ -23,7 +23,7 @@ from campugrid.cli.platform import Platform, ProviderUser
 from campugrid.cli.seaweed import free_port
 from campugrid.client import ApiError, tar_folder
 from campugrid.protocol.spec import JobSpec
-from tests.support.oci import UV, OpenRegistry, python_slim, uv_image
+from tests.support.oci import MICROMAMBA_HUB, UV, OpenRegistry, micromamba_image, python_slim, uv_image
 from tests.support.standins import StandIns
 
 pytestmark = pytest.mark.acceptance
@@ -37,7 +37,7 @@ print(json.dumps({"python": sys.version.split()[0], "built": open("/net.txt").re
 @pytest.fixture(scope="module")
 def hubbed() -> Iterator[tuple[Platform, OpenRegistry, str]]:
     """The platform as `campugrid up` starts it, its Docker Hub mirror caching a stand-in Hub
-    that holds `python:3.11-slim`, the same registry standing in for ghcr.io's mirror (with
+    that holds `python:3.11-slim` and `mambaorg/micromamba`, the same registry standing in for ghcr.io's mirror (with
     uv's image) as an operator would name one; one agent."""
     root = Path(tempfile.mkdtemp(prefix="campugrid-bases-"))
     os.chmod(root, 0o711)
@@ -46,6 +46,8 @@ def hubbed() -> Iterator[tuple[Platform, OpenRegistry, str]]:
     digest = hub.push(f"containers-storage:{python_slim(provider.command([]))}",
                       "library/python:3.11-slim", as_user=provider.command([]))
     hub.push(uv_image(root / "uv-image"), UV, as_user=provider.command([]))
+    hub.push(f"containers-storage:{micromamba_image(provider.command([]))}", MICROMAMBA_HUB,
+             as_user=provider.command([]))
     p = Platform(root / "state", http_port=free_port(), lease_seconds=4.0,
                  admin_identity=root / "admin.json", hub_upstream=f"http://{hub.address}")
     standins = StandIns(root / "standins")

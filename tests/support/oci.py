@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import httpx
+import yaml
 
 from campugrid.cli.registry import EmbeddedRegistry
 from campugrid.cli.seaweed import free_port
@@ -104,6 +105,50 @@ def python_slim(as_user: list[str]) -> str:
     finally:
         shutil.rmtree(context, ignore_errors=True)
     return PYTHON_SLIM
+
+
+MICROMAMBA = "localhost/campugrid-test/micromamba:2.0.5-v1"  # bump when its recipe changes
+MICROMAMBA_HUB = "mambaorg/micromamba:2.0.5"  # what it stands in for, as Docker Hub names it
+
+
+def micromamba_image(as_user: list[str]) -> str:
+    """A stand-in for Docker Hub's `mambaorg/micromamba`, whose binary and channels these
+    machines cannot reach: the python stand-in plus `micromamba` as tests/support/micromamba.py
+    (py-rattler and PyYAML copied from the tests' own environment, the same Debian Python),
+    and what the real image sets up: the user `mambauser` (57439) that owns
+    MAMBA_ROOT_PREFIX=/opt/conda, the prefix's bin on the PATH, and `USER mambauser`. Made
+    once in the provider's store."""
+    if subprocess.run([*as_user, "podman", "image", "exists", MICROMAMBA],
+                      capture_output=True, timeout=60).returncode == 0:
+        return MICROMAMBA
+    base = python_slim(as_user)
+    context = Path(tempfile.mkdtemp(prefix="micromamba-"))
+    try:
+        site = Path(yaml.__file__).parents[1]
+        lib = context / "lib"
+        for name in ("rattler", "yaml", "_yaml"):
+            shutil.copytree(site / name, lib / name, ignore=shutil.ignore_patterns("__pycache__"))
+        for info in (*site.glob("py_rattler-*.dist-info"), *site.glob("pyyaml-*.dist-info")):
+            shutil.copytree(info, lib / info.name)
+        shutil.copy(Path(__file__).with_name("micromamba.py"), context / "micromamba")
+        subprocess.run(["chmod", "-R", "a+rX", str(context)], check=True)
+        (context / "Dockerfile").write_text(
+            f"FROM {base}\n"
+            "ENV MAMBA_USER=mambauser MAMBA_USER_ID=57439 MAMBA_USER_GID=57439 "
+            "MAMBA_ROOT_PREFIX=/opt/conda\n"
+            "ENV PATH=/opt/conda/bin:$PATH\n"
+            "COPY lib/ /usr/local/lib/python3.11/dist-packages/\n"
+            "COPY --chmod=755 micromamba /usr/local/bin/micromamba\n"
+            "RUN groupadd -g 57439 mambauser && useradd -m -u 57439 -g 57439 mambauser "
+            "&& mkdir -p /opt/conda && chown mambauser:mambauser /opt/conda\n"
+            "USER mambauser\n")
+        done = subprocess.run([*as_user, "buildah", "bud", "--isolation", "chroot",
+                               "--pull-never", "-q", "-t", MICROMAMBA,
+                               str(context)], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+    finally:
+        shutil.rmtree(context, ignore_errors=True)
+    return MICROMAMBA
 
 
 UV = "astral-sh/uv:0.13.9"  # as ghcr.io names it

@@ -1,17 +1,20 @@
 """Stand-ins for the hosts research Dockerfiles fetch from besides PyPI and Debian, which these
 machines cannot reach: GitHub (a git repository over HTTPS, a release file, a raw install
-script) and the PyTorch index (a find-links page and wheels by URL). One HTTPS server on
+script), the PyTorch index (a find-links page and wheels by URL) and conda.anaconda.org (two
+conda channels, indexed by py-rattler as a channel's host indexes them). One HTTPS server on
 loopback, with a certificate of a test authority for those names; the egress proxy is told
 to send the names there (CAMPUGRID_EGRESS_PINS, the operator's setting) and builds trust the
 authority (CAMPUGRID_BUILD_CA_FILE), so a Dockerfile names them as it would the real hosts."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime as dt
 import hashlib
 import http.server
 import io
+import json
 import os
 import socket
 import ssl
@@ -19,6 +22,7 @@ import subprocess
 import tarfile
 import tempfile
 import threading
+import time
 import zipfile
 from functools import partial
 from pathlib import Path
@@ -27,8 +31,10 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from rattler.index import index_fs
 
-NAMES = ("github.com", "raw.githubusercontent.com", "download.pytorch.org")
+NAMES = ("github.com", "raw.githubusercontent.com", "download.pytorch.org",
+         "conda.anaconda.org")
 HOST_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 
 
@@ -97,8 +103,50 @@ def wheel(name: str, version: str, code: str) -> bytes:
     return out.getvalue()
 
 
+def conda_package(name: str, version: str, files: dict[str, bytes],
+                  depends: tuple[str, ...] = ()) -> bytes:
+    """A noarch conda package (.tar.bz2) of `files`, as conda-build would write it: the files
+    under their prefix paths, info/index.json and info/paths.json."""
+    index = {"name": name, "version": version, "build": "0", "build_number": 0,
+             "depends": list(depends), "noarch": "generic", "subdir": "noarch",
+             "license": "MIT", "timestamp": int(time.time() * 1000)}
+    paths = {"paths_version": 1, "paths": [{"_path": path, "path_type": "hardlink",
+                                            "size_in_bytes": len(data)}
+                                           for path, data in files.items()]}
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w:bz2") as tar:
+        for path, data in {**files, "info/index.json": json.dumps(index).encode(),
+                           "info/paths.json": json.dumps(paths).encode()}.items():
+            info = tarfile.TarInfo(path)
+            info.size, info.mode = len(data), 0o755 if path.startswith("bin/") else 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return out.getvalue()
+
+
+# bioconda's tool: it reads its data from the prefix it was installed into.
+SEQSTAT = b"""#!/bin/sh
+k=$(cat "$(dirname "$0")/../share/kmerdb/k.txt")
+printf '{"seqstat": "2.1", "k": %s}\\n' "$k"
+"""
+
+
+def _channels(root: Path) -> None:
+    """conda-forge and bioconda as a bioinformatics environment file names them: a tool on
+    bioconda that needs a data package from conda-forge."""
+    packages = {
+        "conda-forge": ("kmerdb", "1.0", {"share/kmerdb/k.txt": b"31\n"}, ()),
+        "bioconda": ("seqstat", "2.1", {"bin/seqstat": SEQSTAT}, ("kmerdb >=1.0",))}
+    for channel, (name, version, files, depends) in packages.items():
+        for subdir in ("noarch", "linux-64"):
+            (root / channel / subdir).mkdir(parents=True)
+        (root / channel / "noarch" / f"{name}-{version}-0.tar.bz2").write_bytes(
+            conda_package(name, version, files, depends))
+        asyncio.run(index_fs(root / channel, write_zst=False, write_shards=False))
+
+
 def _content(root: Path) -> None:
     """What the stand-in hosts serve, by path (the same for each name)."""
+    _channels(root)
     whl = root / "whl"
     (whl / "cpu").mkdir(parents=True)
     for name in ("tinyops", "tinyvec"):
