@@ -30,7 +30,10 @@ ROOTS = ("coordinator", "provider-agent", "sandbox", "builders", "checkpoint-hoo
 # (importer, imported) package prefixes that must never meet: the coordinator runs no job
 # code, the contract depends on nothing of ours, and the hooks live inside jobs.
 FORBIDDEN = (
-    ("campugrid.coordinator", "campugrid.builders"),
+    ("campugrid.coordinator", "campugrid.builders"),  # but its policy (ALLOWED)
+    ("campugrid.builders.policy", "campugrid.builders"),
+    ("campugrid.builders.policy", "campugrid.sandbox"),
+    ("campugrid.builders.policy", "campugrid.agent"),
     ("campugrid.coordinator", "campugrid.agent"),
     ("campugrid.coordinator", "campugrid.sandbox"),
     ("campugrid.protocol", "campugrid.coordinator"),
@@ -47,6 +50,29 @@ FORBIDDEN = (
     ("campugrid.hooks", "campugrid.sandbox"),
     ("campugrid.hooks", "campugrid.builders"),
 )
+# Exceptions to FORBIDDEN: what a job may hand a builder is checked at submit too.
+ALLOWED = (("campugrid.coordinator", "campugrid.builders.policy"),
+           ("campugrid.builders.policy", "campugrid.builders.policy"))
+
+
+def _under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def crossings(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that FORBIDDEN forbids and ALLOWED does not allow, and every import of
+    `campugrid.protocol` (the leaf contract) of anything of ours outside it."""
+    out = []
+    for a, deps in sorted(graph.items()):
+        for b in sorted(deps):
+            forbidden = any(_under(a, x) and _under(b, y) for x, y in FORBIDDEN)
+            if _under(a, "campugrid.protocol") and not _under(b, "campugrid.protocol"):
+                forbidden = True
+            elif any(_under(a, x) and _under(b, y) for x, y in ALLOWED):
+                forbidden = False
+            if forbidden:
+                out.append(f"{a} imports {b}")
+    return out
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -125,10 +151,20 @@ def test_our_modules_import_no_circle_and_cross_no_boundary():
     graph = import_graph()
     assert "campugrid.coordinator.store" in graph and "campugrid.agent.task" in graph
     assert circles(graph) == []
-    crossings = [f"{a} imports {b}" for a, deps in sorted(graph.items()) for b in sorted(deps)
-                 for x, y in FORBIDDEN
-                 if (a == x or a.startswith(x + ".")) and (b == y or b.startswith(y + "."))]
-    assert crossings == []
+    assert crossings(graph) == []
+
+
+def test_the_boundary_check_sees_what_it_forbids():
+    """The rules above, on a made-up graph: each kind of crossing is caught."""
+    graph = {"campugrid.protocol.spec": {"campugrid.hooks"},
+             "campugrid.coordinator.service": {"campugrid.builders.policy.dockerfiles",
+                                               "campugrid.builders.buildah"},
+             "campugrid.builders.policy.tarballs": {"campugrid.builders.policy.dockerfiles",
+                                                    "campugrid.builders.base"}}
+    assert crossings(graph) == [
+        "campugrid.builders.policy.tarballs imports campugrid.builders.base",
+        "campugrid.coordinator.service imports campugrid.builders.buildah",
+        "campugrid.protocol.spec imports campugrid.hooks"]
 
 
 def test_the_layout_names_every_module():

@@ -18,12 +18,12 @@ from campugrid.agent import bases
 from campugrid.agent.images import ImageCache
 from campugrid.agent.messages import BaseImage
 from campugrid.agent.messages import Source as MessageSource
+from campugrid.builders.policy.dockerfiles import BaseUse, check_dockerfile
 from campugrid.cli.platform import _answers
 from campugrid.cli.registry import EmbeddedRegistry
 from campugrid.cli.seaweed import free_port
 from campugrid.coordinator.bases import BaseResolver, Source, parse_mirrors
 from campugrid.coordinator.registry import RegistryTokens, ensure_signing_key
-from campugrid.protocol.dockerfiles import BaseUse, check_dockerfile
 from campugrid.protocol.errors import (
     CannotRunHere,
     InvalidInput,

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from campugrid.builders.policy.tarballs import extract_files
 from campugrid.protocol.errors import BuildFailed, CampugridError, InvalidInput, SandboxError
-from campugrid.protocol.tarballs import extract_files
 from campugrid.sandbox import confine, hardening
 from campugrid.sandbox.confine import ConfinementError, Limits
 

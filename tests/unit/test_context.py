@@ -3,8 +3,8 @@ import tarfile
 
 import pytest
 
+from campugrid.builders.policy.tarballs import check_dockerfile, extract_context, inspect_context
 from campugrid.protocol.errors import InvalidInput
-from campugrid.protocol.tarballs import check_dockerfile, extract_context, inspect_context
 
 DOCKERFILE = b"FROM localhost/campugrid/python:bookworm\nCOPY app.py /app.py\nCMD [\"python3\"]\n"
 

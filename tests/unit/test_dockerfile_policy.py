@@ -4,7 +4,7 @@ the spelling as the attack it hides, then that the policy refuses it."""
 
 import pytest
 
-from campugrid.protocol.dockerfiles import (
+from campugrid.builders.policy.dockerfiles import (
     AllowedBase,
     allowed_bases,
     base_registries,

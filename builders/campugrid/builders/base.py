@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-from campugrid.protocol.dockerfiles import BaseUse
+from campugrid.builders.policy.dockerfiles import BaseUse
 from campugrid.sandbox.process import LogFn
 
 

@@ -43,8 +43,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from campugrid.builders.policy.dockerfiles import BaseUse, check_dockerfile
 from campugrid.egress.policy import CA_ENV
-from campugrid.protocol.dockerfiles import BaseUse, check_dockerfile
 from campugrid.protocol.errors import BuildFailed, CannotRunHere, InvalidInput
 from campugrid.sandbox import limits as host_limits
 from campugrid.sandbox import profile, slots

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from campugrid.builders.base import Builder
-from campugrid.protocol.dockerfiles import BaseUse
+from campugrid.builders.policy.dockerfiles import BaseUse
 from campugrid.protocol.errors import BuildFailed
 from campugrid.sandbox.process import LogFn
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from campugrid.protocol.dockerfiles import BaseUse
+from campugrid.builders.policy.dockerfiles import BaseUse
 from campugrid.protocol.errors import BuildFailed
 from campugrid.sandbox.podman_runsc import RUNSC_FLAGS
 from campugrid.sandbox.process import LogFn

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import grpc
 from limits import RateLimitItemPerMinute
 
+from campugrid.builders.policy.dockerfiles import parse_image_ref
 from campugrid.coordinator.apps import Nonces
 from campugrid.coordinator.gpu_history import GpuMemory
 from campugrid.coordinator.machines import MachineRecord, Status
@@ -34,7 +35,6 @@ from campugrid.coordinator.wakeup import MAX_HOLD_S, MIN_GAP_S, RECHECK_S
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
 from campugrid.protocol import keys, logs
-from campugrid.protocol.dockerfiles import parse_image_ref
 from campugrid.protocol.errors import (
     CampugridError,
     Forbidden,

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, BinaryIO
 
+from campugrid.builders.policy.tarballs import inspect_context
 from campugrid.coordinator.apps import AppView
 from campugrid.coordinator.bases import BaseResolver
 from campugrid.coordinator.config import Settings
@@ -46,7 +47,6 @@ from campugrid.coordinator.wakeup import Wakeup
 from campugrid.protocol.errors import Conflict, Forbidden, InvalidInput, NotFound, StorageError
 from campugrid.protocol.spec import MAX_SHARD_RESULT, DatasetRef, JobSpec
 from campugrid.protocol.states import JobState
-from campugrid.protocol.tarballs import inspect_context
 
 log = logging.getLogger("campugrid.coordinator")
 SPEEDS_REFRESH_S = 10.0  # how old the machines' speed ranking may be

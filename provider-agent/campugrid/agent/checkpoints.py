@@ -24,9 +24,9 @@ from campugrid import hooks
 from campugrid.agent.client import CoordinatorApi
 from campugrid.agent.messages import CheckpointRecord, Resume
 from campugrid.agent.metrics import METRICS
+from campugrid.builders.policy.tarballs import extract_checkpoint
 from campugrid.protocol import logs
 from campugrid.protocol.errors import CampugridError, InvalidInput
-from campugrid.protocol.tarballs import extract_checkpoint
 from campugrid.sandbox import confine
 
 log = logging.getLogger("campugrid.agent.checkpoints")

@@ -39,8 +39,9 @@ from campugrid.agent.metrics import METRICS
 from campugrid.agent.renewer import Renewer
 from campugrid.agent.shares import Shares
 from campugrid.builders.base import Builder
+from campugrid.builders.policy.dockerfiles import allowed_bases, pin_bases
+from campugrid.builders.policy.tarballs import extract_context_file
 from campugrid.protocol import logs
-from campugrid.protocol.dockerfiles import allowed_bases, pin_bases
 from campugrid.protocol.errors import (
     BuildFailed,
     CampugridError,
@@ -49,7 +50,6 @@ from campugrid.protocol.errors import (
     SandboxError,
 )
 from campugrid.protocol.spec import BUILD_MB, ENFORCED, JobSpec
-from campugrid.protocol.tarballs import extract_context_file
 from campugrid.sandbox import confine, slots
 from campugrid.sandbox.podman_ops import CliOps, PodmanOps
 from campugrid.sandbox.runtime import RunRequest, Runtime
