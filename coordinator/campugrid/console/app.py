@@ -34,6 +34,7 @@ from campugrid.console.gate import (
     set_cookie,
     user_of,
 )
+from campugrid.coordinator.answers import answer
 from campugrid.coordinator.auth import Guard
 from campugrid.coordinator.service import Coordinator
 from campugrid.coordinator.users import UserView
@@ -41,7 +42,6 @@ from campugrid.protocol.errors import (
     CampugridError,
     Forbidden,
     InvalidInput,
-    NotFound,
     RateLimited,
     Unauthenticated,
 )
@@ -56,8 +56,6 @@ SESSION_RECHECK_S = 10.0  # an open log stream ends this soon after its session 
 KEEPALIVE_S = 15.0
 STATES = [s.value for s in JobState]
 SIGN_INS_PER_ADDRESS = RateLimitItemPerMinute(30)
-_STATUS = {InvalidInput: 422, NotFound: 404, Forbidden: 403, Unauthenticated: 401,
-           RateLimited: 429}
 
 
 def create_console(coord: Coordinator) -> FastAPI:
@@ -104,7 +102,7 @@ def create_console(coord: Coordinator) -> FastAPI:
 
     @console.exception_handler(CampugridError)
     def _error(request: Request, exc: CampugridError) -> HTMLResponse:
-        status = next((c for t, c in _STATUS.items() if isinstance(exc, t)), 400)
+        status = answer(exc).http
         if not hasattr(request.state, "user"):
             request.state.user, request.state.session = None, ""
         return page(request, "message.html", status, title="Not done", message=str(exc))

@@ -21,6 +21,7 @@ import grpc
 from limits import RateLimitItemPerMinute
 
 from campugrid.builders.policy.dockerfiles import parse_image_ref
+from campugrid.coordinator.answers import answer
 from campugrid.coordinator.apps import Nonces
 from campugrid.coordinator.gpu_history import GpuMemory
 from campugrid.coordinator.machines import MachineRecord, Status
@@ -37,10 +38,7 @@ from campugrid.protocol import agent_pb2_grpc as pb_grpc
 from campugrid.protocol import keys, logs
 from campugrid.protocol.errors import (
     CampugridError,
-    Forbidden,
     IllegalTransition,
-    InvalidInput,
-    NotFound,
     StaleAttempt,
     Unauthenticated,
 )
@@ -163,14 +161,8 @@ class AgentService(pb_grpc.AgentServiceServicer):
         except IllegalTransition:
             self.metrics.refused("grpc", "illegal_transition")
             raise
-        except NotFound as e:
-            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
-        except InvalidInput as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except Forbidden as e:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
         except CampugridError as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            context.abort(answer(e).grpc, str(e))
         raise AssertionError("unreachable")
 
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:

@@ -15,6 +15,7 @@ from starlette import formparsers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from campugrid.console.app import create_console
+from campugrid.coordinator.answers import answer, http_headers
 from campugrid.coordinator.apps import AppView
 from campugrid.coordinator.auth import Guard, RateLimits, SignedRequests
 from campugrid.coordinator.machines import MachineRecord
@@ -28,22 +29,12 @@ from campugrid.coordinator.views import JobView
 from campugrid.protocol import logs
 from campugrid.protocol.errors import (
     CampugridError,
-    Conflict,
     Forbidden,
-    IllegalTransition,
     InvalidInput,
-    NotFound,
-    RateLimited,
-    StorageError,
     Unauthenticated,
 )
 from campugrid.protocol.spec import MAX_SPEC_BYTES, JobSpec
 from campugrid.protocol.states import JobState
-
-_STATUS: dict[type[CampugridError], int] = {
-    InvalidInput: 422, NotFound: 404, Conflict: 409, IllegalTransition: 409, StorageError: 503,
-    Unauthenticated: 401, Forbidden: 403, RateLimited: 429,
-}
 
 
 class EventOut(BaseModel):
@@ -339,10 +330,8 @@ def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
 
     @app.exception_handler(CampugridError)
     def _domain_error(_req: Request, exc: CampugridError) -> JSONResponse:
-        status = next((c for t, c in _STATUS.items() if isinstance(exc, t)), 400)
-        headers = ({"retry-after": str(exc.retry_after_s)} if isinstance(exc, RateLimited)
-                   else None)
-        return JSONResponse({"detail": str(exc)}, status_code=status, headers=headers)
+        return JSONResponse({"detail": str(exc)}, status_code=answer(exc).http,
+                            headers=http_headers(exc))
 
 
     @app.get("/", include_in_schema=False)
