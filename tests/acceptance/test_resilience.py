@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from campugrid.agent.client import CoordinatorClient, Membership
+from campugrid.agent.messages import Hold
 from campugrid.cli.platform import AgentHandle, Platform, ProviderUser
 from campugrid.cli.seaweed import EmbeddedS3, free_port
 from campugrid.client import Api, Identity, tar_folder
@@ -279,7 +280,7 @@ def test_kill_9_during_a_sharded_job_runs_the_lost_shard_elsewhere_once(two_agen
                  and victim.machine_id() in e["detail"])["attempt"]
 
     def sandbox() -> list[str]:
-        return [n for n in containers(job) if n.endswith(f"-{(1 << 40) + token}")]
+        return [n for n in containers(job) if n.endswith(f"{job}-{token}")]
 
     assert sandbox(), "the victim's warm sandbox is not there"
     os.kill(victim.pid(), signal.SIGKILL)
@@ -300,7 +301,7 @@ def test_kill_9_during_a_sharded_job_runs_the_lost_shard_elsewhere_once(two_agen
     # the lost session's late result is refused
     client = CoordinatorClient(Membership.load(victim.state_dir))  # its own key and id
     try:
-        late = client.next_shard(job, (1 << 40) + token, pb.ShardResult(
+        late = client.next_shard(Hold(job, "session", token), pb.ShardResult(
             index=victim_shard["index"], succeeded=True, result_json='"late"'))
     finally:
         client.close()

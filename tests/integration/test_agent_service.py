@@ -13,6 +13,8 @@ import grpc
 import pytest
 from prometheus_client import generate_latest
 
+from campugrid.agent.client import hold_fields, hold_from_pb
+from campugrid.agent.messages import Hold
 from campugrid.cli.seaweed import EmbeddedS3
 from campugrid.client import Api, Identity, tar_folder
 from campugrid.coordinator import server
@@ -85,8 +87,8 @@ def test_a_late_completion_from_a_lost_attempt_is_refused_and_recorded(coordinat
     # The coordinator's line about it names the job and the attempt, though the line does not.
     [refused] = [r for r in caplog.records if r.getMessage().startswith("completion refused")]
     assert (refused.job_id, refused.attempt) == (job["id"], 1)  # type: ignore[attr-defined]
-    assert not lost.renew(job["id"], 1, "running", timeout_s=5).keep_going
-    assert fresh.renew(job["id"], 2, "running", timeout_s=5).keep_going
+    assert not lost.renew(Hold(job["id"], "attempt", 1), "running", timeout_s=5).keep_going
+    assert fresh.renew(Hold(job["id"], "attempt", 2), "running", timeout_s=5).keep_going
     done = fresh.complete(pb.CompleteRequest(job_id=job["id"], fencing_token=2, succeeded=True,
                                              result="from the fresh machine"))
     assert done.accepted
@@ -102,7 +104,7 @@ def test_cancel_tells_the_agent_to_stop(coordinator, tmp_path):
     c = client(running, tmp_path, "m")
     lease = c.lease()
     api.cancel(job["id"])
-    reply = c.renew(job["id"], lease.fencing_token, "running", timeout_s=5)
+    reply = c.renew(hold_from_pb(lease), "running", timeout_s=5)
     assert not reply.keep_going and "cancelled" in reply.reason
 
 
@@ -126,19 +128,19 @@ def test_checkpoints_are_verified_before_they_are_recorded(coordinator, tmp_path
     lease = c.lease()
     data = b"checkpoint bytes" * 1000
     digest = hashlib.sha256(data).hexdigest()
-    begin = c.begin_checkpoint(job["id"], lease.fencing_token, 0, len(data))
+    begin = c.begin_checkpoint(hold_from_pb(lease), 0, len(data))
     assert begin.accepted and len(begin.part_urls) == 1
     etags = upload(begin, data[:-1] + b"X")  # damaged on the way
     with pytest.raises(grpc.RpcError) as err:
         c.record_checkpoint(pb.RecordCheckpointRequest(
-            job_id=job["id"], fencing_token=lease.fencing_token, epoch=0, key=begin.key,
+            **hold_fields(hold_from_pb(lease)), epoch=0, key=begin.key,
             upload_id=begin.upload_id, etags=etags, size=len(data), sha256=digest))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "arrived damaged" in err.value.details()
     assert running.coord.store.checkpoints(job["id"]) == []
-    begin = c.begin_checkpoint(job["id"], lease.fencing_token, 0, len(data))
+    begin = c.begin_checkpoint(hold_from_pb(lease), 0, len(data))
     reply = c.record_checkpoint(pb.RecordCheckpointRequest(
-        job_id=job["id"], fencing_token=lease.fencing_token, epoch=0, key=begin.key,
+        **hold_fields(hold_from_pb(lease)), epoch=0, key=begin.key,
         upload_id=begin.upload_id, etags=upload(begin, data), size=len(data), sha256=digest))
     assert reply.accepted
     assert [c.sha256 for c in running.coord.store.checkpoints(job["id"])] == [digest]
@@ -149,7 +151,7 @@ def test_checkpoints_are_verified_before_they_are_recorded(coordinator, tmp_path
     assert second.fencing_token == 2 and second.resume.epoch == 0
     assert second.resume.sha256 == digest and second.resume.size == len(data)
     # and a checkpoint from the lost attempt is refused
-    assert not c.begin_checkpoint(job["id"], 1, 1, 10).accepted
+    assert not c.begin_checkpoint(Hold(job["id"], "attempt", 1), 1, 10).accepted
 
 
 def test_a_gpu_lease_names_the_reserved_gpus_and_waiting_jobs_say_why(coordinator, tmp_path):
@@ -219,41 +221,49 @@ def test_shards_over_grpc_results_checked_and_heavy_ones_to_the_faster_machine(c
     assert lease_fast.HasField("shard") and lease_slow.HasField("shard")
     assert (lease_fast.shard.cost, lease_slow.shard.cost) == (7, 1)
     assert lease_fast.output_url == ""  # shards report results, not output folders
-    token = lease_fast.fencing_token
+    token = hold_from_pb(lease_fast)
+    assert token.kind == "session"
     # what the agent relays from the sandbox is checked: JSON, bounded
     with pytest.raises(grpc.RpcError) as e:
-        fast.next_shard(job_id, token, pb.ShardResult(index=lease_fast.shard.index,
+        fast.next_shard(token, pb.ShardResult(index=lease_fast.shard.index,
                                                       succeeded=True, result_json="{not json"))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.RpcError) as e:
-        fast.next_shard(job_id, token, pb.ShardResult(index=lease_fast.shard.index,
+        fast.next_shard(token, pb.ShardResult(index=lease_fast.shard.index,
                                                       succeeded=True,
                                                       result_json='"' + "x" * 70_000 + '"'))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.RpcError) as e:  # nested too deeply to parse
-        fast.next_shard(job_id, token, pb.ShardResult(index=lease_fast.shard.index,
+        fast.next_shard(token, pb.ShardResult(index=lease_fast.shard.index,
                                                       succeeded=True,
                                                       result_json="[" * 30_000 + "]" * 30_000))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     # a result for a shard this session does not hold is refused
-    other = fast.next_shard(job_id, token, pb.ShardResult(index=lease_slow.shard.index,
+    other = fast.next_shard(token, pb.ShardResult(index=lease_slow.shard.index,
                                                           succeeded=True, result_json="1"))
     assert not other.accepted and "does not hold it" in other.reason
-    # shard sessions do not checkpoint; plain attempts' calls do not take session tokens
+    # shard sessions do not checkpoint; a session is not a plain job's attempt
     with pytest.raises(grpc.RpcError) as e:
-        fast.begin_checkpoint(job_id, token, 1, 10)
+        fast.begin_checkpoint(token, 1, 10)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    nxt = fast.next_shard(job_id, token, pb.ShardResult(index=lease_fast.shard.index,
+    with pytest.raises(grpc.RpcError) as e:
+        fast.next_shard(Hold(job_id, "attempt", token.token), None)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert not fast.renew(Hold(job_id, "attempt", token.token), "running", 5).keep_going
+    with pytest.raises(grpc.RpcError) as e:  # a kind this coordinator does not know
+        fast.stub.Renew(pb.RenewRequest(job_id=job_id, fencing_token=token.token, hold_kind=7,
+                                        phase="running"), timeout=5)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "hold_kind" in e.value.details()
+    nxt = fast.next_shard(token, pb.ShardResult(index=lease_fast.shard.index,
                                                         succeeded=True, result_json='{"ok": 1}'))
     assert nxt.accepted and nxt.has_shard and nxt.shard.cost == 3
-    assert fast.renew(job_id, token, "running", 5).keep_going
-    done = fast.next_shard(job_id, token, pb.ShardResult(index=nxt.shard.index, succeeded=True,
+    assert fast.renew(token, "running", 5).keep_going
+    done = fast.next_shard(token, pb.ShardResult(index=nxt.shard.index, succeeded=True,
                                                          result_json="2"))
     assert done.accepted and not done.has_shard
-    assert fast.complete(pb.CompleteRequest(job_id=job_id, fencing_token=token,
-                                            succeeded=True)).accepted
+    assert fast.complete(pb.CompleteRequest(**hold_fields(token), succeeded=True)).accepted
     # the slow machine's shard is still its own; once it reports, the job is done
-    last = slow.next_shard(job_id, lease_slow.fencing_token,
+    last = slow.next_shard(hold_from_pb(lease_slow),
                            pb.ShardResult(index=lease_slow.shard.index, succeeded=True,
                                           result_json="3"))
     assert last.accepted and not last.has_shard
@@ -275,10 +285,10 @@ def test_a_lost_session_is_requeued_and_its_late_result_refused(coordinator, tmp
         time.sleep(0.2)
         second = other.lease()
     assert second.has_task and second.shard.index == first.shard.index
-    late = lost.next_shard(job_id, first.fencing_token,
+    late = lost.next_shard(hold_from_pb(first),
                            pb.ShardResult(index=first.shard.index, succeeded=True, result_json="1"))
     assert not late.accepted and "session is over" in late.reason
-    assert not lost.renew(job_id, first.fencing_token, "running", 5).keep_going
+    assert not lost.renew(hold_from_pb(first), "running", 5).keep_going
     kinds = [e["kind"] for e in api.job(job_id)["events"]]
     assert "session_lost" in kinds
 
@@ -427,7 +437,7 @@ def test_what_an_agent_says_its_output_holds_is_kept_bounded_and_printable(coord
     assert lease.has_task and lease.job_id == job["id"]
     running.coord.objects.put_bytes(running.coord.output_key(job["id"], lease.attempt), b"tgz")
     files = [pb.OutputFile(path=f"f{i}\x1b[31m" + "x" * 400, size=i) for i in range(300)]
-    assert c.complete(pb.CompleteRequest(job_id=job["id"], fencing_token=lease.fencing_token,
+    assert c.complete(pb.CompleteRequest(**hold_fields(hold_from_pb(lease)),
                                          succeeded=True, output_uploaded=True,
                                          output_files=files)).accepted
     listed = api.job(job["id"])["output_files"]

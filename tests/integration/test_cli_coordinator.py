@@ -29,6 +29,7 @@ from campugrid.coordinator import server
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobState
 from tests.support.coordinator import start
+from tests.support.holds import attempt
 
 pytestmark = pytest.mark.integration
 CLI = [sys.executable, "-m", "campugrid.cli"]
@@ -224,17 +225,17 @@ def drive(coord: server.Running, machine_id: str, client_id: str, output: bytes,
             assert time.monotonic() < deadline, "the job never came"
             time.sleep(0.1)
         assert job.client_job_id == client_id
-        store.append_logs(job.id, job.attempt, machine_id, "build", 0, "STEP 1/2: FROM python\n")
+        store.append_logs(attempt(job.id, job.attempt, machine_id), "build", 0, "STEP 1/2: FROM python\n")
         until(building)
-        store.renew_lease(job.id, job.attempt, machine_id, JobState.RUNNING, 30)
-        store.append_logs(job.id, job.attempt, machine_id, "run", 0, "epoch 1 loss 0.5\n")
-        store.record_checkpoint(job.id, job.attempt, machine_id, epoch=1,
+        store.renew_lease(attempt(job.id, job.attempt, machine_id), JobState.RUNNING, 30)
+        store.append_logs(attempt(job.id, job.attempt, machine_id), "run", 0, "epoch 1 loss 0.5\n")
+        store.record_checkpoint(attempt(job.id, job.attempt, machine_id), epoch=1,
                                 key=f"checkpoints/{job.id}/1", size=3 * 1024 * 1024,
                                 sha256="0" * 64, keep=3)
         until(saved)  # the follower looks at the job's events every 2 s
         key = f"outputs/{job.id}.tar.gz"
         coord.coord.objects.put_bytes(key, output)
-        store.finish(job.id, job.attempt, machine_id, succeeded=True, exit_code=0, reason=None,
+        store.finish(attempt(job.id, job.attempt, machine_id), succeeded=True, exit_code=0, reason=None,
                      result="0.5", output_key=key, limits={})
 
     t = threading.Thread(target=run, daemon=True)

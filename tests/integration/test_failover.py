@@ -117,11 +117,11 @@ def test_a_late_answer_keeps_the_agent_on_the_live_coordinator_not_the_dead_one(
     assert held.job_id == job["id"]
     proxy.stall(2.0)
     with pytest.raises(grpc.RpcError) as late:
-        c.renew(held.job_id, held.fencing_token, "running", timeout_s=0.5)
+        c.renew(held.hold, "running", timeout_s=0.5)
     assert late.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
     assert c.address == proxy.address  # not back to the dead one
     time.sleep(2.0)
-    assert c.renew(held.job_id, held.fencing_token, "running", timeout_s=5).keep_going
+    assert c.renew(held.hold, "running", timeout_s=5).keep_going
     c.close()
 
 

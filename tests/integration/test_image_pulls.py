@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from campugrid.agent.images import ImageCache, obtain
-from campugrid.agent.messages import ImageStep, Lease
+from campugrid.agent.messages import Hold, ImageStep, Lease
 from campugrid.builders.fake import FakeBuilder
 from campugrid.coordinator.images import build_key, repository
 from campugrid.protocol.errors import SandboxError
@@ -29,8 +29,7 @@ class PullOnly:
     def __init__(self, step: ImageStep) -> None:
         self.step, self.asked, self.inputs = step, [], []
 
-    def image(self, job_id: str, token: int, step: str, inputs_json: str,
-              digest: str = "") -> ImageStep:
+    def image(self, hold: Hold, step: str, inputs_json: str, digest: str = "") -> ImageStep:
         self.asked.append(step)
         self.inputs.append(inputs_json)
         return self.step
@@ -223,8 +222,7 @@ class Scripted:
     def __init__(self, steps: dict[str, ImageStep]) -> None:
         self.steps, self.asked, self.digests = steps, [], []
 
-    def image(self, job_id: str, token: int, step: str, inputs_json: str,
-              digest: str = "") -> ImageStep:
+    def image(self, hold: Hold, step: str, inputs_json: str, digest: str = "") -> ImageStep:
         self.asked.append(step)
         self.digests.append(digest)
         return self.steps[step]

@@ -20,6 +20,7 @@ from campugrid.coordinator.registry import ISSUER, SERVICE, RegistryTokens
 from campugrid.coordinator.store import Store
 from campugrid.protocol.errors import InvalidInput, StaleAttempt
 from campugrid.protocol.spec import JobSpec
+from tests.support.holds import attempt, session
 from tests.support.machines import add_machine
 from tests.support.oci import oci_image, push, skopeo
 
@@ -60,15 +61,14 @@ def test_first_reuse_one_machine_builds_the_others_wait_then_pull(store: Store):
     a, b = add_machine(store, "a"), add_machine(store, "b")
     (ja, ta), (jb, tb) = leased(store, a), leased(store, b)
     key = build_key(CONTEXT, INPUTS)
-    first = images.resolve(key=key, reuse="first", job_id=ja, token=ta, machine_id=a)
+    first = images.resolve(key=key, reuse="first", ref=attempt(ja, ta, a))
     assert (first.action, first.push) == ("build", True)
-    assert images.resolve(key=key, reuse="first", job_id=ja, token=ta, machine_id=a).action == "build"
-    assert images.resolve(key=key, reuse="first", job_id=jb, token=tb, machine_id=b).action == "wait"
-    assert images.may_push(key=key, reuse="first", job_id=ja, token=ta, machine_id=a)
-    assert not images.may_push(key=key, reuse="first", job_id=jb, token=tb, machine_id=b)
-    images.record(key=key, context_sha256=CONTEXT, digest="sha256:" + "d" * 64, job_id=ja,
-                  token=ta, machine_id=a)
-    pull = images.resolve(key=key, reuse="first", job_id=jb, token=tb, machine_id=b)
+    assert images.resolve(key=key, reuse="first", ref=attempt(ja, ta, a)).action == "build"
+    assert images.resolve(key=key, reuse="first", ref=attempt(jb, tb, b)).action == "wait"
+    assert images.may_push(key=key, reuse="first", ref=attempt(ja, ta, a))
+    assert not images.may_push(key=key, reuse="first", ref=attempt(jb, tb, b))
+    images.record(key=key, context_sha256=CONTEXT, digest="sha256:" + "d" * 64, ref=attempt(ja, ta, a))
+    pull = images.resolve(key=key, reuse="first", ref=attempt(jb, tb, b))
     assert (pull.action, pull.digest, pull.built_by) == ("pull", "sha256:" + "d" * 64, a)
     assert any(f"machine {a} built and pushed image sha256:{'d' * 64}" in e for e in events(store, ja))
     assert any(f"machine {b} pulls image sha256:{'d' * 64} built by machine {a}" in e for e in events(store, jb))
@@ -82,19 +82,18 @@ def test_a_lone_job_builds_without_pushing_and_keeps_no_one_waiting(store: Store
     a, b = add_machine(store, "a"), add_machine(store, "b")
     key = build_key(CONTEXT, INPUTS)
     ja, ta = leased(store, a)
-    alone = images.resolve(key=key, reuse="first", job_id=ja, token=ta, machine_id=a)
+    alone = images.resolve(key=key, reuse="first", ref=attempt(ja, ta, a))
     assert (alone.action, alone.push) == ("build", False)
-    assert not images.may_push(key=key, reuse="first", job_id=ja, token=ta, machine_id=a)
+    assert not images.may_push(key=key, reuse="first", ref=attempt(ja, ta, a))
     jb, tb = leased(store, b)  # the same context again, while the first still runs
-    later = images.resolve(key=key, reuse="first", job_id=jb, token=tb, machine_id=b)
+    later = images.resolve(key=key, reuse="first", ref=attempt(jb, tb, b))
     assert (later.action, later.push) == ("build", True)  # not made to wait for a
     sharded, _ = store.submit(JobSpec.from_dict({"command": ["x"], "shards": [
         {"payload": i} for i in range(3)]}), "contexts/x.tar", "ef" * 32)
     c = add_machine(store, "c")
     claim = store.claim(c, 30)
     assert claim is not None and claim.job.id == sharded.id
-    more = images.resolve(key=build_key("ef" * 32, INPUTS), reuse="first", job_id=sharded.id,
-                          token=claim.token, machine_id=c)
+    more = images.resolve(key=build_key("ef" * 32, INPUTS), reuse="first", ref=session(sharded.id, claim.token, c))
     assert more.push  # two shards are still queued
 
 
@@ -103,12 +102,12 @@ def test_a_claim_passes_on_when_its_task_is_gone_or_its_push_failed(store: Store
     a, b, c = add_machine(store, "a"), add_machine(store, "b"), add_machine(store, "c")
     (ja, ta), (jb, tb), (jc, tc) = leased(store, a), leased(store, b), leased(store, c)
     key = build_key(CONTEXT, INPUTS)
-    assert images.resolve(key=key, reuse="first", job_id=ja, token=ta, machine_id=a).action == "build"
-    store.release(ja, ta, a, "drained", failed=False)  # a's task ends without pushing
-    took = images.resolve(key=key, reuse="first", job_id=jb, token=tb, machine_id=b)
+    assert images.resolve(key=key, reuse="first", ref=attempt(ja, ta, a)).action == "build"
+    store.release(attempt(ja, ta, a), "drained", failed=False)  # a's task ends without pushing
+    took = images.resolve(key=key, reuse="first", ref=attempt(jb, tb, b))
     assert (took.action, took.push) == ("build", True)
-    images.record(key=key, context_sha256=CONTEXT, digest="", job_id=jb, token=tb, machine_id=b)
-    assert images.resolve(key=key, reuse="first", job_id=jc, token=tc, machine_id=c).action == "build"
+    images.record(key=key, context_sha256=CONTEXT, digest="", ref=attempt(jb, tb, b))
+    assert images.resolve(key=key, reuse="first", ref=attempt(jc, tc, c)).action == "build"
     assert any("could not push" in e for e in events(store, jb))
 
 
@@ -117,8 +116,7 @@ def test_machines_asking_at_once_get_one_builder(store: Store):
     tasks = [(m, *leased(store, m)) for m in (add_machine(store, f"m{i}") for i in range(6))]
     key = build_key(CONTEXT, INPUTS)
     with ThreadPoolExecutor(6) as pool:
-        got = list(pool.map(lambda t: images.resolve(key=key, reuse="first", job_id=t[1],
-                                                     token=t[2], machine_id=t[0]).action, tasks))
+        got = list(pool.map(lambda t: images.resolve(key=key, reuse="first", ref=attempt(t[1], t[2], t[0])).action, tasks))
     assert sorted(got) == ["build"] + ["wait"] * 5
 
 
@@ -129,13 +127,11 @@ def test_verified_reuse_needs_two_machines_with_the_same_digest(store: Store):
     key = build_key(CONTEXT, INPUTS)
 
     def ask(i: int) -> tuple[str, bool, str]:
-        d = images.resolve(key=key, reuse="verified", job_id=tasks[i][0], token=tasks[i][1],
-                           machine_id=ms[i])
+        d = images.resolve(key=key, reuse="verified", ref=attempt(tasks[i][0], tasks[i][1], ms[i]))
         return d.action, d.push, d.digest
 
     def pushed(i: int, digest: str) -> None:
-        images.record(key=key, context_sha256=CONTEXT, digest=digest, job_id=tasks[i][0],
-                      token=tasks[i][1], machine_id=ms[i])
+        images.record(key=key, context_sha256=CONTEXT, digest=digest, ref=attempt(tasks[i][0], tasks[i][1], ms[i]))
 
     good, bad = "sha256:" + "e" * 64, "sha256:" + "f" * 64
     assert ask(0) == ("build", True, "") and ask(1) == ("build", True, "")  # nobody waits
@@ -144,8 +140,7 @@ def test_verified_reuse_needs_two_machines_with_the_same_digest(store: Store):
     assert ask(2) == ("build", True, "")  # one build is not verified
     pushed(1, bad)  # a second machine disagrees: still not verified
     assert ask(2) == ("build", True, "")
-    assert not images.may_push(key=key, reuse="verified", job_id=tasks[0][0], token=tasks[0][1],
-                               machine_id=ms[0])
+    assert not images.may_push(key=key, reuse="verified", ref=attempt(tasks[0][0], tasks[0][1], ms[0]))
     pushed(2, good)
     assert ask(3) == ("pull", False, good)
 
@@ -154,11 +149,9 @@ def test_never_reuse_builds_everywhere_and_records_nothing(store: Store):
     images = Images(store.db)
     a = add_machine(store, "a")
     ja, ta = leased(store, a, "never")
-    d = images.resolve(key=build_key(CONTEXT, INPUTS), reuse="never", job_id=ja, token=ta,
-                       machine_id=a)
+    d = images.resolve(key=build_key(CONTEXT, INPUTS), reuse="never", ref=attempt(ja, ta, a))
     assert (d.action, d.push) == ("build", False)
-    assert not images.may_push(key=build_key(CONTEXT, INPUTS), reuse="never", job_id=ja,
-                               token=ta, machine_id=a)
+    assert not images.may_push(key=build_key(CONTEXT, INPUTS), reuse="never", ref=attempt(ja, ta, a))
     assert events(store, ja) == []
 
 
@@ -168,10 +161,10 @@ def test_only_the_machine_holding_the_task_takes_a_step(store: Store):
     ja, ta = leased(store, a)
     for job, token, machine in ((ja, ta, b), (ja, ta + 1, a), ("no-such-job", 1, a)):
         with pytest.raises(StaleAttempt):
-            images.step(job, token, machine, "resolve", INPUTS)
-    assert images.step(ja, ta, a, "resolve", INPUTS).action == "build"  # no registry: build
+            images.step(attempt(job, token, machine), "resolve", INPUTS)
+    assert images.step(attempt(ja, ta, a), "resolve", INPUTS).action == "build"  # no registry: build
     with pytest.raises(InvalidInput, match="no image registry"):
-        images.step(ja, ta, a, "push", INPUTS)
+        images.step(attempt(ja, ta, a), "push", INPUTS)
 
 
 def test_builds_no_live_job_can_use_are_garbage_once_idle(store: Store):
@@ -179,11 +172,10 @@ def test_builds_no_live_job_can_use_are_garbage_once_idle(store: Store):
     a = add_machine(store, "a")
     ja, ta = leased(store, a)
     key = build_key(CONTEXT, INPUTS)
-    images.resolve(key=key, reuse="first", job_id=ja, token=ta, machine_id=a)
-    images.record(key=key, context_sha256=CONTEXT, digest="sha256:" + "d" * 64, job_id=ja,
-                  token=ta, machine_id=a)
+    images.resolve(key=key, reuse="first", ref=attempt(ja, ta, a))
+    images.record(key=key, context_sha256=CONTEXT, digest="sha256:" + "d" * 64, ref=attempt(ja, ta, a))
     assert images.unneeded(dt.timedelta(0)) == []  # its job still runs
-    store.finish(ja, ta, a, succeeded=True, exit_code=0, reason=None, result=None,
+    store.finish(attempt(ja, ta, a), succeeded=True, exit_code=0, reason=None, result=None,
                  output_key=None, limits={})
     assert images.unneeded(dt.timedelta(hours=1)) == []  # pulled (recorded) just now
     assert images.unneeded(dt.timedelta(0)) == [(key, "sha256:" + "d" * 64)]
@@ -237,21 +229,21 @@ def test_the_coordinator_records_only_what_the_registry_holds(registry, store: S
     a, b = add_machine(store, "a"), add_machine(store, "b")
     context = "c1" * 32
     (ja, ta), (jb, tb) = leased(store, a, context=context), leased(store, b, context=context)
-    first = images.step(ja, ta, a, "resolve", INPUTS)
+    first = images.step(attempt(ja, ta, a), "resolve", INPUTS)
     assert (first.action, first.push, first.registry) == ("build", True, reg.address)
     assert first.token == ""  # no token before the build is done
     with pytest.raises(InvalidInput, match="does not build it"):
-        images.step(jb, tb, b, "push", INPUTS)
-    grant = images.step(ja, ta, a, "push", INPUTS)
+        images.step(attempt(jb, tb, b), "push", INPUTS)
+    grant = images.step(attempt(ja, ta, a), "push", INPUTS)
     assert grant.repository == repository(build_key(context, INPUTS))
     with pytest.raises(InvalidInput, match="not in the registry"):
-        images.step(ja, ta, a, "pushed", INPUTS, "sha256:" + "0" * 64)
+        images.step(attempt(ja, ta, a), "pushed", INPUTS, "sha256:" + "0" * 64)
     with pytest.raises(InvalidInput, match="digest"):
-        images.step(ja, ta, a, "pushed", INPUTS, "latest")
+        images.step(attempt(ja, ta, a), "pushed", INPUTS, "latest")
     digest = push(reg, oci_image(tmp_path / "img", {"a": b"a"}), grant.repository, grant.token,
                   tmp_path)
-    assert images.step(ja, ta, a, "pushed", INPUTS, digest).action == "recorded"
-    pull = images.step(jb, tb, b, "resolve", INPUTS)
+    assert images.step(attempt(ja, ta, a), "pushed", INPUTS, digest).action == "recorded"
+    pull = images.step(attempt(jb, tb, b), "resolve", INPUTS)
     assert (pull.action, pull.digest, pull.repository) == ("pull", digest, grant.repository)
     out = skopeo("--src-registry-token", pull.token, "--src-tls-verify=false",
                  f"docker://{reg.address}/{pull.repository}@{digest}", f"dir:{tmp_path / 'p'}")
@@ -271,11 +263,11 @@ def test_garbage_collection_drops_unneeded_images_and_their_blobs(registry, stor
     context = "c2" * 32
     ja, ta = leased(store, a, context=context)
     waiting, _ = store.submit(JobSpec(), f"contexts/{context}.tar", context)  # will want it
-    assert images.step(ja, ta, a, "resolve", INPUTS).push
-    grant = images.step(ja, ta, a, "push", INPUTS)
+    assert images.step(attempt(ja, ta, a), "resolve", INPUTS).push
+    grant = images.step(attempt(ja, ta, a), "push", INPUTS)
     digest = push(reg, oci_image(tmp_path / "img", {"big": os.urandom(300_000)}), grant.repository,
                   grant.token, tmp_path)
-    images.step(ja, ta, a, "pushed", INPUTS, digest)
+    images.step(attempt(ja, ta, a), "pushed", INPUTS, digest)
     blobs = reg.data_dir / "data" / "docker" / "registry" / "v2" / "blobs"
 
     def stored() -> int:
@@ -283,7 +275,7 @@ def test_garbage_collection_drops_unneeded_images_and_their_blobs(registry, stor
 
     before, address = stored(), reg.address
     assert images.collect(dt.timedelta(0)) == 0  # its job still runs
-    store.finish(ja, ta, a, succeeded=True, exit_code=0, reason=None, result=None,
+    store.finish(attempt(ja, ta, a), succeeded=True, exit_code=0, reason=None, result=None,
                  output_key=None, limits={})
     assert images.collect(dt.timedelta(0)) == 0  # the other one still waits
     store.cancel(waiting.id)
@@ -297,8 +289,8 @@ def test_garbage_collection_drops_unneeded_images_and_their_blobs(registry, stor
 
 
 def test_shard_sessions_build_and_pull_under_their_own_tokens(store: Store):
-    """A sharded job's machines ask with their sessions' tokens (far past 32 bits): the
-    history records each under its session, as the sessions' own events are."""
+    """A sharded job's machines ask with their sessions' holds: the history records each
+    under its session, as the sessions' own events are."""
     images = Images(store.db)
     job, _ = store.submit(JobSpec.from_dict({"command": ["x"], "shards": [{"payload": i}
                                                                          for i in range(4)]}),
@@ -306,17 +298,13 @@ def test_shard_sessions_build_and_pull_under_their_own_tokens(store: Store):
     a, b = add_machine(store, "a"), add_machine(store, "b")
     ca, cb = store.claim(a, 30), store.claim(b, 30)
     assert ca is not None and cb is not None and ca.session is not None
-    assert images.step(job.id, ca.token, a, "resolve", INPUTS).action == "build"
-    assert images.step(job.id, cb.token, b, "resolve", INPUTS).action == "build"  # no registry
+    assert images.step(session(job.id, ca.token, a), "resolve", INPUTS).action == "build"
+    assert images.step(session(job.id, cb.token, b), "resolve", INPUTS).action == "build"  # no registry
     key = build_key(CONTEXT, INPUTS)
-    assert images.resolve(key=key, reuse="first", job_id=job.id, token=ca.token,
-                          machine_id=a).action == "build"
-    assert images.resolve(key=key, reuse="first", job_id=job.id, token=cb.token,
-                          machine_id=b).action == "wait"
-    images.record(key=key, context_sha256=CONTEXT, digest="sha256:" + "d" * 64, job_id=job.id,
-                  token=ca.token, machine_id=a)
-    assert images.resolve(key=key, reuse="first", job_id=job.id, token=cb.token,
-                          machine_id=b).action == "pull"
+    assert images.resolve(key=key, reuse="first", ref=session(job.id, ca.token, a)).action == "build"
+    assert images.resolve(key=key, reuse="first", ref=session(job.id, cb.token, b)).action == "wait"
+    images.record(key=key, context_sha256=CONTEXT, digest="sha256:" + "d" * 64, ref=session(job.id, ca.token, a))
+    assert images.resolve(key=key, reuse="first", ref=session(job.id, cb.token, b)).action == "pull"
     sessions = {e.attempt for e in store.events(job.id) if e.kind == "image"}
     assert sessions == {ca.session, cb.session}
 
@@ -328,15 +316,15 @@ def test_only_a_task_that_may_push_can_record_a_push(registry, store: Store, tmp
     a, b = add_machine(store, "a"), add_machine(store, "b")
     context = "c3" * 32
     (ja, ta), (jb, tb) = leased(store, a, context=context), leased(store, b, context=context)
-    assert images.step(ja, ta, a, "resolve", INPUTS).action == "build"
-    grant = images.step(ja, ta, a, "push", INPUTS)
+    assert images.step(attempt(ja, ta, a), "resolve", INPUTS).action == "build"
+    grant = images.step(attempt(ja, ta, a), "push", INPUTS)
     digest = push(reg, oci_image(tmp_path / "img", {"a": b"b"}), grant.repository, grant.token,
                   tmp_path)
     with pytest.raises(InvalidInput, match="does not build it"):
-        images.step(jb, tb, b, "pushed", INPUTS, digest)  # b waits; it built nothing
-    images.step(ja, ta, a, "pushed", INPUTS, digest)
+        images.step(attempt(jb, tb, b), "pushed", INPUTS, digest)  # b waits; it built nothing
+    images.step(attempt(ja, ta, a), "pushed", INPUTS, digest)
     with pytest.raises(InvalidInput, match="does not build it"):
-        images.step(ja, ta, a, "pushed", INPUTS, digest)  # once: the claim is spent
+        images.step(attempt(ja, ta, a), "pushed", INPUTS, digest)  # once: the claim is spent
     assert [b_["machine_id"] for b_ in images.builds(context)] == [a]
     with pytest.raises(InvalidInput, match="step: resolve, push or pushed"):
-        images.step(ja, ta, a, "bogus", INPUTS)
+        images.step(attempt(ja, ta, a), "bogus", INPUTS)

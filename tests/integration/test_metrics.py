@@ -20,7 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import inspect, text
 
 from campugrid.agent import metrics as agent_metrics
-from campugrid.agent.client import CoordinatorClient, Membership
+from campugrid.agent.client import CoordinatorClient, Membership, hold_fields, hold_from_pb
+from campugrid.agent.messages import Hold
 from campugrid.cli.seaweed import EmbeddedS3
 from campugrid.client import Api, Identity, tar_folder
 from campugrid.client.api import ApiError
@@ -125,15 +126,16 @@ def test_leases_refusals_and_checkpoints_move_the_counters_and_jobs_show_in_thei
         lease = m.lease()
         assert lease.has_task and lease.job_id == job["id"]
         assert not m.lease().has_task
-        assert not m.renew(job["id"], lease.fencing_token + 7, "running", timeout_s=5).keep_going
+        stale = Hold(job["id"], "attempt", lease.fencing_token + 7)
+        assert not m.renew(stale, "running", timeout_s=5).keep_going
         data = b"checkpoint bytes" * 100
-        begin = m.begin_checkpoint(job["id"], lease.fencing_token, 0, len(data))
+        begin = m.begin_checkpoint(hold_from_pb(lease), 0, len(data))
         [url] = begin.part_urls
         put = httpx.put(url, content=data, timeout=30)
         assert put.status_code == 200
         etags = [put.headers["etag"]]
         assert m.record_checkpoint(pb.RecordCheckpointRequest(
-            job_id=job["id"], fencing_token=lease.fencing_token, epoch=0, key=begin.key,
+            **hold_fields(hold_from_pb(lease)), epoch=0, key=begin.key,
             upload_id=begin.upload_id, etags=etags, size=len(data),
             sha256=hashlib.sha256(data).hexdigest())).accepted
         with pytest.raises(grpc.RpcError):  # the right channel and machine, no signature

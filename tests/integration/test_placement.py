@@ -19,6 +19,7 @@ from campugrid.coordinator.store import Store
 from campugrid.coordinator.views import utcnow
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobState
+from tests.support.holds import attempt, session
 from tests.support.machines import add_machine
 
 pytestmark = pytest.mark.integration
@@ -65,8 +66,8 @@ def test_memory_is_never_promised_twice_under_concurrent_leases(store: Store):
         got = [j.id for j in pool.map(go, range(6)) if j is not None]
     assert len(got) == 2 and len(set(got)) == 2 and set(got) <= set(jobs)
     # finishing one frees its memory for the next
-    store.renew_lease(got[0], 1, m, JobState.RUNNING, 30)
-    store.finish(got[0], 1, m, succeeded=True, exit_code=0, reason=None, result=None,
+    store.renew_lease(attempt(got[0], 1, m), JobState.RUNNING, 30)
+    store.finish(attempt(got[0], 1, m), succeeded=True, exit_code=0, reason=None, result=None,
                  output_key=None, limits={})
     third = store.claim_next(m, 30, offer)
     assert third is not None and third.id not in got
@@ -84,7 +85,7 @@ def test_every_ending_releases_the_reservation(store: Store, ending: str):
     elif ending == "expire":
         store.requeue_expired(utcnow() + dt.timedelta(seconds=60))
     else:
-        store.release(job, 1, m, "drain")
+        store.release(attempt(job, 1, m), "drain")
     again = store.claim_next(m, 30, rig(m, 24))
     assert again is not None and again.id in (job, other)
     assert store.reserved_gpus(again.id, again.attempt) == [f"{m}-gpu0"]
@@ -361,9 +362,9 @@ def test_a_machine_that_cannot_run_a_job_hands_it_back_and_is_never_offered_it_a
     why = "Dockerfile line 1: base image localhost/x:1 is not on this machine"
     if kind == "sharded":  # as Coordinator.release does it for a shard session
         store.refuse(job, lacking, why)
-        store.shards.release(job, got.token, lacking, why, failed=False)
+        store.shards.release(session(job, got.token, lacking), why, failed=False)
     else:
-        store.release(job, got.token, lacking, why, cannot_run_here=True)
+        store.release(attempt(job, got.token, lacking), why, cannot_run_here=True)
     view = store.get(job)
     assert view.state is JobState.QUEUED  # its only attempt is not used up
     assert store.claim_next(lacking, 30, MachineView(lacking, "no-base")) is None
@@ -384,9 +385,9 @@ def test_a_machine_that_cannot_run_a_job_hands_it_back_and_is_never_offered_it_a
     again = store.claim(lacking, 30, MachineView(lacking, "no-base"))
     assert again is not None and again.job.id == job
     if kind == "sharded":
-        store.shards.release(job, again.token, lacking, why, failed=False)
+        store.shards.release(session(job, again.token, lacking), why, failed=False)
     else:
-        store.release(job, again.token, lacking, why, cannot_run_here=True)
+        store.release(attempt(job, again.token, lacking), why, cannot_run_here=True)
     able = add_machine(store, "has-base", {})
     got = store.claim_next(able, 30, MachineView(able, "has-base"))
     assert got is not None and got.id == job

@@ -11,10 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from campugrid.coordinator.store import Store
-from campugrid.coordinator.views import ShardResult, session_of, utcnow
+from campugrid.coordinator.views import ShardResult, utcnow
 from campugrid.protocol.errors import Conflict, StaleAttempt
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobState
+from tests.support.holds import session
 from tests.support.machines import add_machine
 
 pytestmark = pytest.mark.integration
@@ -41,16 +42,16 @@ def test_every_shard_is_a_task_with_its_own_result(store: Store):
     claim = store.claim(m, 30)
     assert claim is not None and claim.session is not None and claim.shard is not None
     token, first = claim.token, claim.shard
-    assert session_of(token) == claim.session
+    assert token == claim.session and claim.hold(m) == session(job.id, token, m)
     # equal costs: a fast machine takes them from the end, a slow one from the start
     assert json.loads(first.payload_json) == {"n": 2}
     seen = [first.index]
-    task = store.shards.next_shard(job.id, token, m, ok(first.index, first.index * 10),
+    task = store.shards.next_shard(session(job.id, token, m), ok(first.index, first.index * 10),
                                    heavy_first=True)
     while task is not None:
         seen.append(task.index)
         assert store.get(job.id).state is (JobState.RUNNING if len(seen) == 3 else JobState.QUEUED)
-        task = store.shards.next_shard(job.id, token, m, ok(task.index, task.index * 10),
+        task = store.shards.next_shard(session(job.id, token, m), ok(task.index, task.index * 10),
                                        heavy_first=True)
     assert sorted(seen) == [0, 1, 2]
     done = store.get(job.id)
@@ -58,9 +59,9 @@ def test_every_shard_is_a_task_with_its_own_result(store: Store):
     assert [(s.index, s.state, s.result) for s in store.shards.shards(job.id)] == [
         (0, "succeeded", 0), (1, "succeeded", 10), (2, "succeeded", 20)]
     # The session's last log lines may come after the job's end closed it.
-    store.shards.append_logs(job.id, token, m, "run", 1, "the last line")
+    store.shards.append_logs(session(job.id, token, m), "run", 1, "the last line")
     assert [c.text for c in store.logs(job.id)] == ["the last line"]
-    store.shards.end(job.id, token, m, failure=None)  # already closed by the job's end
+    store.shards.end(session(job.id, token, m), failure=None)  # already closed by the job's end
     assert store.claim(m, 30) is None
 
 
@@ -69,11 +70,11 @@ def test_a_failed_shard_fails_the_job_but_every_shard_runs(store: Store):
     m = add_machine(store, "m", {})
     claim = store.claim(m, 30)
     assert claim is not None and claim.shard is not None
-    nxt = store.shards.next_shard(job.id, claim.token, m,
+    nxt = store.shards.next_shard(session(job.id, claim.token, m),
                                   ShardResult(claim.shard.index, False, 3, None, "exit status 3"),
                                   heavy_first=True)
     assert nxt is not None
-    assert store.shards.next_shard(job.id, claim.token, m, ok(nxt.index, "x"),
+    assert store.shards.next_shard(session(job.id, claim.token, m), ok(nxt.index, "x"),
                                    heavy_first=True) is None
     done = store.get(job.id)
     assert done.state is JobState.FAILED and done.shards_failed == 1
@@ -88,8 +89,8 @@ def test_heavy_shards_go_to_fast_machines_and_light_ones_to_slow(store: Store):
     s = store.claim(slow, 30, heavy_first=False)
     assert f is not None and s is not None and f.shard is not None and s.shard is not None
     assert (f.shard.cost, s.shard.cost) == (9, 1)
-    nf = store.shards.next_shard(job.id, f.token, fast, ok(f.shard.index, 1), heavy_first=True)
-    ns = store.shards.next_shard(job.id, s.token, slow, ok(s.shard.index, 1), heavy_first=False)
+    nf = store.shards.next_shard(session(job.id, f.token, fast), ok(f.shard.index, 1), heavy_first=True)
+    ns = store.shards.next_shard(session(job.id, s.token, slow), ok(s.shard.index, 1), heavy_first=False)
     assert nf is not None and ns is not None and (nf.cost, ns.cost) == (5, 3)
 
 
@@ -103,11 +104,11 @@ def test_a_lost_session_requeues_its_shard_and_its_late_result_is_refused(store:
     assert store.requeue_expired(utcnow() + dt.timedelta(seconds=10)) == [job.id]
     assert store.get(job.id).shards_queued == 2
     with pytest.raises(StaleAttempt, match="session is over"):
-        store.shards.next_shard(job.id, claim.token, lost, ok(held, "late"), heavy_first=True)
+        store.shards.next_shard(session(job.id, claim.token, lost), ok(held, "late"), heavy_first=True)
     with pytest.raises(StaleAttempt):
-        store.shards.renew(job.id, claim.token, lost, 30)
+        store.shards.renew(session(job.id, claim.token, lost), 30)
     with pytest.raises(StaleAttempt, match="lease expired"):
-        store.shards.append_logs(job.id, claim.token, lost, "run", 1, "late line")
+        store.shards.append_logs(session(job.id, claim.token, lost), "run", 1, "late line")
     again = store.claim(other, 30)
     assert again is not None and again.shard is not None
     shard = {s.index: s for s in store.shards.shards(job.id)}[held]
@@ -133,7 +134,7 @@ def test_a_drained_session_does_not_count_a_try(store: Store):
     for _ in range(3):  # more than max_attempts
         claim = store.claim(m, 30)
         assert claim is not None
-        store.shards.release(job.id, claim.token, m, "shutting down", failed=False)
+        store.shards.release(session(job.id, claim.token, m), "shutting down", failed=False)
     assert store.shards.shards(job.id)[0].tries == 0
     assert store.get(job.id).state is JobState.QUEUED
 
@@ -143,7 +144,7 @@ def test_a_failed_session_fails_the_job_with_its_reason(store: Store):
     m = add_machine(store, "m", {})
     claim = store.claim(m, 30)
     assert claim is not None
-    store.shards.end(job.id, claim.token, m, failure="the image does not build")
+    store.shards.end(session(job.id, claim.token, m), failure="the image does not build")
     done = store.get(job.id)
     assert done.state is JobState.FAILED and done.reason == "the image does not build"
     assert {s.state for s in store.shards.shards(job.id)} == {"cancelled"}
@@ -157,7 +158,7 @@ def test_cancel_ends_sessions(store: Store):
     assert claim is not None and claim.shard is not None
     store.cancel(job.id)
     with pytest.raises(StaleAttempt):
-        store.shards.next_shard(job.id, claim.token, m, ok(claim.shard.index, 1),
+        store.shards.next_shard(session(job.id, claim.token, m), ok(claim.shard.index, 1),
                                 heavy_first=True)
     assert store.claim(m, 30) is None
 
@@ -185,9 +186,9 @@ def test_many_machines_never_take_one_shard_twice(store: Store):
         while task is not None:
             with lock:
                 taken.append(task.index)
-            task = store.shards.next_shard(job.id, claim.token, m, ok(task.index, m),
+            task = store.shards.next_shard(session(job.id, claim.token, m), ok(task.index, m),
                                            heavy_first=True)
-        store.shards.end(job.id, claim.token, m, failure=None)
+        store.shards.end(session(job.id, claim.token, m), failure=None)
 
     with ThreadPoolExecutor(len(machines)) as pool:
         list(pool.map(work, machines))
@@ -208,10 +209,10 @@ def test_a_sharded_gpu_job_holds_gpu_memory_per_session_until_the_job_ends(store
     claim = store.claim(m, 30, offer)
     assert claim is not None and claim.gpu_uuids == ("GPU-1",) and claim.shard is not None
     assert store.reserved_gpus(job.id, claim.session) == ["GPU-1"]
-    nxt = store.shards.next_shard(job.id, claim.token, m, ok(claim.shard.index, 1),
+    nxt = store.shards.next_shard(session(job.id, claim.token, m), ok(claim.shard.index, 1),
                                   heavy_first=True)
     assert nxt is not None
-    assert store.shards.next_shard(job.id, claim.token, m, ok(nxt.index, 2),
+    assert store.shards.next_shard(session(job.id, claim.token, m), ok(nxt.index, 2),
                                    heavy_first=True) is None
     assert store.get(job.id).state is JobState.SUCCEEDED
     assert store.reserved_gpus(job.id, claim.session) == []

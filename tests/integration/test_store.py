@@ -15,6 +15,7 @@ from campugrid.coordinator.views import utcnow
 from campugrid.protocol.errors import Conflict, IllegalTransition, NotFound, StaleAttempt
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobState
+from tests.support.holds import attempt
 from tests.support.machines import add_machine
 
 pytestmark = pytest.mark.integration
@@ -34,9 +35,9 @@ def test_a_job_goes_through_its_whole_life(store: Store):
     assert leased is not None and leased.id == job.id
     assert leased.state is JobState.BUILDING and leased.attempt == 1 and leased.machine_id == m
     assert store.claim_next(m, lease_s=30) is None  # nothing else queued
-    running = store.renew_lease(job.id, 1, m, JobState.RUNNING, lease_s=30)
+    running = store.renew_lease(attempt(job.id, 1, m), JobState.RUNNING, lease_s=30)
     assert running.state is JobState.RUNNING
-    done = store.finish(job.id, 1, m, succeeded=True, exit_code=0, reason=None, result="42",
+    done = store.finish(attempt(job.id, 1, m), succeeded=True, exit_code=0, reason=None, result="42",
                         output_key="outputs/x", limits={"memory": "enforced"})
     assert done.state is JobState.SUCCEEDED and done.result == "42"
     kinds = [e.kind for e in store.events(job.id)]
@@ -94,12 +95,12 @@ def test_a_stale_attempt_is_refused_and_recorded(store: Store):
     second = store.claim_next(m2, lease_s=30)
     assert second is not None and second.attempt == 2
     with pytest.raises(StaleAttempt, match="current attempt is 2"):
-        store.finish(job.id, 1, m1, succeeded=True, exit_code=0, reason=None, result="late",
+        store.finish(attempt(job.id, 1, m1), succeeded=True, exit_code=0, reason=None, result="late",
                      output_key=None, limits={})
     with pytest.raises(StaleAttempt):
-        store.renew_lease(job.id, 1, m1, JobState.RUNNING, 30)
+        store.renew_lease(attempt(job.id, 1, m1), JobState.RUNNING, 30)
     with pytest.raises(StaleAttempt):
-        store.append_logs(job.id, 1, m1, "run", 1, "late log")
+        store.append_logs(attempt(job.id, 1, m1), "run", 1, "late log")
     after = store.get(job.id)
     assert after.state is JobState.BUILDING and after.attempt == 2 and after.result is None
     refused = [e for e in store.events(job.id) if e.kind == "refused"]
@@ -135,9 +136,9 @@ def test_cancel_stops_renewal_and_refuses_completion(store: Store):
     store.claim_next(m, lease_s=30)
     assert store.cancel(job.id).state is JobState.CANCELLED
     with pytest.raises(IllegalTransition, match="cancelled"):
-        store.renew_lease(job.id, 1, m, JobState.RUNNING, 30)
+        store.renew_lease(attempt(job.id, 1, m), JobState.RUNNING, 30)
     with pytest.raises(IllegalTransition):
-        store.finish(job.id, 1, m, succeeded=True, exit_code=0, reason=None, result=None,
+        store.finish(attempt(job.id, 1, m), succeeded=True, exit_code=0, reason=None, result=None,
                      output_key=None, limits={})
     with pytest.raises(IllegalTransition, match="already cancelled"):
         store.cancel(job.id)
@@ -148,9 +149,9 @@ def test_another_machine_cannot_complete_an_attempt_it_does_not_hold(store: Stor
     m = add_machine(store, "holder", {})
     thief = add_machine(store, "thief", {})
     store.claim_next(m, lease_s=30)
-    store.renew_lease(job.id, 1, m, JobState.RUNNING, 30)
+    store.renew_lease(attempt(job.id, 1, m), JobState.RUNNING, 30)
     with pytest.raises(IllegalTransition):
-        store.finish(job.id, 1, thief, succeeded=True, exit_code=0, reason=None, result="x",
+        store.finish(attempt(job.id, 1, thief), succeeded=True, exit_code=0, reason=None, result="x",
                      output_key=None, limits={})
     assert store.get(job.id).state is JobState.RUNNING
 
@@ -159,9 +160,9 @@ def test_logs_are_stored_once_per_sequence_number(store: Store):
     job = submit(store)
     m = add_machine(store, "m", {})
     store.claim_next(m, lease_s=30)
-    store.append_logs(job.id, 1, m, "build", 1, "step 1\n")
-    store.append_logs(job.id, 1, m, "build", 1, "step 1\n")  # a retried upload
-    store.append_logs(job.id, 1, m, "run", 2, "hello\n")
+    store.append_logs(attempt(job.id, 1, m), "build", 1, "step 1\n")
+    store.append_logs(attempt(job.id, 1, m), "build", 1, "step 1\n")  # a retried upload
+    store.append_logs(attempt(job.id, 1, m), "run", 2, "hello\n")
     logs = store.logs(job.id)
     assert [(c.stream, c.text) for c in logs] == [("build", "step 1\n"), ("run", "hello\n")]
     assert store.logs(job.id, after_id=logs[0].id)[0].text == "hello\n"
@@ -271,17 +272,17 @@ def test_checkpoints_are_recorded_for_the_current_attempt_only_and_pruned(store:
     store.claim_next(m, lease_s=30)
     dropped = []
     for epoch in range(5):
-        dropped += store.record_checkpoint(job.id, 1, m, epoch=epoch, key=f"k{epoch}", size=10,
+        dropped += store.record_checkpoint(attempt(job.id, 1, m), epoch=epoch, key=f"k{epoch}", size=10,
                                            sha256="00" * 32, keep=2)
     assert dropped == ["k0", "k1", "k2"]
     assert [c.epoch for c in store.checkpoints(job.id)] == [3, 4]
     assert store.latest_checkpoint(job.id).key == "k4"
     store.requeue_expired(utcnow() + dt.timedelta(seconds=60))
     with pytest.raises(IllegalTransition):  # queued again: nobody may add checkpoints
-        store.record_checkpoint(job.id, 1, m, epoch=9, key="late", size=1, sha256="00" * 32, keep=2)
+        store.record_checkpoint(attempt(job.id, 1, m), epoch=9, key="late", size=1, sha256="00" * 32, keep=2)
     store.claim_next(m, lease_s=30)
     with pytest.raises(StaleAttempt):
-        store.record_checkpoint(job.id, 1, m, epoch=9, key="late", size=1, sha256="00" * 32, keep=2)
+        store.record_checkpoint(attempt(job.id, 1, m), epoch=9, key="late", size=1, sha256="00" * 32, keep=2)
     assert store.latest_checkpoint(job.id).epoch == 4
 
 
@@ -289,7 +290,7 @@ def test_a_drained_attempt_does_not_count_against_max_attempts(store: Store):
     job = submit(store, max_attempts=1)
     m = add_machine(store, "m", {})
     store.claim_next(m, lease_s=30)
-    released = store.release(job.id, 1, m, "owner needs the GPU")
+    released = store.release(attempt(job.id, 1, m), "owner needs the GPU")
     assert released.state is JobState.QUEUED and released.attempt == 1
     assert store.claim_next(m, lease_s=1).attempt == 2
     # attempt 2 is lost: with one drained attempt, one attempt of one has now failed
@@ -298,14 +299,14 @@ def test_a_drained_attempt_does_not_count_against_max_attempts(store: Store):
     kinds = [e.kind for e in store.events(job.id)]
     assert kinds.count("drained") == 1 and kinds[-1] == "lease_expired"
     with pytest.raises(IllegalTransition):
-        store.release(job.id, 2, m, "too late")
+        store.release(attempt(job.id, 2, m), "too late")
 
 
 def test_a_drain_does_not_use_up_the_only_attempt(store: Store):
     job = submit(store, max_attempts=2)
     m = add_machine(store, "m", {})
     store.claim_next(m, lease_s=30)
-    store.release(job.id, 1, m, "drain")
+    store.release(attempt(job.id, 1, m), "drain")
     store.claim_next(m, lease_s=1)
     store.requeue_expired(utcnow() + dt.timedelta(seconds=5))
     assert store.get(job.id).state is JobState.QUEUED  # 1 failed attempt of 2
@@ -325,8 +326,8 @@ def test_nul_bytes_from_agents_are_stored_not_crashed_on(store: Store):
     job = submit(store)
     m = add_machine(store, "m", {})
     store.claim_next(m, lease_s=30)
-    store.append_logs(job.id, 1, m, "run", 1, "binary\x00junk\n")
-    done = store.finish(job.id, 1, m, succeeded=False, exit_code=1, reason="bad\x00reason",
+    store.append_logs(attempt(job.id, 1, m), "run", 1, "binary\x00junk\n")
+    done = store.finish(attempt(job.id, 1, m), succeeded=False, exit_code=1, reason="bad\x00reason",
                         result="\x00", output_key=None, limits={})
     assert "\x00" not in store.logs(job.id)[0].text and "\x00" not in (done.reason or "")
 
@@ -334,9 +335,9 @@ def test_nul_bytes_from_agents_are_stored_not_crashed_on(store: Store):
 def test_a_provider_side_failure_counts_as_an_attempt(store: Store):
     job = submit(store, max_attempts=2)
     m = add_machine(store, "m", {})
-    for attempt in (1, 2):
+    for number in (1, 2):
         store.claim_next(m, lease_s=30)
-        after = store.release(job.id, attempt, m, "disk full", failed=True)
+        after = store.release(attempt(job.id, number, m), "disk full", failed=True)
     assert after.state is JobState.FAILED and "all 2 attempts used" in (after.reason or "")
     assert [e.kind for e in store.events(job.id)].count("handed_back") == 2
 
@@ -386,11 +387,11 @@ def test_a_renewal_that_crosses_its_attempts_end_is_refused_without_a_line_in_th
     job = submit(store)
     m = add_machine(store, "m", {})
     store.claim_next(m, lease_s=30)
-    store.finish(job.id, 1, m, succeeded=True, exit_code=0, reason=None, result=None,
+    store.finish(attempt(job.id, 1, m), succeeded=True, exit_code=0, reason=None, result=None,
                  output_key=None, limits={})
     with pytest.raises(IllegalTransition, match="the job is succeeded"):
-        store.renew_lease(job.id, 1, m, JobState.RUNNING, 30)
+        store.renew_lease(attempt(job.id, 1, m), JobState.RUNNING, 30)
     assert "refused" not in [e.kind for e in store.events(job.id)]
     with pytest.raises(StaleAttempt):  # another attempt's late call is still recorded
-        store.renew_lease(job.id, 7, m, JobState.RUNNING, 30)
+        store.renew_lease(attempt(job.id, 7, m), JobState.RUNNING, 30)
     assert [e.kind for e in store.events(job.id)].count("refused") == 1

@@ -18,7 +18,13 @@ import httpx
 import pytest
 from sqlalchemy import inspect, text
 
-from campugrid.agent.client import CoordinatorClient, Membership, pinned_channel, signed_metadata
+from campugrid.agent.client import (
+    CoordinatorClient,
+    Membership,
+    hold_from_pb,
+    pinned_channel,
+    signed_metadata,
+)
 from campugrid.cli.seaweed import EmbeddedS3
 from campugrid.client import Api, Identity, Signer, tar_folder
 from campugrid.client.login import login
@@ -331,7 +337,7 @@ def test_a_revoked_machine_loses_its_lease_at_once_and_is_refused_after(coord, a
     admin.revoke_machine(m.machine_id)
     assert admin.job(job["id"])["state"] == "queued"  # requeued now, not at lease expiry
     with pytest.raises(grpc.RpcError) as err:
-        m.renew(job["id"], lease.fencing_token, "running", timeout_s=5)
+        m.renew(hold_from_pb(lease), "running", timeout_s=5)
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "revoked" in err.value.details()
     with pytest.raises(grpc.RpcError):
         m.register("revoked-box")  # the same key cannot come back

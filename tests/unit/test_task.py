@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from campugrid.agent.messages import CheckpointUpload, Lease, Outcome, Renewal, Verdict
+from campugrid.agent.messages import CheckpointUpload, Hold, Lease, Outcome, Renewal, Verdict
 from campugrid.agent.task import Task
 from campugrid.builders.fake import FakeBuilder
 from campugrid.sandbox import fake
@@ -42,23 +42,23 @@ class FakeCoordinator:
         self.completed: list[tuple[str, int, Outcome]] = []
         self.released: list[tuple[str, int, str, bool]] = []
 
-    def renew(self, job_id: str, token: int, phase: str, timeout_s: float) -> Renewal:
+    def renew(self, hold: Hold, phase: str, timeout_s: float) -> Renewal:
         self.renewals.append(phase)
         return Renewal(self.keep_going, "" if self.keep_going else "the job was cancelled", 12.0)
 
-    def logs(self, job_id: str, token: int, stream: str, seq: int, text: str) -> bool:
+    def logs(self, hold: Hold, stream: str, seq: int, text: str) -> bool:
         self.lines += [(stream, line) for line in text.splitlines()]
         return True
 
-    def complete(self, job_id: str, token: int, outcome: Outcome) -> Verdict:
-        self.completed.append((job_id, token, outcome))
+    def complete(self, hold: Hold, outcome: Outcome) -> Verdict:
+        self.completed.append((hold.job_id, hold.token, outcome))
         return Verdict(True)
 
-    def release(self, job_id: str, token: int, reason: str, failed: bool = False) -> Verdict:
-        self.released.append((job_id, token, reason, failed))
+    def release(self, hold: Hold, reason: str, failed: bool = False) -> Verdict:
+        self.released.append((hold.job_id, hold.token, reason, failed))
         return Verdict(True)
 
-    def begin_checkpoint(self, job_id: str, token: int, epoch: int, size: int) -> CheckpointUpload:
+    def begin_checkpoint(self, hold: Hold, epoch: int, size: int) -> CheckpointUpload:
         return CheckpointUpload(False, "no checkpoints in these tests")
 
     def outcome(self) -> Outcome:

@@ -30,8 +30,8 @@ from campugrid.coordinator.mirrors import PREFIX as MIRRORS_PREFIX
 from campugrid.coordinator.mirrors import MirrorTokens
 from campugrid.coordinator.scheduler import GpuView, MachineView
 from campugrid.coordinator.service import Coordinator
+from campugrid.coordinator.views import HoldKind, HoldRef, ShardResult, ShardTask
 from campugrid.coordinator.views import Lease as Granted
-from campugrid.coordinator.views import ShardResult, ShardTask
 from campugrid.coordinator.wakeup import MAX_HOLD_S, MIN_GAP_S, RECHECK_S
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
@@ -39,6 +39,7 @@ from campugrid.protocol import keys, logs
 from campugrid.protocol.errors import (
     CampugridError,
     IllegalTransition,
+    InvalidInput,
     StaleAttempt,
     Unauthenticated,
 )
@@ -217,10 +218,11 @@ class AgentService(pb_grpc.AgentServiceServicer):
                                      min(request.wait_ms / 1000, MAX_HOLD_S), took)
         if lease is None:
             return pb.LeaseReply(has_task=False), None, took
-        job = lease.job
+        job, hold = lease.job, lease.hold
         first = job.created_at if job.attempt == 1 and lease.shard is None else None
         return pb.LeaseReply(
-            has_task=True, job_id=job.id, attempt=job.attempt, fencing_token=lease.token,
+            has_task=True, job_id=job.id, attempt=job.attempt, fencing_token=hold.token,
+            hold_kind=_KIND_PB[hold.kind],
             lease_seconds=lease.lease_seconds, spec_json=job.spec_json,
             context_url=lease.context_url, output_url=lease.output_url,
             datasets=[pb.Dataset(name=name, share=lease.shares.get(name, ""),
@@ -292,7 +294,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
         phase = JobState.RUNNING if request.phase == "running" else JobState.BUILDING
         try:
             lease_s = self._guard(context, lambda: self.coord.renew(
-                request.job_id, request.fencing_token, machine, phase))
+                _hold(request, machine), phase))
         except (StaleAttempt, IllegalTransition) as e:
             return pb.RenewReply(keep_going=False, reason=str(e))
         return pb.RenewReply(keep_going=True, lease_seconds=lease_s)
@@ -301,8 +303,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
         machine = self._machine(context)
         try:
             self._guard(context, lambda: self.coord.report_logs(
-                request.job_id, request.fencing_token, machine, request.stream, request.seq,
-                request.text))
+                _hold(request, machine), request.stream, request.seq, request.text))
         except (StaleAttempt, IllegalTransition):
             return pb.LogsReply(accepted=False)
         return pb.LogsReply(accepted=True)
@@ -311,7 +312,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
         machine = self._machine(context)
         try:
             self._guard(context, lambda: self.coord.complete(
-                request.job_id, request.fencing_token, machine, succeeded=request.succeeded,
+                _hold(request, machine), succeeded=request.succeeded,
                 exit_code=request.exit_code, reason=request.reason or None,
                 result=request.result or None, output_uploaded=request.output_uploaded,
                 limits=dict(request.limits),
@@ -326,7 +327,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
         machine = self._machine(context)
         try:
             up = self._guard(context, lambda: self.coord.begin_checkpoint(
-                request.job_id, request.fencing_token, machine, request.epoch, request.size))
+                _hold(request, machine), request.epoch, request.size))
         except (StaleAttempt, IllegalTransition) as e:
             return pb.BeginCheckpointReply(accepted=False, reason=str(e))
         return pb.BeginCheckpointReply(accepted=True, key=up.key, upload_id=up.upload_id,
@@ -337,7 +338,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
         machine = self._machine(context)
         try:
             self._guard(context, lambda: self.coord.record_checkpoint(
-                request.job_id, request.fencing_token, machine, epoch=request.epoch,
+                _hold(request, machine), epoch=request.epoch,
                 key=request.key, upload_id=request.upload_id, etags=list(request.etags),
                 size=request.size, sha256=request.sha256))
         except (StaleAttempt, IllegalTransition) as e:
@@ -349,7 +350,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
         machine = self._machine(context)
         try:
             self._guard(context, lambda: self.coord.release(
-                request.job_id, request.fencing_token, machine, request.reason,
+                _hold(request, machine), request.reason,
                 failed=request.failed, cannot_run_here=request.cannot_run_here))
         except (StaleAttempt, IllegalTransition) as e:
             return pb.ReleaseReply(accepted=False, reason=str(e))
@@ -368,7 +369,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
                                d.reason[:4000] or None)
         try:
             task = self._guard(context, lambda: self.coord.next_shard(
-                request.job_id, request.fencing_token, machine, done))
+                _hold(request, machine), done))
         except (StaleAttempt, IllegalTransition) as e:
             return pb.NextShardReply(accepted=False, reason=str(e))
         if task is None:
@@ -380,13 +381,25 @@ class AgentService(pb_grpc.AgentServiceServicer):
         machine = self._machine(context)
         try:
             a = self._guard(context, lambda: self.coord.images.step(
-                request.job_id, request.fencing_token, machine, request.step,
-                request.inputs_json, request.digest))
+                _hold(request, machine), request.step, request.inputs_json, request.digest))
         except (StaleAttempt, IllegalTransition) as e:
             return pb.ImageReply(accepted=False, reason=str(e))
         return pb.ImageReply(accepted=True, action=a.action, registry=a.registry,
                              repository=a.repository, digest=a.digest, token=a.token,
                              push=a.push, retry_seconds=a.retry_s, built_by=a.built_by)
+
+
+_KIND_PB = {HoldKind.ATTEMPT: pb.ATTEMPT, HoldKind.SESSION: pb.SESSION}
+_KIND = {v: k for k, v in _KIND_PB.items()}
+
+
+def _hold(request: Any, machine: str) -> HoldRef:
+    """The hold a call about held work names (its kind as the message says, never guessed
+    from the token), as `machine` claims it; holds.py checks that it holds it."""
+    kind = _KIND.get(request.hold_kind)
+    if kind is None:
+        raise InvalidInput(f"hold_kind: unknown ({request.hold_kind}); update the agent")
+    return HoldRef(request.job_id, kind, request.fencing_token, machine)
 
 
 def _shard_pb(task: ShardTask | None) -> pb.ShardTask | None:

@@ -27,11 +27,12 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from campugrid.coordinator.db import Database
+from campugrid.coordinator.fence import live
 from campugrid.coordinator.models import ImageBuild, ImageClaim, Job, JobEvent, ShardSession
 from campugrid.coordinator.registry import RegistryTokens
-from campugrid.coordinator.views import session_of, stored_spec, utcnow
+from campugrid.coordinator.views import HoldKind, HoldRef, stored_spec, utcnow
 from campugrid.protocol.errors import InvalidInput, StaleAttempt
-from campugrid.protocol.states import ACTIVE, JobState
+from campugrid.protocol.states import JobState
 
 MAX_INPUTS_BYTES = 4096
 CLAIM_S = 3600.0  # a claim holds at most this long, even for a task that stays live
@@ -83,42 +84,34 @@ def build_key(context_sha256: str, inputs_json: str) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def _task_live(s: Session, job_id: str, token: int, machine_id: str) -> bool:
-    """Whether the task (a job attempt or a shard session) is still held by that machine."""
-    sid = session_of(token)
-    if sid is not None:
-        session = s.get(ShardSession, sid, populate_existing=True)
-        return (session is not None and session.active and session.job_id == job_id
-                and session.machine_id == machine_id)
-    job = s.get(Job, job_id, populate_existing=True)
-    return (job is not None and job.attempt == token and job.machine_id == machine_id
-            and JobState(job.state) in ACTIVE)
+def _claimed_by(claim: ImageClaim) -> HoldRef:
+    return HoldRef(claim.job_id, HoldKind(claim.hold_kind), claim.token, claim.machine_id)
 
 
-def _others_may_need(s: Session, job_id: str, token: int) -> bool:
+def _others_may_need(s: Session, ref: HoldRef) -> bool:
     """Whether another task may want this job's image while it is still useful: another
     live job of the same context, or more of this sharded job's shards than this session."""
-    job = s.get(Job, job_id)
+    job = s.get(Job, ref.job_id)
     if job is None:
         return False
     live = [state.value for state in JobState if not state.final]
-    if s.scalar(select(Job.id).where(Job.context_sha256 == job.context_sha256, Job.id != job_id,
+    if s.scalar(select(Job.id).where(Job.context_sha256 == job.context_sha256,
+                                     Job.id != ref.job_id,
                                      Job.state.in_(live)).limit(1)) is not None:
         return True
     if not job.shards_total:
         return False
-    sid = session_of(token)
+    mine = ref.token if ref.kind is HoldKind.SESSION else 0
     return job.shards_queued > 0 or s.scalar(
-        select(ShardSession.id).where(ShardSession.job_id == job_id, ShardSession.active,
-                                      ShardSession.id != (sid or 0)).limit(1)) is not None
+        select(ShardSession.id).where(ShardSession.job_id == ref.job_id, ShardSession.active,
+                                      ShardSession.id != mine).limit(1)) is not None
 
 
-def _event(s: Session, job_id: str, token: int, detail: str) -> None:
+def _event(s: Session, ref: HoldRef, detail: str) -> None:
     """In the job's history, under the attempt (or the shard session, by its id, as the
     sessions' own events are)."""
-    sid = session_of(token)
-    s.add(JobEvent(job_id=job_id, at=utcnow(), attempt=token if sid is None else sid,
-                   kind="image", detail=detail))
+    s.add(JobEvent(job_id=ref.job_id, at=utcnow(), attempt=ref.token, kind="image",
+                   detail=detail))
 
 
 class Images:
@@ -127,30 +120,27 @@ class Images:
         self.registry = registry  # None: no registry; every machine builds for itself
         self.collected = 0  # manifests deleted by this process (for the registry's GC)
 
-    def step(self, job_id: str, token: int, machine_id: str, step: str, inputs_json: str,
-             digest: str = "") -> ImageAnswer:
+    def step(self, ref: HoldRef, step: str, inputs_json: str, digest: str = "") -> ImageAnswer:
         """One step of a task's image: "resolve", "push" (a token to push this machine's
         build) or "pushed" (`digest`, or empty when the push failed)."""
         if step not in ("resolve", "push", "pushed"):
             raise InvalidInput("step: resolve, push or pushed")
-        context_sha256, reuse = self._task(job_id, token, machine_id, step)
+        context_sha256, reuse = self._task(ref, step)
         if self.registry is None:
             if step != "resolve":
                 raise InvalidInput(f"step {step!r}: this coordinator has no image registry")
             return ImageAnswer("build")
         key = build_key(context_sha256, inputs_json)
         repo = repository(key)
-        who = f"machine:{machine_id}"
+        who = f"machine:{ref.machine_id}"
         if step == "resolve":
-            d = self.resolve(key=key, reuse=reuse, job_id=job_id, token=token,
-                             machine_id=machine_id)
+            d = self.resolve(key=key, reuse=reuse, ref=ref)
             if d.action == "pull":
                 return ImageAnswer("pull", self.registry.address, repo, d.digest,
                                    self.registry.mint(who, repo, ("pull",)), built_by=d.built_by)
             return ImageAnswer(d.action, self.registry.address, repo, push=d.push,
                                retry_s=WAIT_S if d.action == "wait" else 0.0)
-        if not self.may_push(key=key, reuse=reuse, job_id=job_id, token=token,
-                             machine_id=machine_id):  # "push" or "pushed"
+        if not self.may_push(key=key, reuse=reuse, ref=ref):  # "push" or "pushed"
             raise InvalidInput(f"{step} of {repo}: this task does not build it for others "
                                f"(image.reuse is {reuse!r}); run the local build")
         if step == "push":
@@ -160,88 +150,84 @@ class Images:
             raise InvalidInput("digest: expected sha256:<64 hex digits>")
         if digest and not self.registry.has_manifest(repo, digest):
             raise InvalidInput(f"{repo}@{digest} is not in the registry")
-        self.record(key=key, context_sha256=context_sha256, digest=digest, job_id=job_id,
-                    token=token, machine_id=machine_id)
+        self.record(key=key, context_sha256=context_sha256, digest=digest, ref=ref)
         return ImageAnswer("recorded", self.registry.address, repo, digest)
 
-    def _task(self, job_id: str, token: int, machine_id: str, step: str) -> tuple[str, str]:
+    def _task(self, ref: HoldRef, step: str) -> tuple[str, str]:
         """The context digest and image.reuse of the live task this machine holds."""
         with self.db.read() as s:
-            job = s.get(Job, job_id)
-            if job is None or not _task_live(s, job_id, token, machine_id):
-                raise StaleAttempt(f"image {step} refused: task {token} of job {job_id} is not "
-                                   "held by this machine")
+            job = s.get(Job, ref.job_id)
+            if job is None or not live(s, ref):
+                raise StaleAttempt(f"image {step} refused: {ref.kind.value} {ref.token} of job "
+                                   f"{ref.job_id} is not held by this machine")
             return job.context_sha256, stored_spec(job.spec_json).image.reuse
 
-    def resolve(self, *, key: str, reuse: str, job_id: str, token: int,
-                machine_id: str) -> Decision:
+    def resolve(self, *, key: str, reuse: str, ref: HoldRef) -> Decision:
         """What the machine holding this task does for its image (the caller checked that it
         holds the task)."""
         if reuse == "never":
             return Decision("build", key)
         try:
             with self.db.tx() as s:
-                return (self._first(s, key, job_id, token, machine_id) if reuse == "first"
-                        else self._verified(s, key, job_id, token, machine_id))
+                return (self._first(s, key, ref) if reuse == "first"
+                        else self._verified(s, key, ref))
         except IntegrityError:  # another machine claimed it at the same moment
             return Decision("wait", key)
 
-    def _pull(self, s: Session, key: str, digest: str, builders: list[ImageBuild], job_id: str,
-              token: int, machine_id: str) -> Decision:
+    def _pull(self, s: Session, key: str, digest: str, builders: list[ImageBuild],
+              ref: HoldRef) -> Decision:
         now = utcnow()
         for b in builders:
             b.used_at = now
         by = ", ".join(sorted({b.machine_id for b in builders}))
-        _event(s, job_id, token, f"machine {machine_id} pulls image {digest} built by machine "
-                                 f"{by} (key {key[:16]}…)")
+        _event(s, ref, f"machine {ref.machine_id} pulls image {digest} built by machine {by} "
+                       f"(key {key[:16]}…)")
         return Decision("pull", key, digest=digest, built_by=by)
 
-    def _first(self, s: Session, key: str, job_id: str, token: int, machine_id: str) -> Decision:
+    def _first(self, s: Session, key: str, ref: HoldRef) -> Decision:
         builds = s.scalars(select(ImageBuild).where(ImageBuild.build_key == key)
                            .order_by(ImageBuild.created_at, ImageBuild.id)).all()
         if builds:
-            return self._pull(s, key, builds[0].digest, [builds[0]], job_id, token, machine_id)
+            return self._pull(s, key, builds[0].digest, [builds[0]], ref)
         claim = s.get(ImageClaim, key, populate_existing=True)
         now = utcnow()
-        mine = (job_id, token, machine_id)
-        if claim is None and not _others_may_need(s, job_id, token):
+        if claim is None and not _others_may_need(s, ref):
             # Nobody else could use the image now: build here, push nothing (and claim
             # nothing, so a task that comes later is not made to wait for this one).
             return Decision("build", key)
         if claim is None:
-            s.add(ImageClaim(build_key=key, job_id=job_id, token=token, machine_id=machine_id,
+            s.add(ImageClaim(build_key=key, job_id=ref.job_id, hold_kind=ref.kind.value,
+                             token=ref.token, machine_id=ref.machine_id,
                              expires_at=now + dt.timedelta(seconds=CLAIM_S)))
             s.flush()  # a concurrent claim fails here (IntegrityError): wait instead
-        elif (claim.job_id, claim.token, claim.machine_id) != mine:
-            if claim.expires_at > now and _task_live(s, claim.job_id, claim.token,
-                                                     claim.machine_id):
+        elif _claimed_by(claim) != ref:
+            if claim.expires_at > now and live(s, _claimed_by(claim)):
                 return Decision("wait", key)
             taken = s.execute(
                 update(ImageClaim)
                 .where(ImageClaim.build_key == key, ImageClaim.job_id == claim.job_id,
-                       ImageClaim.token == claim.token)
-                .values(job_id=job_id, token=token, machine_id=machine_id,
-                        expires_at=now + dt.timedelta(seconds=CLAIM_S))
+                       ImageClaim.hold_kind == claim.hold_kind, ImageClaim.token == claim.token)
+                .values(job_id=ref.job_id, hold_kind=ref.kind.value, token=ref.token,
+                        machine_id=ref.machine_id, expires_at=now + dt.timedelta(seconds=CLAIM_S))
                 .execution_options(synchronize_session=False))
             if taken.rowcount != 1:  # type: ignore[attr-defined]
                 return Decision("wait", key)
-        _event(s, job_id, token, f"machine {machine_id} builds the image for the others "
-                                 f"(key {key[:16]}…)")
+        _event(s, ref, f"machine {ref.machine_id} builds the image for the others "
+                       f"(key {key[:16]}…)")
         return Decision("build", key, push=True)
 
-    def _verified(self, s: Session, key: str, job_id: str, token: int,
-                  machine_id: str) -> Decision:
+    def _verified(self, s: Session, key: str, ref: HoldRef) -> Decision:
         builds = s.scalars(select(ImageBuild).where(ImageBuild.build_key == key)
                            .order_by(ImageBuild.created_at, ImageBuild.id)).all()
         votes = Counter(b.digest for b in builds)  # one per machine: (key, machine) is unique
         agreed = [d for d, n in votes.most_common() if n >= 2]
         if agreed:
             return self._pull(s, key, agreed[0], [b for b in builds if b.digest == agreed[0]],
-                              job_id, token, machine_id)
-        return Decision("build", key, push=not any(b.machine_id == machine_id for b in builds))
+                              ref)
+        return Decision("build", key, push=not any(b.machine_id == ref.machine_id
+                                                   for b in builds))
 
-    def may_push(self, *, key: str, reuse: str, job_id: str, token: int,
-                 machine_id: str) -> bool:
+    def may_push(self, *, key: str, reuse: str, ref: HoldRef) -> bool:
         """Whether this task may push its build of `key`: it holds the claim ("first"), or
         its machine has no build of the key recorded yet ("verified")."""
         if reuse == "never":
@@ -249,22 +235,22 @@ class Images:
         with self.db.read() as s:
             if reuse == "first":
                 claim = s.get(ImageClaim, key)
-                return claim is not None and (claim.job_id, claim.token, claim.machine_id) == (
-                    job_id, token, machine_id)
+                return claim is not None and _claimed_by(claim) == ref
             return s.scalar(select(ImageBuild.id).where(
-                ImageBuild.build_key == key, ImageBuild.machine_id == machine_id)) is None
+                ImageBuild.build_key == key, ImageBuild.machine_id == ref.machine_id)) is None
 
-    def record(self, *, key: str, context_sha256: str, digest: str, job_id: str, token: int,
-               machine_id: str) -> None:
+    def record(self, *, key: str, context_sha256: str, digest: str, ref: HoldRef) -> None:
         """The machine pushed `digest` for `key` (the caller checked it is in the registry),
         or (`digest` empty) its push failed and its claim passes on."""
+        job_id, machine_id = ref.job_id, ref.machine_id
         with self.db.tx() as s:
             s.execute(delete(ImageClaim).where(ImageClaim.build_key == key,
                                                ImageClaim.job_id == job_id,
-                                               ImageClaim.token == token))
+                                               ImageClaim.hold_kind == ref.kind.value,
+                                               ImageClaim.token == ref.token))
             if not digest:
-                _event(s, job_id, token, f"machine {machine_id} could not push its image "
-                                         f"(key {key[:16]}…)")
+                _event(s, ref, f"machine {machine_id} could not push its image "
+                               f"(key {key[:16]}…)")
                 return
             now = utcnow()
             row = s.scalar(select(ImageBuild).where(ImageBuild.build_key == key,
@@ -275,8 +261,8 @@ class Images:
                                  used_at=now))
             else:
                 row.digest, row.job_id, row.created_at, row.used_at = digest, job_id, now, now
-            _event(s, job_id, token, f"machine {machine_id} built and pushed image {digest} "
-                                     f"(key {key[:16]}…)")
+            _event(s, ref, f"machine {machine_id} built and pushed image {digest} "
+                           f"(key {key[:16]}…)")
 
     def builds(self, context_sha256: str) -> list[dict[str, Any]]:
         """The recorded builds of one context, oldest first."""

@@ -405,13 +405,15 @@ class ImageBuild(Base):
 
 
 class ImageClaim(Base):
-    """The one machine building an image for others to pull ("first" reuse), while the task
-    that claimed it (job attempt or shard session: its fencing token) is active."""
+    """The one machine building an image for others to pull ("first" reuse), while the hold
+    that claimed it (a job's attempt or a shard session: its kind and fencing token) is live."""
 
     __tablename__ = "image_claims"
 
     build_key: Mapped[str] = mapped_column(String(64), primary_key=True)
     job_id: Mapped[str] = mapped_column(String(36))
+    hold_kind: Mapped[str] = mapped_column(String(16), default="attempt",
+                                           server_default="attempt")  # views.HoldKind
     token: Mapped[int] = mapped_column(BigInteger)
     machine_id: Mapped[str] = mapped_column(String(36))
     expires_at: Mapped[dt.datetime] = mapped_column()  # a bound, even for a live task

@@ -18,6 +18,7 @@ from campugrid.coordinator.apps import AppView
 from campugrid.coordinator.bases import BaseResolver
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.gpu_history import GpuMemory
+from campugrid.coordinator.holds import Holds
 from campugrid.coordinator.images import Images
 from campugrid.coordinator.machines import MachineRecord, MachineRecords
 from campugrid.coordinator.machines import Status as MachineStatus
@@ -33,13 +34,13 @@ from campugrid.coordinator.views import (
     Claim,
     DatasetFile,
     EventView,
+    HoldRef,
     JobView,
     Lease,
     LogView,
     ShardResult,
     ShardTask,
     ShardView,
-    session_of,
     utcnow,
 )
 from campugrid.coordinator.waiting import offline_text, waiting_reason
@@ -67,6 +68,7 @@ class Coordinator:
         self._speeds_at = -SPEEDS_REFRESH_S
         self._context_urls: dict[str, tuple[str, float]] = {}  # key -> (URL, good until)
         self._machines = MachineRecords(store.machines)
+        self.holds = Holds(store)
         self.work = Wakeup(settings.held_leases)  # held Lease calls, woken by new work
 
     @functools.cached_property
@@ -279,26 +281,17 @@ class Coordinator:
                                  heavy_first=self.is_fast(machine_id))
         if claim is None:
             return None
-        job, sharded = claim.job, claim.session is not None
+        job, hold = claim.job, self.holds.of(claim.hold(machine_id))
         try:
-            lease = self._lease_for(claim)
+            lease = self._lease_for(claim, machine_id)
             if lease.datasets:
                 self.store.note(job.id, job.attempt, "inputs", _how_inputs_move(job, lease))
             return lease
         except InvalidInput as e:  # e.g. a dataset was deleted since submit: it cannot run
-            if sharded:
-                self.store.shards.end(job.id, claim.token, machine_id, failure=f"cannot start: {e}")
-            else:
-                self.store.finish(job.id, job.attempt, machine_id, succeeded=False,
-                                  exit_code=None, reason=f"cannot start: {e}", result=None,
-                                  output_key=None, limits={})
+            hold.finish(succeeded=False, reason=f"cannot start: {e}")
             return None
         except StorageError:  # storage is down: not the job's fault, hand it straight back
-            if sharded:
-                self.store.shards.release(job.id, claim.token, machine_id,
-                                          "object storage unavailable", failed=False)
-            else:
-                self.store.release(job.id, job.attempt, machine_id, "object storage unavailable")
+            hold.release("object storage unavailable", failed=False)
             raise
 
     def is_fast(self, machine_id: str) -> bool:
@@ -312,72 +305,48 @@ class Coordinator:
         speed = self._speeds.get(machine_id, 0.0)
         return speed >= self._fast_from
 
-    def next_shard(self, job_id: str, token: int, machine_id: str,
-                   done: ShardResult | None) -> ShardTask | None:
+    # --- what machines hold (holds.py: one set of verbs for every kind of hold) -----------
+
+    def next_shard(self, ref: HoldRef, done: ShardResult | None) -> ShardTask | None:
         """Record the shard the session finished (if any) and hand out its next one."""
-        if session_of(token) is None:
-            raise InvalidInput("fencing_token: not a shard session")
         if done is not None and done.result_json is not None:
             _check_result(done.index, done.result_json)
-        return self.store.shards.next_shard(job_id, token, machine_id, done,
-                                            heavy_first=self.is_fast(machine_id))
+        return self.holds.of(ref).next_shard(done, heavy_first=self.is_fast(ref.machine_id))
 
-    def renew(self, job_id: str, token: int, machine_id: str, phase: JobState) -> float:
-        """Extend the lease of an attempt (moving it to `phase`) or of a shard session;
-        returns the lease granted, in seconds."""
-        lease_s = self.settings.lease_seconds
-        if session_of(token) is not None:
-            self.store.shards.renew(job_id, token, machine_id, lease_s)
-        else:
-            self.store.renew_lease(job_id, token, machine_id, phase, lease_s)
-        return lease_s
+    def renew(self, ref: HoldRef, phase: JobState) -> float:
+        """Extend the lease of a hold (an attempt moves to `phase`); returns the lease
+        granted, in seconds."""
+        self.holds.of(ref).renew(phase, self.settings.lease_seconds)
+        return self.settings.lease_seconds
 
-    def report_logs(self, job_id: str, token: int, machine_id: str, stream: str, seq: int,
-                    text: str) -> None:
+    def report_logs(self, ref: HoldRef, stream: str, seq: int, text: str) -> None:
         if stream not in ("build", "run"):
             raise InvalidInput("stream: build or run")
-        append = (self.store.shards.append_logs if session_of(token) is not None
-                  else self.store.append_logs)
-        append(job_id, token, machine_id, stream, seq, text)
+        self.holds.of(ref).log(stream, seq, text)
 
-    def complete(self, job_id: str, token: int, machine_id: str, *, succeeded: bool,
-                 exit_code: int | None, reason: str | None, result: str | None,
-                 output_uploaded: bool, limits: dict[str, str],
-                 output_files: Sequence[tuple[str, int]] = ()) -> None:
-        """The end of an attempt, or of a shard session: a failed session is the job's own
-        fault (its image does not build, its shard runner cannot start), so the job fails.
-        `output_files`: what the agent says the output holds (kept bounded, shown as said)."""
-        if session_of(token) is not None:
-            failure = None if succeeded else ((reason or "")[:4000] or "session failed")
-            self.store.shards.end(job_id, token, machine_id, failure=failure)
-            return
-        key = self.output_key(job_id, token) if output_uploaded else None
+    def complete(self, ref: HoldRef, *, succeeded: bool, exit_code: int | None,
+                 reason: str | None, result: str | None, output_uploaded: bool,
+                 limits: dict[str, str], output_files: Sequence[tuple[str, int]] = ()) -> None:
+        """The end of a hold as its machine reports it. `output_files`: what the agent says
+        the output holds (kept bounded, shown as said)."""
+        key = self.output_key(ref.job_id, ref.token) if output_uploaded else None
         if key is not None and not self.objects.exists(key):
             key = None  # claimed but not there: never point researchers at nothing
-        job = self.store.finish(job_id, token, machine_id, succeeded=succeeded,
-                                exit_code=exit_code, reason=reason, result=result,
-                                output_key=key, limits=limits,
-                                output_files=[(_printable(p)[:MAX_OUTPUT_PATH], max(0, int(n)))
-                                              for p, n in output_files[:MAX_OUTPUT_FILES]])
-        log.info("job %s %s", job.id, job.state.value, extra={"job_id": job.id})
+        self.holds.of(ref).finish(
+            succeeded=succeeded, exit_code=exit_code, reason=reason, result=result,
+            output_key=key, limits=limits,
+            output_files=[(_printable(p)[:MAX_OUTPUT_PATH], max(0, int(n)))
+                          for p, n in output_files[:MAX_OUTPUT_FILES]])
+        log.info("%s %d of job %s ended (%s)", ref.kind.value, ref.token, ref.job_id,
+                 "succeeded" if succeeded else "failed", extra={"job_id": ref.job_id})
 
-    def release(self, job_id: str, token: int, machine_id: str, reason: str, *,
-                failed: bool, cannot_run_here: bool = False) -> None:
-        """Hand an attempt or a shard session back: a drain, (`failed`) a provider-side
-        failure, which counts against the job's attempts or the shard's tries, or
-        (`cannot_run_here`) a machine that cannot run the job, which is never offered it
-        again."""
-        why = reason[:2000] or "drained"
-        if session_of(token) is not None:
-            # The session's token is checked first; the machine asking is the one handing
-            # back, so it asks for no other work before its refusal is written.
-            self.store.shards.release(job_id, token, machine_id, why,
-                                      failed=failed and not cannot_run_here)
-            if cannot_run_here:
-                self.store.refuse(job_id, machine_id, why)
-        else:
-            self.store.release(job_id, token, machine_id, why, failed=failed,
-                               cannot_run_here=cannot_run_here)
+    def release(self, ref: HoldRef, reason: str, *, failed: bool,
+                cannot_run_here: bool = False) -> None:
+        """Hand a hold back: a drain, (`failed`) a provider-side failure, which counts
+        against the job's attempts or the shard's tries, or (`cannot_run_here`) a machine
+        that cannot run the job, which is not offered it again for a while."""
+        self.holds.of(ref).release(reason[:2000] or "drained", failed=failed,
+                                   cannot_run_here=cannot_run_here)
         self.work.notify()
 
     def requeue_expired(self) -> list[str]:
@@ -420,7 +389,7 @@ class Coordinator:
             self._offers[machine_id] = key
             return True
 
-    def _lease_for(self, claim: Claim) -> Lease:
+    def _lease_for(self, claim: Claim, machine_id: str) -> Lease:
         job, resume = claim.job, claim.resume
         ttl = dt.timedelta(seconds=self.settings.presign_seconds)
         # Shards report results, not output folders: their sessions get no upload URL.
@@ -440,7 +409,7 @@ class Coordinator:
             resume=resume,
             resume_url=self.objects.presign_get(resume.key, ttl) if resume else "",
             gpu_uuids=list(claim.gpu_uuids),
-            token=claim.token,
+            hold=claim.hold(machine_id),
             shard=claim.shard,
             shares={ds.name: ds.share for ds in job.spec.datasets if ds.share},
         )
@@ -458,15 +427,14 @@ class Coordinator:
         self._context_urls[key] = (url, now + self.settings.presign_seconds / 2)
         return url
 
-    def begin_checkpoint(self, job_id: str, token: int, machine_id: str, epoch: int,
-                         size: int) -> CheckpointUpload:
-        if session_of(token) is not None:
-            raise InvalidInput("shards do not checkpoint: a lost shard runs again from its start")
-        self.store.check_attempt(job_id, token, machine_id, f"checkpoint of epoch {epoch}")
+    def begin_checkpoint(self, ref: HoldRef, epoch: int, size: int) -> CheckpointUpload:
+        hold = self.holds.of(ref)
+        hold.checkpoint_allowed()
+        hold.check(f"checkpoint of epoch {epoch}")
         if not 0 < size <= self.settings.max_checkpoint_bytes or epoch < 0:
             raise InvalidInput(f"checkpoint of epoch {epoch}: size {size} is out of bounds "
                                f"(at most {self.settings.max_checkpoint_bytes} bytes)")
-        key = f"checkpoints/{job_id}/epoch-{epoch:08d}-attempt-{token}.tar"
+        key = _checkpoint_key(ref, epoch)
         part = self.settings.checkpoint_part_bytes
         upload_id = self.objects.begin_multipart(key)
         ttl = dt.timedelta(seconds=self.settings.presign_seconds)
@@ -474,12 +442,14 @@ class Coordinator:
                 for n in range(1, (size + part - 1) // part + 1)]
         return CheckpointUpload(key, upload_id, part, urls)
 
-    def record_checkpoint(self, job_id: str, token: int, machine_id: str, *, epoch: int, key: str,
-                          upload_id: str, etags: list[str], size: int, sha256: str) -> None:
+    def record_checkpoint(self, ref: HoldRef, *, epoch: int, key: str, upload_id: str,
+                          etags: list[str], size: int, sha256: str) -> None:
         """Complete the upload, check what arrived, and only then record it."""
-        if key != f"checkpoints/{job_id}/epoch-{epoch:08d}-attempt-{token}.tar":
+        hold = self.holds.of(ref)
+        hold.checkpoint_allowed()
+        if key != _checkpoint_key(ref, epoch):
             raise InvalidInput(f"checkpoint key {key!r} does not belong to this attempt")
-        self.store.check_attempt(job_id, token, machine_id, f"checkpoint of epoch {epoch}")
+        hold.check(f"checkpoint of epoch {epoch}")
         try:
             self.objects.complete_multipart(key, upload_id, etags)
         except InvalidInput:
@@ -490,9 +460,8 @@ class Coordinator:
             self.objects.delete(key)
             raise InvalidInput(f"checkpoint of epoch {epoch} arrived damaged: {got_size} bytes, "
                                f"sha256 {got_sha[:12]}…, expected {size} bytes, {sha256[:12]}…")
-        for old in self.store.record_checkpoint(job_id, token, machine_id, epoch=epoch, key=key,
-                                                size=size, sha256=sha256,
-                                                keep=self.settings.keep_checkpoints):
+        for old in hold.checkpoint(epoch=epoch, key=key, size=size, sha256=sha256,
+                                   keep=self.settings.keep_checkpoints):
             self.objects.delete(old)
 
     @staticmethod
@@ -596,6 +565,10 @@ def _how_inputs_move(job: JobView, lease: Lease) -> str:
                      f"{size} bytes" + (", checked by sha256" if all(f.sha256 for f in files)
                                         else ", not pinned"))
     return "; ".join(parts)
+
+
+def _checkpoint_key(ref: HoldRef, epoch: int) -> str:
+    return f"checkpoints/{ref.job_id}/epoch-{epoch:08d}-attempt-{ref.token}.tar"
 
 
 def _printable(text: str) -> str:

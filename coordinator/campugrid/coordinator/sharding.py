@@ -2,8 +2,8 @@
 
 A session is one machine working through shards of one job in one warm sandbox: the lease
 that opens it carries the first shard, and each result the machine reports comes back with
-the next one. The session's id, offset by SESSION_TOKEN_BASE, is the fencing token of every
-call about it, so a lost machine's late results are refused like a lost attempt's.
+the next one. The session is a hold of kind SESSION (holds.py), its id the fencing token of
+every call about it, so a lost machine's late results are refused like a lost attempt's.
 
 The job row keeps counters (total, queued, done, failed) that every change updates first,
 which also serialises changes to one job; `_settle` then derives the job's state from them:
@@ -21,6 +21,7 @@ from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session
 
 from campugrid.coordinator.db import Database, job_row
+from campugrid.coordinator.fence import session_row
 from campugrid.coordinator.models import (
     MAX_LOG_CHUNK,
     GpuReservation,
@@ -32,7 +33,7 @@ from campugrid.coordinator.models import (
     clean,
 )
 from campugrid.coordinator.moves import move_job, move_shards
-from campugrid.coordinator.views import ShardResult, ShardTask, ShardView, session_of
+from campugrid.coordinator.views import HoldRef, ShardResult, ShardTask, ShardView
 from campugrid.protocol.errors import IllegalTransition, StaleAttempt
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobState, ShardState
@@ -136,26 +137,15 @@ class ShardStore:
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    def _session(self, s: Session, job_id: str, token: int, machine_id: str,
-                 what: str, *, ended_ok: bool = False) -> ShardSession:
-        """The active session `token` names, held by this machine, else refused
-        (`ended_ok`: also one that has ended)."""
-        sid = session_of(token)
-        row = s.get(ShardSession, sid, populate_existing=True) if sid is not None else None
-        if row is None or row.job_id != job_id or row.machine_id != machine_id:
-            raise StaleAttempt(f"{what}: no session {token} of job {job_id} on this machine")
-        if not row.active and not ended_ok:
-            job_state = s.scalar(select(Job.state).where(Job.id == job_id))
-            raise StaleAttempt(f"{what} from session {row.id} refused: the session is over "
-                               f"(job {job_state})")
-        return row
+    # --- a session's hold (holds.py offers these as its verbs; fence.py is the fence) -----
 
-    def next_shard(self, job_id: str, token: int, machine_id: str, done: ShardResult | None,
-                   *, heavy_first: bool) -> ShardTask | None:
+    def next_shard(self, ref: HoldRef, done: ShardResult | None, *,
+                   heavy_first: bool) -> ShardTask | None:
         """Record the result of the shard the session holds and hand out the next one
         (None: no shard is waiting, or the job has ended)."""
+        job_id, machine_id = ref.job_id, ref.machine_id
         with self.db.tx() as s:
-            session = self._session(s, job_id, token, machine_id, "shard result")
+            session = session_row(s, ref, "shard result")
             if done is not None:
                 self._record(s, job_id, session.id, done)
             state = JobState(s.scalar(select(Job.state).where(Job.id == job_id)) or "failed")
@@ -179,11 +169,11 @@ class ShardStore:
             shards_failed=Job.shards_failed + (0 if done.succeeded else 1)))
         _settle(s, job_id)
 
-    def renew(self, job_id: str, token: int, machine_id: str, lease_s: float) -> None:
+    def renew(self, ref: HoldRef, lease_s: float) -> None:
         now = dt.datetime.now(dt.UTC)
         with self.db.tx() as s:
-            session = self._session(s, job_id, token, machine_id, "renew")
-            state = JobState(s.scalar(select(Job.state).where(Job.id == job_id)) or "failed")
+            session = session_row(s, ref, "renew")
+            state = JobState(s.scalar(select(Job.state).where(Job.id == ref.job_id)) or "failed")
             if state.final:
                 session.active = False
                 refused = IllegalTransition(f"renew of session {session.id} refused: the job "
@@ -194,12 +184,12 @@ class ShardStore:
         if refused is not None:
             raise refused
 
-    def end(self, job_id: str, token: int, machine_id: str, *, failure: str | None) -> None:
+    def end(self, ref: HoldRef, *, failure: str | None) -> None:
         """The machine is done with the session. `failure` is the job's own fault (its image
         does not build, the shard runner cannot start): the whole job fails with it."""
+        job_id = ref.job_id
         with self.db.tx() as s:
-            session = self._session(s, job_id, token, machine_id, "end of session",
-                                    ended_ok=failure is None)
+            session = session_row(s, ref, "end of session", ended_ok=failure is None)
             if not session.active:  # the job ended first, which closed it
                 return
             self._close(s, session, count_try=False, why="session ended")
@@ -215,12 +205,11 @@ class ShardStore:
                 s.add(JobEvent(job_id=job_id, at=now, attempt=session.id, kind="failed",
                                detail=clean(failure) or ""))
 
-    def release(self, job_id: str, token: int, machine_id: str, reason: str,
-                failed: bool) -> None:
+    def release(self, ref: HoldRef, reason: str, failed: bool) -> None:
         """Hand the session back: a drain (its shard is queued again as it was) or a
         provider-side failure (counted against the shard's attempts)."""
         with self.db.tx() as s:
-            session = self._session(s, job_id, token, machine_id, "release")
+            session = session_row(s, ref, "release")
             self._close(s, session, count_try=failed,
                         why=f"{'failed on its machine' if failed else 'drained'}: {reason}")
 
@@ -269,12 +258,12 @@ class ShardStore:
                                          "queued again" if requeued else "")))
         _settle(s, job_id)
 
-    def append_logs(self, job_id: str, token: int, machine_id: str, stream: str, seq: int,
-                    text: str) -> None:
+    def append_logs(self, ref: HoldRef, stream: str, seq: int, text: str) -> None:
+        job_id = ref.job_id
         with self.db.tx() as s:
             # The last lines may arrive after the job ended (which closed the session); a
             # session that lost its lease sends nothing more.
-            session = self._session(s, job_id, token, machine_id, "logs", ended_ok=True)
+            session = session_row(s, ref, "logs", ended_ok=True)
             if session.lost:
                 raise StaleAttempt(f"logs from session {session.id} refused: its lease expired")
             exists = s.scalar(select(LogChunk.id).where(

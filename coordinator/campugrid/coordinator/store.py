@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 from campugrid.coordinator.apps import Apps, Nonces
 from campugrid.coordinator.claims import REFUSAL_TTL_S, Claimer
 from campugrid.coordinator.db import Database, job_row, side_database
+from campugrid.coordinator.fence import attempt_guard, attempt_held
 from campugrid.coordinator.gpu_history import GpuHistories
 from campugrid.coordinator.machines import Machines
 from campugrid.coordinator.models import (
@@ -44,6 +45,7 @@ from campugrid.coordinator.views import (
     CheckpointView,
     Claim,
     EventView,
+    HoldRef,
     JobView,
     LogView,
     utcnow,
@@ -255,16 +257,17 @@ class Store:
                 GpuReservation.job_id == job_id, GpuReservation.attempt == attempt)
                 .order_by(GpuReservation.id)))
 
-    def renew_lease(self, job_id: str, token: int, machine_id: str, phase: JobState,
-                    lease_s: float) -> JobView:
+    # --- an attempt's hold (holds.py offers these as its verbs; fence.py is the fence) -----
+
+    def renew_lease(self, ref: HoldRef, phase: JobState, lease_s: float) -> JobView:
         """Extend the lease of the current attempt; also moves BUILDING -> RUNNING."""
         assert phase in ACTIVE
+        job_id, token = ref.job_id, ref.token
         now = utcnow()
         refused: StaleAttempt | IllegalTransition | None = None
         with self.tx() as s:
             try:  # BUILDING -> RUNNING, or the same phase again with a longer lease
-                move_job(s, job_id, phase, stay=True, within=ACTIVE,
-                         where=_held(token, machine_id),
+                move_job(s, job_id, phase, stay=True, within=ACTIVE, where=attempt_guard(ref),
                          lease_expires_at=now + dt.timedelta(seconds=lease_s), updated_at=now)
             except IllegalTransition:
                 row = job_row(s, job_id)
@@ -277,13 +280,12 @@ class Store:
             raise refused
         return JobView.from_row(row)
 
-    def append_logs(self, job_id: str, token: int, machine_id: str, stream: str, seq: int,
-                    text: str) -> None:
+    def append_logs(self, ref: HoldRef, stream: str, seq: int, text: str) -> None:
+        job_id, token = ref.job_id, ref.token
         try:
             with self.tx() as s:
                 row = job_row(s, job_id)
-                if row.attempt != token or row.machine_id != machine_id or row.state not in (
-                        JobState.BUILDING.value, JobState.RUNNING.value):
+                if not attempt_held(row, ref):
                     refused = self._refusal(s, row, token, "logs")
                 else:
                     refused = None
@@ -298,15 +300,15 @@ class Store:
         if refused is not None:
             raise refused
 
-    def finish(self, job_id: str, token: int, machine_id: str, *, succeeded: bool,
-               exit_code: int | None, reason: str | None, result: str | None,
-               output_key: str | None, limits: dict[str, str],
-               output_files: Sequence[tuple[str, int]] = ()) -> JobView:
+    def finish(self, ref: HoldRef, *, succeeded: bool, exit_code: int | None,
+               reason: str | None, result: str | None, output_key: str | None,
+               limits: dict[str, str], output_files: Sequence[tuple[str, int]] = ()) -> JobView:
+        job_id, token = ref.job_id, ref.token
         target = JobState.SUCCEEDED if succeeded else JobState.FAILED
         refused: StaleAttempt | IllegalTransition | None = None
         with self.tx() as s:
             try:
-                move_job(s, job_id, target, within=ACTIVE, where=_held(token, machine_id),
+                move_job(s, job_id, target, within=ACTIVE, where=attempt_guard(ref),
                          exit_code=exit_code, reason=clean(reason), result=clean(result),
                          output_key=output_key, limits_json=json.dumps(limits),
                          output_files_json=json.dumps([list(f) for f in output_files])
@@ -351,25 +353,23 @@ class Store:
                 moved.append(job_id)
         return moved + self.shards.requeue_expired(now)
 
-    def check_attempt(self, job_id: str, token: int, machine_id: str, what: str) -> JobView:
-        """The job, if `token` is its current attempt, held by this machine; else refused."""
+    def check_attempt(self, ref: HoldRef, what: str) -> JobView:
+        """The job, if `ref` is its current attempt, held by this machine; else refused."""
         with self.tx() as s:
-            row = job_row(s, job_id)
-            ok = (row.attempt == token and row.machine_id == machine_id
-                  and JobState(row.state) in ACTIVE)
-            refused = None if ok else self._refusal(s, row, token, what)
+            row = job_row(s, ref.job_id)
+            refused = None if attempt_held(row, ref) else self._refusal(s, row, ref.token, what)
         if refused is not None:
             raise refused
         return JobView.from_row(row)
 
-    def record_checkpoint(self, job_id: str, token: int, machine_id: str, *, epoch: int, key: str,
-                          size: int, sha256: str, keep: int) -> list[str]:
+    def record_checkpoint(self, ref: HoldRef, *, epoch: int, key: str, size: int, sha256: str,
+                          keep: int) -> list[str]:
         """Record a verified checkpoint of the current attempt; return the keys that retention
         (the newest `keep` per job) dropped, for the caller to delete from storage."""
+        job_id, token = ref.job_id, ref.token
         with self.tx() as s:
             row = job_row(s, job_id)
-            if not (row.attempt == token and row.machine_id == machine_id
-                    and JobState(row.state) in ACTIVE):
+            if not attempt_held(row, ref):
                 refused = self._refusal(s, row, token, f"checkpoint of epoch {epoch}")
             else:
                 refused = None
@@ -400,12 +400,13 @@ class Store:
                              .order_by(Checkpoint.epoch, Checkpoint.id))
             return [CheckpointView.from_row(r) for r in rows]
 
-    def release(self, job_id: str, token: int, machine_id: str, reason: str,
-                failed: bool = False, cannot_run_here: bool = False) -> JobView:
+    def release(self, ref: HoldRef, reason: str, failed: bool = False,
+                cannot_run_here: bool = False) -> JobView:
         """The attempt goes back to the queue: a drain does not count against max_attempts;
         a provider-side failure (`failed`) does, and fails the job when none are left; a
         machine that cannot run the job (`cannot_run_here`) does not, and is never offered
         it again."""
+        job_id, token, machine_id = ref.job_id, ref.token, ref.machine_id
         now = utcnow()
         failed = failed and not cannot_run_here
         with self.tx() as s:
@@ -420,7 +421,7 @@ class Store:
                 why += f"; all {row.max_attempts} attempts used"
             refused: StaleAttempt | IllegalTransition | None = None
             try:
-                move_job(s, job_id, target, within=ACTIVE, where=_held(token, machine_id),
+                move_job(s, job_id, target, within=ACTIVE, where=attempt_guard(ref),
                          drained=Job.drained + (0 if failed else 1), machine_id=None,
                          lease_expires_at=None, reason=clean(why), updated_at=now)
             except IllegalTransition:
@@ -481,7 +482,3 @@ def _owned(row: Job, owner: str | None) -> Job:
         raise NotFound(f"no job {row.id}")
     return row
 
-
-def _held(token: int, machine_id: str) -> list[Any]:
-    """The guard of every call from an attempt: it is the job's current one, on this machine."""
-    return [Job.attempt == token, Job.machine_id == machine_id]

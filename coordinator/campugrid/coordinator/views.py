@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import enum
 import functools
 import json
 from types import SimpleNamespace
@@ -15,16 +16,23 @@ from campugrid.coordinator.models import Checkpoint, Job
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobState
 
-SESSION_TOKEN_BASE = 1 << 40  # attempts of plain jobs stay far below this
+
+class HoldKind(enum.Enum):
+    """What a machine holds (holds.py): a plain job's attempt, or a shard session."""
+
+    ATTEMPT = "attempt"
+    SESSION = "session"
 
 
-def session_token(session_id: int) -> int:
-    return SESSION_TOKEN_BASE + session_id
+@dataclasses.dataclass(frozen=True)
+class HoldRef:
+    """What a call about held work names: the job, the kind of hold, the fencing token the
+    lease gave (an attempt's number, or a session's id), and the machine calling."""
 
-
-def session_of(token: int) -> int | None:
-    """The session a fencing token names, or None for a plain job's attempt."""
-    return token - SESSION_TOKEN_BASE if token >= SESSION_TOKEN_BASE else None
+    job_id: str
+    kind: HoldKind
+    token: int
+    machine_id: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +134,14 @@ class Claim:
 
     @property
     def token(self) -> int:
-        return session_token(self.session) if self.session is not None else self.job.attempt
+        """The fencing token of the hold it gives: the session's id, or the attempt's number."""
+        return self.session if self.session is not None else self.job.attempt
+
+    def hold(self, machine_id: str) -> HoldRef:
+        """The hold this lease gives `machine_id`: the session it opened, or the attempt."""
+        if self.session is not None:
+            return HoldRef(self.job.id, HoldKind.SESSION, self.session, machine_id)
+        return HoldRef(self.job.id, HoldKind.ATTEMPT, self.job.attempt, machine_id)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +193,7 @@ class Lease:
     resume: CheckpointView | None
     resume_url: str
     gpu_uuids: list[str]
-    token: int  # the fencing token: the attempt, or a sharded job's session
+    hold: HoldRef  # what the machine holds by it: the attempt, or a sharded job's session
     shard: ShardTask | None = None  # sharded job: the session's first shard
     shares: dict[str, str] = dataclasses.field(default_factory=dict)  # dataset -> share
 

@@ -1,10 +1,18 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class HoldKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ATTEMPT: _ClassVar[HoldKind]
+    SESSION: _ClassVar[HoldKind]
+ATTEMPT: HoldKind
+SESSION: HoldKind
 
 class Capabilities(_message.Message):
     __slots__ = ("runtime", "builder", "cpus", "memory_mb", "limits", "gpus", "gpu_isolation", "gpu_note", "speed_gflops", "shares", "held", "disk_mb")
@@ -152,7 +160,7 @@ class Dataset(_message.Message):
     def __init__(self, name: _Optional[str] = ..., share: _Optional[str] = ..., files: _Optional[_Iterable[_Union[Dataset.File, _Mapping]]] = ...) -> None: ...
 
 class LeaseReply(_message.Message):
-    __slots__ = ("has_task", "job_id", "attempt", "fencing_token", "lease_seconds", "spec_json", "context_url", "output_url", "datasets", "resume", "gpu_uuids", "gpu_memory_mb", "shard", "bases", "mirrors")
+    __slots__ = ("has_task", "job_id", "attempt", "fencing_token", "lease_seconds", "spec_json", "context_url", "output_url", "datasets", "resume", "gpu_uuids", "gpu_memory_mb", "shard", "bases", "mirrors", "hold_kind")
     HAS_TASK_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +176,7 @@ class LeaseReply(_message.Message):
     SHARD_FIELD_NUMBER: _ClassVar[int]
     BASES_FIELD_NUMBER: _ClassVar[int]
     MIRRORS_FIELD_NUMBER: _ClassVar[int]
+    HOLD_KIND_FIELD_NUMBER: _ClassVar[int]
     has_task: bool
     job_id: str
     attempt: int
@@ -183,7 +192,8 @@ class LeaseReply(_message.Message):
     shard: ShardTask
     bases: _containers.RepeatedCompositeFieldContainer[BaseImage]
     mirrors: _containers.RepeatedCompositeFieldContainer[Mirror]
-    def __init__(self, has_task: _Optional[bool] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., fencing_token: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., spec_json: _Optional[str] = ..., context_url: _Optional[str] = ..., output_url: _Optional[str] = ..., datasets: _Optional[_Iterable[_Union[Dataset, _Mapping]]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., gpu_memory_mb: _Optional[int] = ..., shard: _Optional[_Union[ShardTask, _Mapping]] = ..., bases: _Optional[_Iterable[_Union[BaseImage, _Mapping]]] = ..., mirrors: _Optional[_Iterable[_Union[Mirror, _Mapping]]] = ...) -> None: ...
+    hold_kind: HoldKind
+    def __init__(self, has_task: _Optional[bool] = ..., job_id: _Optional[str] = ..., attempt: _Optional[int] = ..., fencing_token: _Optional[int] = ..., lease_seconds: _Optional[float] = ..., spec_json: _Optional[str] = ..., context_url: _Optional[str] = ..., output_url: _Optional[str] = ..., datasets: _Optional[_Iterable[_Union[Dataset, _Mapping]]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., gpu_uuids: _Optional[_Iterable[str]] = ..., gpu_memory_mb: _Optional[int] = ..., shard: _Optional[_Union[ShardTask, _Mapping]] = ..., bases: _Optional[_Iterable[_Union[BaseImage, _Mapping]]] = ..., mirrors: _Optional[_Iterable[_Union[Mirror, _Mapping]]] = ..., hold_kind: _Optional[_Union[HoldKind, str]] = ...) -> None: ...
 
 class Mirror(_message.Message):
     __slots__ = ("kind", "url", "token", "certificate")
@@ -241,14 +251,16 @@ class ShardResult(_message.Message):
     def __init__(self, index: _Optional[int] = ..., succeeded: _Optional[bool] = ..., exit_code: _Optional[int] = ..., result_json: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class NextShardRequest(_message.Message):
-    __slots__ = ("job_id", "fencing_token", "done")
+    __slots__ = ("job_id", "fencing_token", "done", "hold_kind")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    HOLD_KIND_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     fencing_token: int
     done: ShardResult
-    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., done: _Optional[_Union[ShardResult, _Mapping]] = ...) -> None: ...
+    hold_kind: HoldKind
+    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., done: _Optional[_Union[ShardResult, _Mapping]] = ..., hold_kind: _Optional[_Union[HoldKind, str]] = ...) -> None: ...
 
 class NextShardReply(_message.Message):
     __slots__ = ("accepted", "reason", "has_shard", "shard")
@@ -275,14 +287,16 @@ class Resume(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., url: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class RenewRequest(_message.Message):
-    __slots__ = ("job_id", "fencing_token", "phase")
+    __slots__ = ("job_id", "fencing_token", "phase", "hold_kind")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
+    HOLD_KIND_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     fencing_token: int
     phase: str
-    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., phase: _Optional[str] = ...) -> None: ...
+    hold_kind: HoldKind
+    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., phase: _Optional[str] = ..., hold_kind: _Optional[_Union[HoldKind, str]] = ...) -> None: ...
 
 class RenewReply(_message.Message):
     __slots__ = ("keep_going", "reason", "lease_seconds")
@@ -295,18 +309,20 @@ class RenewReply(_message.Message):
     def __init__(self, keep_going: _Optional[bool] = ..., reason: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class LogsRequest(_message.Message):
-    __slots__ = ("job_id", "fencing_token", "stream", "seq", "text")
+    __slots__ = ("job_id", "fencing_token", "stream", "seq", "text", "hold_kind")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    HOLD_KIND_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     fencing_token: int
     stream: str
     seq: int
     text: str
-    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., stream: _Optional[str] = ..., seq: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
+    hold_kind: HoldKind
+    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., stream: _Optional[str] = ..., seq: _Optional[int] = ..., text: _Optional[str] = ..., hold_kind: _Optional[_Union[HoldKind, str]] = ...) -> None: ...
 
 class LogsReply(_message.Message):
     __slots__ = ("accepted",)
@@ -315,7 +331,7 @@ class LogsReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ...) -> None: ...
 
 class CompleteRequest(_message.Message):
-    __slots__ = ("job_id", "fencing_token", "succeeded", "exit_code", "reason", "result", "output_uploaded", "limits", "output_files")
+    __slots__ = ("job_id", "fencing_token", "succeeded", "exit_code", "reason", "result", "output_uploaded", "limits", "output_files", "hold_kind")
     class LimitsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -332,6 +348,7 @@ class CompleteRequest(_message.Message):
     OUTPUT_UPLOADED_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FILES_FIELD_NUMBER: _ClassVar[int]
+    HOLD_KIND_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     fencing_token: int
     succeeded: bool
@@ -341,7 +358,8 @@ class CompleteRequest(_message.Message):
     output_uploaded: bool
     limits: _containers.ScalarMap[str, str]
     output_files: _containers.RepeatedCompositeFieldContainer[OutputFile]
-    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., succeeded: _Optional[bool] = ..., exit_code: _Optional[int] = ..., reason: _Optional[str] = ..., result: _Optional[str] = ..., output_uploaded: _Optional[bool] = ..., limits: _Optional[_Mapping[str, str]] = ..., output_files: _Optional[_Iterable[_Union[OutputFile, _Mapping]]] = ...) -> None: ...
+    hold_kind: HoldKind
+    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., succeeded: _Optional[bool] = ..., exit_code: _Optional[int] = ..., reason: _Optional[str] = ..., result: _Optional[str] = ..., output_uploaded: _Optional[bool] = ..., limits: _Optional[_Mapping[str, str]] = ..., output_files: _Optional[_Iterable[_Union[OutputFile, _Mapping]]] = ..., hold_kind: _Optional[_Union[HoldKind, str]] = ...) -> None: ...
 
 class OutputFile(_message.Message):
     __slots__ = ("path", "size")
@@ -360,18 +378,20 @@ class CompleteReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class BeginCheckpointRequest(_message.Message):
-    __slots__ = ("job_id", "fencing_token", "epoch", "size", "sha256")
+    __slots__ = ("job_id", "fencing_token", "epoch", "size", "sha256", "hold_kind")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    HOLD_KIND_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     fencing_token: int
     epoch: int
     size: int
     sha256: str
-    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., epoch: _Optional[int] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    hold_kind: HoldKind
+    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., epoch: _Optional[int] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ..., hold_kind: _Optional[_Union[HoldKind, str]] = ...) -> None: ...
 
 class BeginCheckpointReply(_message.Message):
     __slots__ = ("accepted", "reason", "key", "upload_id", "part_size", "part_urls")
@@ -390,7 +410,7 @@ class BeginCheckpointReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., key: _Optional[str] = ..., upload_id: _Optional[str] = ..., part_size: _Optional[int] = ..., part_urls: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RecordCheckpointRequest(_message.Message):
-    __slots__ = ("job_id", "fencing_token", "epoch", "key", "upload_id", "etags", "size", "sha256")
+    __slots__ = ("job_id", "fencing_token", "epoch", "key", "upload_id", "etags", "size", "sha256", "hold_kind")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -399,6 +419,7 @@ class RecordCheckpointRequest(_message.Message):
     ETAGS_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    HOLD_KIND_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     fencing_token: int
     epoch: int
@@ -407,7 +428,8 @@ class RecordCheckpointRequest(_message.Message):
     etags: _containers.RepeatedScalarFieldContainer[str]
     size: int
     sha256: str
-    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., epoch: _Optional[int] = ..., key: _Optional[str] = ..., upload_id: _Optional[str] = ..., etags: _Optional[_Iterable[str]] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    hold_kind: HoldKind
+    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., epoch: _Optional[int] = ..., key: _Optional[str] = ..., upload_id: _Optional[str] = ..., etags: _Optional[_Iterable[str]] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ..., hold_kind: _Optional[_Union[HoldKind, str]] = ...) -> None: ...
 
 class RecordCheckpointReply(_message.Message):
     __slots__ = ("accepted", "reason")
@@ -418,18 +440,20 @@ class RecordCheckpointReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("job_id", "fencing_token", "reason", "failed", "cannot_run_here")
+    __slots__ = ("job_id", "fencing_token", "reason", "failed", "cannot_run_here", "hold_kind")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     CANNOT_RUN_HERE_FIELD_NUMBER: _ClassVar[int]
+    HOLD_KIND_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     fencing_token: int
     reason: str
     failed: bool
     cannot_run_here: bool
-    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., reason: _Optional[str] = ..., failed: _Optional[bool] = ..., cannot_run_here: _Optional[bool] = ...) -> None: ...
+    hold_kind: HoldKind
+    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., reason: _Optional[str] = ..., failed: _Optional[bool] = ..., cannot_run_here: _Optional[bool] = ..., hold_kind: _Optional[_Union[HoldKind, str]] = ...) -> None: ...
 
 class ReleaseReply(_message.Message):
     __slots__ = ("accepted", "reason")
@@ -440,18 +464,20 @@ class ReleaseReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ImageRequest(_message.Message):
-    __slots__ = ("job_id", "fencing_token", "step", "inputs_json", "digest")
+    __slots__ = ("job_id", "fencing_token", "step", "inputs_json", "digest", "hold_kind")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     INPUTS_JSON_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    HOLD_KIND_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     fencing_token: int
     step: str
     inputs_json: str
     digest: str
-    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., step: _Optional[str] = ..., inputs_json: _Optional[str] = ..., digest: _Optional[str] = ...) -> None: ...
+    hold_kind: HoldKind
+    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., step: _Optional[str] = ..., inputs_json: _Optional[str] = ..., digest: _Optional[str] = ..., hold_kind: _Optional[_Union[HoldKind, str]] = ...) -> None: ...
 
 class ImageReply(_message.Message):
     __slots__ = ("accepted", "reason", "action", "registry", "repository", "digest", "token", "push", "retry_seconds", "built_by")

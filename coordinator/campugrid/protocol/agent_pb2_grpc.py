@@ -154,8 +154,8 @@ class AgentServiceServicer:
 
     def NextShard(self, request, context):
         """Sharded jobs: report the result of the shard the session holds, get the next one.
-        A lease of a sharded job opens a session (its fencing token) holding the first shard;
-        Renew, ReportLogs and Release take the session's token, Complete ends the session.
+        A lease of a sharded job opens a session (a hold of kind SESSION) holding the first
+        shard; Renew, ReportLogs and Release name the session, Complete ends it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -164,7 +164,7 @@ class AgentServiceServicer:
     def Image(self, request, context):
         """Shared images: where the task's image comes from (pull by digest, build, or wait for the
         machine building it), a short-lived registry token for its one repository, and what the
-        build pushed. Calls carry the task's fencing token like every other call about it.
+        build pushed. Calls name the task's hold like every other call about it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

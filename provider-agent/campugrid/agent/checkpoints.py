@@ -22,7 +22,7 @@ import httpx
 
 from campugrid import hooks
 from campugrid.agent.client import CoordinatorApi
-from campugrid.agent.messages import CheckpointRecord, Resume
+from campugrid.agent.messages import CheckpointRecord, Hold, Resume
 from campugrid.agent.metrics import METRICS
 from campugrid.builders.policy.tarballs import extract_checkpoint
 from campugrid.protocol import logs
@@ -77,15 +77,15 @@ def snapshot(src: Path, dst: Path) -> None:
 class CheckpointUploader:
     """Polls the folder while the job runs; `flush()` does a last pass after it stopped."""
 
-    def __init__(self, client: CoordinatorApi, job_id: str, token: int, folder: Path,
-                 scratch: Path, every_s: float = 1.0) -> None:
-        self.client, self.job_id, self.token = client, job_id, token
+    def __init__(self, client: CoordinatorApi, hold: Hold, folder: Path, scratch: Path,
+                 every_s: float = 1.0) -> None:
+        self.client, self.hold = client, hold
         self.folder, self.scratch, self.every_s = folder, scratch, every_s
         self.done: set[str] = set()  # uploaded, or damaged and given up on
         self.uploaded: list[int] = []
         self.lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = logs.thread(self._loop, name=f"ckpt-{job_id}")
+        self._thread = logs.thread(self._loop, name=f"ckpt-{hold.job_id}")
 
     def start(self) -> CheckpointUploader:
         self._thread.start()
@@ -106,13 +106,13 @@ class CheckpointUploader:
             try:
                 self.scan()
             except httpx.HTTPStatusError as e:  # str(e) would include the presigned URL
-                log.warning("%s: checkpoint upload got HTTP %d, will retry", self.job_id,
+                log.warning("%s: checkpoint upload got HTTP %d, will retry", self.hold.job_id,
                             e.response.status_code)
             except (grpc.RpcError, httpx.HTTPError, OSError, CampugridError) as e:
-                log.warning("%s: checkpoint upload failed, will retry: %s", self.job_id,
+                log.warning("%s: checkpoint upload failed, will retry: %s", self.hold.job_id,
                             type(e).__name__ if isinstance(e, httpx.HTTPError) else e)
             except Exception:  # a bug here must not silently end checkpointing
-                log.exception("%s: checkpoint scan failed, will retry", self.job_id)
+                log.exception("%s: checkpoint scan failed, will retry", self.hold.job_id)
 
     def scan(self) -> None:
         with self.lock:
@@ -131,7 +131,7 @@ class CheckpointUploader:
                 raise hooks.CheckpointError(f"{path.name}: its manifest names another epoch")
             self._upload(int(manifest["epoch"]), copy)
         except hooks.CheckpointError as e:
-            log.warning("%s: not uploading %s: %s", self.job_id, path.name, e)
+            log.warning("%s: not uploading %s: %s", self.hold.job_id, path.name, e)
         finally:
             shutil.rmtree(copy, ignore_errors=True)
         self.done.add(path.name)
@@ -144,7 +144,7 @@ class CheckpointUploader:
                 tar.add(p, arcname=str(p.relative_to(path)), recursive=False)
         size, digest = tarball.stat().st_size, hooks.sha256_file(tarball)
         began = time.monotonic()
-        begin = self.client.begin_checkpoint(self.job_id, self.token, epoch, size)
+        begin = self.client.begin_checkpoint(self.hold, epoch, size)
         if not begin.accepted:
             raise CampugridError(f"checkpoint of epoch {epoch} refused: {begin.reason}")
         etags = []
@@ -156,7 +156,7 @@ class CheckpointUploader:
                 if "etag" not in resp.headers:
                     raise CampugridError("object storage answered a part upload without an ETag")
                 etags.append(resp.headers["etag"])
-        reply = self.client.record_checkpoint(self.job_id, self.token, CheckpointRecord(
+        reply = self.client.record_checkpoint(self.hold, CheckpointRecord(
             epoch=epoch, key=begin.key, upload_id=begin.upload_id, etags=tuple(etags),
             size=size, sha256=digest))
         tarball.unlink()
@@ -165,7 +165,7 @@ class CheckpointUploader:
         METRICS.checkpoint_upload_seconds.observe(time.monotonic() - began)
         METRICS.checkpoint_bytes.inc(size)
         self.uploaded.append(epoch)
-        log.info("%s: checkpoint of epoch %d uploaded (%d bytes)", self.job_id, epoch, size)
+        log.info("%s: checkpoint of epoch %d uploaded (%d bytes)", self.hold.job_id, epoch, size)
 
     def _prune_local(self, keep: str) -> None:
         """Uploaded epochs older than the newest are only taking the provider's disk."""

@@ -299,15 +299,14 @@ class CoordinatorClient:
                 if give_up is not None and give_up() and call.cancel():
                     return pb.LeaseReply(has_task=False)
 
-    def renew(self, job_id: str, token: int, phase: str, timeout_s: float) -> pb.RenewReply:
-        reply: pb.RenewReply = self.stub.Renew(
-            pb.RenewRequest(job_id=job_id, fencing_token=token, phase=phase),
-            timeout=timeout_s)
+    def renew(self, hold: m.Hold, phase: str, timeout_s: float) -> pb.RenewReply:
+        reply: pb.RenewReply = self.stub.Renew(pb.RenewRequest(**hold_fields(hold), phase=phase),
+                                               timeout=timeout_s)
         return reply
 
-    def logs(self, job_id: str, token: int, stream: str, seq: int, text: str) -> bool:
+    def logs(self, hold: m.Hold, stream: str, seq: int, text: str) -> bool:
         reply = self.stub.ReportLogs(
-            pb.LogsRequest(job_id=job_id, fencing_token=token, stream=stream, seq=seq, text=text),
+            pb.LogsRequest(**hold_fields(hold), stream=stream, seq=seq, text=text),
             timeout=RPC_TIMEOUT_S)
         return bool(reply.accepted)
 
@@ -315,10 +314,9 @@ class CoordinatorClient:
         reply: pb.CompleteReply = self.stub.Complete(req, timeout=RPC_TIMEOUT_S)
         return reply
 
-    def begin_checkpoint(self, job_id: str, token: int, epoch: int,
-                         size: int) -> pb.BeginCheckpointReply:
+    def begin_checkpoint(self, hold: m.Hold, epoch: int, size: int) -> pb.BeginCheckpointReply:
         reply: pb.BeginCheckpointReply = self.stub.BeginCheckpoint(
-            pb.BeginCheckpointRequest(job_id=job_id, fencing_token=token, epoch=epoch, size=size),
+            pb.BeginCheckpointRequest(**hold_fields(hold), epoch=epoch, size=size),
             timeout=RPC_TIMEOUT_S)
         return reply
 
@@ -328,19 +326,17 @@ class CoordinatorClient:
                                                                      timeout=300)
         return reply
 
-    def release(self, job_id: str, token: int, reason: str, failed: bool = False,
+    def release(self, hold: m.Hold, reason: str, failed: bool = False,
                 cannot_run_here: bool = False) -> pb.ReleaseReply:
         reply: pb.ReleaseReply = self.stub.Release(
-            pb.ReleaseRequest(job_id=job_id, fencing_token=token, reason=reason, failed=failed,
+            pb.ReleaseRequest(**hold_fields(hold), reason=reason, failed=failed,
                               cannot_run_here=cannot_run_here),
             timeout=RPC_TIMEOUT_S)
         return reply
 
-    def next_shard(self, job_id: str, token: int,
-                   done: pb.ShardResult | None) -> pb.NextShardReply:
+    def next_shard(self, hold: m.Hold, done: pb.ShardResult | None) -> pb.NextShardReply:
         reply: pb.NextShardReply = self.stub.NextShard(
-            pb.NextShardRequest(job_id=job_id, fencing_token=token, done=done),
-            timeout=RPC_TIMEOUT_S)
+            pb.NextShardRequest(**hold_fields(hold), done=done), timeout=RPC_TIMEOUT_S)
         return reply
 
     def image(self, req: pb.ImageRequest) -> pb.ImageReply:
@@ -401,52 +397,50 @@ class CoordinatorApi:
                                 if room is not None else (0, 0, 0))
         return lease_from_pb(reply) if reply.has_task else None
 
-    def renew(self, job_id: str, token: int, phase: str, timeout_s: float) -> m.Renewal:
-        r = self.wire.renew(job_id, token, phase, timeout_s)
+    def renew(self, hold: m.Hold, phase: str, timeout_s: float) -> m.Renewal:
+        r = self.wire.renew(hold, phase, timeout_s)
         return m.Renewal(keep_going=r.keep_going, reason=r.reason, lease_seconds=r.lease_seconds)
 
-    def logs(self, job_id: str, token: int, stream: str, seq: int, text: str) -> bool:
-        return self.wire.logs(job_id, token, stream, seq, text)
+    def logs(self, hold: m.Hold, stream: str, seq: int, text: str) -> bool:
+        return self.wire.logs(hold, stream, seq, text)
 
-    def complete(self, job_id: str, token: int, outcome: m.Outcome) -> m.Verdict:
+    def complete(self, hold: m.Hold, outcome: m.Outcome) -> m.Verdict:
         r = self.wire.complete(pb.CompleteRequest(
-            job_id=job_id, fencing_token=token, succeeded=outcome.succeeded,
+            **hold_fields(hold), succeeded=outcome.succeeded,
             exit_code=outcome.exit_code, reason=outcome.reason, result=outcome.result,
             output_uploaded=outcome.output_uploaded, limits=dict(outcome.limits),
             output_files=[pb.OutputFile(path=p, size=n) for p, n in outcome.output_files[:200]]))
         return m.Verdict(r.accepted, r.reason)
 
-    def begin_checkpoint(self, job_id: str, token: int, epoch: int,
-                         size: int) -> m.CheckpointUpload:
-        r = self.wire.begin_checkpoint(job_id, token, epoch, size)
+    def begin_checkpoint(self, hold: m.Hold, epoch: int, size: int) -> m.CheckpointUpload:
+        r = self.wire.begin_checkpoint(hold, epoch, size)
         return m.CheckpointUpload(accepted=r.accepted, reason=r.reason, key=r.key,
                                   upload_id=r.upload_id, part_size=r.part_size,
                                   part_urls=tuple(r.part_urls))
 
-    def record_checkpoint(self, job_id: str, token: int, rec: m.CheckpointRecord) -> m.Verdict:
+    def record_checkpoint(self, hold: m.Hold, rec: m.CheckpointRecord) -> m.Verdict:
         r = self.wire.record_checkpoint(pb.RecordCheckpointRequest(
-            job_id=job_id, fencing_token=token, epoch=rec.epoch, key=rec.key,
+            **hold_fields(hold), epoch=rec.epoch, key=rec.key,
             upload_id=rec.upload_id, etags=list(rec.etags), size=rec.size, sha256=rec.sha256))
         return m.Verdict(r.accepted, r.reason)
 
-    def release(self, job_id: str, token: int, reason: str, failed: bool = False,
+    def release(self, hold: m.Hold, reason: str, failed: bool = False,
                 cannot_run_here: bool = False) -> m.Verdict:
         """Hand the task back: drained, `failed` here (the attempt counts), or this machine
         `cannot_run_here` (it does not count, and the job is not offered here again)."""
-        r = self.wire.release(job_id, token, reason, failed, cannot_run_here)
+        r = self.wire.release(hold, reason, failed, cannot_run_here)
         return m.Verdict(r.accepted, r.reason)
 
-    def next_shard(self, job_id: str, token: int, done: m.ShardResult | None) -> m.NextShard:
-        r = self.wire.next_shard(job_id, token, pb.ShardResult(
+    def next_shard(self, hold: m.Hold, done: m.ShardResult | None) -> m.NextShard:
+        r = self.wire.next_shard(hold, pb.ShardResult(
             index=done.index, succeeded=done.succeeded, exit_code=done.exit_code,
             result_json=done.result_json, reason=done.reason) if done is not None else None)
         return m.NextShard(accepted=r.accepted, reason=r.reason,
                            shard=shard_from_pb(r.shard) if r.has_shard else None)
 
-    def image(self, job_id: str, token: int, step: str, inputs_json: str,
-              digest: str = "") -> m.ImageStep:
-        r = self.wire.image(pb.ImageRequest(job_id=job_id, fencing_token=token, step=step,
-                                            inputs_json=inputs_json, digest=digest))
+    def image(self, hold: m.Hold, step: str, inputs_json: str, digest: str = "") -> m.ImageStep:
+        r = self.wire.image(pb.ImageRequest(**hold_fields(hold), step=step, inputs_json=inputs_json,
+                                            digest=digest))
         return m.ImageStep(accepted=r.accepted, reason=r.reason, action=r.action,
                            registry=r.registry, repository=r.repository, digest=r.digest,
                            token=r.token, push=r.push, retry_seconds=r.retry_seconds,
@@ -454,6 +448,15 @@ class CoordinatorApi:
 
     def close(self) -> None:
         self.wire.close()
+
+
+HOLD_KINDS = {"attempt": pb.ATTEMPT, "session": pb.SESSION}
+
+
+def hold_fields(hold: m.Hold) -> dict[str, Any]:
+    """The fields that name a hold in every call about it."""
+    return {"job_id": hold.job_id, "fencing_token": hold.token,
+            "hold_kind": HOLD_KINDS[hold.kind]}
 
 
 def gpu_pb(g: m.Gpu) -> pb.Gpu:
@@ -478,6 +481,12 @@ def shard_from_pb(s: pb.ShardTask) -> m.ShardTask:
     return m.ShardTask(index=s.index, payload_json=s.payload_json, cost=s.cost)
 
 
+def hold_from_pb(r: pb.LeaseReply) -> m.Hold:
+    """The hold a lease gives (as Lease.hold, for callers of the wire client)."""
+    return m.Hold(r.job_id, {v: k for k, v in HOLD_KINDS.items()}.get(r.hold_kind, "attempt"),
+                  r.fencing_token)
+
+
 def lease_from_pb(r: pb.LeaseReply) -> m.Lease:
     return m.Lease(
         job_id=r.job_id, attempt=r.attempt, fencing_token=r.fencing_token,
@@ -491,4 +500,5 @@ def lease_from_pb(r: pb.LeaseReply) -> m.Lease:
         shard=shard_from_pb(r.shard) if r.HasField("shard") else None,
         bases=tuple(m.BaseImage(b.ref, b.digest, tuple(m.Source(s.address, s.insecure, s.token)
                                                         for s in b.sources)) for b in r.bases),
-        mirrors=tuple(m.Mirror(x.kind, x.url, x.token, x.certificate) for x in r.mirrors))
+        mirrors=tuple(m.Mirror(x.kind, x.url, x.token, x.certificate) for x in r.mirrors),
+        hold_kind=hold_from_pb(r).kind)

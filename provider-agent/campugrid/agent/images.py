@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 
 from campugrid.agent.client import CoordinatorApi
-from campugrid.agent.messages import ImageStep, Lease
+from campugrid.agent.messages import Hold, ImageStep, Lease
 from campugrid.agent.metrics import METRICS
 from campugrid.builders.base import Builder
 from campugrid.builders.policy.dockerfiles import BaseUse
@@ -410,9 +410,9 @@ def obtain(client: CoordinatorApi, lease: Lease, builder: Builder, cache: ImageC
         build()
         return tag
     inputs = json.dumps({**builder.inputs(bases), **(declared or {})}, sort_keys=True)
-    job, token, user = lease.job_id, lease.fencing_token, task_user(lease)
+    hold, user = lease.hold, task_user(lease)
     since = time.monotonic()
-    step = _accepted(client.image(job, token, "resolve", inputs))
+    step = _accepted(client.image(hold, "resolve", inputs))
     if step.action == "wait":
         log("[campugrid] another machine is building this image; waiting to pull it")
     while step.action == "wait":
@@ -423,7 +423,7 @@ def obtain(client: CoordinatorApi, lease: Lease, builder: Builder, cache: ImageC
                 "building here")
             build()
             return tag
-        step = _accepted(client.image(job, token, "resolve", inputs))
+        step = _accepted(client.image(hold, "resolve", inputs))
     if step.action == "pull":
         found = cache.lookup(step.digest, user)
         if found is not None:
@@ -462,20 +462,20 @@ def obtain(client: CoordinatorApi, lease: Lease, builder: Builder, cache: ImageC
         return found
     build()
     if step.push and later is not None:
-        later(functools.partial(_share, client, cache, job, token, inputs, tag, work, log, stop))
+        later(functools.partial(_share, client, cache, hold, inputs, tag, work, log, stop))
     elif step.push:  # the cache keeps the image under its digest too, in use by none
-        _share(client, cache, job, token, inputs, tag, work, log, stop)
+        _share(client, cache, hold, inputs, tag, work, log, stop)
     return tag
 
 
-def _share(client: CoordinatorApi, cache: ImageCache, job: str, token: int, inputs: str,
-           tag: str, work: Path, log: LogFn, stop: threading.Event) -> None:
+def _share(client: CoordinatorApi, cache: ImageCache, hold: Hold, inputs: str, tag: str,
+           work: Path, log: LogFn, stop: threading.Event) -> None:
     """Push this machine's build for the others, and report what was pushed (nothing, if
     the push failed: then another machine may build). The task runs its image either way."""
     digest = ""
     began = time.monotonic()
     try:
-        grant = _accepted(client.image(job, token, "push", inputs))
+        grant = _accepted(client.image(hold, "push", inputs))
         digest = cache.push(tag, grant.registry, grant.repository,
                             f"machine-{client.machine_id}", grant.token, work, cancel=stop)
         log(f"[campugrid] pushed image {digest} for the other machines in "
@@ -484,7 +484,7 @@ def _share(client: CoordinatorApi, cache: ImageCache, job: str, token: int, inpu
         why = e.details() if isinstance(e, grpc.RpcError) else str(e)
         log(f"[campugrid] the image was not shared ({why}); this task runs it anyway")
     try:
-        done = client.image(job, token, "pushed", inputs, digest)
+        done = client.image(hold, "pushed", inputs, digest)
         if not done.accepted:
             log(f"[campugrid] the pushed image was not recorded: {done.reason}")
     except grpc.RpcError as e:

@@ -8,6 +8,7 @@ import threading
 import grpc
 
 from campugrid.agent.client import CoordinatorApi
+from campugrid.agent.messages import Hold
 from campugrid.protocol import logs
 
 log = logging.getLogger("campugrid.agent")
@@ -18,9 +19,8 @@ MAX_TASK_LOG_BYTES = 32 * 1024 * 1024  # beyond this, lines are counted, not kep
 class LogShipper:
     """Collects lines from any thread; a background thread sends them every `every_s`."""
 
-    def __init__(self, client: CoordinatorApi, job_id: str, token: int,
-                 every_s: float = 0.5) -> None:
-        self.client, self.job_id, self.token = client, job_id, token
+    def __init__(self, client: CoordinatorApi, hold: Hold, every_s: float = 0.5) -> None:
+        self.client, self.hold = client, hold
         self.every_s = every_s
         self._lock = threading.Lock()
         self._pending: list[tuple[str, str]] = []
@@ -28,7 +28,7 @@ class LogShipper:
         self._bytes = 0
         self._dropped = 0
         self._stop = threading.Event()
-        self._thread = logs.thread(self._loop, name=f"logs-{job_id}")
+        self._thread = logs.thread(self._loop, name=f"logs-{hold.job_id}")
         self._thread.start()
 
     def line(self, stream: str, text: str) -> None:
@@ -69,7 +69,7 @@ class LogShipper:
             self._seq += 1
             for _ in range(3):
                 try:
-                    self.client.logs(self.job_id, self.token, stream, self._seq, text)
+                    self.client.logs(self.hold, stream, self._seq, text)
                     break
                 except grpc.RpcError as e:
                     log.warning("log upload failed (%s), retrying", e.code())

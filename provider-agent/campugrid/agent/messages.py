@@ -124,6 +124,17 @@ class ShardTask:
 
 
 @dataclasses.dataclass(frozen=True)
+class Hold:
+    """What this machine holds by a lease (coordinator/holds.py): the job, the kind
+    ("attempt": a plain job's attempt; "session": a session of a sharded job) and the fencing
+    token. Every call about the task names it."""
+
+    job_id: str
+    kind: str
+    token: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Lease:
     """One attempt of a job on this machine (or a shard session: `shard` is its first)."""
 
@@ -141,6 +152,11 @@ class Lease:
     shard: ShardTask | None = None
     bases: tuple[BaseImage, ...] = ()
     mirrors: tuple[Mirror, ...] = ()
+    hold_kind: str = "attempt"  # Hold.kind
+
+    @property
+    def hold(self) -> Hold:
+        return Hold(self.job_id, self.hold_kind, self.fencing_token)
 
 
 @dataclasses.dataclass(frozen=True)

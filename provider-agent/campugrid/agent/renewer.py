@@ -68,7 +68,7 @@ class Renewer:
     def _renew_once(self) -> bool:
         """True if the lease was extended; calls on_lost when the coordinator says stop."""
         sent = time.monotonic()
-        reply = self.client.renew(self.lease.job_id, self.lease.fencing_token, self.phase,
+        reply = self.client.renew(self.lease.hold, self.phase,
                                   timeout_s=self.lease_s / 4)
         if not reply.keep_going:
             self._lost(reply.reason)

@@ -122,7 +122,7 @@ class ShardSessionTask(Task):
                            "last lines:\n" + "\n".join(list(box.tail)[-5:]))
             ran += 1
             reply = _retry(lambda d=done: self.client.next_shard(  # type: ignore[misc]
-                lease.job_id, lease.fencing_token, d))
+                lease.hold, d))
             if not reply.accepted:
                 log.info("session %d of %s is over: %s", lease.fencing_token, lease.job_id,
                          reply.reason)

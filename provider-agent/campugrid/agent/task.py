@@ -119,9 +119,8 @@ class Task:
         self.gpu_policy = gpu_policy
         self.phase = "building"
         self.renewer = Renewer(client, lease, on_lost=self._on_lost)
-        self.shipper = LogShipper(client, lease.job_id, lease.fencing_token)
-        self.uploader = checkpoints.CheckpointUploader(client, lease.job_id, lease.fencing_token,
-                                                       self.ckpt_dir, work)
+        self.shipper = LogShipper(client, lease.hold)
+        self.uploader = checkpoints.CheckpointUploader(client, lease.hold, self.ckpt_dir, work)
 
     def _on_lost(self, reason: str) -> None:
         self.lost.set()
@@ -168,7 +167,7 @@ class Task:
         return mapped
 
     def run(self) -> None:
-        job_id, token = self.lease.job_id, self.lease.fencing_token
+        job_id, token, hold = self.lease.job_id, self.lease.fencing_token, self.lease.hold
         self.renewer.start()
         outcome = Outcome(succeeded=False, exit_code=-1)
         failed_here = ""  # the provider failed, not the job: hand back, counting the attempt
@@ -199,16 +198,16 @@ class Task:
             elif cannot:
                 log.warning("task %s: this machine cannot run it (%s); handing it back",
                             job_id, cannot)
-                _retry(lambda: self.client.release(job_id, token, cannot, cannot_run_here=True))
+                _retry(lambda: self.client.release(hold, cannot, cannot_run_here=True))
                 self.ended = f"handed back: this machine cannot run it: {cannot}"
             elif failed_here:
                 log.warning("task %s attempt %d failed on this machine: %s", job_id, token,
                             failed_here)
-                _retry(lambda: self.client.release(job_id, token, failed_here, failed=True))
+                _retry(lambda: self.client.release(hold, failed_here, failed=True))
                 self.ended = f"failed on this machine: {failed_here}"
             elif self.draining or self.handback:
                 why = self.handback or self.drain_reason
-                released = _retry(lambda: self.client.release(job_id, token, why))
+                released = _retry(lambda: self.client.release(hold, why))
                 log.info("task %s attempt %d handed back: %s", job_id, token,
                          "accepted" if released.accepted else released.reason)
                 self.ended = f"handed back: {why}"
@@ -217,7 +216,7 @@ class Task:
                           f"not enforced exactly: checked every {DISK_POLL_S} s")
                 final = dataclasses.replace(outcome, limits={**self.sandbox.limits.as_dict(),
                                                              "output": output})
-                done = _retry(lambda: self.client.complete(job_id, token, final))
+                done = _retry(lambda: self.client.complete(hold, final))
                 if not done.accepted:
                     log.warning("completion of %s refused: %s", job_id, done.reason)
                 self.ended = ("succeeded" if final.succeeded else f"failed: {final.reason}"
