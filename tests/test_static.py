@@ -177,3 +177,65 @@ def test_the_layout_names_every_module():
                      if mod.count(".") == 2 and mod.rpartition(".")[2] not in named
                      and not mod.endswith("__main__"))
     assert missing == [], f"modules the layout table (docs/architecture.md) does not name: {missing}"
+
+
+# --- rules that keep the house's shape (issue 35) ------------------------------------------
+
+COORDINATOR = REPO / "coordinator" / "campugrid"
+# What answers callers: they call the coordinator's services, never its store.
+TRANSPORTS = (COORDINATOR / "coordinator" / "api.py", COORDINATOR / "coordinator" / "agent_service.py",
+              COORDINATOR / "coordinator" / "server.py", COORDINATOR / "coordinator" / "metrics.py",
+              *sorted((COORDINATOR / "console").glob("*.py")))
+
+
+def store_reaches(source: str, name: str = "<source>") -> list[int]:
+    """The lines of `source` that reach for an attribute called `store`."""
+    return sorted(node.lineno for node in ast.walk(ast.parse(source, name))
+                  if isinstance(node, ast.Attribute) and node.attr == "store")
+
+
+def hand_written_fences(source: str, name: str = "<source>") -> list[int]:
+    """The lines of `source` that compare an attempt (or a token) and a machine in one
+    expression: the fence, which fence.py alone writes."""
+    def compared(node: ast.AST) -> set[str]:
+        found = set()
+        if isinstance(node, ast.Compare):
+            for side in (node.left, *node.comparators):
+                if isinstance(side, ast.Attribute):
+                    found.add(side.attr)
+                elif isinstance(side, ast.Name):
+                    found.add(side.id)
+        return found
+
+    out = []
+    for node in ast.walk(ast.parse(source, name)):
+        parts = (node.values if isinstance(node, ast.BoolOp) else
+                 node.elts if isinstance(node, ast.List | ast.Tuple) else [])
+        names = set().union(*(compared(p) for p in parts)) if parts else set()
+        if names & {"attempt", "token"} and "machine_id" in names:
+            out.append(node.lineno)
+    return sorted(out)
+
+
+def test_no_transport_reaches_for_the_store():
+    found = {str(p.relative_to(REPO)): lines for p in TRANSPORTS
+             if (lines := store_reaches(p.read_text(), str(p)))}
+    assert found == {}, f"transports that use the store, not the services: {found}"
+
+
+def test_the_fence_is_written_once():
+    fence = COORDINATOR / "coordinator" / "fence.py"
+    found = {str(p.relative_to(REPO)): lines
+             for p in sorted((COORDINATOR / "coordinator").rglob("*.py"))
+             if p != fence and "migrations" not in p.parts
+             and (lines := hand_written_fences(p.read_text(), str(p)))}
+    assert found == {}, f"fences written outside coordinator/fence.py: {found}"
+    assert hand_written_fences(fence.read_text())  # the rule sees the real one
+
+
+def test_the_shape_rules_see_what_they_forbid():
+    assert store_reaches("coord.store.limiter\nx = coord.jobs.get(1)\n") == [1]
+    assert hand_written_fences(
+        "ok = row.attempt == token and row.machine_id == machine_id\n"
+        "where = [Job.attempt == ref.token, Job.machine_id == ref.machine_id]\n"
+        "fine = job.attempt == 1 and lease.shard is None\n") == [1, 2]

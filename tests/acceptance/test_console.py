@@ -172,7 +172,7 @@ def test_from_nothing_to_a_finished_job_in_the_console(page):
         expect(machines.locator("#no-gpus")).to_be_visible()
         rig = CoordinatorClient(Membership.join(root / "rig", p.grpc_address, p.pin))
         rig.register("rig", pb.Capabilities(runtime="runsc", builder="buildah"))
-        p.running.coord.approve_machine(rig.machine_id)
+        p.running.coord.machines.approve(rig.machine_id)
         rig.heartbeat(pb.Capabilities(runtime="runsc", builder="buildah", gpus=[
             pb.Gpu(uuid="GPU-a", name="RTX 4090", kind="nvidia", memory_total_mb=24_000,
                    memory_free_mb=18_000, compute_capability="8.9"),

@@ -18,7 +18,6 @@ import pytest
 
 from campugrid.cli.platform import ProviderUser
 from campugrid.client import tar_folder
-from campugrid.coordinator.metrics import CoordinatorMetrics
 from campugrid.protocol.spec import JobSpec
 from tests.support.timing import BUILT, READY
 
@@ -223,7 +222,7 @@ def test_a_gpu_job_on_a_cpu_only_platform_waits_and_says_why(api, platform):
     job = api.submit(tar_folder(HELLO), spec)
     # The agent asks for work three times more (the coordinator counts the empty answers): it
     # must keep passing this job over.
-    metrics = CoordinatorMetrics.of(platform.running.coord).registry
+    metrics = platform.running.coord.metrics.registry
 
     def empty() -> float:
         return metrics.get_sample_value("campugrid_leases_total", {"outcome": "empty"}) or 0.0

@@ -18,7 +18,6 @@ from campugrid.agent.messages import Hold
 from campugrid.cli.seaweed import EmbeddedS3
 from campugrid.client import Api, Identity, tar_folder
 from campugrid.coordinator import server
-from campugrid.coordinator.metrics import CoordinatorMetrics
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
 from campugrid.protocol import logs
@@ -348,8 +347,8 @@ def test_gpu_memory_reported_by_heartbeats_is_kept_by_the_minute_and_charted_to_
 @pytest.fixture
 def notified_only(monkeypatch):
     """Held calls look for work only when woken, never on their own once a second."""
-    from campugrid.coordinator import agent_service
-    monkeypatch.setattr(agent_service, "RECHECK_S", 60.0)
+    from campugrid.coordinator.services import leasing
+    monkeypatch.setattr(leasing, "RECHECK_S", 60.0)
 
 
 def test_an_idle_machines_ask_is_held_and_answered_when_work_is_submitted(coordinator, tmp_path,
@@ -375,7 +374,7 @@ def test_asks_beyond_the_held_limit_are_answered_at_once(coordinator, tmp_path, 
     # Held, this call would run past its 5 s deadline (DEADLINE_EXCEEDED)
     assert not second.stub.Lease(pb.LeaseRequest(wait_ms=15_000), timeout=5).has_task
     assert not ask.done()
-    scraped = generate_latest(CoordinatorMetrics.of(running.coord).registry).decode()
+    scraped = generate_latest(running.coord.metrics.registry).decode()
     assert "campugrid_held_lease_calls 1.0" in scraped
     assert "campugrid_lease_holds_full_total 1.0" in scraped
     ask.cancel()
@@ -404,7 +403,7 @@ def test_an_ask_its_machine_gave_up_or_whose_machine_was_revoked_claims_nothing(
     quit_waiting["now"] = True
     asking.join(5)
     assert not asking.is_alive(), "the agent's ask did not end when it gave up"
-    running.coord.revoke_machine(revoked.machine_id)
+    running.coord.machines.revoke(revoked.machine_id)
     job = api.submit(tar_folder(HELLO), JobSpec())  # wakes both held calls
     held(running, 0)
     assert not other.result(timeout=10).has_task
@@ -435,7 +434,7 @@ def test_what_an_agent_says_its_output_holds_is_kept_bounded_and_printable(coord
     c = client(running, tmp_path, "lister")
     lease = c.lease()
     assert lease.has_task and lease.job_id == job["id"]
-    running.coord.objects.put_bytes(running.coord.output_key(job["id"], lease.attempt), b"tgz")
+    running.coord.objects.put_bytes(running.coord.leasing.output_key(job["id"], lease.attempt), b"tgz")
     files = [pb.OutputFile(path=f"f{i}\x1b[31m" + "x" * 400, size=i) for i in range(300)]
     assert c.complete(pb.CompleteRequest(**hold_fields(hold_from_pb(lease)),
                                          succeeded=True, output_uploaded=True,

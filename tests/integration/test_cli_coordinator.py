@@ -113,7 +113,7 @@ def context_folder(root: Path) -> Path:
 
 
 def stored_context(coord: server.Running, job_id: str) -> bytes:
-    key = coord.coord.get_job(job_id).context_key
+    key = coord.coord.jobs.get(job_id).context_key
     data = coord.coord.objects.get_bytes(key)  # type: ignore[attr-defined]
     assert key == f"contexts/{hashlib.sha256(data).hexdigest()}.tar"
     return data
@@ -146,7 +146,7 @@ def test_progress_shows_on_a_terminal_and_stdout_stays_the_job_id(coord, env, tm
     (tmp_path / "job.yml").write_text(PARKED)
     stdout, terminal = on_a_terminal(env, "submit", str(folder), "--spec", str(tmp_path / "job.yml"))
     [job_id] = stdout.splitlines()
-    assert coord.coord.get_job(job_id).state == JobState.QUEUED
+    assert coord.coord.jobs.get(job_id).state == JobState.QUEUED
     assert "packing" in terminal and "uploading" in terminal and "3.1 MB" in terminal, terminal
     # and with --json, on the same terminal, no bar at all
     stdout, terminal = on_a_terminal(env, "submit", str(folder), "--spec", str(tmp_path / "job.yml"),
@@ -201,7 +201,7 @@ def machine(coord: server.Running, tmp_path_factory: pytest.TempPathFactory) -> 
     client = CoordinatorClient(Membership.join(tmp_path_factory.mktemp("m"), coord.grpc_address,
                                                coord.certificate.fingerprint))
     client.register("driver")
-    coord.coord.approve_machine(client.machine_id)
+    coord.coord.machines.approve(client.machine_id)
     yield client.machine_id
     client.close()
 
@@ -372,7 +372,7 @@ def test_submit_takes_the_common_flags_the_folders_own_spec_and_another_dockerfi
     res = job["spec"]["resources"]
     assert (res["cpus"], res["memory_mb"], res["gpus"]) == (2, 4096, 1)  # flags over job.yaml
     assert sorted(job["spec"]["env"]) == ["LR", "MODE", "SEED"]  # values are not shown back
-    stored = coord.coord.get_job(job["id"]).spec.env
+    stored = coord.coord.jobs.get(job["id"]).spec.env
     assert dict(stored) == {"MODE": "fast", "SEED": "7", "LR": "3e-4"}
     with tarfile.open(fileobj=io.BytesIO(stored_context(coord, job["id"]))) as tar:
         got = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}

@@ -95,7 +95,7 @@ def machine(running: server.Running, tmp_path: Path, addresses: list[str]) -> Co
         with contextlib.suppress(grpc.RpcError):
             c.register("m", pb.Capabilities(runtime="runsc", builder="buildah"))
             break
-    running.coord.approve_machine(c.machine_id)
+    running.coord.machines.approve(c.machine_id)
     return c
 
 

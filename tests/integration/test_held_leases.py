@@ -12,7 +12,8 @@ import pytest
 
 from campugrid.cli.seaweed import EmbeddedS3
 from campugrid.client import Api, Identity, tar_folder
-from campugrid.coordinator import agent_service, server
+from campugrid.coordinator import server
+from campugrid.coordinator.services import leasing
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol.spec import JobSpec
 from tests.support.coordinator import client, close_clients, held, start
@@ -37,7 +38,7 @@ def two(s3_server: EmbeddedS3, tmp_path: Path, database: str
 def test_work_submitted_through_one_process_wakes_an_ask_held_by_another(two, tmp_path,
                                                                           monkeypatch):
     a, b = two
-    monkeypatch.setattr(agent_service, "RECHECK_S", 60.0)  # held calls look only when told
+    monkeypatch.setattr(leasing, "RECHECK_S", 60.0)  # held calls look only when told
     assert a.relay is not None and b.relay is not None
     assert b.relay.listening.wait(10), "the second process never listened"
     m = client(b, tmp_path, "m")

@@ -1,4 +1,4 @@
-"""What a coordinator process remembers of machines (Coordinator.machine): a status changed
+"""What a coordinator process remembers of machines (Coordinator.machines.get): a status changed
 by another process (approve, revoke, an expired pending machine) holds within about a second,
 while calls from unchanged machines cost no read of their own. On SQLite and PostgreSQL."""
 
@@ -36,25 +36,25 @@ def test_another_process_sees_a_status_change_within_a_second(store: Store, db_u
     ours, sql = process(db_url, tmp_path)
     machines = [add_machine(store, f"m{i}") for i in range(50)]
     for m in machines:
-        assert ours.machine(m).status is Status.APPROVED
+        assert ours.machines.get(m).status is Status.APPROVED
     sql.clear()
     for _ in range(3):  # every machine calls again, within the second: no reads at all
         for m in machines:
-            ours.machine(m)
+            ours.machines.get(m)
     assert sql == []
     time.sleep(MACHINE_CACHE_S + 0.1)
     for m in machines:
-        ours.machine(m)
+        ours.machines.get(m)
     assert len(sql) == 1 and "machine_epoch" in sql[0]  # one small read for all of them
     store.machines.set_status(machines[7], Status.REVOKED)  # by the other process
-    assert ours.machine(machines[7]).status is Status.APPROVED  # not yet
+    assert ours.machines.get(machines[7]).status is Status.APPROVED  # not yet
     time.sleep(MACHINE_CACHE_S + 0.1)
-    assert ours.machine(machines[7]).status is Status.REVOKED
-    assert ours.machine(machines[8]).status is Status.APPROVED
+    assert ours.machines.get(machines[7]).status is Status.REVOKED
+    assert ours.machines.get(machines[8]).status is Status.APPROVED
     pending = add_machine(store, "p", approve=False)
-    assert ours.machine(pending).status is Status.PENDING
+    assert ours.machines.get(pending).status is Status.PENDING
     assert store.machines.expire_pending(older_than_s=-1) == 1
     time.sleep(MACHINE_CACHE_S + 0.1)
     with pytest.raises(Unauthenticated):
-        ours.machine(pending)
+        ours.machines.get(pending)
     ours.store.close()

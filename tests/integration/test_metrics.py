@@ -107,7 +107,7 @@ def machine(running: server.Running, tmp_path: Path, name: str) -> CoordinatorCl
     c = CoordinatorClient(Membership.join(tmp_path / name, running.grpc_address,
                                           running.certificate.fingerprint))
     c.register(name, pb.Capabilities(runtime="runsc", builder="buildah"))
-    running.coord.approve_machine(c.machine_id)
+    running.coord.machines.approve(c.machine_id)
     return c
 
 

@@ -264,7 +264,7 @@ def machine(coord: server.Running, tmp_path: Path, name: str, approve: bool = Tr
     c = CoordinatorClient(m)
     c.register(name)
     if approve:
-        coord.coord.approve_machine(c.machine_id)
+        coord.coord.machines.approve(c.machine_id)
     return c
 
 
@@ -444,7 +444,7 @@ def test_an_upload_ticket_is_for_one_job_and_is_deleted_after_it(coord, alice, t
     assert ("inputs", "d: 1 file by upload ticket, 10 bytes, checked by sha256") in events
     key = f"uploads/{ticket}"
     assert coord.coord.objects.exists(key)
-    assert coord.coord.sweep_uploads() >= 1  # what the reaper runs: the job has ended
+    assert coord.coord.inputs.sweep_uploads() >= 1  # what the reaper runs: the job has ended
     assert not coord.coord.objects.exists(key)
 
 
@@ -465,7 +465,7 @@ def test_a_ticket_for_another_file_another_app_or_too_late_is_refused(coord, ali
         conn.execute(text("UPDATE uploads SET expires_at = :t WHERE id = :id"),
                      {"t": dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1), "id": late})
     refused(submit_with(alice, [{"name": "d", "ticket": late}]), 422, "expired")
-    assert coord.coord.sweep_uploads() >= 1 and not coord.coord.objects.exists(f"uploads/{late}")
+    assert coord.coord.inputs.sweep_uploads() >= 1 and not coord.coord.objects.exists(f"uploads/{late}")
     refused(alice.http.post("/v1/uploads", json={"filename": "../../x", "size": 1,
                                                  "sha256": "0" * 64}), 422, "filename")
 

@@ -56,7 +56,7 @@ def client(running: server.Running, tmp_path: Path, name: str,
     _clients.append(c)
     c.register(name, caps or pb.Capabilities(runtime="runsc", builder="buildah"))
     if approve:
-        running.coord.approve_machine(c.machine_id)
+        running.coord.machines.approve(c.machine_id)
     return c
 
 

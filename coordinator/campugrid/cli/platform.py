@@ -347,7 +347,7 @@ class Platform:
             raise CampugridError(f"agent {name} joined but kept no machine id in {agent_dir}")
         if approve:
             assert self.running is not None
-            m = self.running.coord.approve_machine(machine_id)
+            m = self.running.coord.machines.approve(machine_id)
             log.info("approved the local agent %s as machine %s (fingerprint %s): same host, "
                      "same owner", name, m.id, m.fingerprint)
         argv = user.command([sys.executable, "-m", "campugrid.cli", "agent", "run",

@@ -66,7 +66,7 @@ def create_console(coord: Coordinator) -> FastAPI:
     console.add_middleware(ConsoleGate, users=users,
                            max_body=coord.settings.max_context_bytes + FORM_MARGIN_BYTES)
     # Sign-in attempts per address, beside each account's lockout (counted in the database).
-    guard = Guard(coord.store.limiter)
+    guard = Guard(coord.limiter)
     console.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
 
     async def csrf(request: Request) -> AsyncIterator[None]:
@@ -173,34 +173,34 @@ def create_console(coord: Coordinator) -> FastAPI:
     def jobs(request: Request, state: str = "", name: str = "") -> HTMLResponse:
         user = user_of(request)
         chosen = JobState(state) if state in STATES else None
-        found = coord.list_jobs(chosen, 500, owner(user))
+        found = coord.jobs.list_jobs(chosen, 500, owner(user))
         if name:
             needle = name.lower()
             found = [j for j in found if needle in (j.name or "").lower() or j.id.startswith(needle)]
         found = found[:200]
-        reasons = coord.waiting_reasons(found)
+        reasons = coord.jobs.waiting_reasons(found)
         return page(request, "jobs.html", jobs=list(zip(found, reasons, strict=True)),
                     states=STATES, state=state if chosen else "", name=name,
-                    machines=coord.machine_names())
+                    machines=coord.machines.names())
 
     def job_id_ok(request: Request, ref: str) -> str:
         """The id of the job `ref` names (an id, or a start of one), among the caller's."""
-        return coord.job_id(ref, owner(user_of(request)))
+        return coord.jobs.job_id(ref, owner(user_of(request)))
 
     @private.get("/jobs/{job_id}", response_class=HTMLResponse)
     def job(request: Request, job_id: str) -> HTMLResponse:
         user = user_of(request)
-        found = coord.get_job(job_id_ok(request, job_id), owner(user))
-        [why] = coord.waiting_reasons([found])
+        found = coord.jobs.get(job_id_ok(request, job_id), owner(user))
+        [why] = coord.jobs.waiting_reasons([found])
         final = found.state in FINAL
-        chunks = coord.job_log_tail(found.id, owner(user))  # the end of a long log
-        shards = (coord.shards(found.id, state=None, after=-1, limit=200, owner=owner(user))
+        chunks = coord.jobs.log_tail(found.id, owner(user))  # the end of a long log
+        shards = (coord.jobs.shards(found.id, state=None, after=-1, limit=200, owner=owner(user))
                   if found.shards_total else [])
-        names = coord.machine_names()
+        names = coord.machines.names()
         return page(request, "job.html", job=found, why=why, final=final,
-                    events=coord.job_events(found.id, owner(user)),
+                    events=coord.jobs.events(found.id, owner(user)),
                     machine=names.get(found.machine_id or "", found.machine_id or ""),
-                    checkpoints=coord.checkpoints(found.id, owner(user)),
+                    checkpoints=coord.jobs.checkpoints(found.id, owner(user)),
                     shards=shards, shard_keys=_result_keys(shards),
                     build_log=_tail("".join(c.text for c in chunks if c.stream == "build")),
                     run_log=_tail("".join(c.text for c in chunks if c.stream != "build")),
@@ -214,7 +214,7 @@ def create_console(coord: Coordinator) -> FastAPI:
         has ended and every chunk was sent. A reconnect resumes after Last-Event-ID."""
         user = user_of(request)
         job_id = await run_in_threadpool(job_id_ok, request, job_id)
-        await run_in_threadpool(coord.get_job, job_id, owner(user))  # NotFound before 200
+        await run_in_threadpool(coord.jobs.get, job_id, owner(user))  # NotFound before 200
         last = request.headers.get("last-event-id", "")
         start = int(last) if last.isdigit() and len(last) < 19 else after
         return StreamingResponse(_events(request, job_id, start, owner(user),
@@ -225,8 +225,8 @@ def create_console(coord: Coordinator) -> FastAPI:
     async def _events(request: Request, job_id: str, after: int, who: str | None,
                       session: str) -> AsyncIterator[str]:
         seen = ""
-        told = len(await run_in_threadpool(coord.job_events, job_id, who))  # on the page
-        names = await run_in_threadpool(coord.machine_names)
+        told = len(await run_in_threadpool(coord.jobs.events, job_id, who))  # on the page
+        names = await run_in_threadpool(coord.machines.names)
         quiet = 0.0
         checked = asyncio.get_running_loop().time()
         while not await request.is_disconnected():
@@ -235,13 +235,13 @@ def create_console(coord: Coordinator) -> FastAPI:
                     yield "event: signed-out\ndata: {}\n\n"
                     return
                 checked = asyncio.get_running_loop().time()
-            found, chunks = await run_in_threadpool(coord.job_logs, job_id, after_id=after,
+            found, chunks = await run_in_threadpool(coord.jobs.logs, job_id, after_id=after,
                                                     stream=None, owner=who)
             for c in chunks:
                 after = c.id
                 yield _sse("log", {"stream": c.stream, "attempt": c.attempt, "text": c.text}, c.id)
-            [why] = await run_in_threadpool(coord.waiting_reasons, [found])
-            history = await run_in_threadpool(coord.job_events, job_id, who)
+            [why] = await run_in_threadpool(coord.jobs.waiting_reasons, [found])
+            history = await run_in_threadpool(coord.jobs.events, job_id, who)
             if len(history) > told:  # the attempts table follows too
                 rows = [{"at": e.at.strftime("%H:%M:%S"), "iso": e.at.isoformat(),
                          "attempt": e.attempt, "kind": e.kind, "detail": e.detail}
@@ -251,7 +251,7 @@ def create_console(coord: Coordinator) -> FastAPI:
                 told = len(history)
             machine = found.machine_id or ""
             if machine and machine not in names:  # a machine that joined since
-                names = await run_in_threadpool(coord.machine_names)
+                names = await run_in_threadpool(coord.machines.names)
             state = json.dumps({"state": found.state.value, "attempt": found.attempt,
                                 "max_attempts": found.max_attempts,
                                 "machine": names.get(machine, machine),
@@ -274,7 +274,7 @@ def create_console(coord: Coordinator) -> FastAPI:
 
     @private.post("/jobs/{job_id}/cancel")
     def cancel(request: Request, job_id: str) -> Response:
-        found = coord.cancel(job_id_ok(request, job_id), owner(user_of(request)))
+        found = coord.jobs.cancel(job_id_ok(request, job_id), owner(user_of(request)))
         return RedirectResponse(f"{request.scope.get('root_path', '')}/jobs/{found.id}"
                                 "?done=cancelled", 303)
 
@@ -282,7 +282,7 @@ def create_console(coord: Coordinator) -> FastAPI:
     def checkpoint(request: Request, job_id: str,
                    epoch: Annotated[int, PathParam(ge=0, le=2**31)]) -> StreamingResponse:
         """One of the job's checkpoints, for its owner to keep (as the hooks packed it)."""
-        found, chunks = coord.open_checkpoint(job_id_ok(request, job_id), epoch,
+        found, chunks = coord.jobs.open_checkpoint(job_id_ok(request, job_id), epoch,
                                               owner(user_of(request)))
         return StreamingResponse(chunks, media_type="application/gzip", headers={
             "content-disposition":
@@ -290,7 +290,7 @@ def create_console(coord: Coordinator) -> FastAPI:
 
     @private.get("/jobs/{job_id}/output")
     def output(request: Request, job_id: str) -> StreamingResponse:
-        found, chunks = coord.open_output(job_id_ok(request, job_id), owner(user_of(request)))
+        found, chunks = coord.jobs.open_output(job_id_ok(request, job_id), owner(user_of(request)))
         return StreamingResponse(chunks, media_type="application/gzip", headers={
             "content-disposition": f'attachment; filename="{found.id}-output.tar.gz"'})
 
@@ -322,7 +322,7 @@ def create_console(coord: Coordinator) -> FastAPI:
                 context.close()
             return page(request, "submit.html", 422, errors=errors, values=values)
         try:
-            found, _created = await run_in_threadpool(coord.submit, spec, context, user.app_id)
+            found, _created = await run_in_threadpool(coord.jobs.submit, spec, context, user.app_id)
         except InvalidInput as e:
             return page(request, "submit.html", 422, errors={forms.field_of(str(e)): str(e)},
                         values=values)
@@ -343,13 +343,13 @@ def create_console(coord: Coordinator) -> FastAPI:
     @private.get("/machines", response_class=HTMLResponse)
     def machines(request: Request) -> HTMLResponse:
         admin(request)
-        found = coord.machines()
+        found = coord.machines.all()
         order = {"pending": 0, "approved": 1, "revoked": 2}
         found.sort(key=lambda m: (order.get(m.status.value, 3), m.name))
-        online = {m.id: m for m in coord.online_machines()}
+        online = {m.id: m for m in coord.machines.online()}
         recent = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=30)
         drawn: dict[str, list[charts.Chart]] = {}
-        for chart in charts.charts(coord.store.gpu_history.since(CHART_MINUTES)):
+        for chart in charts.charts(coord.machines.gpu_history(CHART_MINUTES)):
             drawn.setdefault(chart.machine_id, []).append(chart)
         return page(request, "machines.html", machines=found, online=online, recent=recent,
                     charts=drawn, minutes=CHART_MINUTES)
@@ -357,14 +357,14 @@ def create_console(coord: Coordinator) -> FastAPI:
     @private.post("/machines/{ref}/approve")
     def approve(request: Request, ref: str) -> Response:
         admin(request)
-        coord.approve_machine(ref)
+        coord.machines.approve(ref)
         return RedirectResponse(f"{request.scope.get('root_path', '')}/machines?done=approved",
                                 303)
 
     @private.post("/machines/{ref}/revoke")
     def revoke(request: Request, ref: str) -> Response:
         admin(request)
-        coord.revoke_machine(ref)
+        coord.machines.revoke(ref)
         return RedirectResponse(f"{request.scope.get('root_path', '')}/machines?done=revoked",
                                 303)
 

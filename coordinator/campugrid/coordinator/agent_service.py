@@ -25,14 +25,12 @@ from campugrid.coordinator.answers import answer
 from campugrid.coordinator.apps import Nonces
 from campugrid.coordinator.gpu_history import GpuMemory
 from campugrid.coordinator.machines import MachineRecord, Status
-from campugrid.coordinator.metrics import CoordinatorMetrics
 from campugrid.coordinator.mirrors import PREFIX as MIRRORS_PREFIX
 from campugrid.coordinator.mirrors import MirrorTokens
 from campugrid.coordinator.scheduler import GpuView, MachineView
 from campugrid.coordinator.service import Coordinator
 from campugrid.coordinator.views import HoldKind, HoldRef, ShardResult, ShardTask
-from campugrid.coordinator.views import Lease as Granted
-from campugrid.coordinator.wakeup import MAX_HOLD_S, MIN_GAP_S, RECHECK_S
+from campugrid.coordinator.wakeup import MAX_HOLD_S
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
 from campugrid.protocol import keys, logs
@@ -135,8 +133,8 @@ class AgentService(pb_grpc.AgentServiceServicer):
         self._mirror_tokens = MirrorTokens(settings.registry_dir) \
             if self._mirrors or egress_url else None
         self._mirror_pem = rest_pem  # REST's certificate, when it serves TLS (our own)
-        self.metrics = CoordinatorMetrics.of(coord)
-        self._limiter = coord.store.limiter  # shared by every coordinator process
+        self.metrics = coord.metrics
+        self._limiter = coord.limiter  # shared by every coordinator process
         self._register_limit = RateLimitItemPerMinute(register_per_minute)
 
     @staticmethod
@@ -174,10 +172,10 @@ class AgentService(pb_grpc.AgentServiceServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           "too many registrations from this address; wait a minute")
         key = str(dict(context.invocation_metadata()).get(KEY_HEADER, ""))
-        record = self._guard(context, lambda: self.coord.register_machine(
+        record = self._guard(context, lambda: self.coord.machines.register(
             request.name, key, address))
         if request.HasField("capabilities"):
-            self.coord.heartbeat(record.id, _caps(request.capabilities), None)
+            self.coord.machines.heartbeat(record.id, _caps(request.capabilities), None)
         return pb.RegisterReply(machine_id=record.id, status=record.status.value,
                                 fingerprint=record.fingerprint)
 
@@ -185,13 +183,13 @@ class AgentService(pb_grpc.AgentServiceServicer):
         machine = self._machine(context, pending_ok=True)
         if request.HasField("capabilities"):
             c = request.capabilities
-            self.coord.heartbeat(machine, _caps(c),
+            self.coord.machines.heartbeat(machine, _caps(c),
                                  MachineView(machine, "", _gpus(c.gpus), c.gpu_isolation))
             record = _CALLER.get()
             if record is not None and record.status is Status.APPROVED:  # not a stranger's
-                self.coord.note_memory(machine, _memory(c.gpus))
+                self.coord.machines.note_memory(machine, _memory(c.gpus))
         else:
-            self.coord.heartbeat(machine, None, None)
+            self.coord.machines.heartbeat(machine, None, None)
         return pb.HeartbeatReply()
 
     def Lease(self, request: pb.LeaseRequest, context: grpc.ServicerContext) -> pb.LeaseReply:
@@ -210,12 +208,13 @@ class AgentService(pb_grpc.AgentServiceServicer):
                             shares=frozenset(x[:64] for x in request.shares[:MAX_SHARES]),
                             cpus=_size(request.cpus), memory_mb=_size(request.memory_mb),
                             disk_mb=_size(request.disk_mb))
-        self.coord.note_memory(machine, _memory(request.gpus))
-        seen = self.coord.work.generation
-        lease, took = self._claim(context, machine, offer)
+        self.coord.machines.note_memory(machine, _memory(request.gpus))
+        leasing, seen = self.coord.leasing, self.coord.work.generation
+        lease, took = self._guard(context, lambda: leasing.timed_lease(machine, offer))
         if lease is None and request.wait_ms > 0:
-            lease, took = self._held(context, machine, offer, seen,
-                                     min(request.wait_ms / 1000, MAX_HOLD_S), took)
+            lease, took = self._guard(context, lambda: leasing.wait_for_work(
+                machine, offer, seen, min(request.wait_ms / 1000, MAX_HOLD_S), took,
+                still_wanted=context.is_active, on_full=self.metrics.holds_full.inc))
         if lease is None:
             return pb.LeaseReply(has_task=False), None, took
         job, hold = lease.job, lease.hold
@@ -236,34 +235,6 @@ class AgentService(pb_grpc.AgentServiceServicer):
             shard=_shard_pb(lease.shard), bases=self._bases_pb(job.bases, machine),
             mirrors=self._mirrors_pb(machine),
         ), first, took
-
-    def _claim(self, context: grpc.ServicerContext, machine: str,
-               offer: MachineView) -> tuple[Granted | None, float]:
-        """A lease for this machine, if any, and how long finding it took."""
-        began = time.perf_counter()
-        lease = self._guard(context, lambda: self.coord.lease(machine, offer))
-        return lease, time.perf_counter() - began
-
-    def _held(self, context: grpc.ServicerContext, machine: str, offer: MachineView,
-              seen: int, wait_s: float, took: float) -> tuple[Granted | None, float]:
-        """Wait up to `wait_s` for work this machine can hold, from notification `seen`
-        (coordinator/wakeup.py): the lease, or None; and how long the last claim took."""
-        work, deadline = self.coord.work, time.monotonic() + wait_s
-        with work.hold() as placed:
-            if not placed:
-                self.metrics.holds_full.inc()
-            while placed:
-                seen = work.wait(seen, min(RECHECK_S, deadline - time.monotonic()))
-                # Gone, out of time, or revoked meanwhile (the call's check was at its start):
-                # claim nothing that nobody would run.
-                if not context.is_active() or time.monotonic() >= deadline or \
-                        self.coord.machine(machine).status is not Status.APPROVED:
-                    break
-                lease, took = self._claim(context, machine, offer)
-                if lease is not None:
-                    return lease, took
-                time.sleep(max(0.0, min(MIN_GAP_S, deadline - time.monotonic())))
-        return None, took
 
     def _mirrors_pb(self, machine: str) -> list[pb.Mirror]:
         """The package caches, with a token for this machine (coordinator/mirrors.py)."""
@@ -293,7 +264,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
         machine = self._machine(context)
         phase = JobState.RUNNING if request.phase == "running" else JobState.BUILDING
         try:
-            lease_s = self._guard(context, lambda: self.coord.renew(
+            lease_s = self._guard(context, lambda: self.coord.leasing.renew(
                 _hold(request, machine), phase))
         except (StaleAttempt, IllegalTransition) as e:
             return pb.RenewReply(keep_going=False, reason=str(e))
@@ -302,7 +273,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
     def ReportLogs(self, request: pb.LogsRequest, context: grpc.ServicerContext) -> pb.LogsReply:
         machine = self._machine(context)
         try:
-            self._guard(context, lambda: self.coord.report_logs(
+            self._guard(context, lambda: self.coord.leasing.report_logs(
                 _hold(request, machine), request.stream, request.seq, request.text))
         except (StaleAttempt, IllegalTransition):
             return pb.LogsReply(accepted=False)
@@ -311,7 +282,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
     def Complete(self, request: pb.CompleteRequest, context: grpc.ServicerContext) -> pb.CompleteReply:
         machine = self._machine(context)
         try:
-            self._guard(context, lambda: self.coord.complete(
+            self._guard(context, lambda: self.coord.leasing.complete(
                 _hold(request, machine), succeeded=request.succeeded,
                 exit_code=request.exit_code, reason=request.reason or None,
                 result=request.result or None, output_uploaded=request.output_uploaded,
@@ -326,7 +297,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
                         context: grpc.ServicerContext) -> pb.BeginCheckpointReply:
         machine = self._machine(context)
         try:
-            up = self._guard(context, lambda: self.coord.begin_checkpoint(
+            up = self._guard(context, lambda: self.coord.leasing.begin_checkpoint(
                 _hold(request, machine), request.epoch, request.size))
         except (StaleAttempt, IllegalTransition) as e:
             return pb.BeginCheckpointReply(accepted=False, reason=str(e))
@@ -337,7 +308,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
                          context: grpc.ServicerContext) -> pb.RecordCheckpointReply:
         machine = self._machine(context)
         try:
-            self._guard(context, lambda: self.coord.record_checkpoint(
+            self._guard(context, lambda: self.coord.leasing.record_checkpoint(
                 _hold(request, machine), epoch=request.epoch,
                 key=request.key, upload_id=request.upload_id, etags=list(request.etags),
                 size=request.size, sha256=request.sha256))
@@ -349,7 +320,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
     def Release(self, request: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseReply:
         machine = self._machine(context)
         try:
-            self._guard(context, lambda: self.coord.release(
+            self._guard(context, lambda: self.coord.leasing.release(
                 _hold(request, machine), request.reason,
                 failed=request.failed, cannot_run_here=request.cannot_run_here))
         except (StaleAttempt, IllegalTransition) as e:
@@ -368,7 +339,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
             done = ShardResult(d.index, d.succeeded, d.exit_code, d.result_json or None,
                                d.reason[:4000] or None)
         try:
-            task = self._guard(context, lambda: self.coord.next_shard(
+            task = self._guard(context, lambda: self.coord.leasing.next_shard(
                 _hold(request, machine), done))
         except (StaleAttempt, IllegalTransition) as e:
             return pb.NextShardReply(accepted=False, reason=str(e))
@@ -417,7 +388,7 @@ class SignedCalls(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc is unty
     def __init__(self, coord: Coordinator, nonces: Nonces) -> None:
         self.coord = coord
         self.nonces = nonces
-        self.metrics = CoordinatorMetrics.of(coord)
+        self.metrics = coord.metrics
 
     def intercept_service(self, continuation: Any, details: Any) -> Any:
         handler = continuation(details)
@@ -464,7 +435,7 @@ class SignedCalls(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc is unty
             machine_id = md.get(MACHINE_HEADER, "")
             signer = machine_id
             try:
-                record = self.coord.machine(machine_id)
+                record = self.coord.machines.get(machine_id)
             except Unauthenticated as e:
                 refuse(grpc.StatusCode.UNAUTHENTICATED, str(e), machine_id[:40], "unknown_key")
             assert record is not None

@@ -19,7 +19,7 @@ from campugrid.coordinator.answers import answer, http_headers
 from campugrid.coordinator.apps import AppView
 from campugrid.coordinator.auth import Guard, RateLimits, SignedRequests
 from campugrid.coordinator.machines import MachineRecord
-from campugrid.coordinator.metrics import CONTENT_TYPE, CoordinatorMetrics, TokenView
+from campugrid.coordinator.metrics import CONTENT_TYPE, TokenView
 from campugrid.coordinator.mirrors import PREFIX as MIRRORS_PREFIX
 from campugrid.coordinator.mirrors import MirrorTokens, create_mirrors
 from campugrid.coordinator.scheduler import MachineView
@@ -322,10 +322,10 @@ def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
     `public_url` are how agents and apps reach it (for the join and login commands)."""
     app = FastAPI(title="campugrid", version="1", summary="Sandboxed GPU jobs on idle machines")
     app.add_middleware(AboutJob)
-    guard = Guard(coord.store.limiter, limits)
-    meter = CoordinatorMetrics.of(coord)
+    guard = Guard(coord.limiter, limits)
+    meter = coord.metrics
     guard.on_refusal = lambda why: meter.refused("rest", why)
-    app.add_middleware(SignedRequests, apps=coord.store.apps, nonces=coord.store.nonces,
+    app.add_middleware(SignedRequests, apps=coord.apps.keys, nonces=coord.apps.nonces,
                        guard=guard, allow_unsigned=allow_unsigned)
 
     @app.exception_handler(CampugridError)
@@ -367,23 +367,23 @@ def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
         else:
             parsed = JobSpec.from_json(spec or "{}")
         # The upload is spooled to disk by the multipart parser: checked and stored from there.
-        job, created = coord.submit(parsed, context.file, who.id)
+        job, created = coord.jobs.submit(parsed, context.file, who.id)
         return JSONResponse(JobOut.of(job).model_dump(mode="json"),
                             status_code=201 if created else 200)
 
     @app.get("/v1/jobs", response_model=list[JobOut])
     def list_jobs(who: Caller, state: JobState | None = None,
                   limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> list[JobOut]:
-        jobs = coord.list_jobs(state, limit, owner_of(who))
+        jobs = coord.jobs.list_jobs(state, limit, owner_of(who))
         return [JobOut.of(j, waiting_reason=why)
-                for j, why in zip(jobs, coord.waiting_reasons(jobs), strict=True)]
+                for j, why in zip(jobs, coord.jobs.waiting_reasons(jobs), strict=True)]
 
     @app.get("/v1/jobs/{job_id}", response_model=JobOut)
     def get_job(job_id: str, who: Caller) -> JobOut:
-        job = coord.get_job(coord.job_id(job_id, owner_of(who)), owner_of(who))
+        job = coord.jobs.get(coord.jobs.job_id(job_id, owner_of(who)), owner_of(who))
         events = [EventOut(at=e.at, attempt=e.attempt, kind=e.kind, detail=e.detail)
-                  for e in coord.job_events(job.id, owner_of(who))]
-        [why] = coord.waiting_reasons([job])
+                  for e in coord.jobs.events(job.id, owner_of(who))]
+        [why] = coord.jobs.waiting_reasons([job])
         return JobOut.of(job, events, why)
 
     @app.get("/v1/jobs/{job_id}/shards", response_model=list[ShardOut])
@@ -394,17 +394,18 @@ def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
                limit: Annotated[int, Query(ge=1, le=10_000)] = 1000) -> list[ShardOut]:
         """A sharded job's shards in index order, with their results; page with `after`
         (the last index seen)."""
-        return [ShardOut(**dataclasses.asdict(v)) for v in coord.shards(
-            coord.job_id(job_id, owner_of(who)), state=state, after=after, limit=limit, owner=owner_of(who))]
+        return [ShardOut(**dataclasses.asdict(v)) for v in coord.jobs.shards(
+            coord.jobs.job_id(job_id, owner_of(who)), state=state, after=after, limit=limit,
+            owner=owner_of(who))]
 
     @app.post("/v1/jobs/{job_id}/cancel", response_model=JobOut)
     def cancel(job_id: str, who: Caller) -> JobOut:
-        return JobOut.of(coord.cancel(coord.job_id(job_id, owner_of(who)), owner_of(who)))
+        return JobOut.of(coord.jobs.cancel(coord.jobs.job_id(job_id, owner_of(who)), owner_of(who)))
 
     @app.get("/v1/jobs/{job_id}/logs", response_model=LogsOut)
     def logs(job_id: str, who: Caller, after: Annotated[int, Query(ge=0, le=2**62)] = 0,
              stream: Annotated[str | None, Query(pattern="^(build|run)$")] = None) -> LogsOut:
-        job, chunks = coord.job_logs(coord.job_id(job_id, owner_of(who)), after_id=after, stream=stream,
+        job, chunks = coord.jobs.logs(coord.jobs.job_id(job_id, owner_of(who)), after_id=after, stream=stream,
                                      owner=owner_of(who))
         state = job.state
         return LogsOut(
@@ -415,7 +416,7 @@ def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
     @app.get("/v1/jobs/{job_id}/output", response_class=StreamingResponse,
              responses={200: {"content": {"application/gzip": {}}}})
     def output(job_id: str, who: Caller) -> StreamingResponse:
-        job, stream = coord.open_output(coord.job_id(job_id, owner_of(who)), owner_of(who))
+        job, stream = coord.jobs.open_output(coord.jobs.job_id(job_id, owner_of(who)), owner_of(who))
         return StreamingResponse(stream, media_type="application/gzip", headers={
             "content-disposition": f'attachment; filename="{job.id}-output.tar.gz"'})
 
@@ -423,7 +424,7 @@ def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
     def upload(body: UploadIn, who: Caller) -> UploadOut:
         """A ticket for one file that exists nowhere else: good for that file (its size and
         sha256), one job and about ten minutes; the file is deleted after the job."""
-        up, url = coord.create_upload(who.id, body.filename, body.size, body.sha256)
+        up, url = coord.inputs.create_upload(who.id, body.filename, body.size, body.sha256)
         return UploadOut(ticket=up.ticket, url=url, expires_at=up.expires_at)
 
     @app.get("/v1/shares", response_model=list[ShareOut])
@@ -434,7 +435,7 @@ def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
         return [ShareOut(name=name, files=[SharedFileOut(path=p, size=size, sha256=sha,
                                                          machines=n)
                                            for (p, size, sha), n in sorted(files.items())])
-                for name, files in sorted(coord.shared().items())]
+                for name, files in sorted(coord.machines.shared().items())]
 
     # --- who may call: apps, invites, machines -------------------------------------------------
 
@@ -447,17 +448,17 @@ def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
         """Redeem a one-time invite with a public key made on the new app's side."""
         address = (request.client.host if request.client else "?")
         try:
-            return AppOut.of(coord.redeem_invite(body.invite.strip(), body.public_key))
+            return AppOut.of(coord.apps.redeem(body.invite.strip(), body.public_key))
         except Unauthenticated as e:
             raise guard.failed(address, "", str(e), why="invite") from e
 
     @app.get("/v1/apps", response_model=list[AppOut])
     def list_apps(_: Admin) -> list[AppOut]:
-        return [AppOut.of(a) for a in coord.apps()]
+        return [AppOut.of(a) for a in coord.apps.all()]
 
     @app.post("/v1/apps/invites", status_code=201, response_model=InviteOut)
     def invite(body: InviteIn, who: Admin, request: Request) -> InviteOut:
-        code, expires = coord.invite_app(body.name, who, admin=body.admin)
+        code, expires = coord.apps.invite(body.name, who, admin=body.admin)
         server = public_url or str(request.base_url).rstrip("/")
         command = f"campugrid login {server} --invite {code}"
         if server.startswith("https://"):
@@ -467,12 +468,12 @@ def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
 
     @app.post("/v1/apps/{name}/revoke", response_model=AppOut)
     def revoke_app(name: str, who: Admin) -> AppOut:
-        return AppOut.of(coord.revoke_app(name, who))
+        return AppOut.of(coord.apps.revoke(name, who))
 
     @app.get("/v1/machines", response_model=list[MachineOut])
     def list_machines(_: Admin) -> list[MachineOut]:
-        online = {v.id: v for v in coord.online_machines()}
-        return [MachineOut.of(m, online.get(m.id)) for m in coord.machines()]
+        online = {v.id: v for v in coord.machines.online()}
+        return [MachineOut.of(m, online.get(m.id)) for m in coord.machines.all()]
 
     @app.get("/v1/machines/join", response_model=JoinOut)
     def join(_: Admin) -> JoinOut:
@@ -481,11 +482,11 @@ def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
 
     @app.post("/v1/machines/{ref}/approve", response_model=MachineOut)
     def approve(ref: str, _: Admin) -> MachineOut:
-        return MachineOut.of(coord.approve_machine(ref))
+        return MachineOut.of(coord.machines.approve(ref))
 
     @app.post("/v1/machines/{ref}/revoke", response_model=MachineOut)
     def revoke_machine(ref: str, _: Admin) -> MachineOut:
-        machine, _requeued = coord.revoke_machine(ref)
+        machine, _requeued = coord.machines.revoke(ref)
         return MachineOut.of(machine)
 
     @app.get("/v1/users", response_model=list[UserOut])
@@ -551,6 +552,6 @@ def create_app(coord: Coordinator, *, allow_unsigned: bool = False,
         app.mount(MIRRORS_PREFIX, create_mirrors(
             MirrorTokens(settings.registry_dir),
             pypi_dir=Path(settings.pip_mirror_dir) if settings.pip_mirror_dir else None,
-            apt_address=settings.apt_cache, machine=coord.machine, guard=guard))
+            apt_address=settings.apt_cache, machine=coord.machines.get, guard=guard))
     return app
 

@@ -13,10 +13,7 @@ import hashlib
 import hmac
 import logging
 import secrets
-import threading
-import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -32,9 +29,6 @@ from campugrid.coordinator.views import utcnow
 from campugrid.coordinator.wakeup import Wakeup
 from campugrid.protocol.errors import Conflict, Unauthenticated
 from campugrid.protocol.states import JobState
-
-if TYPE_CHECKING:
-    from campugrid.coordinator.service import Coordinator
 
 log = logging.getLogger("campugrid.coordinator.metrics")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -169,15 +163,6 @@ class CoordinatorMetrics:
         r.register(_FromDatabase(db))
         ProcessCollector(registry=r)  # the coordinator's own CPU and memory
 
-    @classmethod
-    def of(cls, coord: Coordinator) -> CoordinatorMetrics:
-        """The metrics of this coordinator: its REST app and its gRPC service share them."""
-        with _LOCK:
-            found = _BY_COORDINATOR.get(coord)
-            if found is None:
-                found = _BY_COORDINATOR[coord] = cls(coord.store.db, coord.work)
-            return found
-
     def leased(self, seconds: float, first_queued_at: dt.datetime | None, handed_out: bool) -> None:
         """One Lease call answered in `seconds`; `first_queued_at` is the submit time of a job
         leased for the first time (its wait in the queue ends now)."""
@@ -198,9 +183,3 @@ class CoordinatorMetrics:
         Unauthenticated)."""
         self.tokens.check(bearer(authorization))
         return generate_latest(self.registry)
-
-
-# Weak: a coordinator that is closed and dropped takes its metrics with it (tests make many).
-_BY_COORDINATOR: weakref.WeakKeyDictionary[Coordinator, CoordinatorMetrics] = (
-    weakref.WeakKeyDictionary())
-_LOCK = threading.Lock()

@@ -99,21 +99,17 @@ def _reap(coord: Coordinator, lead: Leadership, stop: threading.Event, every_s: 
             leading = True
             # Agents could not renew while no leader (or no coordinator) was up: one lease
             # to reach us again before anything expires.
-            extended = coord.extend_active_leases()
+            extended = coord.leasing.extend_active_leases()
             log.info("this process runs the lease reaper now (%d running jobs get one lease "
                      "to reconnect)", extended)
         rounds += 1
         try:
-            for job_id in coord.requeue_expired():
+            for job_id in coord.leasing.requeue_expired():
                 log.warning("lease expired: job %s", job_id)
             if rounds % 8 == 0:  # the uploads of ended jobs, and expired tickets
-                coord.sweep_uploads()
+                coord.inputs.sweep_uploads()
             if rounds % 64 == 0:  # now and then: spent nonces, machines never approved
-                coord.store.nonces.prune()
-                coord.store.counters.prune()
-                coord.store.machines.expire_pending()
-                coord.store.gpu_history.prune()
-                coord.users.prune_sessions()
+                coord.housekeeping()
                 coord.images.collect(dt.timedelta(seconds=coord.settings.image_keep_seconds))
         except CampugridError:
             log.exception("lease reaper")
@@ -136,11 +132,11 @@ def start(settings: Settings) -> Running:
                              f"address only, not {settings.http_host}")
     coord = build(settings)
     cert = ensure_certificate(settings.tls_dir)
-    lead = leadership(coord.store.engine)
-    relayed = relay(coord.store.engine, coord.work)
+    lead = leadership(coord.engine)
+    relayed = relay(coord.engine, coord.work)
     # 32 threads for calls, and one more for each Lease that may be held waiting for work
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32 + coord.work.max_held),
-                         interceptors=[SignedCalls(coord, coord.store.nonces), AboutJob()])
+                         interceptors=[SignedCalls(coord, coord.apps.nonces), AboutJob()])
     rest_tls = not local_rest if settings.rest_tls is None else settings.rest_tls
     scheme = "https" if rest_tls else "http"
     url = settings.public_url or f"{scheme}://{_host(settings.http_host)}:{settings.http_port}"
@@ -181,8 +177,8 @@ def start_egress(coord: Coordinator, settings: Settings, cert: Certificate,
     if tls:
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         context.load_cert_chain(cert.cert_file, cert.key_file)
-    check = egress_check(MirrorTokens(settings.registry_dir), coord.machine,
-                         Guard(coord.store.limiter))
+    check = egress_check(MirrorTokens(settings.registry_dir), coord.machines.get,
+                         Guard(coord.limiter))
 
     def record(rec: Record) -> None:
         log.info("egress: %s", rec.line().removeprefix("[egress] "))
@@ -206,7 +202,7 @@ def _ours(coord: Coordinator, path: Path) -> bool | None:
         identity = Identity.load(path)
     except CampugridError:
         return None
-    app = coord.store.apps.get(identity.app_id)
+    app = coord.apps.get(identity.app_id)
     return app is not None and app.admin and app.revoked_at is None
 
 
@@ -224,14 +220,14 @@ def ensure_admin(coord: Coordinator, settings: Settings, url: str, pin: str) -> 
         path = settings.state_dir / "admin-identity.json"
         if _ours(coord, path):
             return None
-    elif settings.admin_identity is None and coord.store.apps.any_admin():
+    elif settings.admin_identity is None and coord.apps.any_admin():
         return None  # not the first start, and nobody asked for an identity there
     key_file = path.with_name(path.stem + ".key")
     key = keys.Ed25519PrivateKey.generate()
     keys.write_private(key_file, key)
     name = f"admin-{socket.gethostname()}-{secrets.token_hex(3)}".lower()[:60]
     name = "".join(c if c.isalnum() or c in "._-" else "-" for c in name)
-    app = coord.store.apps.create(name, keys.public_text(key), admin=True)
+    app = coord.apps.create_admin(name, keys.public_text(key))
     Identity(url, app.id, app.name, key_file, pin if url.startswith("https://") else "",
              admin=True).save(path)
     log.warning("admin identity %r made for the local user: key in %s, identity %s; invite "
