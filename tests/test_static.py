@@ -50,6 +50,13 @@ FORBIDDEN = (
     ("campugrid.hooks", "campugrid.sandbox"),
     ("campugrid.hooks", "campugrid.builders"),
 )
+# What lives in coordinator/ imports nothing of the machine's side: the agent's own commands
+# are mounted by name (campugrid/cli/main.py), the process guards are campugrid.guards.
+COORDINATOR_SIDE = ("campugrid.cli", "campugrid.client", "campugrid.console",
+                    "campugrid.coordinator", "campugrid.egress", "campugrid.guards",
+                    "campugrid.protocol")
+FORBIDDEN += tuple((side, machine) for side in COORDINATOR_SIDE
+                   for machine in ("campugrid.agent", "campugrid.sandbox", "campugrid.builders"))
 # Exceptions to FORBIDDEN: what a job may hand a builder is checked at submit too.
 ALLOWED = (("campugrid.coordinator", "campugrid.builders.policy"),
            ("campugrid.builders.policy", "campugrid.builders.policy"))

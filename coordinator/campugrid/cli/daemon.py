@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import ClassVar
 
 from campugrid.cli.seaweed import end_group, end_processes, guard_group, start_time
+from campugrid.guards import release_guard
 from campugrid.protocol.errors import StorageError
-from campugrid.sandbox.process import release_guard
 
 log = logging.getLogger(__name__)
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -15,57 +15,49 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
-from campugrid.agent.install import AGENT_DIR
 from campugrid.cli import specfile
 from campugrid.cli.follow import follow as follow_job
 from campugrid.cli.follow import log_text
 from campugrid.cli.metrics import metrics_app
-from campugrid.cli.output import Json, Transfers, emit, emit_array, emit_line, interactive
-from campugrid.cli.provider import provider_app
+from campugrid.cli.output import (
+    Json,
+    LogFormat,
+    Transfers,
+    emit,
+    emit_array,
+    emit_line,
+    fail,
+    interactive,
+    log_as,
+)
 from campugrid.cli.show import job_text, machine_line
 from campugrid.cli.users import users_app
 from campugrid.protocol.errors import CampugridError, InvalidInput
-from campugrid.protocol.logs import configure as configure_logging
-from campugrid.protocol.spec import LIMITS, JobSpec
+from campugrid.protocol.spec import JobSpec
 
 # Completion: `campugrid --install-completion` (bash, zsh, fish, PowerShell).
 app = typer.Typer(no_args_is_help=True, add_completion=True, help=__doc__)
 coordinator_app = typer.Typer(no_args_is_help=True, help="Run the coordinator.")
-agent_app = typer.Typer(no_args_is_help=True, help="Run a provider agent.")
 apps_app = typer.Typer(invoke_without_command=True,
                        help="The apps that may submit jobs (admins only); lists them.")
 machines_app = typer.Typer(invoke_without_command=True,
                            help="The provider machines (admins only); lists them.")
 app.add_typer(coordinator_app, name="coordinator")
-app.add_typer(agent_app, name="agent")
 app.add_typer(apps_app, name="apps")
 app.add_typer(machines_app, name="machines")
-app.add_typer(provider_app, name="provider")
 app.add_typer(users_app, name="users")
 app.add_typer(metrics_app, name="metrics")
+# The agent's own commands (`agent run | join`, `provider ...`) live with the agent
+# (provider-agent/campugrid/agent/commands) and are mounted by name, from the entry points the
+# package declares: nothing of the agent is imported here.
+for _command in importlib.metadata.entry_points(group="campugrid.commands"):
+    app.add_typer(_command.load(), name=_command.name)
 
 Server = Annotated[str | None, typer.Option(
     "--server", envvar="CAMPUGRID_SERVER",
     help="The coordinator's REST address (default: the one your identity is for).")]
 DEFAULT_SERVER = None
 
-def _fail(message: str) -> NoReturn:
-    typer.secho(f"error: {message}", fg="red", err=True)
-    raise typer.Exit(2)
-
-
-LogFormat = Annotated[str, typer.Option(
-    "--log-format", envvar="CAMPUGRID_LOG_FORMAT",
-    help="How to log: text, or json (one object per line, for a log system). Lines about a "
-         "job name its id and attempt either way.")]
-
-
-def _logging(fmt: str = "text") -> None:
-    try:
-        configure_logging(fmt)
-    except ValueError as e:
-        _fail(f"--log-format: {e}")
-    os.environ["CAMPUGRID_LOG_FORMAT"] = fmt  # for the processes we start (up's agent)
 
 
 def _api(server: str | None) -> Any:
@@ -167,7 +159,7 @@ def submit(
                        f"`campugrid cancel {short}`", err=True)
             raise typer.Exit(130) from None
     except (CampugridError, OSError, ValueError) as e:  # ValueError: UTF-8
-        _fail(str(e))
+        fail(str(e))
     _finish(job, as_json)
 
 
@@ -177,7 +169,7 @@ def status(job_id: str, server: Server = DEFAULT_SERVER, as_json: Json = False) 
     try:
         job = _api(server).job(job_id)
     except CampugridError as e:
-        _fail(str(e))
+        fail(str(e))
     emit(as_json, job, job_text(job))
 
 
@@ -197,7 +189,7 @@ def logs(job_id: str, follow: Annotated[bool, typer.Option(
             return
         page = api.logs(job_id)
     except CampugridError as e:
-        _fail(str(e))
+        fail(str(e))
     emit(as_json, {"job_id": job_id, **page},
          "\n".join(filter(None, (log_text(c) for c in page["chunks"]))))
 
@@ -218,7 +210,7 @@ def shards(job_id: str,
             typer.echo(json.dumps({k: sh[k] for k in ("index", "state", "result", "reason",
                                                       "exit_code", "cost", "machine_id")}))
     except CampugridError as e:
-        _fail(str(e))
+        fail(str(e))
 
 
 @app.command()
@@ -227,7 +219,7 @@ def cancel(job_id: str, server: Server = DEFAULT_SERVER, as_json: Json = False) 
     try:
         job = _api(server).cancel(job_id)
     except CampugridError as e:
-        _fail(str(e))
+        fail(str(e))
     emit(as_json, job, job_text(job))
 
 
@@ -238,7 +230,7 @@ def jobs(state: Annotated[str | None, typer.Option(help="Only jobs in this state
     try:
         found = _api(server).jobs(state, limit)
     except CampugridError as e:
-        _fail(str(e))
+        fail(str(e))
     emit(as_json, found, "\n".join(
         f"{j['id']}  {j['state']:<10} {j['created_at'][:19]}  {j.get('name') or ''}"
         + (f"  ({j['waiting_reason']})" if j.get("waiting_reason") else "") for j in found))
@@ -251,14 +243,14 @@ def output(job_id: str, to: Annotated[Path, typer.Option("-o", help="Where to sa
 
     Prints its path (--json: path, size and sha256)."""
     if not to.parent.is_dir():
-        _fail(f"-o {to}: the folder {to.parent} does not exist; create it or save elsewhere")
+        fail(f"-o {to}: the folder {to.parent} does not exist; create it or save elsewhere")
     if to.is_dir():
-        _fail(f"-o {to}: that is a folder; name the file to save, e.g. -o {to / (job_id + '.tar.gz')}")
+        fail(f"-o {to}: that is a folder; name the file to save, e.g. -o {to / (job_id + '.tar.gz')}")
     try:
         with Transfers(interactive(as_json)) as bars:
             got = _api(server).download_output(job_id, to, progress=bars.bar("downloading"))
     except (CampugridError, OSError) as e:
-        _fail(str(e))
+        fail(str(e))
     emit(as_json, {"job_id": job_id, "path": str(got.path), "size": got.size,
                    "sha256": got.sha256}, str(to))
 
@@ -278,158 +270,17 @@ def coordinator_serve(
     from campugrid.coordinator import server as srv
     from campugrid.coordinator.config import Settings
 
-    _logging(log_format)
+    log_as(log_format)
     settings = Settings.from_env(state_dir, http_host=host, grpc_host=host,
                                  http_port=http_port, grpc_port=grpc_port,
                                  lease_seconds=lease_seconds, admin_identity=admin_identity)
     if not settings.s3_endpoint:
-        _fail("set CAMPUGRID_S3_ENDPOINT, CAMPUGRID_S3_ACCESS_KEY and CAMPUGRID_S3_SECRET_KEY "
+        fail("set CAMPUGRID_S3_ENDPOINT, CAMPUGRID_S3_ACCESS_KEY and CAMPUGRID_S3_SECRET_KEY "
               "(or use `campugrid up`, which starts an embedded S3 server)")
     try:
         srv.serve(settings)
     except CampugridError as e:
-        _fail(str(e))
-
-
-@agent_app.command("run")
-def agent_run(
-    coordinator: Annotated[str | None, typer.Option(
-        help="The coordinator's gRPC address (default: the one this agent joined).")] = None,
-    pin: Annotated[str | None, typer.Option(
-        help="The coordinator certificate's fingerprint: join it now (see `agent join`).")] = None,
-    config: Annotated[Path | None, typer.Option(
-        help="The agent's configuration file (`provider install` writes one); options given "
-             "here win over it.")] = None,
-    state_dir: Annotated[Path | None, typer.Option(
-        help=f"Key, membership and work folders (default: {AGENT_DIR}).")] = None,
-    name: Annotated[str | None, typer.Option(help="This machine's name (default: its host "
-                                                  "name).")] = None,
-    builder: Annotated[str, typer.Option(help="The image builder: buildah or kaniko.")] = "buildah",
-    runtime: Annotated[str, typer.Option(help="The sandbox runtime.")] = "podman-runsc",
-    kaniko_image: Annotated[str, typer.Option(envvar="CAMPUGRID_KANIKO_IMAGE",
-                                              help="Kaniko executor image (a local one).")] = "",
-    once: Annotated[bool, typer.Option(help="Exit after one task.")] = False,
-    gpus: Annotated[str | None, typer.Option(help="GPUs to offer: indexes or UUIDs, comma-separated "
-                                                  "(default: all).")] = None,
-    gpu_reserve_mb: Annotated[int | None, typer.Option(
-        help="GPU memory to always leave free, per GPU.")] = None,
-    protect: Annotated[list[str] | None, typer.Option(
-        help="A program that takes the machine back (a game, a renderer: steam, blender): "
-             "while it runs the job here is handed back after a final checkpoint and no work "
-             "is taken. Repeatable.")] = None,
-    hours: Annotated[str | None, typer.Option(
-        help="When this machine takes new work, local time: HH:MM-HH:MM, comma-separated "
-             "(e.g. 22:00-07:00). Default: any time.")] = None,
-    share: Annotated[list[str] | None, typer.Option(
-        "--share", help="NAME=/folder: let jobs read the files in this folder (read-only, by "
-                        "path inside it and sha256; the folder's place is never reported). "
-                        "Repeatable.")] = None,
-    require_limits: Annotated[str, typer.Option(
-        envvar="CAMPUGRID_REQUIRE_LIMITS",
-        help="Limits this machine must enforce or the agent does not start, comma-separated "
-             f"({', '.join(LIMITS)}).")] = "",
-    metrics_port: Annotated[int | None, typer.Option(
-        min=0, max=65535,
-        help="Serve /metrics on 127.0.0.1 (only) at this port, to the token `campugrid provider "
-             "metrics-token` prints; 0: not at all. Default: 8752.")] = None,
-    image_cache_mb: Annotated[int, typer.Option(
-        min=0, help="Keep images built or pulled through the coordinator's registry, up to "
-                    "this many MB, for later tasks of the same build; 0: never pull another "
-                    "machine's build, always build here.")] = 20480,
-    build_network: Annotated[str, typer.Option(
-        envvar="CAMPUGRID_BUILD_NETWORK",
-        help="Where builds' RUN steps may connect: 'platform' (package registries, through the "
-             "coordinator's egress proxy), 'local' (package registries, from this machine, by "
-             "the same rules) or 'none' (every build offline).")] = "platform",
-    poll_seconds: Annotated[float, typer.Option(
-        envvar="CAMPUGRID_AGENT_POLL_SECONDS",
-        help="How often an idle agent asks the coordinator for work, in seconds.")] = 1.0,
-    log_format: LogFormat = "text",
-) -> None:
-    """Run a provider agent as this (unprivileged) user."""
-    from campugrid.agent import backends, shares
-    from campugrid.agent.buildnet import MODES
-    from campugrid.agent.gpus import GpuPolicy
-    from campugrid.agent.install import AgentConfig
-    from campugrid.agent.metrics import METRICS_PORT
-    from campugrid.agent.owner import Hours, OwnerPolicy
-    from campugrid.agent.worker import Agent, AgentSettings, check_poll_seconds
-    from campugrid.egress.policy import Policy
-
-    _logging(log_format)
-    try:
-        check_poll_seconds(poll_seconds)  # before anything is made
-        if build_network not in MODES:
-            raise CampugridError(f"--build-network {build_network}: one of {', '.join(MODES)}")
-        try:  # the builds' egress settings, checked now rather than at the first build
-            Policy.from_env()
-        except ValueError as e:
-            raise CampugridError(str(e)) from e
-        cfg = AgentConfig.load(config) if config else AgentConfig(state_dir=AGENT_DIR)
-        state_dir = state_dir or (cfg.state_dir if cfg.state_dir != Path() else AGENT_DIR)
-        name = name or cfg.name
-        gpus = gpus if gpus is not None else (",".join(cfg.gpus) if cfg.gpus else None)
-        gpu_reserve_mb = cfg.keep_free_mb if gpu_reserve_mb is None else gpu_reserve_mb
-        protect = protect if protect else list(cfg.protect)
-        hours = hours if hours is not None else (cfg.hours or None)
-        share = share if share else [f"{k}={v}" for k, v in cfg.shares.items()]
-        sandbox, chosen = backends.choose(runtime, builder,
-                                          backends.BackendOptions(kaniko_image=kaniko_image))
-        policy = GpuPolicy(allow=tuple(x.strip() for x in gpus.split(",")) if gpus else None,
-                           reserve_mb=gpu_reserve_mb, protected=tuple(protect or ()))
-        required = tuple(x.strip() for x in require_limits.split(",") if x.strip())
-        owner = OwnerPolicy(hours=Hours.parse(hours) if hours else None,
-                            programs=tuple(protect or ()))
-        agent = Agent(AgentSettings(coordinator=coordinator or "", state_dir=state_dir, name=name,
-                                    poll_seconds=poll_seconds, gpu_policy=policy,
-                                    require_limits=required, pin=pin or "",
-                                    shares=shares.parse(share or []), owner=owner,
-                                    metrics_port=METRICS_PORT if metrics_port is None else metrics_port,
-                                    image_cache_mb=image_cache_mb,
-                                    build_network=build_network),
-                      chosen, sandbox)
-    except CampugridError as e:
-        _fail(str(e))
-    signal.signal(signal.SIGTERM, lambda *_: agent.shutdown())
-    signal.signal(signal.SIGINT, lambda *_: agent.shutdown())
-    agent.run(once=once)
-    if agent.revoked:
-        raise typer.Exit(3)
-
-
-@agent_app.command("join")
-def agent_join(
-    server: Annotated[str, typer.Argument(help="The coordinator's gRPC address (HOST:PORT; several "
-                                               "coordinator processes: HOST:PORT,HOST:PORT).")],
-    pin: Annotated[str, typer.Option(help="The coordinator certificate's fingerprint, as its "
-                                          "operator printed it (SHA256:...).")],
-    state_dir: Annotated[Path, typer.Option(help="Key, membership and work folders.")] = AGENT_DIR,
-    name: Annotated[str, typer.Option(help="This machine's name.")] = socket.gethostname(),
-    as_json: Json = False,
-) -> None:
-    """Join a coordinator: pin its certificate, make this machine's key, register it, and
-    print the fingerprint its owner compares before approving it."""
-    import grpc
-
-    from campugrid.agent.client import CoordinatorClient, Membership
-
-    try:
-        membership = Membership.join(state_dir, server, pin)
-        client = CoordinatorClient(membership)
-        reply = client.register(name)
-        client.close()
-    except CampugridError as e:
-        _fail(str(e))
-    except grpc.RpcError as e:
-        _fail(f"the coordinator refused the registration: {e.details()} ({e.code().name})")
-    text = (f"machine      {reply.machine_id}\nfingerprint  {reply.fingerprint}\n"
-            f"status       {reply.status}")
-    if reply.status == "pending":
-        text += ("\nThe coordinator's operator compares this fingerprint and runs:\n"
-                 f"  campugrid machines approve {reply.machine_id}\n"
-                 f"Then start the agent: campugrid agent run --state-dir {state_dir}")
-    emit(as_json, {"machine_id": reply.machine_id, "fingerprint": reply.fingerprint,
-                   "status": reply.status, "state_dir": str(state_dir)}, text)
+        fail(str(e))
 
 
 # --- identities: login, apps, machines ----------------------------------------------------------
@@ -449,7 +300,7 @@ def login(
     try:
         identity, path = do_login(server, invite, pin)
     except CampugridError as e:
-        _fail(str(e))
+        fail(str(e))
     emit(as_json, {"server": identity.server, "app_id": identity.app_id, "name": identity.name,
                    "admin": identity.admin, "identity": str(path)},
          f"logged in to {identity.server} as app {identity.name!r}"
@@ -463,7 +314,7 @@ def apps_list(ctx: typer.Context, server: Server = DEFAULT_SERVER, as_json: Json
     try:
         found = _api(server).apps()
     except CampugridError as e:
-        _fail(str(e))
+        fail(str(e))
     emit(as_json, found, "\n".join(
         f"{a['name']:<24} {a['fingerprint']}  {'admin' if a['admin'] else 'app':<5}  "
         + (f"revoked {a['revoked_at'][:19]}" if a["revoked_at"] else "active") for a in found))
@@ -476,7 +327,7 @@ def apps_invite(name: str, admin: Annotated[bool, typer.Option(help="An admin ap
     try:
         inv = _api(server).invite(name, admin)
     except CampugridError as e:
-        _fail(str(e))
+        fail(str(e))
     emit(as_json, inv, f"invite for {inv['name']!r}, single use, until {inv['expires_at'][:19]} "
                        f"UTC:\n  {inv['command']}")
 
@@ -487,7 +338,7 @@ def apps_revoke(name: str, server: Server = DEFAULT_SERVER, as_json: Json = Fals
     try:
         a = _api(server).revoke_app(name)
     except CampugridError as e:
-        _fail(str(e))
+        fail(str(e))
     emit(as_json, a, f"revoked {a['name']} ({a['fingerprint']})")
 
 
@@ -499,7 +350,7 @@ def machines_list(ctx: typer.Context, server: Server = DEFAULT_SERVER,
     try:
         found = _api(server).machines()
     except CampugridError as e:
-        _fail(str(e))
+        fail(str(e))
     emit(as_json, found, "\n".join(machine_line(m) for m in found))
 
 
@@ -509,7 +360,7 @@ def machines_invite(server: Server = DEFAULT_SERVER, as_json: Json = False) -> N
     try:
         join = _api(server).join_command()
     except CampugridError as e:
-        _fail(str(e))
+        fail(str(e))
     emit(as_json, join, join["command"])
 
 
@@ -520,7 +371,7 @@ def machines_approve(machine: str, server: Server = DEFAULT_SERVER, as_json: Jso
     try:
         m = _api(server).approve_machine(machine)
     except CampugridError as e:
-        _fail(str(e))
+        fail(str(e))
     emit(as_json, m, f"approved {m['id']} ({m['name']}, {m['fingerprint']})")
 
 
@@ -531,7 +382,7 @@ def machines_revoke(machine: str, server: Server = DEFAULT_SERVER, as_json: Json
     try:
         m = _api(server).revoke_machine(machine)
     except CampugridError as e:
-        _fail(str(e))
+        fail(str(e))
     emit(as_json, m, f"revoked {m['id']} ({m['name']})")
 
 
@@ -548,10 +399,10 @@ def up(
     from campugrid.cli.seaweed import free_port
     from campugrid.client import tar_folder
 
-    _logging(log_format)
+    log_as(log_format)
     missing = have("podman", "buildah", "runsc")
     if missing:
-        _fail(f"missing {', '.join(missing)}; run infra/setup.sh first")
+        fail(f"missing {', '.join(missing)}; run infra/setup.sh first")
     stopping = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -6,17 +6,38 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Iterable, Iterator
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 
 from campugrid.client.api import Progress
+from campugrid.protocol.logs import configure as configure_logging
 
 Json = Annotated[bool, typer.Option(
     "--json", help="Print JSON, for scripts: one document (JSON Lines where the command "
                    "streams), nothing else on stdout; no progress bars.")]
+LogFormat = Annotated[str, typer.Option(
+    "--log-format", envvar="CAMPUGRID_LOG_FORMAT",
+    help="How to log: text, or json (one object per line, for a log system). Lines about a "
+         "job name its id and attempt either way.")]
+
+
+def fail(message: str) -> NoReturn:
+    """The command failed: say why on stderr, exit with status 2."""
+    typer.secho(f"error: {message}", fg="red", err=True)
+    raise typer.Exit(2)
+
+
+def log_as(fmt: str = "text") -> None:
+    """Log in `fmt` (LogFormat), and have the processes we start do the same."""
+    try:
+        configure_logging(fmt)
+    except ValueError as e:
+        fail(f"--log-format: {e}")
+    os.environ["CAMPUGRID_LOG_FORMAT"] = fmt  # for the processes we start (up's agent)
 
 
 def emit(as_json: bool, data: Any, text: str) -> None:

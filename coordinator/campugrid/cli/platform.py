@@ -38,8 +38,8 @@ from campugrid.coordinator import server
 from campugrid.coordinator.bases import Source
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.registry import ensure_signing_key
+from campugrid.guards import release_guard
 from campugrid.protocol.errors import CampugridError, StorageError
-from campugrid.sandbox.process import release_guard
 
 log = logging.getLogger(__name__)
 PROVIDER_USER = os.environ.get("CAMPUGRID_AGENT_USER", "campugrid")

@@ -25,8 +25,8 @@ import threading
 import time
 from pathlib import Path
 
+from campugrid.guards import guard, release_guard
 from campugrid.protocol.errors import CampugridError, StorageError
-from campugrid.sandbox.process import guard, release_guard
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ exec "$@"
 
 
 def guard_group(pgid: int) -> subprocess.Popen[bytes]:
-    """A guard (see campugrid.sandbox.process) that SIGKILLs process group `pgid` if this
+    """A guard (see campugrid.guards) that SIGKILLs process group `pgid` if this
     process dies, even by SIGKILL. Release it with release_guard once the group is gone."""
     return guard(pgid, ())
 

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from campugrid.sandbox.process import guard, release_guard
+from campugrid.guards import guard, release_guard
 
 log = logging.getLogger(__name__)
 NEVER = "0001-01-01"  # Podman's StartedAt for a container that never started

@@ -15,8 +15,8 @@ from typing import Annotated, Any
 import typer
 
 from campugrid.agent import owner, status
+from campugrid.agent.commands.install import install, prepare, uninstall
 from campugrid.agent.install import AGENT_DIR, AgentConfig, default_config
-from campugrid.cli.install import install, prepare, uninstall
 from campugrid.protocol.errors import CampugridError
 
 PAUSE_WAIT_S = 15.0  # the agent hands its job back within 10 s of a pause
