@@ -246,3 +246,64 @@ def test_the_shape_rules_see_what_they_forbid():
         "ok = row.attempt == token and row.machine_id == machine_id\n"
         "where = [Job.attempt == ref.token, Job.machine_id == ref.machine_id]\n"
         "fine = job.attempt == 1 and lease.shard is None\n") == [1, 2]
+
+
+CONCRETE_BACKENDS = ("PodmanRunsc", "FakeRuntime", "BuildahBuilder", "KanikoBuilder",
+                     "FakeBuilder", "CliOps", "ApiOps")
+
+
+def backend_tests(source: str, name: str = "<source>") -> list[int]:
+    """The lines of `source` that test a backend's type, or compare a name with a backend's
+    name (`builder.name == "buildah"`), instead of asking what it can do."""
+    names = {"buildah", "kaniko", "fake", "podman-runsc"}
+    out = []
+    for node in ast.walk(ast.parse(source, name)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id == "isinstance" and len(node.args) == 2:
+            kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+            if any(isinstance(k, ast.Name | ast.Attribute) and
+                   (k.id if isinstance(k, ast.Name) else k.attr) in CONCRETE_BACKENDS
+                   for k in kinds):
+                out.append(node.lineno)
+        if isinstance(node, ast.Compare) and any(
+                isinstance(side, ast.Constant) and side.value in names
+                for side in (node.left, *node.comparators)) and any(
+                isinstance(side, ast.Attribute) and side.attr == "name"
+                for side in (node.left, *node.comparators)):
+            out.append(node.lineno)
+    return sorted(out)
+
+
+def dialect_names(source: str, name: str = "<source>") -> list[int]:
+    """The lines of `source` that read a database dialect's name."""
+    return sorted(node.lineno for node in ast.walk(ast.parse(source, name))
+                  if isinstance(node, ast.Attribute) and node.attr == "name"
+                  and isinstance(node.value, ast.Attribute) and node.value.attr == "dialect")
+
+
+def test_backends_are_asked_not_tested():
+    """The agent asks its runtime and builder what they can do (Runtime.ops,
+    Builder.capabilities); only a backend's own package names it."""
+    found = {}
+    for root in ("provider-agent", "coordinator"):
+        for p in sorted((REPO / root / "campugrid").rglob("*.py")):
+            if lines := backend_tests(p.read_text(), str(p)):
+                found[str(p.relative_to(REPO))] = lines
+    assert found == {}, f"backends tested by type or name: {found}"
+
+
+def test_the_database_dialect_is_decided_in_db_py():
+    allowed = {COORDINATOR / "coordinator" / "db.py",
+               COORDINATOR / "coordinator" / "models.py"}  # the UTC column type's own hook
+    found = {str(p.relative_to(REPO)): lines
+             for p in sorted(COORDINATOR.rglob("*.py"))
+             if p not in allowed and "migrations" not in p.parts  # Alembic's, frozen in time
+             and (lines := dialect_names(p.read_text(), str(p)))}
+    assert found == {}, f"dialect names read outside db.py (ask dialect_of): {found}"
+
+
+def test_the_backend_and_dialect_rules_see_what_they_forbid():
+    assert backend_tests("if isinstance(sandbox, PodmanRunsc):\n    pass\n"
+                         "ok = builder.name == 'buildah'\n"
+                         "fine = isinstance(x, dict)\n") == [1, 3]
+    assert dialect_names("pg = engine.dialect.name == 'postgresql'\nname = job.name\n") == [1]

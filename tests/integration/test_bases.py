@@ -30,6 +30,7 @@ from campugrid.protocol.errors import (
     SandboxError,
     StorageError,
 )
+from campugrid.sandbox.podman_ops import CliOps
 from tests.support.oci import OpenRegistry, oci_image
 
 pytestmark = pytest.mark.integration
@@ -83,7 +84,7 @@ def test_a_tag_resolves_through_the_mirror_and_machines_pull_that_digest(hub, mi
     other = tokens.mint("machine:m1", "library/other", ("pull",))
     assert inspect(reg.address, "library/python:3.11-slim", other).returncode != 0
     # A machine pulls the digest (never the tag) from the mirror into its cache.
-    cache = ImageCache(tmp_path, f"t-{os.urandom(3).hex()}")
+    cache = ImageCache(tmp_path, f"t-{os.urandom(3).hex()}", CliOps())
     token = tokens.mint("machine:m1", "library/python", ("pull",))
     lines: list[str] = []
     image = cache.pull(reg.address, "library/python", digest, token, work=tmp_path,
@@ -141,7 +142,7 @@ def test_a_pull_too_big_to_unpack_here_is_refused(hub, mirror, tmp_path):
     reg, tokens = mirror
     digest = hub.push(oci_image(tmp_path / "z", {"z": bytes(32 * 1024**2)}, gzipped=True),
                       "library/zeros:1")
-    cache = ImageCache(tmp_path, f"t-{os.urandom(3).hex()}")
+    cache = ImageCache(tmp_path, f"t-{os.urandom(3).hex()}", CliOps())
     with pytest.raises(SandboxError, match="unpacks to more than 8 MB"):
         cache.pull(reg.address, "library/zeros", digest,
                    tokens.mint("machine:m1", "library/zeros", ("pull",)), work=tmp_path,
@@ -159,8 +160,8 @@ def test_a_base_is_pulled_only_if_it_fits_the_cache_counted_twice(hub, mirror, t
     use = from_line("FROM zeros:2\n")
     base = BaseImage("docker.io/library/zeros:2", digest, (MessageSource(
         reg.address, insecure=True, token=tokens.mint("machine:m1", "library/zeros", ("pull",))),))
-    tight = ImageCache(tmp_path, f"t-{os.urandom(3).hex()}", max_mb=40)
-    roomy = ImageCache(tmp_path, f"t-{os.urandom(3).hex()}", max_mb=60)
+    tight = ImageCache(tmp_path, f"t-{os.urandom(3).hex()}", CliOps(), max_mb=40)
+    roomy = ImageCache(tmp_path, f"t-{os.urandom(3).hex()}", CliOps(), max_mb=60)
     lines: list[str] = []
     try:
         with pytest.raises(CannotRunHere, match="unpacks to more than 20 MB"):  # another may

@@ -16,6 +16,7 @@ from campugrid.agent.messages import Hold, ImageStep, Lease
 from campugrid.builders.fake import FakeBuilder
 from campugrid.coordinator.images import build_key, repository
 from campugrid.protocol.errors import SandboxError
+from campugrid.sandbox.podman_ops import CliOps
 from tests.support.oci import oci_image, push, skopeo, skopeo_inspect
 
 pytestmark = pytest.mark.integration
@@ -47,7 +48,7 @@ def test_the_build_options_a_spec_sets_are_part_of_the_build_key(tmp_path):
         client = PullOnly(ImageStep(True, action="build"))
         lease = Lease(job_id="j", attempt=1, fencing_token=1, spec_json="{}", lease_seconds=10,
                       context_url="", output_url="")
-        obtain(client, lease, FakeBuilder(), ImageCache(tmp_path, "test"), bases=(),  # type: ignore[arg-type]
+        obtain(client, lease, FakeBuilder(), ImageCache(tmp_path, "test", CliOps()), bases=(),  # type: ignore[arg-type]
                tag="localhost/t:1", work=tmp_path, log=lambda line: None,
                stop=threading.Event(), build=lambda: None, disk_mb=1, declared=declared(build))
         sent.append(client.inputs[0])
@@ -63,7 +64,7 @@ def test_an_image_larger_than_a_build_here_could_make_is_built_here_instead(regi
     token = tokens.mint("machine:m1", repo, ("push", "pull"))
     digest = push(reg, oci_image(tmp_path / "big", {"w": os.urandom(3 * 1024**2)}), repo, token,
                   tmp_path)
-    cache = ImageCache(tmp_path, "test")
+    cache = ImageCache(tmp_path, "test", CliOps())
     assert cache.download_bytes(reg.address, repo, digest, token) > 3 * 1024**2
     client = PullOnly(ImageStep(True, action="pull", registry=reg.address, repository=repo,
                                 digest=digest, token=token, built_by="m1"))
@@ -91,7 +92,7 @@ def test_a_pulled_image_the_cache_cannot_keep_stays_only_while_its_task_runs(reg
     lease = Lease(job_id="j", attempt=1, fencing_token=7, spec_json="{}", lease_seconds=10,
                   context_url="", output_url="")
     for max_mb, kept in ((5, False), (64, True)):
-        cache = ImageCache(tmp_path, f"t-{os.urandom(3).hex()}", max_mb=max_mb)
+        cache = ImageCache(tmp_path, f"t-{os.urandom(3).hex()}", CliOps(), max_mb=max_mb)
         client = PullOnly(ImageStep(True, action="pull", registry=reg.address, repository=repo,
                                     digest=digest, token=token, built_by="m1"))
         lines: list[str] = []
@@ -119,7 +120,7 @@ def test_a_pull_is_held_to_its_size_unpacked_and_lands_only_within_it(registry, 
     token = tokens.mint("machine:m1", repo, ("push", "pull"))
     bomb = push(reg, oci_image(tmp_path / "bomb", {"z": bytes(64 * 1024**2)}, gzipped=True),
                 repo, token, tmp_path)
-    cache = ImageCache(tmp_path, f"t-{os.urandom(3).hex()}")
+    cache = ImageCache(tmp_path, f"t-{os.urandom(3).hex()}", CliOps())
     assert cache.download_bytes(reg.address, repo, bomb, token) < 1024**2  # passes that check
     with pytest.raises(SandboxError, match="unpacks to more than 16 MB"):
         cache.pull(reg.address, repo, bomb, token, work=tmp_path, limit_bytes=16 * 1024**2,
@@ -151,7 +152,7 @@ def test_layers_the_store_holds_are_neither_fetched_nor_counted_and_a_wrong_gues
                 tmp_path)
     job = push(reg, oci_image(tmp_path / "job", [base_files, {"w": os.urandom(1024**2)}],
                               gzipped=True), repo, token, tmp_path)
-    cache = ImageCache(tmp_path, f"t-{os.urandom(3).hex()}")
+    cache = ImageCache(tmp_path, f"t-{os.urandom(3).hex()}", CliOps())
     pulled = []
     try:
         with pytest.raises(SandboxError, match="unpacks to more than 4 MB"):  # 8 MB, none held
@@ -192,7 +193,7 @@ def test_a_machine_knows_the_blobs_it_pushed_and_pulls_its_own_build_without_its
     base_files = {"base.bin": os.urandom(8 * 1024**2)}
     mark = os.urandom(3).hex()
     base, built = f"localhost/t-{mark}/base:1", f"localhost/t-{mark}/built:1"
-    cache = ImageCache(tmp_path, f"t-{mark}")
+    cache = ImageCache(tmp_path, f"t-{mark}", CliOps())
     names = [base, built]
     try:  # as a build here leaves them: uncompressed layers, the base under its own name
         assert skopeo(oci_image(tmp_path / "base", [base_files]), f"containers-storage:{base}"
@@ -238,7 +239,7 @@ def test_the_job_starts_on_its_build_while_the_push_goes_on_beside_it(registry, 
     token = tokens.mint("machine:machine-test", repo, ("push", "pull"))
     mark = os.urandom(3).hex()
     tag = f"localhost/t-{mark}/built:1"
-    cache = ImageCache(tmp_path, f"t-{mark}")
+    cache = ImageCache(tmp_path, f"t-{mark}", CliOps())
     client = Scripted({"resolve": ImageStep(True, action="build", push=True),
                        "push": ImageStep(True, action="push", registry=reg.address,
                                          repository=repo, token=token),

@@ -139,3 +139,31 @@ def test_both_paths_answer_alike(kind: str):
         "sizes_equal": True, "listed": True,
         "after_one_name": [None, True, True], "after_both": [], "base_kept": True,
     }
+
+
+IMAGE_CASES = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from campugrid.sandbox.podman_ops import CliOps
+from tests.support.ops_cases import image_cases
+print(json.dumps(image_cases(CliOps(), sys.argv[2], sys.argv[3])))
+"""
+
+
+def test_the_fake_runtime_answers_image_questions_as_podman_does():
+    """FakeOps, which the fake runtime offers as its `ops`, holds to the same image cases as
+    the provider's Podman (the same body: tests/support/ops_cases.py)."""
+    from campugrid.sandbox.fake import FakeRuntime
+    from tests.support.ops_cases import image_cases
+
+    user = ProviderUser.resolve()
+    mark = secrets.token_hex(4)
+    proc = subprocess.run(user.command([sys.executable, "-c", IMAGE_CASES, str(REPO),
+                                        DEFAULT_IMAGE, mark]),
+                          capture_output=True, text=True, timeout=300, cwd="/")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    real = json.loads(proc.stdout.strip().splitlines()[-1])
+    fake = image_cases(FakeRuntime(images={DEFAULT_IMAGE}).ops, DEFAULT_IMAGE, mark)
+    assert real == fake == {
+        "present": [True, True, True, True, True], "missing": [None, None, None, None],
+        "tagged": [True, True, True], "one_name_left": [None, True, True], "gone": []}

@@ -1,17 +1,20 @@
-"""The limits an agent reports are exactly the names a job may require."""
+"""The limits an agent reports are exactly the names a job may require, and the build disk is
+reported by what the builder says it can do."""
 
 from types import SimpleNamespace
 
 from campugrid.agent.worker import enforceable
+from campugrid.builders.buildah import BuildahBuilder
+from campugrid.builders.kaniko import KanikoBuilder
 from campugrid.protocol.spec import ENFORCED, LIMITS
 from campugrid.sandbox import limits as host_limits
 
 
 def test_the_agent_reports_every_limit_a_job_can_require_and_no_other():
     sandbox = SimpleNamespace(limits=host_limits.detect(), seccomp=None)
-    for builder in ("buildah", "kaniko"):
-        reported = enforceable(sandbox, SimpleNamespace(name=builder), "enforced")  # type: ignore[arg-type]
+    for builder in (BuildahBuilder(), KanikoBuilder(executor_image="")):
+        reported = enforceable(sandbox, builder, "enforced")  # type: ignore[arg-type]
         assert tuple(reported) == LIMITS
         assert reported["sandbox_seccomp"].startswith("not enforced")
     assert reported["build_disk"].startswith("not enforced: the kaniko builder")
-    assert enforceable(sandbox, SimpleNamespace(name="buildah"), "enforced")["build_disk"] == ENFORCED  # type: ignore[arg-type]
+    assert enforceable(sandbox, BuildahBuilder(), "enforced")["build_disk"] == ENFORCED  # type: ignore[arg-type]

@@ -4,6 +4,7 @@ all through the same cases."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,6 +12,13 @@ from typing import Protocol
 
 from campugrid.builders.policy.dockerfiles import BaseUse
 from campugrid.sandbox.process import LogFn
+
+
+@dataclasses.dataclass(frozen=True)
+class BuilderCapabilities:
+    """What a builder can do on this machine, for the agent to ask rather than test names."""
+
+    bounded_store: bool  # what a build writes is held to its disk_mb
 
 
 class Builder(Protocol):
@@ -39,6 +47,8 @@ class Builder(Protocol):
         with the log tail on any failure.
         """
         ...
+
+    def capabilities(self) -> BuilderCapabilities: ...
 
     def inputs(self, bases: Sequence[BaseUse]) -> dict[str, str]:
         """What besides the context decides this builder's result here: the builder and its

@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from campugrid.builders.base import BuilderCapabilities
 from campugrid.builders.policy.dockerfiles import BaseUse, check_dockerfile
 from campugrid.egress.policy import CA_ENV
 from campugrid.protocol.errors import BuildFailed, CannotRunHere, InvalidInput
@@ -252,6 +253,10 @@ class BuildahBuilder:
             log(f"[campugrid] built in {committing[-1] - began:.1f} s, committed into this "
                 f"machine's store in {time.monotonic() - committing[-1]:.1f} s")
         return tag
+
+    def capabilities(self) -> BuilderCapabilities:
+        # its store sits on the output slot's bounded disk, or on a tmpfs of disk_mb
+        return BuilderCapabilities(bounded_store=True)
 
     def inputs(self, bases: Sequence[BaseUse]) -> dict[str, str]:
         out = {"builder": f"buildah {self.version()}"}

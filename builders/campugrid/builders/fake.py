@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from campugrid.builders.base import Builder
+from campugrid.builders.base import Builder, BuilderCapabilities
 from campugrid.builders.policy.dockerfiles import BaseUse
 from campugrid.protocol.errors import BuildFailed
 from campugrid.sandbox.process import LogFn
@@ -38,6 +38,9 @@ class FakeBuilder:
         self.scope = scope
         self.builds: list[tuple[Path, str]] = []  # (context, tag), every build asked for
         self.limits: list[dict[str, float]] = []  # each build's memory_mb, cpus and disk_mb
+
+    def capabilities(self) -> BuilderCapabilities:
+        return BuilderCapabilities(bounded_store=False)  # it writes nothing
 
     def inputs(self, bases: Sequence[BaseUse]) -> dict[str, str]:
         return {"builder": "fake", **{f"base {u.allowed.name}": "fake" for u in bases}}

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from campugrid.builders.base import BuilderCapabilities
 from campugrid.builders.policy.dockerfiles import BaseUse
 from campugrid.protocol.errors import BuildFailed
 from campugrid.sandbox.podman_runsc import RUNSC_FLAGS
@@ -86,6 +87,9 @@ class KanikoBuilder:
     def has_executor(self) -> bool:
         return subprocess.run([self.podman, "image", "exists", self.executor_image],
                               capture_output=True, check=False).returncode == 0
+
+    def capabilities(self) -> BuilderCapabilities:
+        return BuilderCapabilities(bounded_store=False)  # the executor writes where its container does
 
     def inputs(self, bases: Sequence[BaseUse]) -> dict[str, str]:
         # Kaniko resolves FROM inside its sandbox; the executor image decides the rest.

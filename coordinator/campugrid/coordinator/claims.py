@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy import Connection, Row, bindparam, exists, func, insert, select, update
 from sqlalchemy.orm import Session
 
-from campugrid.coordinator.db import Database, job_row
+from campugrid.coordinator.db import Database, dialect_of, job_row
 from campugrid.coordinator.models import (
     Base,
     GpuReservation,
@@ -97,7 +97,7 @@ class Claimer:
                   heavy_first: bool, events: list[dict[str, Any]]) -> Claim | None:
         """One claim inside the caller's transaction: Core statements built once (below), the
         ORM only for the rarer sharded case."""
-        postgres = conn.dialect.name == "postgresql"
+        postgres = dialect_of(conn).row_locks
         wants_gpu_jobs = bool(offer.gpus) and offer.gpu_isolation
         if not wants_gpu_jobs and not offer.shares:
             # The common case in one statement: take the oldest queued job if it is a plain

@@ -2,11 +2,14 @@
 
 `Database` is the one transaction object the stores share (jobs, shards, machines, claims):
 a writing transaction, a reading one, and the writer's raw connection for the claim path.
+`Dialect` says where SQLite and PostgreSQL differ; every other module asks it (`dialect_of`)
+rather than compare the dialect's name itself.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sqlite3
 import threading
 import time
@@ -17,6 +20,7 @@ from typing import Any
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Connection, Engine, create_engine, event, text
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, sessionmaker
 
 from campugrid.coordinator.models import Job
@@ -29,6 +33,29 @@ READ_ONLY = "campugrid_read_only"
 # waiting for the disk (SQLite: synchronous=NORMAL for it; PostgreSQL: synchronous_commit off).
 # The nonce store goes further: single statements on an engine of their own (make_engine).
 LAZY = "campugrid_lazy_commit"
+
+
+@dataclasses.dataclass(frozen=True)
+class Dialect:
+    """Where the two databases differ, as the modules that care need to know it."""
+
+    name: str
+    one_writer: bool  # SQLite: one writer per file (side files, a process lock, a file lock)
+    row_locks: bool  # PostgreSQL: SELECT ... FOR UPDATE SKIP LOCKED, and advisory locks
+    notifications: bool  # PostgreSQL: LISTEN/NOTIFY between coordinator processes
+    lazy_commit: str | None  # the statement that makes this transaction's commit not wait
+    insert: Any  # INSERT with ON CONFLICT (sqlalchemy.dialects.*.insert)
+
+
+SQLITE = Dialect("sqlite", one_writer=True, row_locks=False, notifications=False,
+                 lazy_commit=None, insert=sqlite.insert)
+POSTGRESQL = Dialect("postgresql", one_writer=False, row_locks=True, notifications=True,
+                     lazy_commit="SET LOCAL synchronous_commit = off", insert=postgresql.insert)
+
+
+def dialect_of(bind: Engine | Connection) -> Dialect:
+    """The dialect of an engine or a connection (SQLite, else PostgreSQL)."""
+    return SQLITE if bind.dialect.name == "sqlite" else POSTGRESQL
 
 
 def make_engine(url: str, *, single_statements: bool = False) -> Engine:
@@ -95,7 +122,7 @@ def side_database(engine: Engine, name: str, *tables: Any, single_statements: bo
     (PostgreSQL locks rows, not the database), through the same engine or, for
     `single_statements` (make_engine), one of its own. Every process on the main file uses
     the same side file."""
-    if engine.dialect.name != "sqlite":
+    if not dialect_of(engine).one_writer:
         return (make_engine(engine.url.render_as_string(hide_password=False), single_statements=True)
                 if single_statements else engine)
     if not engine.url.database or engine.url.database == ":memory:":
@@ -121,15 +148,16 @@ class Database:
         # handler's sleeps (up to 100 ms each). Waiting on a lock here hands over at once.
         # (Other processes on the same file still work, through the busy timeout.)
         self._writer: contextlib.AbstractContextManager[Any] = (
-            threading.Lock() if engine.dialect.name == "sqlite" else contextlib.nullcontext())
+            threading.Lock() if dialect_of(engine).one_writer else contextlib.nullcontext())
+        self.dialect = dialect_of(engine)
 
     @contextlib.contextmanager
     def tx(self, *, durable: bool = True) -> Iterator[Session]:
         """A writing transaction (an ORM session), committed when the block ends; on disk
         before it returns unless `durable` is False (for what a crash may lose)."""
         with self._writer, (self._session if durable else self._lazy).begin() as s:
-            if not durable and self.engine.dialect.name == "postgresql":
-                s.execute(text("SET LOCAL synchronous_commit = off"))
+            if not durable and self.dialect.lazy_commit:
+                s.execute(text(self.dialect.lazy_commit))
             yield s
 
     @contextlib.contextmanager
@@ -153,8 +181,8 @@ class Database:
         (`durable` as for tx)."""
         engine = self.engine if durable else self._lazy_engine
         with self._writer, engine.begin() as conn:
-            if not durable and self.engine.dialect.name == "postgresql":
-                conn.execute(text("SET LOCAL synchronous_commit = off"))
+            if not durable and self.dialect.lazy_commit:
+                conn.execute(text(self.dialect.lazy_commit))
             yield conn
 
 
@@ -178,7 +206,7 @@ def migrate(engine: Engine) -> None:
     next finds the head already there); on SQLite, BEGIN IMMEDIATE serializes them."""
     cfg = alembic_config()
     with engine.begin() as conn:
-        if engine.dialect.name == "postgresql":
+        if dialect_of(engine).row_locks:
             conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")

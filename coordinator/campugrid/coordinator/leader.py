@@ -18,6 +18,8 @@ from typing import Protocol
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import SQLAlchemyError
 
+from campugrid.coordinator.db import dialect_of
+
 log = logging.getLogger("campugrid.coordinator.leader")
 # The advisory lock's key (any bigint, the same in every process): 'cgreap'.
 REAPER_LOCK = 0x636772656170
@@ -32,7 +34,7 @@ class Leadership(Protocol):
 
 
 def leadership(engine: Engine) -> Leadership:
-    if engine.dialect.name == "postgresql":
+    if dialect_of(engine).row_locks:
         return AdvisoryLock(engine, REAPER_LOCK)
     database = engine.url.database
     if not database or database == ":memory:":

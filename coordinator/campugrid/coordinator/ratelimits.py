@@ -16,7 +16,6 @@ from limits import RateLimitItem, strategies
 from limits.storage import Storage
 from limits.storage.base import SlidingWindowCounterSupport, TimestampedSlidingWindow
 from sqlalchemy import Connection, Table, case, delete, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import SQLAlchemyError
 
 from campugrid.coordinator.db import Database
@@ -35,8 +34,7 @@ class DatabaseCounters(Storage, SlidingWindowCounterSupport, TimestampedSlidingW
     def __init__(self, db: Database) -> None:
         super().__init__()
         self.db = db
-        dialect = db.engine.dialect.name
-        self._insert: Any = postgresql.insert if dialect == "postgresql" else sqlite.insert
+        self._insert: Any = db.dialect.insert
 
     @property
     def base_exceptions(self) -> type[Exception] | tuple[type[Exception], ...]:

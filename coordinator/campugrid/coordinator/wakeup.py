@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterator
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import SQLAlchemyError
 
+from campugrid.coordinator.db import dialect_of
+
 log = logging.getLogger("campugrid.coordinator.wakeup")
 CHANNEL = "campugrid_work"
 
@@ -149,4 +151,4 @@ class PostgresRelay:
 def relay(engine: Engine, wakeup: Wakeup) -> PostgresRelay | None:
     """The relay between this process and the others on the same database, started; None
     where there is nothing to relay through (SQLite)."""
-    return PostgresRelay(engine, wakeup).start() if engine.dialect.name == "postgresql" else None
+    return PostgresRelay(engine, wakeup).start() if dialect_of(engine).notifications else None

@@ -36,7 +36,7 @@ from campugrid.builders.base import Builder
 from campugrid.builders.policy.dockerfiles import BaseUse
 from campugrid.protocol.errors import BuildFailed, SandboxError
 from campugrid.protocol.spec import BuildOptions
-from campugrid.sandbox.podman_ops import CliOps, PodmanOps
+from campugrid.sandbox.podman_ops import PodmanOps
 from campugrid.sandbox.process import LogFn, run_streaming
 
 log = logging.getLogger("campugrid.agent")
@@ -68,12 +68,12 @@ class ImageCache:
     test_image_cache.py holds Podman to that); a base image is copied into the builder's
     store of allowed bases. Both copies go with the cached image."""
 
-    def __init__(self, state_dir: Path, scope: str, max_images: int = 8, max_mb: int = 20480,
-                 ops: PodmanOps | None = None, skopeo: str = "skopeo") -> None:
+    def __init__(self, state_dir: Path, scope: str, ops: PodmanOps, max_images: int = 8,
+                 max_mb: int = 20480, skopeo: str = "skopeo") -> None:
         self.index_file = state_dir / "images.json"
         self.blobs_file = state_dir / "pushed-blobs.json"  # see _remember
         self.scope, self.max_images, self.max_mb = scope or "agent", max_images, max_mb
-        self.ops = ops or CliOps()  # the sandbox's, where it has one
+        self.ops = ops  # the sandbox's (Runtime.ops)
         self.skopeo = shutil.which(skopeo)
         self._lock = threading.Lock()
         # image -> the tasks using it (by lease): one task's end leaves it to the others

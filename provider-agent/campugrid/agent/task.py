@@ -51,7 +51,7 @@ from campugrid.protocol.errors import (
 )
 from campugrid.protocol.spec import BUILD_MB, ENFORCED, JobSpec
 from campugrid.sandbox import confine, slots
-from campugrid.sandbox.podman_ops import CliOps, PodmanOps
+from campugrid.sandbox.podman_ops import PodmanOps
 from campugrid.sandbox.runtime import RunRequest, Runtime
 
 log = logging.getLogger("campugrid.agent")
@@ -436,8 +436,8 @@ class Task:
         }
 
     def ops(self) -> PodmanOps:
-        """This agent's Podman (its API service, where the image cache has it)."""
-        return self.cache.ops if self.cache is not None else CliOps()
+        """This agent's container engine, as its runtime offers it."""
+        return self.sandbox.ops
 
     def run_request(self, command: tuple[str, ...] | None, env: dict[str, str],
                     mapped: tuple[tuple[str, int], ...], *, writable: bool = True) -> RunRequest:

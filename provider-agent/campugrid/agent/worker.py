@@ -39,7 +39,6 @@ from campugrid.protocol.errors import CampugridError
 from campugrid.protocol.spec import ENFORCED
 from campugrid.sandbox import confine, slots
 from campugrid.sandbox import limits as host_limits
-from campugrid.sandbox.podman_runsc import PodmanRunsc
 from campugrid.sandbox.runtime import Runtime
 
 log = logging.getLogger("campugrid.agent")
@@ -116,8 +115,8 @@ class Agent:
         self.client = CoordinatorApi(CoordinatorClient(fetch_membership(
             settings.state_dir, settings.coordinator, settings.pin)))
         self.work_root = settings.state_dir / "work"
-        self.images = (ImageCache(settings.state_dir, self.scope, max_mb=settings.image_cache_mb,
-                                  ops=sandbox.ops if isinstance(sandbox, PodmanRunsc) else None)
+        self.images = (ImageCache(settings.state_dir, self.scope, sandbox.ops,
+                                  max_mb=settings.image_cache_mb)
                        if settings.image_cache_mb > 0 else None)
         self.shares = Shares(settings.shares)
         self.stopping = threading.Event()
@@ -340,7 +339,7 @@ def enforceable(sandbox: Runtime, builder: Builder, output: str) -> dict[str, st
     """Every limit this machine can or cannot enforce, as reported to the coordinator:
     the sandbox's, the build's disk, the confinement of untrusted bytes, and how /output is
     bounded (`output`, from slots.acquire)."""
-    build_disk = (ENFORCED if builder.name == "buildah" else
+    build_disk = (ENFORCED if builder.capabilities().bounded_store else
                   f"not enforced: the {builder.name} builder has no bounded build store")
     layers = confine.layers()
     missing = [f"{name} {how}" for name, how in layers.items() if not how.startswith(ENFORCED)]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import hashlib
 import json
 import queue
 import signal
@@ -27,7 +28,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from campugrid.protocol.errors import SandboxError
 from campugrid.protocol.spec import ENFORCED
@@ -103,6 +104,7 @@ class FakeRuntime:
         self.removed_images: list[str] = []
         self._boxes: dict[str, _Box] = {}
         self._lock = threading.Lock()
+        self.ops = FakeOps(self)
 
     def describe(self) -> str:
         return "fake runtime"
@@ -239,6 +241,69 @@ class FakeRuntime:
         self.removed_images.append(image)
         if self.images is not None:
             self.images.discard(image)
+
+
+class FakeOps:
+    """The PodmanOps protocol over FakeRuntime's store: its images (each `IMAGE_BYTES`, with
+    the ENV `env` gives it, one layer named after it) and its sandboxes by name.
+    tests/integration/test_podman_ops.py holds it to the same image cases as Podman."""
+
+    IMAGE_BYTES = 1024**2
+
+    def __init__(self, runtime: FakeRuntime) -> None:
+        self.runtime = runtime
+        self.env: dict[str, list[str]] = {}  # image -> its ENV, where a test sets one
+
+    def _has(self, ref: str) -> bool:
+        return self.runtime.images is not None and ref in self.runtime.images
+
+    def state(self, name: str) -> dict[str, Any] | None:
+        if self.runtime._box(name) is None:  # a fake sandbox is gone once it ends
+            return None
+        return {"Running": True, "ExitCode": 0, "StartedAt": "", "ConmonPid": 0}
+
+    def kill(self, name: str, signal: str) -> None:
+        self.runtime.signal(name, signal)
+
+    def remove(self, name: str) -> None:
+        self.runtime.kill(name)
+
+    def labelled(self, key: str, value: str) -> list[str]:
+        with self.runtime._lock:
+            return sorted(n for n, b in self.runtime._boxes.items()
+                          if key == "campugrid.agent" and b.req.agent == value)
+
+    def images(self) -> list[str]:
+        return sorted(self.runtime.images or ())
+
+    def image_size(self, ref: str) -> int | None:
+        return self.IMAGE_BYTES if self._has(ref) else None
+
+    def image_layers(self, ref: str) -> list[str] | None:
+        return [f"sha256:{hashlib.sha256(ref.encode()).hexdigest()}"] if self._has(ref) else None
+
+    def image_env(self, ref: str) -> list[str] | None:
+        return list(self.env.get(ref, [])) if self._has(ref) else None
+
+    def image_id(self, ref: str) -> str | None:
+        return hashlib.sha256(ref.encode()).hexdigest() if self._has(ref) else None
+
+    def layer_index(self) -> list[Path]:
+        return []
+
+    def image_file(self, ref: str, path: str, max_bytes: int) -> bytes | None:
+        return None
+
+    def tag(self, ref: str, new: str) -> None:
+        if not self._has(ref):
+            raise SandboxError(f"podman tag {ref}: image not known")
+        assert self.runtime.images is not None
+        self.runtime.images.add(new)
+        self.env.setdefault(new, self.env.get(ref, []))
+
+    def remove_image(self, ref: str) -> None:
+        if self._has(ref):
+            self.runtime.remove_image(ref)
 
 
 class FakeSession:

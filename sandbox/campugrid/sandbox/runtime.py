@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Protocol
 
 from campugrid.sandbox.limits import HostLimits
+from campugrid.sandbox.podman_ops import PodmanOps
 from campugrid.sandbox.process import LogFn
 
 OUTPUT_MOUNT = "/output"
@@ -83,6 +84,12 @@ class Runtime(Protocol):
     @property
     def seccomp(self) -> Path | None:
         """The seccomp profile jobs get inside the sandbox, if any."""
+        ...
+
+    @property
+    def ops(self) -> PodmanOps:
+        """What the agent asks its container engine besides starting sandboxes: images (size,
+        layers, ENV, tags) and containers by name. The fake keeps them in memory."""
         ...
 
     def describe(self) -> str:
