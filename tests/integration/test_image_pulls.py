@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from campugrid.agent.images import ImageCache, obtain
+from campugrid.agent.images import ImageCache, ImageJob, obtain
 from campugrid.agent.messages import Hold, ImageStep, Lease
 from campugrid.builders.fake import FakeBuilder
 from campugrid.coordinator.images import build_key, repository
@@ -48,9 +48,10 @@ def test_the_build_options_a_spec_sets_are_part_of_the_build_key(tmp_path):
         client = PullOnly(ImageStep(True, action="build"))
         lease = Lease(job_id="j", attempt=1, fencing_token=1, spec_json="{}", lease_seconds=10,
                       context_url="", output_url="")
-        obtain(client, lease, FakeBuilder(), ImageCache(tmp_path, "test", CliOps()), bases=(),  # type: ignore[arg-type]
-               tag="localhost/t:1", work=tmp_path, log=lambda line: None,
-               stop=threading.Event(), build=lambda: None, disk_mb=1, declared=declared(build))
+        obtain(client, ImageCache(tmp_path, "test", CliOps()),  # type: ignore[arg-type]
+               ImageJob(lease=lease, builder=FakeBuilder(), bases=(), tag="localhost/t:1",
+                        work=tmp_path, log=lambda line: None, stop=threading.Event(),
+                        build=lambda: None, disk_mb=1, declared=declared(build)))
         sent.append(client.inputs[0])
     assert len({build_key("c" * 64, inputs) for inputs in sent}) == 2
     assert sent[0] == json.dumps(FakeBuilder().inputs(()), sort_keys=True)
@@ -71,9 +72,10 @@ def test_an_image_larger_than_a_build_here_could_make_is_built_here_instead(regi
     builds, lines = [], []
     lease = Lease(job_id="j", attempt=1, fencing_token=1, spec_json="{}", lease_seconds=10,
                   context_url="", output_url="")
-    got = obtain(client, lease, FakeBuilder(), cache, bases=(), tag="localhost/t:1",  # type: ignore[arg-type]
-                 work=tmp_path, log=lines.append, stop=threading.Event(),
-                 build=lambda: builds.append(1), disk_mb=1)
+    got = obtain(client, cache,  # type: ignore[arg-type]
+                 ImageJob(lease=lease, builder=FakeBuilder(), bases=(), tag="localhost/t:1",
+                          work=tmp_path, log=lines.append, stop=threading.Event(),
+                          build=lambda: builds.append(1), disk_mb=1))
     assert got == "localhost/t:1" and builds == [1] and client.asked == ["resolve"]
     assert any("more than the bases and resources.build_mb (1 MB)" in line for line in lines), lines
 
@@ -97,9 +99,11 @@ def test_a_pulled_image_the_cache_cannot_keep_stays_only_while_its_task_runs(reg
                                     digest=digest, token=token, built_by="m1"))
         lines: list[str] = []
         try:
-            got = obtain(client, lease, FakeBuilder(), cache, bases=(), tag="localhost/t:1",  # type: ignore[arg-type]
-                         work=tmp_path, log=lines.append, stop=threading.Event(),
-                         build=lambda: pytest.fail("pulled, not built"), disk_mb=16)
+            got = obtain(client, cache,  # type: ignore[arg-type]
+                         ImageJob(lease=lease, builder=FakeBuilder(), bases=(),
+                                  tag="localhost/t:1", work=tmp_path, log=lines.append,
+                                  stop=threading.Event(),
+                                  build=lambda: pytest.fail("pulled, not built"), disk_mb=16))
             assert got == cache.name(digest) and cache.ops.image_size(got) is not None
             said = [line for line in lines if "it is removed when this task ends" in line]
             assert said == ([] if kept else [
@@ -254,9 +258,10 @@ def test_the_job_starts_on_its_build_while_the_push_goes_on_beside_it(registry, 
                       f"containers-storage:{tag}").returncode == 0
 
     try:
-        got = obtain(client, lease, FakeBuilder(), cache, bases=(), tag=tag, work=tmp_path,  # type: ignore[arg-type]
-                     log=lines.append, stop=threading.Event(), build=build, disk_mb=8,
-                     later=pending.append)
+        got = obtain(client, cache,  # type: ignore[arg-type]
+                     ImageJob(lease=lease, builder=FakeBuilder(), bases=(), tag=tag,
+                              work=tmp_path, log=lines.append, stop=threading.Event(),
+                              build=build, disk_mb=8), later=pending.append)
         assert got == tag and client.asked == ["resolve"]  # the job may start: no push yet
         [share] = pending
         share()

@@ -393,79 +393,107 @@ def task_user(lease: Lease) -> str:
     return f"{lease.job_id}:{lease.fencing_token}"
 
 
-def obtain(client: CoordinatorApi, lease: Lease, builder: Builder, cache: ImageCache | None,
-           *, bases: Sequence[BaseUse], tag: str, work: Path, log: LogFn,
-           stop: threading.Event, build: Callable[[], None], disk_mb: int,
-           declared: Mapping[str, str] | None = None,
+@dataclasses.dataclass(frozen=True)
+class ImageJob:
+    """What a task needs of its image: the lease it holds, the builder and the bases its
+    Dockerfile starts from, the tag a build here makes (`build` makes it, within `disk_mb`),
+    where it works and logs, and `declared`: what else decides the build besides the builder
+    and the bases (the spec's build options), part of the build's key."""
+
+    lease: Lease
+    builder: Builder
+    bases: Sequence[BaseUse]
+    tag: str
+    work: Path
+    log: LogFn
+    stop: threading.Event
+    build: Callable[[], None]
+    disk_mb: int
+    declared: Mapping[str, str] | None = None
+
+    def inputs(self) -> str:
+        """What the coordinator keys the build by, besides the context."""
+        return json.dumps({**self.builder.inputs(self.bases), **(self.declared or {})},
+                          sort_keys=True)
+
+    def built_here(self) -> str:
+        self.build()
+        return self.tag
+
+
+def obtain(client: CoordinatorApi, cache: ImageCache | None, job: ImageJob,
            later: Callable[[Callable[[], object]], None] | None = None) -> str:
-    """The local image this task runs: from the cache, pulled, or built here (`build`
-    builds `tag`, within `disk_mb`) and pushed when the coordinator says so. `declared`:
-    what else decides the build besides the builder and the bases (the spec's build
-    options: the packages fetched for it), part of the build's key. `later`: runs the push
-    beside the task (which then runs `tag`, and must wait for it before it reports or
-    removes `tag`), so the job starts without waiting on it; without it, the push comes
+    """The local image the task runs, in steps: ask the coordinator where it comes from
+    (resolve), wait while another machine builds it, then pull that build (`_pull`), or
+    build it here and share it (`_share`) when the coordinator says so. `later`: runs the
+    push beside the task (which then runs `job.tag`, and must wait for it before it reports
+    or removes it), so the job starts without waiting on it; without it, the push comes
     first. Raises BuildFailed for the job's own faults; SandboxError or grpc errors for this
     machine's."""
     if cache is None or not cache.available:
-        build()
-        return tag
-    inputs = json.dumps({**builder.inputs(bases), **(declared or {})}, sort_keys=True)
-    hold, user = lease.hold, task_user(lease)
+        return job.built_here()
+    inputs, hold = job.inputs(), job.lease.hold
     since = time.monotonic()
     step = _accepted(client.image(hold, "resolve", inputs))
     if step.action == "wait":
-        log("[campugrid] another machine is building this image; waiting to pull it")
+        job.log("[campugrid] another machine is building this image; waiting to pull it")
     while step.action == "wait":
-        if stop.wait(max(0.5, step.retry_seconds)):
+        if job.stop.wait(max(0.5, step.retry_seconds)):
             raise BuildFailed("stopped while waiting for another machine's build", "")
         if time.monotonic() - since > WAIT_LIMIT_S:
-            log(f"[campugrid] waited {WAIT_LIMIT_S} s for another machine's build; "
-                "building here")
-            build()
-            return tag
+            job.log(f"[campugrid] waited {WAIT_LIMIT_S} s for another machine's build; "
+                    "building here")
+            return job.built_here()
         step = _accepted(client.image(hold, "resolve", inputs))
     if step.action == "pull":
-        found = cache.lookup(step.digest, user)
-        if found is not None:
-            METRICS.build_cache_hits.labels("cache").inc()
-            log(f"[campugrid] image {step.digest} (built by machine {step.built_by}) is "
-                "already on this machine")
-        else:
-            began = time.monotonic()
-            # Another machine's build is held to what a build here could make: the bases
-            # plus `disk_mb`, as the manifest states its compressed sizes before the
-            # download, and then as it unpacks before it enters the store.
-            allowed = sum(cache.ops.image_size(u.allowed.name) or 0 for u in bases) \
-                + disk_mb * 1024**2
-            try:
-                size = cache.download_bytes(step.registry, step.repository, step.digest,
-                                            step.token)
-                if size > allowed:
-                    raise SandboxError(f"it is {size // 1024**2} MB, more than the bases and "
-                                       f"resources.build_mb ({allowed // 1024**2} MB)")
-                found = cache.pull(step.registry, step.repository, step.digest, step.token,
-                                   work=work, limit_bytes=allowed, cancel=stop, user=user)
-            except SandboxError as e:
-                if stop.is_set():
-                    raise BuildFailed("stopped while pulling the image", "") from e
-                log(f"[campugrid] the image could not be pulled ({e}); building it here")
-                build()
-                return tag
-            METRICS.build_cache_hits.labels("registry").inc()
-            log(f"[campugrid] pulled image {step.digest} (built by machine {step.built_by}) "
-                f"in {time.monotonic() - began:.1f} s")
-            size = cache.ops.image_size(found) or 0
-            if size > cache.largest_bytes:
-                log(f"[campugrid] the image takes {COPIES} x {size // 1024**2} MB on disk once "
-                    f"run, more than this machine's image cache holds ({cache.max_mb} MB, "
-                    "--image-cache-mb): it is removed when this task ends")
-        return found
-    build()
+        return _pull(cache, job, step)
+    job.build()
+    share = functools.partial(_share, client, cache, hold, inputs, job.tag, job.work, job.log,
+                              job.stop)
     if step.push and later is not None:
-        later(functools.partial(_share, client, cache, hold, inputs, tag, work, log, stop))
+        later(share)
     elif step.push:  # the cache keeps the image under its digest too, in use by none
-        _share(client, cache, hold, inputs, tag, work, log, stop)
-    return tag
+        share()
+    return job.tag
+
+
+def _pull(cache: ImageCache, job: ImageJob, step: ImageStep) -> str:
+    """Another machine's build, from the cache or the registry; built here instead when it
+    cannot be pulled."""
+    user = task_user(job.lease)
+    found = cache.lookup(step.digest, user)
+    if found is not None:
+        METRICS.build_cache_hits.labels("cache").inc()
+        job.log(f"[campugrid] image {step.digest} (built by machine {step.built_by}) is "
+                "already on this machine")
+        return found
+    began = time.monotonic()
+    # Another machine's build is held to what a build here could make: the bases plus
+    # `disk_mb`, as the manifest states its compressed sizes before the download, and then
+    # as it unpacks before it enters the store.
+    allowed = sum(cache.ops.image_size(u.allowed.name) or 0 for u in job.bases) \
+        + job.disk_mb * 1024**2
+    try:
+        size = cache.download_bytes(step.registry, step.repository, step.digest, step.token)
+        if size > allowed:
+            raise SandboxError(f"it is {size // 1024**2} MB, more than the bases and "
+                               f"resources.build_mb ({allowed // 1024**2} MB)")
+        found = cache.pull(step.registry, step.repository, step.digest, step.token,
+                           work=job.work, limit_bytes=allowed, cancel=job.stop, user=user)
+    except SandboxError as e:
+        if job.stop.is_set():
+            raise BuildFailed("stopped while pulling the image", "") from e
+        job.log(f"[campugrid] the image could not be pulled ({e}); building it here")
+        return job.built_here()
+    METRICS.build_cache_hits.labels("registry").inc()
+    job.log(f"[campugrid] pulled image {step.digest} (built by machine {step.built_by}) "
+            f"in {time.monotonic() - began:.1f} s")
+    size = cache.ops.image_size(found) or 0
+    if size > cache.largest_bytes:
+        job.log(f"[campugrid] the image takes {COPIES} x {size // 1024**2} MB on disk once "
+                f"run, more than this machine's image cache holds ({cache.max_mb} MB, "
+                "--image-cache-mb): it is removed when this task ends")
+    return found
 
 
 def _share(client: CoordinatorApi, cache: ImageCache, hold: Hold, inputs: str, tag: str,

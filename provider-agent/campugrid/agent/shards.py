@@ -18,7 +18,7 @@ import time
 from campugrid.agent import runner_lines
 from campugrid.agent.messages import Outcome, ShardResult, ShardTask
 from campugrid.agent.metrics import METRICS
-from campugrid.agent.task import HOOKS_MOUNT, Task, _retry
+from campugrid.agent.task import HOOKS_MOUNT, Stage, Task, retry
 from campugrid.protocol.spec import MAX_SHARD_RESULT
 from campugrid.sandbox import confine
 from campugrid.sandbox.process import LogFn
@@ -40,19 +40,19 @@ class ShardSessionTask(Task):
 
     def drain(self, grace_s: float, why: str = "the provider is shutting down") -> None:
         """Finish the shard in hand within the grace period, take no new one."""
-        self.draining, self.drain_reason = True, why
+        self.hand_over(why)
         timer = threading.Timer(grace_s, self.stop.set)
         timer.daemon = True
         timer.start()
-        if self.phase != "running":
+        if self.stage not in (Stage.RUNNING, Stage.REPORTING):
             self.stop.set()
 
-    def _execute(self) -> Outcome:
-        mapped = self._prepare()
+    def execute(self) -> Outcome:
+        """`prepare`, then RUNNING: a warm sandbox serving shards until none is left."""
+        mapped = self.prepare()
         if isinstance(mapped, Outcome):
             return mapped
-        self.phase = "running"
-        self.renewer.set_phase("running")
+        self.enter(Stage.RUNNING)
         spec, lease = self.spec, self.lease
         assert spec.command is not None  # the spec refuses sharded jobs without one
         command = ("python3", "-m", "campugrid.hooks.shard_runner", spec.shard_mode, "--",
@@ -86,7 +86,7 @@ class ShardSessionTask(Task):
             with self.sandbox.session(request, log=run_log) as box:
                 if not self._wait_ready(box):
                     if ran or self.stop.is_set():  # it started before: not the image's fault
-                        self.handback = "the shard sandbox did not start again"
+                        self.hand_over("the shard sandbox did not start again")
                         break
                     return shard, ran, sandboxes, Outcome(
                         succeeded=False, exit_code=-1,
@@ -121,7 +121,7 @@ class ShardSessionTask(Task):
                            f"resources.memory_mb is {self.spec.resources.memory_mb}); "
                            "last lines:\n" + "\n".join(list(box.tail)[-5:]))
             ran += 1
-            reply = _retry(lambda d=done: self.client.next_shard(  # type: ignore[misc]
+            reply = retry(lambda d=done: self.client.next_shard(  # type: ignore[misc]
                 lease.hold, d))
             if not reply.accepted:
                 log.info("session %d of %s is over: %s", lease.fencing_token, lease.job_id,
@@ -129,7 +129,7 @@ class ShardSessionTask(Task):
                 self.lost.set()
                 return None, ran
             shard = reply.shard
-            if shard is not None and self.draining:
+            if shard is not None and self.handover:
                 return None, ran  # the shard in hand goes back with the session (Release)
             if died:
                 break

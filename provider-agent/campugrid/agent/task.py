@@ -1,9 +1,24 @@
-"""One leased task on this machine, from download to report:
+"""One leased task on this machine, from download to report. Its life (`Stage`), and how it
+ends (`Ending`):
 
-    download context (+ datasets, + checkpoint to resume) -> build (RUN steps in gVisor)
-      -> run in the sandbox (checkpoints uploaded as they appear) -> last checkpoint pass
-      -> upload /output -> Complete   (or Release after a drain; nothing after losing the lease)
+    PREPARING   the context (unpacked confined), datasets, the checkpoint to resume, bases
+        |
+    BUILDING    the image: pulled from another machine's build, or built here (RUN steps in
+        |       gVisor) and shared (images.ImageJob)
+        |
+    RUNNING     the sandbox runs the job; checkpoints go up as they appear (a sharded job's
+        |       session serves shards instead: shards.py, through `execute`)
+        |
+    REPORTING   the last checkpoint pass, /output uploaded, then one of:
+        |         REPORTED          Complete: succeeded, or failed by the job's own doing
+        |         HANDED_BACK       Release: drained (the owner, a shutdown) or its GPU filled
+        |         CANNOT_RUN_HERE   Release: a base this machine lacks, too little disk
+        |         FAILED_HERE       Release: this machine failed (the attempt counts)
+        |         LOST              nothing: the lease is gone (renewals refused)
+    ENDED       the image, the work folder and the slot are cleaned up
 
+Any stage may end early: `stop` (set by a drain's grace period, the lease's loss, the disk
+watchdog) ends the build or the sandbox; `handover` says why the task goes back unfinished.
 Nothing from the job ever runs outside gVisor: this only moves files and drives the builder
 and the sandbox.
 """
@@ -12,6 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
+import functools
 import hashlib
 import logging
 import os
@@ -39,7 +56,7 @@ from campugrid.agent.metrics import METRICS
 from campugrid.agent.renewer import Renewer
 from campugrid.agent.shares import Shares
 from campugrid.builders.base import Builder
-from campugrid.builders.policy.dockerfiles import allowed_bases, pin_bases
+from campugrid.builders.policy.dockerfiles import BaseUse, allowed_bases, pin_bases
 from campugrid.builders.policy.tarballs import extract_context_file
 from campugrid.protocol import logs
 from campugrid.protocol.errors import (
@@ -69,6 +86,19 @@ def machine_cpus() -> int:
     return os.cpu_count() or 1
 
 
+@dataclasses.dataclass(frozen=True)
+class BuildPlan:
+    """What a build here works from: the unpacked context, its FROM lines, the bases pulled
+    for it (their local names), the checked uses, its disk, and its log."""
+
+    context_dir: Path
+    froms: Sequence[tuple[int, int]]
+    local: dict[BaseUse, str]
+    uses: Sequence[BaseUse]
+    disk_mb: int
+    log: Callable[[str], None]
+
+
 def build_cpus(asked: float) -> float:
     """A build may use every CPU the machine offers: the machine holds this one task while
     it builds, and a job could ask for them all for its run anyway. The run is held to what
@@ -76,7 +106,35 @@ def build_cpus(asked: float) -> float:
     return max(asked, float(machine_cpus()))
 
 
+class Stage(enum.Enum):
+    """Where a task is in its life (the module's diagram)."""
+
+    PREPARING = "preparing"
+    BUILDING = "building"
+    RUNNING = "running"
+    REPORTING = "reporting"
+    ENDED = "ended"
+
+    @property
+    def phase(self) -> str:
+        """What renewals tell the coordinator: the job is building, or it runs."""
+        return "running" if self in (Stage.RUNNING, Stage.REPORTING) else "building"
+
+
+class Ending(enum.Enum):
+    """How a task ends, and so what the coordinator is told (the module's diagram)."""
+
+    REPORTED = "reported"
+    HANDED_BACK = "handed back"
+    CANNOT_RUN_HERE = "cannot run here"
+    FAILED_HERE = "failed on this machine"
+    LOST = "stopped"
+
+
 class Task:
+    """A leased task's life. Subclasses (shards.ShardSessionTask) extend it through `execute`
+    (what runs once the image is there: `prepare`, then the sandbox) and `drain`."""
+
     # The push of a build for other machines goes on beside the job (images.obtain's
     # `later`): this task's lease lasts until it reports, so the push is recorded under it.
     push_beside = True
@@ -108,16 +166,16 @@ class Task:
         self.image = self.tag
         self.user = images.task_user(lease)  # what it uses of the image cache
         self.sharing: threading.Thread | None = None  # the push of this task's build
-        self.stop = threading.Event()  # stop building/running now
+        self.stage = Stage.PREPARING
+        self.stop = threading.Event()  # stop building/running now (any thread may set it)
         self.lost = threading.Event()  # the lease is gone: report nothing
-        self.draining = False
-        self.drain_reason = ""  # why it is drained, as the coordinator records the hand-over
-        self.handback = ""  # why the task is handed back unrun (e.g. its GPU filled up)
+        self.ran = threading.Event()  # the sandbox has exited (the disk watchdog stops)
+        # Why the task goes back unfinished ("": it does not), as the coordinator records the
+        # hand-over: a drain (the owner, a shutdown), or its GPU filled up before the start.
+        self.handover = ""
+        self.disk_exceeded = False  # the disk watchdog stopped the job
         self.ended = "running"  # how it ended, in words (for the owner's provider status)
-        self.disk_exceeded = False
-        self.ran = threading.Event()  # the sandbox has exited
         self.gpu_policy = gpu_policy
-        self.phase = "building"
         self.renewer = Renewer(client, lease, on_lost=self._on_lost)
         self.shipper = LogShipper(client, lease.hold)
         self.uploader = checkpoints.CheckpointUploader(client, lease.hold, self.ckpt_dir, work)
@@ -126,11 +184,19 @@ class Task:
         self.lost.set()
         self.stop.set()
 
+    def hand_over(self, why: str) -> None:
+        """The task goes back unfinished, `why` (the first reason given stands)."""
+        self.handover = self.handover or why
+
+    def enter(self, stage: Stage) -> None:
+        self.stage = stage
+        self.renewer.set_phase(stage.phase)
+
     def drain(self, grace_s: float, why: str = "the provider is shutting down") -> None:
         """Ask the job to stop (SIGTERM inside the sandbox); kill it after the grace period.
         The task is then handed back, `why`, without costing the job an attempt."""
-        self.draining, self.drain_reason = True, why
-        if self.phase != "running":
+        self.hand_over(why)
+        if self.stage not in (Stage.RUNNING, Stage.REPORTING):
             self.stop.set()
             return
         self.sandbox.signal(self.name, "TERM")
@@ -163,7 +229,7 @@ class Task:
             return ()
         mapped, why = _check_gpus_free(self.lease, gpus.discover(self.gpu_policy).gpus)
         if why:
-            self.handback = why
+            self.hand_over(why)
         return mapped
 
     def run(self) -> None:
@@ -173,7 +239,7 @@ class Task:
         failed_here = ""  # the provider failed, not the job: hand back, counting the attempt
         cannot = ""  # this machine cannot run the job: hand back, never to be offered it again
         try:
-            outcome = self._execute()
+            outcome = self.execute()
         except CannotRunHere as e:
             cannot = str(e)
             self.shipper.line("build", f"[campugrid] this machine cannot run the job: {cannot}; "
@@ -191,23 +257,27 @@ class Task:
             if self.sharing is not None:  # recorded under this lease, logged, before the end
                 self.sharing.join()
             self.shipper.close()
+        self.stage = Stage.REPORTING
+        ending = (Ending.LOST if self.lost.is_set() else Ending.CANNOT_RUN_HERE if cannot
+                  else Ending.FAILED_HERE if failed_here else Ending.HANDED_BACK
+                  if self.handover else Ending.REPORTED)
         try:
-            if self.lost.is_set():
+            if ending is Ending.LOST:
                 log.info("task %s attempt %d stopped: %s", job_id, token, self.renewer.reason)
                 self.ended = f"stopped: {self.renewer.reason}"
-            elif cannot:
+            elif ending is Ending.CANNOT_RUN_HERE:
                 log.warning("task %s: this machine cannot run it (%s); handing it back",
                             job_id, cannot)
-                _retry(lambda: self.client.release(hold, cannot, cannot_run_here=True))
+                retry(lambda: self.client.release(hold, cannot, cannot_run_here=True))
                 self.ended = f"handed back: this machine cannot run it: {cannot}"
-            elif failed_here:
+            elif ending is Ending.FAILED_HERE:
                 log.warning("task %s attempt %d failed on this machine: %s", job_id, token,
                             failed_here)
-                _retry(lambda: self.client.release(hold, failed_here, failed=True))
+                retry(lambda: self.client.release(hold, failed_here, failed=True))
                 self.ended = f"failed on this machine: {failed_here}"
-            elif self.draining or self.handback:
-                why = self.handback or self.drain_reason
-                released = _retry(lambda: self.client.release(hold, why))
+            elif ending is Ending.HANDED_BACK:
+                why = self.handover
+                released = retry(lambda: self.client.release(hold, why))
                 log.info("task %s attempt %d handed back: %s", job_id, token,
                          "accepted" if released.accepted else released.reason)
                 self.ended = f"handed back: {why}"
@@ -216,12 +286,13 @@ class Task:
                           f"not enforced exactly: checked every {DISK_POLL_S} s")
                 final = dataclasses.replace(outcome, limits={**self.sandbox.limits.as_dict(),
                                                              "output": output})
-                done = _retry(lambda: self.client.complete(hold, final))
+                done = retry(lambda: self.client.complete(hold, final))
                 if not done.accepted:
                     log.warning("completion of %s refused: %s", job_id, done.reason)
                 self.ended = ("succeeded" if final.succeeded else f"failed: {final.reason}"
                               if done.accepted else f"refused: {done.reason}")
         finally:
+            self.stage = Stage.ENDED
             self.renewer.stop()
             self.sandbox.remove_image(self.tag)  # a cached copy stays under its digest
             if self.cache is not None:
@@ -230,9 +301,9 @@ class Task:
             if self.files != self.work:
                 shutil.rmtree(self.files, ignore_errors=True)
 
-    def _prepare(self) -> Outcome | Mapped:
-        """Download, restore, build and re-check GPUs: the outcome if the task ends here,
-        else the GPUs to map."""
+    def prepare(self) -> Outcome | Mapped:
+        """PREPARING and BUILDING: download, restore, build and re-check GPUs: the outcome if
+        the task ends here, else the GPUs to map."""
         lease, spec, work = self.lease, self.spec, self.work
         context_dir, data_dir = work / "context", work / "data"
         output_dir, ckpt_dir = self.output_dir, self.ckpt_dir
@@ -277,42 +348,18 @@ class Task:
                                                stop=self.stop)
         except BuildFailed as e:
             return Outcome(succeeded=False, exit_code=-1, reason=e.reason)
-        checked = info.checked
         based = time.monotonic()
         build_mb, short = self.build_disk()
         if short:
             raise CannotRunHere(short)
-
-        def build() -> None:
-            online = spec.build.network if self.builder.online else "none"
-            with self._slot_holds(build_mb), \
-                    buildnet.open_network(lease.mirrors, wanted=online, mode=self.build_network,
-                                          disk_mb=build_mb, log=build_log) as net:
-                dockerfile = None
-                if local or net.run_args:  # the agent's copy: bases pinned, pip pointed at
-                    dockerfile = work / "Dockerfile.prepared"  # the platform's cache
-                    dockerfile.write_text(pin_bases((context_dir / "Dockerfile").read_text(),
-                                                    local, checked.froms, net.run_args))
-                cpus = build_cpus(spec.resources.cpus)
-                disk = "on disk" if self.slot is not None else "a tmpfs (memory)"
-                build_log(f"[campugrid] building with {self.builder.name} on {cpus:g} CPUs and "
-                          f"{build_mb} MB of disk ({disk}), RUN steps under gVisor; network: "
-                          f"{net.why}")
-                self.builder.build(context_dir, self.tag, log=build_log,
-                                   timeout_s=min(BUILD_TIMEOUT_S, spec.resources.wall_time_s),
-                                   cancel=self.stop, memory_mb=spec.resources.memory_mb,
-                                   cpus=cpus, disk_mb=build_mb,
-                                   bases=uses, dockerfile=dockerfile, volumes=net.volumes,
-                                   egress=net.socket,
-                                   store_on=self.files if self.slot is not None else None)
-
+        self.enter(Stage.BUILDING)
+        plan = BuildPlan(context_dir, info.checked.froms, local, uses, build_mb, build_log)
         try:
-            self.image = images.obtain(self.client, lease, self.builder, self.cache,
-                                       bases=uses, tag=self.tag, work=work,
-                                       log=build_log, stop=self.stop, build=build,
-                                       disk_mb=build_mb,
-                                       declared=images.declared(spec.build),
-                                       later=self._share if self.push_beside else None)
+            self.image = images.obtain(self.client, self.cache, images.ImageJob(
+                lease=lease, builder=self.builder, bases=uses, tag=self.tag, work=work,
+                log=build_log, stop=self.stop, build=functools.partial(self.build_here, plan),
+                disk_mb=build_mb, declared=images.declared(spec.build)),
+                later=self._share if self.push_beside else None)
         except BuildFailed as e:
             METRICS.build_seconds.labels("failed").observe(time.monotonic() - began)
             return Outcome(succeeded=False, exit_code=-1,
@@ -325,9 +372,35 @@ class Task:
         if self.stop.is_set():
             return Outcome(succeeded=False, exit_code=-1, reason="stopped before running")
         mapped = self._check_gpus()
-        if self.handback:
-            return Outcome(succeeded=False, exit_code=-1, reason=self.handback)
+        if self.handover:
+            return Outcome(succeeded=False, exit_code=-1, reason=self.handover)
         return mapped
+
+    def build_here(self, plan: BuildPlan) -> None:
+        """Build the image on this machine, in the build's own network, its store on the
+        output slot's bounded disk while it builds."""
+        spec, lease = self.spec, self.lease
+        online = spec.build.network if self.builder.online else "none"
+        with self._slot_holds(plan.disk_mb), \
+                buildnet.open_network(lease.mirrors, wanted=online, mode=self.build_network,
+                                      disk_mb=plan.disk_mb, log=plan.log) as net:
+            dockerfile = None
+            if plan.local or net.run_args:  # the agent's copy: bases pinned, pip pointed at
+                dockerfile = self.work / "Dockerfile.prepared"  # the platform's cache
+                dockerfile.write_text(pin_bases((plan.context_dir / "Dockerfile").read_text(),
+                                                plan.local, plan.froms, net.run_args))
+            cpus = build_cpus(spec.resources.cpus)
+            disk = "on disk" if self.slot is not None else "a tmpfs (memory)"
+            plan.log(f"[campugrid] building with {self.builder.name} on {cpus:g} CPUs and "
+                     f"{plan.disk_mb} MB of disk ({disk}), RUN steps under gVisor; network: "
+                     f"{net.why}")
+            self.builder.build(plan.context_dir, self.tag, log=plan.log,
+                               timeout_s=min(BUILD_TIMEOUT_S, spec.resources.wall_time_s),
+                               cancel=self.stop, memory_mb=spec.resources.memory_mb,
+                               cpus=cpus, disk_mb=plan.disk_mb,
+                               bases=plan.uses, dockerfile=dockerfile, volumes=net.volumes,
+                               egress=net.socket,
+                               store_on=self.files if self.slot is not None else None)
 
     def build_disk(self) -> tuple[int, str]:
         """The build's disk in MB, and why this machine cannot give it ('' if it can): what
@@ -361,14 +434,15 @@ class Task:
         self.sharing = logs.thread(push, name=f"share-{self.lease.job_id}")
         self.sharing.start()
 
-    def _execute(self) -> Outcome:
+    def execute(self) -> Outcome:
+        """Everything up to the report: `prepare`, then RUNNING (the job in the sandbox) and
+        the first part of REPORTING (the last checkpoints, /output)."""
         lease, spec, work = self.lease, self.spec, self.work
         output_dir, ckpt_dir = self.output_dir, self.ckpt_dir
-        mapped = self._prepare()
+        mapped = self.prepare()
         if isinstance(mapped, Outcome):
             return mapped
-        self.phase = "running"
-        self.renewer.set_phase("running")
+        self.enter(Stage.RUNNING)
         self.renewer.renew_now()
         last_line: list[str] = []
         run_log = self.shipper.for_stream("run")
@@ -390,6 +464,7 @@ class Task:
             raise
         finally:
             self.ran.set()
+        self.stage = Stage.REPORTING
         if result.started_s is not None:
             METRICS.sandbox_start_seconds.labels("run").observe(result.started_s)
         if not self.lost.is_set():
@@ -401,7 +476,7 @@ class Task:
         else:
             self.uploader.stop(wait=False)  # the coordinator would refuse what it uploads
         listed: tuple[tuple[str, int], ...] = ()
-        if not self.stop.is_set() and not self.draining and not self.disk_exceeded:
+        if not self.stop.is_set() and not self.handover and not self.disk_exceeded:
             listed = _upload_output(lease.output_url, output_dir, work / "output.tar.gz")
         if self.disk_exceeded:
             reason = (f"the job wrote more than {spec.resources.output_mb} MB to /output and "
@@ -501,7 +576,7 @@ def _check_gpus_free(lease: Lease, found: Sequence[Gpu]) -> tuple[Mapped, str]:
     return tuple(mapped), ""
 
 
-def _retry(call: Callable[[], R]) -> R:
+def retry(call: Callable[[], R]) -> R:
     """A report survives a coordinator restart of a few seconds (the lease covers longer)."""
     for delay in (1, 2, 4, 8):
         try:

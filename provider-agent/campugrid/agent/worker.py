@@ -283,7 +283,7 @@ class Agent:
         """Drain the running task as soon as the owner wants the machine back."""
         while not self.stopping.wait(OWNER_POLL_S):
             task = self.task
-            if task is None or task.draining:
+            if task is None or task.handover:
                 continue
             why = self.owner.drain_reason(task.lease.gpu_uuids, _members(self.sandbox, task.name))
             if why and self.task is task:

@@ -245,7 +245,8 @@ class FakeRuntime:
 
 class FakeOps:
     """The PodmanOps protocol over FakeRuntime's store: its images (each `IMAGE_BYTES`, with
-    the ENV `env` gives it, one layer named after it) and its sandboxes by name.
+    the ENV `env` gives it, an ID and one layer; a tag names the same image) and its
+    sandboxes by name.
     tests/integration/test_podman_ops.py holds it to the same image cases as Podman."""
 
     IMAGE_BYTES = 1024**2
@@ -253,6 +254,7 @@ class FakeOps:
     def __init__(self, runtime: FakeRuntime) -> None:
         self.runtime = runtime
         self.env: dict[str, list[str]] = {}  # image -> its ENV, where a test sets one
+        self._ids: dict[str, str] = {}  # a name given by `tag` -> the image's ID
 
     def _has(self, ref: str) -> bool:
         return self.runtime.images is not None and ref in self.runtime.images
@@ -280,13 +282,16 @@ class FakeOps:
         return self.IMAGE_BYTES if self._has(ref) else None
 
     def image_layers(self, ref: str) -> list[str] | None:
-        return [f"sha256:{hashlib.sha256(ref.encode()).hexdigest()}"] if self._has(ref) else None
+        found = self.image_id(ref)
+        return [f"sha256:{found}"] if found is not None else None
 
     def image_env(self, ref: str) -> list[str] | None:
         return list(self.env.get(ref, [])) if self._has(ref) else None
 
     def image_id(self, ref: str) -> str | None:
-        return hashlib.sha256(ref.encode()).hexdigest() if self._has(ref) else None
+        if not self._has(ref):
+            return None
+        return self._ids.get(ref) or hashlib.sha256(ref.encode()).hexdigest()
 
     def layer_index(self) -> list[Path]:
         return []
@@ -298,6 +303,7 @@ class FakeOps:
         if not self._has(ref):
             raise SandboxError(f"podman tag {ref}: image not known")
         assert self.runtime.images is not None
+        self._ids[new] = self.image_id(ref) or ""
         self.runtime.images.add(new)
         self.env.setdefault(new, self.env.get(ref, []))
 
