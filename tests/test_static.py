@@ -307,3 +307,30 @@ def test_the_backend_and_dialect_rules_see_what_they_forbid():
                          "ok = builder.name == 'buildah'\n"
                          "fine = isinstance(x, dict)\n") == [1, 3]
     assert dialect_names("pg = engine.dialect.name == 'postgresql'\nname = job.name\n") == [1]
+
+
+def starts_processes(source: str, name: str = "<source>") -> list[int]:
+    """The lines of `source` that start a process or a confined child, or name this Python
+    to start one."""
+    starters = {"subprocess": {"run", "Popen", "call", "check_call", "check_output"},
+                "os": {"fork", "system", "popen", "execv", "spawnv"},
+                "confine": {"call", "Worker"}, "sys": {"executable"}}
+    out = []
+    for node in ast.walk(ast.parse(source, name)):
+        if (isinstance(node, ast.Import | ast.ImportFrom) and any(
+                a.name.split(".")[0] == "multiprocessing" for a in node.names)) or (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.attr in starters.get(node.value.id, ())):
+            out.append(node.lineno)
+    return sorted(out)
+
+
+def test_unit_tests_start_no_process():
+    found = {str(p.relative_to(REPO)): lines
+             for p in sorted((REPO / "tests" / "unit").glob("*.py"))
+             if (lines := starts_processes(p.read_text(), str(p)))}
+    assert found == {}, f"unit tests that start processes (move them to tests/integration): {found}"
+
+
+def test_the_process_rule_sees_what_it_forbids():
+    assert starts_processes("subprocess.run(['true'])\nconfine.call(f)\nx = sys.executable\n"
+                            "done = subprocess.CompletedProcess([], 0)\n") == [1, 2, 3]

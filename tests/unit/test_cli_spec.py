@@ -2,15 +2,11 @@
 its line and column before anything is sent."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from campugrid.cli import specfile
-from campugrid.cli.seaweed import free_port
 from campugrid.protocol.errors import InvalidInput
 from campugrid.protocol.spec import MAX_SPEC_BYTES, JobSpec
 
@@ -129,20 +125,3 @@ def test_broken_yaml_json_and_text_say_where(tmp_path):
     refused(tmp_path / "bin.yaml", "not UTF-8", "save it as UTF-8")
     refused(write(tmp_path, "two.yaml", "name: a\n---\nname: b\n"), "two.yaml:2:1", "not valid YAML")
     refused(tmp_path / "missing.yaml", "cannot read the spec", "missing.yaml")
-
-
-def test_the_cli_refuses_a_bad_yaml_spec_before_anything_is_sent(tmp_path):
-    """No identity and no coordinator: the refusal comes first, with where and why."""
-    (tmp_path / "Dockerfile").write_text("FROM x\n")
-    spec = write(tmp_path, "job.yaml", "name: a\nname: b\n")
-    env = {**os.environ, "CAMPUGRID_IDENTITY": str(tmp_path / "none.json")}
-    out = subprocess.run([sys.executable, "-m", "campugrid.cli", "submit", str(tmp_path), "--spec",
-                          str(spec), "--json", "--server", f"http://127.0.0.1:{free_port()}"],
-                         capture_output=True, text=True, timeout=60, env=env)
-    assert out.returncode == 2 and out.stdout == "", out
-    assert out.stderr.startswith(f"error: {spec}:2:1: the key 'name' is given twice"), out.stderr
-    # and what JobSpec refuses in a YAML spec, it refuses as for JSON
-    typo = write(tmp_path, "typo.yaml", "comand: x\n")
-    out = subprocess.run([sys.executable, "-m", "campugrid.cli", "submit", str(tmp_path), "--spec",
-                          str(typo)], capture_output=True, text=True, timeout=60, env=env)
-    assert out.returncode == 2 and "comand" in out.stderr and "no identity" not in out.stderr

@@ -189,8 +189,11 @@ class Task:
         self.handover = self.handover or why
 
     def enter(self, stage: Stage) -> None:
+        """Move on to `stage`; the coordinator hears at once when the phase it sees changes."""
+        changed = stage.phase != self.stage.phase
         self.stage = stage
-        self.renewer.set_phase(stage.phase)
+        if changed:
+            self.renewer.set_phase(stage.phase)
 
     def drain(self, grace_s: float, why: str = "the provider is shutting down") -> None:
         """Ask the job to stop (SIGTERM inside the sandbox); kill it after the grace period.
