@@ -40,7 +40,8 @@ BESIDE_THE_HOST = (
         "leader", "machine_cache", "metrics", "migrations", "objects", "placement", "ratelimits",
         "seaweed_security", "shards_store", "store", "users",
         # what starts processes but needs no Podman (tests/unit starts none)
-        "backends", "cli", "cli_spec_process", "confined_children", "gpu_processes",
+        "backends", "cli", "cli_spec_process", "confined_children", "coordinator_api_contract",
+        "gpu_processes",
         "hook_processes", "install_unit", "owner", "packaging", "shard_runner")))
 
 

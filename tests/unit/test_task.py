@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from campugrid.agent.messages import CheckpointUpload, Hold, Lease, Outcome, Renewal, Verdict
+from campugrid.agent.fake import FakeCoordinator
+from campugrid.agent.messages import Lease, Outcome
 from campugrid.agent.task import Task
 from campugrid.builders.fake import FakeBuilder
 from campugrid.sandbox import fake
@@ -28,44 +29,12 @@ CONTEXT_URL = "http://objects.test/contexts/job-1.tar?X-Amz-Signature=s"
 OUTPUT_URL = "http://objects.test/outputs/job-1.tar.gz?X-Amz-Signature=s"
 
 
-class FakeCoordinator:
-    """The CoordinatorApi methods a task calls, recording them; `keep_going=False` makes
-    every renewal answer that the lease is gone."""
-
-    machine_id = "machine-test"
-    address = "127.0.0.1:8751"
-
-    def __init__(self, keep_going: bool = True) -> None:
-        self.keep_going = keep_going
-        self.renewals: list[str] = []
-        self.lines: list[tuple[str, str]] = []
-        self.completed: list[tuple[str, int, Outcome]] = []
-        self.released: list[tuple[str, int, str, bool]] = []
-
-    def renew(self, hold: Hold, phase: str, timeout_s: float) -> Renewal:
-        self.renewals.append(phase)
-        return Renewal(self.keep_going, "" if self.keep_going else "the job was cancelled", 12.0)
-
-    def logs(self, hold: Hold, stream: str, seq: int, text: str) -> bool:
-        self.lines += [(stream, line) for line in text.splitlines()]
-        return True
-
-    def complete(self, hold: Hold, outcome: Outcome) -> Verdict:
-        self.completed.append((hold.job_id, hold.token, outcome))
-        return Verdict(True)
-
-    def release(self, hold: Hold, reason: str, failed: bool = False) -> Verdict:
-        self.released.append((hold.job_id, hold.token, reason, failed))
-        return Verdict(True)
-
-    def begin_checkpoint(self, hold: Hold, epoch: int, size: int) -> CheckpointUpload:
-        return CheckpointUpload(False, "no checkpoints in these tests")
-
-    def outcome(self) -> Outcome:
-        assert self.released == [], self.released
-        [(job_id, token, outcome)] = self.completed
-        assert (job_id, token) == ("job-1", 7)
-        return outcome
+def outcome(client: FakeCoordinator) -> Outcome:
+    """The one completion the task sent (and no hand-back), for the test's hold."""
+    assert client.released == [], client.released
+    [(job_id, token, done)] = client.completed
+    assert (job_id, token) == ("job-1", 7)
+    return done
 
 
 class ObjectStub:
@@ -125,6 +94,7 @@ class Setup:
                       lease_seconds=12.0, context_url=CONTEXT_URL, output_url=OUTPUT_URL)
         work = self.tmp_path / "work"
         work.mkdir()
+        self.client.grant(lease)
         return Task(self.client, lease, work, self.builder, self.runtime)  # type: ignore[arg-type]
 
     def run(self, **kwargs: object) -> Task:
@@ -148,7 +118,7 @@ def setup(tmp_path: Path, objects: ObjectStub) -> Setup:
 
 def test_success_reports_the_last_line_and_uploads_the_output(setup: Setup) -> None:
     task = setup.run(env=fake.env(stdout="warming up\nthe answer is 42", write_mb=1))
-    done = setup.client.outcome()
+    done = outcome(setup.client)
     assert done.succeeded and done.exit_code == 0 and done.reason == ""
     assert done.result == "the answer is 42" and done.output_uploaded
     assert setup.objects.output_files() == {fake.OUTPUT_FILE: 1024 * 1024}
@@ -166,7 +136,7 @@ def test_the_build_may_use_every_cpu_the_machine_offers_and_the_run_what_the_job
         setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "cpu_count", lambda: 6)
     task = setup.run(env=fake.env(stdout="done"), cpus=0.5, memory_mb=300, disk_mb=200)
-    assert setup.client.outcome().succeeded
+    assert outcome(setup.client).succeeded
     assert setup.builder.limits == [{"memory_mb": 300, "cpus": 6.0, "disk_mb": 200}]
     [req] = setup.runtime.runs
     assert (req.cpus, req.memory_mb) == (0.5, 300)
@@ -176,7 +146,7 @@ def test_the_build_may_use_every_cpu_the_machine_offers_and_the_run_what_the_job
 
 def test_a_non_zero_exit_fails_the_job_with_its_status(setup: Setup) -> None:
     task = setup.run(env=fake.env(stdout="about to fail", exit_code=3))
-    done = setup.client.outcome()
+    done = outcome(setup.client)
     assert not done.succeeded and done.exit_code == 3
     assert done.reason == "the job's command exited with status 3"
     assert done.result == "about to fail" and not done.output_uploaded
@@ -185,7 +155,7 @@ def test_a_non_zero_exit_fails_the_job_with_its_status(setup: Setup) -> None:
 
 def test_out_of_memory_names_the_limit(setup: Setup) -> None:
     task = setup.run(env=fake.env(oom=1, run_for=0.1), memory_mb=256)
-    done = setup.client.outcome()
+    done = outcome(setup.client)
     assert not done.succeeded
     assert done.reason == "out of memory: the job used more than 256 MB"
     setup.after(task)
@@ -194,7 +164,7 @@ def test_out_of_memory_names_the_limit(setup: Setup) -> None:
 def test_the_wall_time_stops_the_job(setup: Setup) -> None:
     t0 = time.monotonic()
     task = setup.run(env=fake.env(run_for=60), wall_time_s=1)
-    done = setup.client.outcome()
+    done = outcome(setup.client)
     assert not done.succeeded and time.monotonic() - t0 < 20
     assert done.reason == "wall time of 1 s exceeded; the job was stopped"
     setup.after(task)
@@ -202,7 +172,7 @@ def test_the_wall_time_stops_the_job(setup: Setup) -> None:
 
 def test_a_sandbox_that_vanishes_mid_run_fails_the_attempt(setup: Setup) -> None:
     task = setup.run(env=fake.env(run_for=60, vanish_after=0.2))
-    done = setup.client.outcome()
+    done = outcome(setup.client)
     assert not done.succeeded and done.exit_code == fake.KILLED
     assert done.reason == f"the job's command exited with status {fake.KILLED}"
     setup.after(task)
@@ -212,7 +182,7 @@ def test_a_failed_build_is_final_with_the_log_tail(setup: Setup) -> None:
     task = setup.run(dockerfile="# fake: log=about-to-fail-7f3a\n"
                                 "# fake: fail=build failed (RUN step exit 3)\n"
                                 "RUN echo about-to-fail-7f3a && exit 3\n")
-    done = setup.client.outcome()
+    done = outcome(setup.client)
     assert not done.succeeded and done.exit_code == -1
     assert done.reason.startswith("build failed (RUN step exit 3); last lines of the build log:\n")
     assert "about-to-fail-7f3a" in done.reason
@@ -244,7 +214,7 @@ def test_a_task_lets_go_of_the_cached_images_it_used_as_it_ends(setup: Setup,
     task.cache = cache  # type: ignore[assignment]
     task.run()
     assert cache.released == ["job-1:7"]
-    assert setup.client.outcome().succeeded is (dockerfile == "")
+    assert outcome(setup.client).succeeded is (dockerfile == "")
     setup.after(task)
 
 
@@ -297,11 +267,13 @@ def test_a_drain_during_the_build_hands_the_task_back_unrun(setup: Setup) -> Non
 
 
 def test_a_lost_lease_stops_the_job_and_reports_nothing(tmp_path: Path, objects: ObjectStub) -> None:
-    setup = Setup(tmp_path, objects, FakeCoordinator(keep_going=False))
+    setup = Setup(tmp_path, objects, FakeCoordinator())
+    task = setup.task(env=fake.env(run_for=60))
+    setup.client.cancel("job-1")  # before its first renewal: the lease is gone
     t0 = time.monotonic()
-    task = setup.run(env=fake.env(run_for=60))
+    task.run()
     assert time.monotonic() - t0 < 20
-    assert task.lost.is_set() and task.renewer.reason == "the job was cancelled"
+    assert task.lost.is_set() and "job job-1 was cancelled" in task.renewer.reason
     assert setup.client.completed == [] and setup.client.released == []
     assert OUTPUT_URL not in objects.puts
     setup.after(task)
@@ -310,7 +282,7 @@ def test_a_lost_lease_stops_the_job_and_reports_nothing(tmp_path: Path, objects:
 def test_output_past_output_mb_stops_the_job_at_once(setup: Setup) -> None:
     # 2 MB in one file passes RLIMIT_FSIZE (output_mb + 1) but not output_mb: the watchdog.
     task = setup.run(env=fake.env(write_mb=2, run_for=60), output_mb=1)
-    done = setup.client.outcome()
+    done = outcome(setup.client)
     assert not done.succeeded and not done.output_uploaded
     assert done.reason == ("the job wrote more than 1 MB to /output and /checkpoints "
                            "(resources.output_mb); it was stopped")
@@ -320,7 +292,7 @@ def test_output_past_output_mb_stops_the_job_at_once(setup: Setup) -> None:
 
 def test_one_file_past_output_mb_is_stopped_by_the_file_size_limit(setup: Setup) -> None:
     task = setup.run(env=fake.env(write_mb=5), output_mb=1)
-    done = setup.client.outcome()
+    done = outcome(setup.client)
     assert not done.succeeded and done.exit_code == 153
     assert done.reason.startswith("a file the job wrote reached 1 MB (resources.output_mb")
     setup.after(task)
