@@ -12,6 +12,7 @@ from sqlalchemy import event
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.db import make_engine
 from campugrid.coordinator.machines import MACHINE_CACHE_S, Status
+from campugrid.coordinator.objects import MemoryObjects
 from campugrid.coordinator.service import Coordinator
 from campugrid.coordinator.store import Store
 from campugrid.protocol.errors import Unauthenticated
@@ -28,7 +29,7 @@ def process(db_url: str, tmp_path) -> tuple[Coordinator, list[str]]:
                  lambda _c, _cur, statement, *_: statement.startswith("BEGIN") or
                  seen.append(statement))
     settings = Settings(tmp_path, db_url, "", "", "")
-    return Coordinator(settings, store, None), seen  # type: ignore[arg-type]  # no S3 needed
+    return Coordinator(settings, store, MemoryObjects()), seen  # no S3 needed
 
 
 def test_another_process_sees_a_status_change_within_a_second(store: Store, db_url: str,

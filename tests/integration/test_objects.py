@@ -1,9 +1,11 @@
-"""S3Store against a real S3 server (SeaweedFS, started for the session)."""
+"""S3Store against a real S3 server (SeaweedFS, started for the session), and the in-memory
+MemoryObjects held to it on the same cases."""
 
 from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import io
 import secrets
 import socket
 
@@ -11,7 +13,7 @@ import httpx
 import pytest
 
 from campugrid.cli.seaweed import EmbeddedS3
-from campugrid.coordinator.objects import S3Store
+from campugrid.coordinator.objects import MemoryObjects, S3Store
 from campugrid.protocol.errors import InvalidInput, StorageError
 
 pytestmark = pytest.mark.integration
@@ -123,3 +125,61 @@ def test_an_unreachable_store_is_a_storage_error():
     nowhere._http.connection_pool_kw["retries"] = 0
     with pytest.raises(StorageError, match="unreachable"):
         nowhere.ensure_bucket()
+
+
+# --- the same cases through S3Store and the in-memory MemoryObjects ---------------------------
+
+
+@pytest.fixture(params=["s3", "memory"])
+def store(request: pytest.FixtureRequest) -> S3Store | MemoryObjects:
+    if request.param == "memory":
+        return MemoryObjects()
+    return request.getfixturevalue("s3")
+
+
+def put_to(store: S3Store | MemoryObjects, url: str, data: bytes) -> str:
+    """A PUT to a presigned URL, as an agent sends it; the part's ETag."""
+    if isinstance(store, MemoryObjects):
+        return store.accept(url, data)
+    r = httpx.put(url, content=data, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.headers["ETag"]
+
+
+def test_both_stores_keep_read_list_and_forget_objects_alike(store):
+    key = "contexts/ä b+c.tar"
+    assert not store.exists(key)
+    store.put_bytes(key, b"\x00payload")
+    assert store.exists(key) and b"".join(store.stream(key, chunk=3)) == b"\x00payload"
+    assert store.digest(key) == (8, hashlib.sha256(b"\x00payload").hexdigest())
+    store.put_file("f.bin", io.BytesIO(b"0123456789"), 4)  # `size` bytes from the start
+    assert store.digest("f.bin") == (4, hashlib.sha256(b"0123").hexdigest())
+    for name in ("ds/x.csv", "ds/sub/y.csv", "other/z"):
+        store.put_bytes(name, name.encode())
+    listed = store.list_objects(store.bucket, "ds/", 10)
+    assert sorted((o.key, o.size) for o in listed) == [("ds/sub/y.csv", 12), ("ds/x.csv", 8)]
+    assert len(store.list_objects(store.bucket, "ds/", 1)) == 2  # one past the limit: more
+    with pytest.raises(InvalidInput, match="no bucket"):
+        store.list_objects("no-such-bucket-" + secrets.token_hex(4), "", 10)
+    store.delete(key)
+    store.delete(key)  # twice is fine
+    assert not store.exists(key)
+
+
+def test_both_stores_take_a_multipart_upload_alike(store):
+    key = "checkpoints/j/epoch-00000002-attempt-1.tar"
+    upload = store.begin_multipart(key)
+    parts = [secrets.token_bytes(5 * 1024 * 1024), b"the tail"]
+    etags = [put_to(store, store.presign_part(key, upload, n, TTL), part)
+             for n, part in enumerate(parts, 1)]
+    assert not store.exists(key)  # nothing until it is completed
+    store.complete_multipart(key, upload, etags)
+    assert store.digest(key) == (len(b"".join(parts)), hashlib.sha256(b"".join(parts)).hexdigest())
+    again = store.begin_multipart(key + ".2")
+    put_to(store, store.presign_part(key + ".2", again, 1, TTL), b"x")
+    with pytest.raises(InvalidInput):  # a part it never got
+        store.complete_multipart(key + ".2", again, ['"' + "0" * 32 + '"'])
+    store.abort_multipart(key + ".2", again)
+    with pytest.raises(InvalidInput):  # an upload that is gone
+        store.complete_multipart(key + ".2", again, ['"' + "0" * 32 + '"'])
+    assert not store.exists(key + ".2")

@@ -13,7 +13,9 @@ import datetime as dt
 import hashlib
 import io
 import os
+import secrets
 import threading
+import urllib.parse
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator, Mapping
 from typing import BinaryIO, Protocol
@@ -355,3 +357,122 @@ def _text(element: ET.Element | None, name: str) -> str:
         if _local(child.tag) == name:
             return child.text or ""
     return ""
+
+
+class MemoryObjects:
+    """The ObjectStore protocol in memory, for tests of what stores objects without an S3
+    server. A presigned URL is `memory://BUCKET/KEY?...`, and `accept` is what a PUT to one
+    does (an upload's part answers its ETag, as S3 does). tests/integration/test_objects.py
+    holds it to S3Store on the same cases."""
+
+    def __init__(self, bucket: str = "campugrid", buckets: tuple[str, ...] = ()) -> None:
+        self.bucket = bucket
+        self._objects: dict[tuple[str, str], bytes] = {}
+        self._buckets = {bucket, *buckets}
+        self._uploads: dict[str, tuple[str, dict[int, bytes]]] = {}  # id -> (key, parts)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        pass
+
+    def ensure_bucket(self) -> None:
+        self._buckets.add(self.bucket)
+
+    def put_bytes(self, key: str, data: bytes, bucket: str | None = None) -> None:
+        with self._lock:
+            self._objects[(bucket or self.bucket, key)] = bytes(data)
+
+    def put_file(self, key: str, data: BinaryIO, size: int) -> None:
+        data.seek(0)
+        self.put_bytes(key, data.read(size))
+
+    def _get(self, key: str, bucket: str | None = None) -> bytes:
+        with self._lock:
+            found = self._objects.get((bucket or self.bucket, key))
+        if found is None:
+            raise InvalidInput(f"no object {key}")
+        return found
+
+    def get_bytes(self, key: str, bucket: str | None = None) -> bytes:
+        return self._get(key, bucket)
+
+    def stream(self, key: str, chunk: int = 1024 * 1024) -> Iterator[bytes]:
+        data = self._get(key)
+        for at in range(0, len(data), chunk):
+            yield data[at:at + chunk]
+
+    def exists(self, key: str) -> bool:
+        with self._lock:
+            return (self.bucket, key) in self._objects
+
+    def list_objects(self, bucket: str, prefix: str, limit: int) -> list[ObjectInfo]:
+        if bucket not in self._buckets:
+            raise InvalidInput(f"no bucket {bucket!r} in the platform's object store")
+        with self._lock:
+            found = sorted((k, len(v)) for (b, k), v in self._objects.items()
+                           if b == bucket and k.startswith(prefix))
+        return [ObjectInfo(k, n) for k, n in found[:limit + 1]]
+
+    def _url(self, method: str, bucket: str, key: str, ttl: dt.timedelta,
+             **query: str) -> str:
+        params = urllib.parse.urlencode({"method": method, "ttl": int(ttl.total_seconds()),
+                                         **query})
+        return f"memory://{bucket}/{urllib.parse.quote(key)}?{params}"
+
+    def presign_get(self, key: str, ttl: dt.timedelta, bucket: str | None = None) -> str:
+        return self._url("GET", bucket or self.bucket, key, ttl)
+
+    def presign_put(self, key: str, ttl: dt.timedelta) -> str:
+        return self._url("PUT", self.bucket, key, ttl)
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            self._objects.pop((self.bucket, key), None)
+
+    def begin_multipart(self, key: str) -> str:
+        upload_id = secrets.token_hex(16)
+        with self._lock:
+            self._uploads[upload_id] = (key, {})
+        return upload_id
+
+    def presign_part(self, key: str, upload_id: str, number: int, ttl: dt.timedelta) -> str:
+        return self._url("PUT", self.bucket, key, ttl, partNumber=str(number), uploadId=upload_id)
+
+    def accept(self, url: str, data: bytes) -> str:
+        """A PUT of `data` to a presigned URL of this store: the object, or an upload's part
+        (its ETag returned, quoted, as S3 answers it)."""
+        parts = urllib.parse.urlsplit(url)
+        key = urllib.parse.unquote(parts.path.lstrip("/"))
+        query = dict(urllib.parse.parse_qsl(parts.query))
+        if "uploadId" not in query:
+            self.put_bytes(key, data, parts.netloc)
+        else:
+            with self._lock:
+                upload = self._uploads.get(query["uploadId"])
+                if upload is None or upload[0] != key:
+                    raise InvalidInput(f"NoSuchUpload: no upload {query['uploadId']} of {key}")
+                upload[1][int(query["partNumber"])] = bytes(data)
+        return '"' + hashlib.md5(data, usedforsecurity=False).hexdigest() + '"'
+
+    def complete_multipart(self, key: str, upload_id: str, etags: list[str]) -> None:
+        with self._lock:
+            upload = self._uploads.get(upload_id)
+            if upload is None or upload[0] != key:
+                raise InvalidInput(f"the upload of {key} could not be completed: NoSuchUpload")
+            parts = upload[1]
+            for n, etag in enumerate(etags, 1):
+                got = parts.get(n)
+                if got is None or hashlib.md5(got, usedforsecurity=False).hexdigest() \
+                        != etag.strip('"'):
+                    raise InvalidInput(f"the upload of {key} could not be completed: "
+                                       f"InvalidPart {n}")
+            self._objects[(self.bucket, key)] = b"".join(parts[n] for n in range(1, len(etags) + 1))
+            del self._uploads[upload_id]
+
+    def abort_multipart(self, key: str, upload_id: str) -> None:
+        with self._lock:
+            self._uploads.pop(upload_id, None)
+
+    def digest(self, key: str) -> tuple[int, str]:
+        data = self._get(key)
+        return len(data), hashlib.sha256(data).hexdigest()

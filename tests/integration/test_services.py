@@ -1,0 +1,49 @@
+"""The coordinator's services on a real database and the in-memory object store
+(objects.MemoryObjects, held to S3 by test_objects.py): what a machine reports about a job's
+output is checked against what storage holds before a researcher is pointed at it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from campugrid.coordinator.config import Settings
+from campugrid.coordinator.objects import MemoryObjects
+from campugrid.coordinator.service import Coordinator
+from campugrid.coordinator.store import Store
+from campugrid.protocol.errors import NotFound
+from campugrid.protocol.spec import JobSpec
+from campugrid.protocol.states import JobState
+from tests.support.machines import add_machine
+
+pytestmark = pytest.mark.integration
+
+
+def coordinator(store: Store, tmp_path: Path) -> tuple[Coordinator, MemoryObjects]:
+    objects = MemoryObjects()
+    return Coordinator(Settings(tmp_path, "sqlite://", "", "", ""), store, objects), objects
+
+
+def test_an_output_the_machine_claims_but_storage_lacks_is_never_shown(store: Store, tmp_path):
+    coord, objects = coordinator(store, tmp_path)
+    machine = add_machine(store, "m")
+    for _ in range(2):
+        store.submit(JobSpec(), "contexts/x.tar", "ab" * 32)
+    claimed = coord.leasing.lease(machine)
+    assert claimed is not None and claimed.output_url.startswith("memory://")
+    coord.leasing.complete(claimed.hold, succeeded=True, exit_code=0, reason=None, result="1",
+                           output_uploaded=True, limits={})  # said so, sent nothing
+    job = coord.jobs.get(claimed.job.id)
+    assert job.state is JobState.SUCCEEDED and job.output_key is None
+    with pytest.raises(NotFound, match="has no output"):
+        coord.jobs.open_output(job.id)
+    uploaded = coord.leasing.lease(machine)
+    assert uploaded is not None and uploaded.job.id != job.id
+    objects.accept(uploaded.output_url, b"the output archive")  # the agent's presigned PUT
+    coord.leasing.complete(uploaded.hold, succeeded=True, exit_code=0, reason=None, result="2",
+                           output_uploaded=True, limits={},
+                           output_files=[("out/\x1bfile", 18)])
+    shown, stream = coord.jobs.open_output(uploaded.job.id)
+    assert b"".join(stream) == b"the output archive"
+    assert shown.output_files == (("out/?file", 18),)  # as said, printable
