@@ -172,7 +172,7 @@ def test_sizes_read_as_people_read_them():
 def test_a_sharded_jobs_results_table_has_a_column_per_key_its_results_have():
     from types import SimpleNamespace
 
-    from campugrid.console.app import _result_keys
+    from campugrid.console.jobs import _result_keys
 
     shards = [SimpleNamespace(result={"loss": 0.1, "lr": 3e-4}), SimpleNamespace(result=None),
               SimpleNamespace(result='{"acc": 0.9, "loss": 0.2}'), SimpleNamespace(result=7)]
