@@ -20,15 +20,13 @@ from typing import Any, TypeVar
 import grpc
 from limits import RateLimitItemPerMinute
 
-from campugrid.builders.policy.dockerfiles import parse_image_ref
 from campugrid.coordinator.answers import answer
 from campugrid.coordinator.apps import Nonces
 from campugrid.coordinator.gpu_history import GpuMemory
 from campugrid.coordinator.machines import MachineRecord, Status
-from campugrid.coordinator.mirrors import PREFIX as MIRRORS_PREFIX
-from campugrid.coordinator.mirrors import MirrorTokens
 from campugrid.coordinator.scheduler import GpuView, MachineView
 from campugrid.coordinator.service import Coordinator
+from campugrid.coordinator.services.supplies import Supplies
 from campugrid.coordinator.views import HoldKind, HoldRef, ShardResult, ShardTask
 from campugrid.coordinator.wakeup import MAX_HOLD_S
 from campugrid.protocol import agent_pb2 as pb
@@ -120,19 +118,10 @@ def peer_address(context: grpc.ServicerContext) -> str:
 
 
 class AgentService(pb_grpc.AgentServiceServicer):
-    def __init__(self, coord: Coordinator, register_per_minute: int = 20,
-                 rest_url: str = "", rest_pem: str = "", egress_url: str = "") -> None:
+    def __init__(self, coord: Coordinator, supplies: Supplies,
+                 register_per_minute: int = 20) -> None:
         self.coord = coord
-        # The package caches this coordinator serves, each at rest_url/v1/mirrors/<kind>,
-        # and its egress proxy for builds (campugrid.egress), at egress_url
-        settings = coord.settings
-        self._mirrors = [kind for kind, on in (("pypi", settings.pip_mirror_dir),
-                                               ("apt", settings.apt_cache)) if on and rest_url]
-        self._mirror_url = rest_url.rstrip("/") + MIRRORS_PREFIX
-        self._egress_url = egress_url
-        self._mirror_tokens = MirrorTokens(settings.registry_dir) \
-            if self._mirrors or egress_url else None
-        self._mirror_pem = rest_pem  # REST's certificate, when it serves TLS (our own)
+        self.supplies = supplies  # the caches, the egress proxy and the bases' sources
         self.metrics = coord.metrics
         self._limiter = coord.limiter  # shared by every coordinator process
         self._register_limit = RateLimitItemPerMinute(register_per_minute)
@@ -232,33 +221,13 @@ class AgentService(pb_grpc.AgentServiceServicer):
                               size=lease.resume.size, sha256=lease.resume.sha256)
                     if lease.resume is not None else None),
             gpu_uuids=lease.gpu_uuids, gpu_memory_mb=job.spec.resources.gpu_memory_mb,
-            shard=_shard_pb(lease.shard), bases=self._bases_pb(job.bases, machine),
-            mirrors=self._mirrors_pb(machine),
+            shard=_shard_pb(lease.shard),
+            bases=[pb.BaseImage(ref=b.ref, digest=b.digest, sources=[
+                pb.BaseImage.Source(address=x.address, insecure=x.insecure, token=x.token)
+                for x in b.sources]) for b in self.supplies.bases(job.bases, machine)],
+            mirrors=[pb.Mirror(kind=m.kind, url=m.url, token=m.token, certificate=m.certificate)
+                     for m in self.supplies.mirrors(machine)],
         ), first, took
-
-    def _mirrors_pb(self, machine: str) -> list[pb.Mirror]:
-        """The package caches, with a token for this machine (coordinator/mirrors.py)."""
-        if self._mirror_tokens is None:
-            return []
-        token = self._mirror_tokens.mint(machine)
-        pem = self._mirror_pem if self._mirror_url.startswith("https:") else ""
-        egress = [pb.Mirror(kind="egress", url=self._egress_url, token=token,
-                            certificate=self._mirror_pem if self._egress_url.startswith("https:")
-                            else "")] if self._egress_url else []
-        return [*(pb.Mirror(kind=kind, url=f"{self._mirror_url}/{kind}", token=token,
-                            certificate=pem) for kind in self._mirrors), *egress]
-
-    def _bases_pb(self, bases: dict[str, str], machine: str) -> list[pb.BaseImage]:
-        """The job's remote bases, each with where to pull it from (mirrors first)."""
-        out = []
-        resolver = self.coord.bases
-        for ref, digest in bases.items():
-            parsed = parse_image_ref(ref)
-            out.append(pb.BaseImage(ref=ref, digest=digest, sources=[
-                pb.BaseImage.Source(address=s.address, insecure=s.insecure,
-                                    token=resolver.token(s, parsed.repository, f"machine:{machine}"))
-                for s in resolver.sources(parsed.registry)]))
-        return out
 
     def Renew(self, request: pb.RenewRequest, context: grpc.ServicerContext) -> pb.RenewReply:
         machine = self._machine(context)

@@ -34,6 +34,7 @@ from campugrid.coordinator.leader import Leadership, leadership
 from campugrid.coordinator.mirrors import MirrorTokens, egress_check
 from campugrid.coordinator.objects import S3Store
 from campugrid.coordinator.service import Coordinator
+from campugrid.coordinator.services.supplies import Supplies
 from campugrid.coordinator.store import Store
 from campugrid.coordinator.tls import Certificate, ensure_certificate
 from campugrid.coordinator.wakeup import PostgresRelay, relay
@@ -144,8 +145,9 @@ def start(settings: Settings) -> Running:
     egress_url = (f"{scheme}://{urllib.parse.urlsplit(url).hostname}:{egress.address[1]}"
                   if egress is not None and egress.address else "")
     pb_grpc.add_AgentServiceServicer_to_server(
-        AgentService(coord, settings.registrations_per_minute, rest_url=url,
-                     rest_pem=cert.pem.decode(), egress_url=egress_url), server)
+        AgentService(coord, Supplies(settings, coord.bases, rest_url=url, rest_pem=cert.pem.decode(),
+                                     egress_url=egress_url),
+                     settings.registrations_per_minute), server)
     credentials = grpc.ssl_server_credentials([(cert.key_pem, cert.pem)])
     port = server.add_secure_port(f"{settings.grpc_host}:{settings.grpc_port}", credentials)
     if port == 0:
