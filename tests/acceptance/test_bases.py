@@ -126,9 +126,13 @@ def test_a_base_that_cannot_be_resolved_is_refused_at_submit(hubbed, tmp_path):
 
 CORPUS = Path(__file__).resolve().parents[1] / "corpus"
 REPO = CORPUS.parents[1]
-# Appended to each corpus Dockerfile: the build log shows whether a RUN step reaches out.
+# Appended to a few corpus Dockerfiles (one per kind of base, and the curl installer's): the
+# build log shows whether a RUN step reaches out. Every build gets the same network, and
+# tests/security/test_build_network.py tries every way out of one; a probe per entry would
+# only repeat it, at a RUN step (a sandbox and a layer) each.
 NET_PROBE = ("RUN python3 -c \"import socket; s = socket.socket(); s.settimeout(2); "
              "print('NET', s.connect_ex(('1.1.1.1', 443)))\"\n")
+PROBED = ("train-slim", "micromamba-env", "installer-and-release")
 
 
 def corpus() -> dict[str, tuple[Path, dict]]:
@@ -144,14 +148,16 @@ def corpus() -> dict[str, tuple[Path, dict]]:
 @pytest.mark.parametrize("name", list(corpus()))
 def test_a_researchers_dockerfile_builds_unchanged(hubbed, tmp_path, name):
     """tests/corpus (its README lists the entries). Each builds as written, its RUN steps
-    reaching package registries through the egress proxy and nothing else (a raw connection
-    finds no route), and the job ends as its expect.json says."""
+    reaching package registries through the egress proxy and nothing else (no connection is
+    refused; in PROBED ones a raw connection finds no route), and the job ends as its
+    expect.json says."""
     platform, _, _ = hubbed
     source, expect = corpus()[name]
     context = tmp_path / name
     shutil.copytree(source, context, ignore=shutil.ignore_patterns("expect.json"))
-    with (context / "Dockerfile").open("a") as f:
-        f.write(NET_PROBE)
+    if name in PROBED:
+        with (context / "Dockerfile").open("a") as f:
+            f.write(NET_PROBE)
     with platform.api() as api:
         spec = JobSpec.from_dict(expect.get("spec", {}))
         final = api.wait(api.submit(tar_folder(context), spec)["id"], timeout_s=400)
@@ -177,8 +183,9 @@ def test_a_researchers_dockerfile_builds_unchanged(hubbed, tmp_path, name):
         for went in expect.get("egress", []):  # e.g. uv, which fetches the lock's https URLs
             assert any(went in line for line in egress), (went, egress)
         assert not [line for line in egress if line.startswith("[egress] refused")], egress
-        net = [line.split()[1] for line in build.splitlines() if line.startswith("NET ")]
-        assert net and net[-1] != "0", build[-2000:]  # connect_ex: an errno, never 0
+        if name in PROBED:
+            net = [line.split()[1] for line in build.splitlines() if line.startswith("NET ")]
+            assert net and net[-1] != "0", build[-2000:]  # connect_ex: an errno, never 0
         if "checkpoints" in expect:
             assert sorted(int(e["detail"].split()[1].rstrip(","))
                           for e in api.job(final["id"])["events"]

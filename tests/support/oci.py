@@ -14,6 +14,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -70,25 +71,39 @@ PYTHON_SLIM = "localhost/campugrid-test/python-slim:3.11-v4"  # bump when its re
 PYTHON_SLIM_HUB = "docker.io/library/python:3.11-slim"  # what it stands in for
 
 
+def made_once(tag: str, as_user: list[str], fill: Callable[[Path], None]) -> str:
+    """Image `tag` in the provider's store (`as_user`: the command prefix that runs as the
+    provider), built once from the context `fill` writes into a folder (its Dockerfile
+    included)."""
+    if subprocess.run([*as_user, "podman", "image", "exists", tag],
+                      capture_output=True, timeout=60).returncode == 0:
+        return tag
+    context = Path(tempfile.mkdtemp(prefix="image-"))
+    try:
+        fill(context)
+        subprocess.run(["chmod", "-R", "a+rX", str(context)], check=True)
+        done = subprocess.run([*as_user, "buildah", "bud", "--isolation", "chroot",
+                               "--pull-never", "-q", "-t", tag, str(context)],
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+    finally:
+        shutil.rmtree(context, ignore_errors=True)
+    return tag
+
+
 def python_slim(as_user: list[str]) -> str:
     """A stand-in for Docker Hub's `python:3.11-slim`, made from the local Debian base (no
     registry is reachable here): pip installed from Debian's own pip wheel, no
     EXTERNALLY-MANAGED marker, PYTHON_VERSION set as the official image sets it, and no
     NumPy (the local base has Debian's; the real image has none), `python` on the PATH, and
-    the CA certificates a plain build's pip needs (this host's bundle).
-    Made once
-    in the provider's store (`as_user`: the command prefix that runs as the provider)."""
-    if subprocess.run([*as_user, "podman", "image", "exists", PYTHON_SLIM],
-                      capture_output=True, timeout=60).returncode == 0:
-        return PYTHON_SLIM
-    context = Path(tempfile.mkdtemp(prefix="python-slim-"))
-    try:
-        os.chmod(context, 0o755)
+    the CA certificates a plain build's pip needs (this host's bundle). Made once in the
+    provider's store."""
+
+    def fill(context: Path) -> None:
         wheels = sorted(Path("/usr/share/python-wheels").glob("pip-*.whl"))
         assert wheels, "Debian's pip wheel is missing: apt-get install python3-pip-whl"
         for file in (*wheels, Path("/etc/ssl/certs/ca-certificates.crt")):
             shutil.copy(file, context / file.name)
-            os.chmod(context / file.name, 0o644)
         (context / "Dockerfile").write_text(
             "FROM localhost/campugrid/python:bookworm\n"
             "ENV PYTHON_VERSION=3.11.2\n"
@@ -98,13 +113,8 @@ def python_slim(as_user: list[str]) -> str:
             "--break-system-packages /tmp/wheels/*.whl "
             "&& rm -rf /tmp/wheels /usr/lib/python3.11/EXTERNALLY-MANAGED "
             "&& dpkg --purge python3-numpy && ln -s /usr/bin/python3 /usr/local/bin/python\n")
-        done = subprocess.run([*as_user, "buildah", "bud", "--isolation", "chroot",
-                               "--pull-never", "-q", "-t", PYTHON_SLIM,
-                               str(context)], capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-    finally:
-        shutil.rmtree(context, ignore_errors=True)
-    return PYTHON_SLIM
+
+    return made_once(PYTHON_SLIM, as_user, fill)
 
 
 MICROMAMBA = "localhost/campugrid-test/micromamba:2.0.5-v1"  # bump when its recipe changes
@@ -118,12 +128,9 @@ def micromamba_image(as_user: list[str]) -> str:
     and what the real image sets up: the user `mambauser` (57439) that owns
     MAMBA_ROOT_PREFIX=/opt/conda, the prefix's bin on the PATH, and `USER mambauser`. Made
     once in the provider's store."""
-    if subprocess.run([*as_user, "podman", "image", "exists", MICROMAMBA],
-                      capture_output=True, timeout=60).returncode == 0:
-        return MICROMAMBA
     base = python_slim(as_user)
-    context = Path(tempfile.mkdtemp(prefix="micromamba-"))
-    try:
+
+    def fill(context: Path) -> None:
         site = Path(yaml.__file__).parents[1]
         lib = context / "lib"
         for name in ("rattler", "yaml", "_yaml"):
@@ -131,7 +138,6 @@ def micromamba_image(as_user: list[str]) -> str:
         for info in (*site.glob("py_rattler-*.dist-info"), *site.glob("pyyaml-*.dist-info")):
             shutil.copytree(info, lib / info.name)
         shutil.copy(Path(__file__).with_name("micromamba.py"), context / "micromamba")
-        subprocess.run(["chmod", "-R", "a+rX", str(context)], check=True)
         (context / "Dockerfile").write_text(
             f"FROM {base}\n"
             "ENV MAMBA_USER=mambauser MAMBA_USER_ID=57439 MAMBA_USER_GID=57439 "
@@ -142,13 +148,8 @@ def micromamba_image(as_user: list[str]) -> str:
             "RUN groupadd -g 57439 mambauser && useradd -m -u 57439 -g 57439 mambauser "
             "&& mkdir -p /opt/conda && chown mambauser:mambauser /opt/conda\n"
             "USER mambauser\n")
-        done = subprocess.run([*as_user, "buildah", "bud", "--isolation", "chroot",
-                               "--pull-never", "-q", "-t", MICROMAMBA,
-                               str(context)], capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-    finally:
-        shutil.rmtree(context, ignore_errors=True)
-    return MICROMAMBA
+
+    return made_once(MICROMAMBA, as_user, fill)
 
 
 UV = "astral-sh/uv:0.13.9"  # as ghcr.io names it
