@@ -43,6 +43,8 @@ FORBIDDEN = (
     ("campugrid.agent", "campugrid.coordinator"),
     ("campugrid.agent", "campugrid.client"),
     ("campugrid.client", "campugrid.coordinator"),
+    ("campugrid.coordinator", "campugrid.client"),  # the contract they share is in protocol
+    ("campugrid.console", "campugrid.client"),
     ("campugrid.client", "campugrid.agent"),
     ("campugrid.client", "campugrid.cli"),
     ("campugrid.hooks", "campugrid.coordinator"),

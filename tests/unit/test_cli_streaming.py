@@ -20,10 +20,10 @@ from http_message_signatures.structures import CaseInsensitiveDict
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from campugrid.client import Api, Identity, Signer, pack_folder, tar_folder
-from campugrid.client.identity import COVERED, HttpMessage
 from campugrid.coordinator.auth import REQUIRED, _Spooled
 from campugrid.protocol import keys
 from campugrid.protocol.errors import CampugridError, NotFound
+from campugrid.protocol.identities import COVERED, HttpMessage
 from campugrid.protocol.spec import JobSpec
 
 MiB = 1024 * 1024

@@ -33,13 +33,13 @@ from campugrid.cli.aptcache import EmbeddedAptCache
 from campugrid.cli.registry import EmbeddedRegistry
 from campugrid.cli.seaweed import EmbeddedS3, end_processes, free_port, guard_group
 from campugrid.client import Api, Identity
-from campugrid.client.identity import default_path as default_identity
 from campugrid.coordinator import server
 from campugrid.coordinator.bases import Source
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.registry import ensure_signing_key
 from campugrid.guards import release_guard
 from campugrid.protocol.errors import CampugridError, StorageError
+from campugrid.protocol.identities import default_path as default_identity
 
 log = logging.getLogger(__name__)
 PROVIDER_USER = os.environ.get("CAMPUGRID_AGENT_USER", "campugrid")

@@ -19,7 +19,8 @@ from campugrid.client.api import (
     pack_folder,
     tar_folder,
 )
-from campugrid.client.identity import Identity, Signer, StreamedBody
+from campugrid.client.identity import Signer, StreamedBody
+from campugrid.protocol.identities import Identity
 
 __all__ = ["FINAL", "Api", "ApiError", "Download", "Identity", "JobFailed", "Progress", "Signer",
            "StreamedBody", "pack_folder", "tar_folder"]

@@ -22,9 +22,10 @@ from typing import Any, BinaryIO
 
 import httpx
 
-from campugrid.client.identity import Identity, Signer, StreamedBody
+from campugrid.client.identity import Signer, StreamedBody
 from campugrid.protocol import pins
 from campugrid.protocol.errors import CampugridError, InvalidInput, NotFound
+from campugrid.protocol.identities import Identity
 from campugrid.protocol.spec import JobSpec
 
 FINAL = {"succeeded", "failed", "cancelled"}

@@ -1,7 +1,6 @@
-"""An app's identity on one coordinator: its key file, its id there, and how to reach it.
-
-Kept as `identity.json` (with the key beside it, 0600) under ~/.config/campugrid, or where
-CAMPUGRID_IDENTITY points. `Signer` signs every request with it (RFC 9421 over `@method`,
+"""Signing an app's requests with its identity (protocol/identities.py: its key file, its id
+there, and how to reach it, kept as `identity.json` under ~/.config/campugrid or where
+CAMPUGRID_IDENTITY points). `Signer` signs every request with it (RFC 9421 over `@method`,
 `@target-uri` and `content-digest`, with `created`, a fresh `nonce` and the app id as
 `keyid`), through the maintained `http-message-signatures` library. A body too big to hold
 (`StreamedBody`: a build context) is digested in a pass of its own, then streamed.
@@ -10,14 +9,10 @@ CAMPUGRID_IDENTITY points. `Signer` signs every request with it (RFC 9421 over `
 from __future__ import annotations
 
 import base64
-import dataclasses
 import datetime as dt
 import hashlib
-import json
-import os
 import secrets
 from collections.abc import Generator, Iterator
-from pathlib import Path
 from typing import Any
 
 import http_message_signatures as hms
@@ -25,67 +20,7 @@ import httpx
 from http_message_signatures import algorithms
 
 from campugrid.protocol import keys
-from campugrid.protocol.errors import CampugridError
-
-COVERED = ("@method", "@target-uri", "content-digest")
-
-
-def default_path() -> Path:
-    env = os.environ.get("CAMPUGRID_IDENTITY")
-    if env:
-        return Path(env)
-    config = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
-    return config / "campugrid" / "identity.json"
-
-
-@dataclasses.dataclass(frozen=True)
-class Identity:
-    server: str  # the coordinator's REST address
-    app_id: str  # the signatures' keyid
-    name: str
-    key_file: Path
-    pin: str = ""  # the coordinator's certificate fingerprint (https only)
-    admin: bool = False
-
-    @classmethod
-    def load(cls, path: Path | None = None) -> Identity:
-        path = path or default_path()
-        try:
-            raw = json.loads(path.read_text())
-            key_file = Path(raw["key_file"])
-            return cls(str(raw["server"]), str(raw["app_id"]), str(raw["name"]),
-                       key_file if key_file.is_absolute() else path.parent / key_file,
-                       str(raw.get("pin") or ""), bool(raw.get("admin")))
-        except FileNotFoundError as e:
-            raise CampugridError(
-                f"no identity at {path}: log in first (`campugrid login SERVER --invite CODE`; "
-                "`campugrid up` makes an admin identity for its local user)") from e
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CampugridError(f"the identity {path} is damaged ({e}); log in again") from e
-
-    def save(self, path: Path | None = None) -> Path:
-        path = path or default_path()
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"server": self.server, "app_id": self.app_id, "name": self.name,
-                       "key_file": str(self.key_file), "pin": self.pin,
-                       "admin": self.admin}, f, indent=2)
-        os.replace(tmp, path)
-        return path
-
-    def private_key(self) -> keys.Ed25519PrivateKey:
-        return keys.load_private(self.key_file)
-
-
-@dataclasses.dataclass
-class HttpMessage:
-    """A request as http-message-signatures reads it, on either side of the wire."""
-
-    method: str
-    url: str
-    headers: Any
+from campugrid.protocol.identities import COVERED, HttpMessage
 
 
 class _OneKey(hms.HTTPSignatureKeyResolver):

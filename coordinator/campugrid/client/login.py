@@ -6,9 +6,9 @@ from pathlib import Path
 
 import httpx
 
-from campugrid.client.identity import Identity, default_path
 from campugrid.protocol import keys, pins
 from campugrid.protocol.errors import CampugridError, InvalidInput
+from campugrid.protocol.identities import Identity, default_path
 
 
 def login(server: str, invite: str, pin: str = "",

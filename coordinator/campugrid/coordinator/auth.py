@@ -31,11 +31,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from campugrid.client.identity import HttpMessage
 from campugrid.coordinator.apps import Apps, AppView, Nonces
 from campugrid.coordinator.ratelimits import Limiter
 from campugrid.protocol import keys
 from campugrid.protocol.errors import RateLimited, Unauthenticated
+from campugrid.protocol.identities import HttpMessage
 
 log = logging.getLogger("campugrid.coordinator.auth")
 REQUIRED = ("@method", "@target-uri", "content-digest")

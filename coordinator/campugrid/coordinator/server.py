@@ -23,8 +23,6 @@ from pathlib import Path
 import grpc
 import uvicorn
 
-from campugrid.client.identity import Identity
-from campugrid.client.identity import default_path as default_identity
 from campugrid.coordinator.agent_service import AboutJob, AgentService, SignedCalls
 from campugrid.coordinator.api import create_app
 from campugrid.coordinator.auth import Guard, RateLimits
@@ -43,6 +41,8 @@ from campugrid.egress.proxy import EgressProxy, Record, Serving
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
 from campugrid.protocol import keys
 from campugrid.protocol.errors import CampugridError
+from campugrid.protocol.identities import Identity
+from campugrid.protocol.identities import default_path as default_identity
 
 log = logging.getLogger("campugrid.coordinator")
 
