@@ -134,7 +134,8 @@ def throughput(platform: Platform, user: ProviderUser, root: Path, layer_mb: int
 AGENT_COPY = """
 import pathlib, sys, time
 from campugrid.agent.images import ImageCache
-cache = ImageCache(pathlib.Path(sys.argv[1]), "bench")
+from campugrid.sandbox.podman_ops import CliOps
+cache = ImageCache(pathlib.Path(sys.argv[1]), "bench", CliOps())
 t = time.monotonic()
 if sys.argv[2] == "push":
     d = cache.push(sys.argv[3], sys.argv[4], sys.argv[5], "bench", sys.argv[6],

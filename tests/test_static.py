@@ -194,7 +194,8 @@ COORDINATOR = REPO / "coordinator" / "campugrid"
 # What answers callers: they call the coordinator's services, never its store.
 TRANSPORTS = (COORDINATOR / "coordinator" / "api.py", COORDINATOR / "coordinator" / "agent_service.py",
               COORDINATOR / "coordinator" / "server.py", COORDINATOR / "coordinator" / "metrics.py",
-              *sorted((COORDINATOR / "console").glob("*.py")))
+              *sorted((COORDINATOR / "console").glob("*.py")),
+              *sorted((COORDINATOR / "coordinator" / "rest").glob("*.py")))
 
 
 def store_reaches(source: str, name: str = "<source>") -> list[int]:

@@ -443,3 +443,26 @@ def test_what_an_agent_says_its_output_holds_is_kept_bounded_and_printable(coord
     assert len(listed) == 200 and listed[3][1] == 3
     assert all(len(p) <= 256 and p.isprintable() for p, _ in listed)
     assert listed[0][0].startswith("f0?[31mxxx")
+
+
+def test_an_agent_from_before_hold_kinds_works_its_session_by_the_token_alone(coordinator,
+                                                                              tmp_path):
+    """An agent that does not say it names holds by kind (LeaseRequest.hold_kinds) gets a
+    session's token the old way, offset by 2^40, and its calls, which carry no kind, are
+    read that way: a fleet updates machine by machine."""
+    running, api = coordinator
+    job_id = sharded_job(api, [1])
+    old = client(running, tmp_path, "old")
+    lease = old.stub.Lease(pb.LeaseRequest(), timeout=10)
+    assert lease.has_task and lease.hold_kind == pb.SESSION
+    assert lease.fencing_token == (1 << 40) + int(next(
+        e["attempt"] for e in api.job(job_id)["events"] if e["kind"] == "session"))
+    assert old.stub.Renew(pb.RenewRequest(job_id=job_id, fencing_token=lease.fencing_token,
+                                          phase="running"), timeout=5).keep_going
+    done = old.stub.NextShard(pb.NextShardRequest(
+        job_id=job_id, fencing_token=lease.fencing_token,
+        done=pb.ShardResult(index=lease.shard.index, succeeded=True, result_json="1")), timeout=5)
+    assert done.accepted and not done.has_shard
+    assert old.stub.Complete(pb.CompleteRequest(job_id=job_id, fencing_token=lease.fencing_token,
+                                                succeeded=True), timeout=5).accepted
+    assert api.job(job_id)["state"] == "succeeded"

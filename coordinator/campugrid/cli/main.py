@@ -52,6 +52,14 @@ app.add_typer(metrics_app, name="metrics")
 # package declares: nothing of the agent is imported here.
 for _command in importlib.metadata.entry_points(group="campugrid.commands"):
     app.add_typer(_command.load(), name=_command.name)
+if not importlib.metadata.entry_points(group="campugrid.commands", name="agent"):
+    @app.command("agent", hidden=True, context_settings={"allow_extra_args": True,
+                                                          "ignore_unknown_options": True})
+    def _no_agent() -> None:
+        """The agent's commands are not installed here."""
+        fail("the agent's commands (`campugrid agent`, `campugrid provider`) come with the "
+             "package's metadata: install it (`pip install 'campugrid[agent]'`, or `pip "
+             "install -e .` in a checkout) rather than run it from a source folder")
 
 Server = Annotated[str | None, typer.Option(
     "--server", envvar="CAMPUGRID_SERVER",

@@ -20,7 +20,9 @@ import httpx
 from http_message_signatures import algorithms
 
 from campugrid.protocol import keys
-from campugrid.protocol.identities import COVERED, HttpMessage
+from campugrid.protocol.identities import COVERED, HttpMessage, Identity, default_path
+
+__all__ = ["Identity", "Signer", "StreamedBody", "default_path"]  # the SDK's names, as before
 
 
 class _OneKey(hms.HTTPSignatureKeyResolver):

@@ -209,8 +209,8 @@ class AgentService(pb_grpc.AgentServiceServicer):
         job, hold = lease.job, lease.hold
         first = job.created_at if job.attempt == 1 and lease.shard is None else None
         return pb.LeaseReply(
-            has_task=True, job_id=job.id, attempt=job.attempt, fencing_token=hold.token,
-            hold_kind=_KIND_PB[hold.kind],
+            has_task=True, job_id=job.id, attempt=job.attempt,
+            fencing_token=_token_for(hold, request.hold_kinds), hold_kind=_KIND_PB[hold.kind],
             lease_seconds=lease.lease_seconds, spec_json=job.spec_json,
             context_url=lease.context_url, output_url=lease.output_url,
             datasets=[pb.Dataset(name=name, share=lease.shares.get(name, ""),
@@ -333,13 +333,29 @@ _KIND_PB = {HoldKind.ATTEMPT: pb.ATTEMPT, HoldKind.SESSION: pb.SESSION}
 _KIND = {v: k for k, v in _KIND_PB.items()}
 
 
+# Agents from before hold kinds tell a session from an attempt by the token alone: a session's
+# token was offset by this. They are given tokens the old way (LeaseRequest.hold_kinds unset)
+# and their calls, which carry no kind (ATTEMPT, the default), read that way; an attempt's
+# number never comes near it. Remove once no such agent is left.
+LEGACY_SESSION_BASE = 1 << 40
+
+
+def _token_for(hold: HoldRef, names_kinds: bool) -> int:
+    if hold.kind is HoldKind.SESSION and not names_kinds:
+        return LEGACY_SESSION_BASE + hold.token
+    return hold.token
+
+
 def _hold(request: Any, machine: str) -> HoldRef:
-    """The hold a call about held work names (its kind as the message says, never guessed
-    from the token), as `machine` claims it; holds.py checks that it holds it."""
+    """The hold a call about held work names (its kind as the message says), as `machine`
+    claims it; holds.py checks that it holds it."""
     kind = _KIND.get(request.hold_kind)
     if kind is None:
         raise InvalidInput(f"hold_kind: unknown ({request.hold_kind}); update the agent")
-    return HoldRef(request.job_id, kind, request.fencing_token, machine)
+    token = request.fencing_token
+    if kind is HoldKind.ATTEMPT and token >= LEGACY_SESSION_BASE:  # an agent from before
+        kind, token = HoldKind.SESSION, token - LEGACY_SESSION_BASE
+    return HoldRef(request.job_id, kind, token, machine)
 
 
 def _shard_pb(task: ShardTask | None) -> pb.ShardTask | None:

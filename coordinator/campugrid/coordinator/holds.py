@@ -20,7 +20,9 @@ calling. `Holds.of(ref)` resolves it once and offers the same verbs for every ki
                      the kind takes any (attempts do; a lost shard runs again from its start)
     finish(...)      its end as the machine reports it
     release(...)     hand it back: drained, failed there, or this machine cannot run it
-    live()           whether it is still held (the image steps ask)
+    next_shard(...)  a session's result for its shard, and its next shard (attempts have none)
+
+Whether a hold is still live, for the image steps, is fence.live.
 
 The kinds and `HoldRef` are in views.py; the fence itself, once per kind, in fence.py,
 which the stores' operations use.
@@ -44,6 +46,11 @@ from campugrid.protocol.states import JobState
 class Hold(Protocol):
     @property
     def ref(self) -> HoldRef: ...
+
+    @property
+    def takes_output(self) -> bool:
+        """Whether it uploads an /output archive (an attempt) or reports results (a session)."""
+        ...
 
     def check(self, what: str) -> None: ...
 
@@ -72,6 +79,7 @@ class AttemptHold:
 
     store: Store
     ref: HoldRef
+    takes_output = True
 
     def check(self, what: str) -> None:
         self.store.check_attempt(self.ref, what)
@@ -111,6 +119,7 @@ class SessionHold:
 
     store: Store
     ref: HoldRef
+    takes_output = False
 
     def check(self, what: str) -> None:
         with self.store.read() as s:

@@ -42,7 +42,8 @@ class Coordinator:
         self.machines = MachineService(store, requeue=lambda: self.leasing.requeue_expired())
         self.leasing = LeaseService(settings, store, objects, self.machines, self.inputs,
                                     self.work)
-        self.jobs = JobService(settings, store, objects, self.inputs, self.bases, self.work)
+        self.jobs = JobService(settings, store, objects, self.inputs, lambda: self.bases,
+                               self.work)
         self.apps = AppService(settings, store)
 
     @functools.cached_property

@@ -119,7 +119,7 @@ class HeartbeatReply(_message.Message):
     def __init__(self) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("gpus", "gpu_isolation", "enforced_limits", "shares", "wait_ms", "cpus", "memory_mb", "disk_mb")
+    __slots__ = ("gpus", "gpu_isolation", "enforced_limits", "shares", "wait_ms", "cpus", "memory_mb", "disk_mb", "hold_kinds")
     GPUS_FIELD_NUMBER: _ClassVar[int]
     GPU_ISOLATION_FIELD_NUMBER: _ClassVar[int]
     ENFORCED_LIMITS_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,7 @@ class LeaseRequest(_message.Message):
     CPUS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
     DISK_MB_FIELD_NUMBER: _ClassVar[int]
+    HOLD_KINDS_FIELD_NUMBER: _ClassVar[int]
     gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
     gpu_isolation: bool
     enforced_limits: _containers.RepeatedScalarFieldContainer[str]
@@ -136,7 +137,8 @@ class LeaseRequest(_message.Message):
     cpus: int
     memory_mb: int
     disk_mb: int
-    def __init__(self, gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_isolation: _Optional[bool] = ..., enforced_limits: _Optional[_Iterable[str]] = ..., shares: _Optional[_Iterable[str]] = ..., wait_ms: _Optional[int] = ..., cpus: _Optional[int] = ..., memory_mb: _Optional[int] = ..., disk_mb: _Optional[int] = ...) -> None: ...
+    hold_kinds: bool
+    def __init__(self, gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_isolation: _Optional[bool] = ..., enforced_limits: _Optional[_Iterable[str]] = ..., shares: _Optional[_Iterable[str]] = ..., wait_ms: _Optional[int] = ..., cpus: _Optional[int] = ..., memory_mb: _Optional[int] = ..., disk_mb: _Optional[int] = ..., hold_kinds: _Optional[bool] = ...) -> None: ...
 
 class Dataset(_message.Message):
     __slots__ = ("name", "share", "files")

@@ -288,7 +288,7 @@ class CoordinatorClient:
         call = self.stub.Lease.future(
             pb.LeaseRequest(gpus=gpus, gpu_isolation=gpu_isolation, enforced_limits=enforced,
                             shares=shares, wait_ms=int(wait_s * 1000), cpus=cpus,
-                            memory_mb=memory_mb, disk_mb=disk_mb),
+                            memory_mb=memory_mb, disk_mb=disk_mb, hold_kinds=True),
             timeout=RPC_TIMEOUT_S + wait_s)
         while True:
             try:

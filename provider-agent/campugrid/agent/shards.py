@@ -44,7 +44,7 @@ class ShardSessionTask(Task):
         timer = threading.Timer(grace_s, self.stop.set)
         timer.daemon = True
         timer.start()
-        if self.stage not in (Stage.RUNNING, Stage.REPORTING):
+        if self.stage is not Stage.RUNNING:
             self.stop.set()
 
     def execute(self) -> Outcome:

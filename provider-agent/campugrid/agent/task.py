@@ -199,7 +199,7 @@ class Task:
         """Ask the job to stop (SIGTERM inside the sandbox); kill it after the grace period.
         The task is then handed back, `why`, without costing the job an attempt."""
         self.hand_over(why)
-        if self.stage not in (Stage.RUNNING, Stage.REPORTING):
+        if self.stage is not Stage.RUNNING:
             self.stop.set()
             return
         self.sandbox.signal(self.name, "TERM")
@@ -266,7 +266,7 @@ class Task:
                   if self.handover else Ending.REPORTED)
         try:
             if ending is Ending.LOST:
-                log.info("task %s attempt %d stopped: %s", job_id, token, self.renewer.reason)
+                log.info("task %s (%s %d) stopped: %s", job_id, hold.kind, token, self.renewer.reason)
                 self.ended = f"stopped: {self.renewer.reason}"
             elif ending is Ending.CANNOT_RUN_HERE:
                 log.warning("task %s: this machine cannot run it (%s); handing it back",
@@ -274,14 +274,14 @@ class Task:
                 retry(lambda: self.client.release(hold, cannot, cannot_run_here=True))
                 self.ended = f"handed back: this machine cannot run it: {cannot}"
             elif ending is Ending.FAILED_HERE:
-                log.warning("task %s attempt %d failed on this machine: %s", job_id, token,
+                log.warning("task %s (%s %d) failed on this machine: %s", job_id, hold.kind, token,
                             failed_here)
                 retry(lambda: self.client.release(hold, failed_here, failed=True))
                 self.ended = f"failed on this machine: {failed_here}"
             elif ending is Ending.HANDED_BACK:
                 why = self.handover
                 released = retry(lambda: self.client.release(hold, why))
-                log.info("task %s attempt %d handed back: %s", job_id, token,
+                log.info("task %s (%s %d) handed back: %s", job_id, hold.kind, token,
                          "accepted" if released.accepted else released.reason)
                 self.ended = f"handed back: {why}"
             else:

@@ -292,7 +292,7 @@ class Agent:
                 task.drain(self.settings.owner.grace_seconds, why)
 
     def run_task(self, lease: Lease) -> None:
-        log.info("task %s attempt %d leased", lease.job_id, lease.fencing_token)
+        log.info("task %s (%s %d) leased", lease.job_id, lease.hold_kind, lease.fencing_token)
         work = self.work_root / f"{lease.job_id}-{lease.fencing_token}"
         slots.remove_tree(work)
         work.mkdir(parents=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import BinaryIO
 
 from campugrid.builders.policy.tarballs import inspect_context
@@ -29,7 +29,8 @@ log = logging.getLogger("campugrid.coordinator")
 
 class JobService:
     def __init__(self, settings: Settings, store: Store, objects: ObjectStore,
-                 inputs: InputService, bases: BaseResolver, work: Wakeup) -> None:
+                 inputs: InputService, bases: Callable[[], BaseResolver], work: Wakeup) -> None:
+        """`bases`: the resolver of remote FROMs, made at the first submit that needs it."""
         self.settings, self.store, self.objects = settings, store, objects
         self.inputs, self.bases, self.work = inputs, bases, work
 
@@ -40,7 +41,7 @@ class JobService:
         if size > self.settings.max_context_bytes:
             raise InvalidInput(f"context: larger than {self.settings.max_context_bytes // 1024**2} MiB")
         info = inspect_context(context, self.settings.allowed_bases, self.settings.base_registries)
-        bases = self.bases.resolve_all(info.checked.bases)  # refused here if one cannot be
+        bases = self.bases().resolve_all(info.checked.bases)  # refused here if one cannot be
         tickets = self.inputs.check(spec, owner)
         if spec.command is None and not info.checked.runs:
             raise InvalidInput("command: the job says nothing to run: give a command in the spec "

@@ -137,10 +137,12 @@ class LeaseService:
                  limits: dict[str, str], output_files: Sequence[tuple[str, int]] = ()) -> None:
         """The end of a hold as its machine reports it. `output_files`: what the agent says
         the output holds (kept bounded, shown as said)."""
-        key = self.output_key(ref.job_id, ref.token) if output_uploaded else None
+        hold = self.holds.of(ref)
+        key = (self.output_key(ref.job_id, ref.token)
+               if output_uploaded and hold.takes_output else None)
         if key is not None and not self.objects.exists(key):
             key = None  # claimed but not there: never point researchers at nothing
-        self.holds.of(ref).finish(
+        hold.finish(
             succeeded=succeeded, exit_code=exit_code, reason=reason, result=result,
             output_key=key, limits=limits,
             output_files=[(_printable(p)[:MAX_OUTPUT_PATH], max(0, int(n)))
