@@ -48,7 +48,7 @@ from recovery import until  # bench/, beside this script
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests/support: the stand-in python image and open registry
 
-from campugrid.builders.policy.dockerfiles import check_dockerfile, pin_bases  # noqa: E402
+from campugrid.buildpolicy.dockerfiles import check_dockerfile, pin_bases  # noqa: E402
 from campugrid.cli.platform import Platform, ProviderUser  # noqa: E402
 from campugrid.cli.seaweed import free_port  # noqa: E402
 from campugrid.client import Api, tar_folder  # noqa: E402

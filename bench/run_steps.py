@@ -55,7 +55,7 @@ PROJECT = REPO / "tests" / "corpus" / "pyproject"  # setuptools backend: build i
 def child(args: dict[str, str]) -> None:
     """As the provider user: one build by the builder, or by its chroot twin; prints seconds."""
     from campugrid.builders.buildah import BuildahBuilder
-    from campugrid.builders.policy.dockerfiles import check_dockerfile
+    from campugrid.buildpolicy.dockerfiles import check_dockerfile
 
     class ChrootTwin(BuildahBuilder):
         def bud_args(self, context_dir: Path, tag: str, dockerfile: Path | None = None,

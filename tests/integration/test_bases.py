@@ -18,7 +18,7 @@ from campugrid.agent import bases
 from campugrid.agent.images import ImageCache
 from campugrid.agent.messages import BaseImage
 from campugrid.agent.messages import Source as MessageSource
-from campugrid.builders.policy.dockerfiles import BaseUse, check_dockerfile
+from campugrid.buildpolicy.dockerfiles import BaseUse, check_dockerfile
 from campugrid.cli.platform import _answers
 from campugrid.cli.registry import EmbeddedRegistry
 from campugrid.cli.seaweed import free_port

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from campugrid.builders.policy.tarballs import extract_files
+from campugrid.buildpolicy.tarballs import extract_files
 from campugrid.protocol.errors import BuildFailed, CampugridError, InvalidInput, SandboxError
 from campugrid.sandbox import confine, hardening
 from campugrid.sandbox.confine import ConfinementError, Limits

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from campugrid.builders.policy.dockerfiles import check_dockerfile
+from campugrid.buildpolicy.dockerfiles import check_dockerfile
 from campugrid.protocol.errors import InvalidInput
 from tests.support.dockerfiles import CORPUS
 from tests.support.provider import SYSCALLS
@@ -38,7 +38,7 @@ BUILD = """
 import json, sys
 from pathlib import Path
 from campugrid.builders.buildah import BuildahBuilder
-from campugrid.builders.policy.dockerfiles import check_dockerfile
+from campugrid.buildpolicy.dockerfiles import check_dockerfile
 from campugrid.protocol.errors import BuildFailed
 args = json.loads(sys.argv[1])
 builder = BuildahBuilder(scope=args["scope"])

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from campugrid.agent.logship import MAX_TASK_LOG_BYTES
-from campugrid.builders.policy.tarballs import MAX_MEMBERS
+from campugrid.buildpolicy.tarballs import MAX_MEMBERS
 from campugrid.sandbox import slots
 from campugrid.sandbox.podman_runsc import GUEST_NPROC
 from tests.security import jobs
@@ -527,7 +527,7 @@ def test_a_hostile_context_is_refused_at_submit_and_nothing_stored(api, guard, p
     resp = api.http.post("/v1/jobs", files={"context": ("c.tgz", context)},  # signed
                          data={"spec": json.dumps({"command": ["true"]})}, timeout=60)
     try:
-        # builders.policy.tarballs.inspect_context, at the coordinator: without it the job is stored
+        # buildpolicy.tarballs.inspect_context, at the coordinator: without it the job is stored
         # (201) and only the agent would refuse it.
         assert resp.status_code == 422, resp.text
         assert says in resp.json()["detail"], resp.json()["detail"]

@@ -3,7 +3,7 @@ import tarfile
 
 import pytest
 
-from campugrid.builders.policy.tarballs import check_dockerfile, extract_context, inspect_context
+from campugrid.buildpolicy.tarballs import check_dockerfile, extract_context, inspect_context
 from campugrid.protocol.errors import InvalidInput
 
 DOCKERFILE = b"FROM localhost/campugrid/python:bookworm\nCOPY app.py /app.py\nCMD [\"python3\"]\n"

@@ -4,7 +4,7 @@ the spelling as the attack it hides, then that the policy refuses it."""
 
 import pytest
 
-from campugrid.builders.policy.dockerfiles import (
+from campugrid.buildpolicy.dockerfiles import (
     AllowedBase,
     allowed_bases,
     base_registries,

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-from campugrid.builders.policy.dockerfiles import BaseUse
+from campugrid.buildpolicy.dockerfiles import BaseUse
 from campugrid.sandbox.process import LogFn
 
 

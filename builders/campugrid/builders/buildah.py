@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from campugrid.builders.base import BuilderCapabilities
-from campugrid.builders.policy.dockerfiles import BaseUse, check_dockerfile
+from campugrid.buildpolicy.dockerfiles import BaseUse, check_dockerfile
 from campugrid.egress.policy import CA_ENV
 from campugrid.protocol.errors import BuildFailed, CannotRunHere, InvalidInput
 from campugrid.sandbox import limits as host_limits

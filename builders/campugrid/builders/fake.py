@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from campugrid.builders.base import Builder, BuilderCapabilities
-from campugrid.builders.policy.dockerfiles import BaseUse
+from campugrid.buildpolicy.dockerfiles import BaseUse
 from campugrid.protocol.errors import BuildFailed
 from campugrid.sandbox.process import LogFn
 

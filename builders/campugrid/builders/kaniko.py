@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from campugrid.builders.base import BuilderCapabilities
-from campugrid.builders.policy.dockerfiles import BaseUse
+from campugrid.buildpolicy.dockerfiles import BaseUse
 from campugrid.protocol.errors import BuildFailed
 from campugrid.sandbox.podman_runsc import RUNSC_FLAGS
 from campugrid.sandbox.process import LogFn

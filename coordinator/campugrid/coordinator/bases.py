@@ -3,7 +3,7 @@ resolved to a manifest digest when the job is submitted, so that every machine b
 same bytes and the job's record says which. Agents then pull that digest (agent/bases.py),
 from the registry's mirrors first.
 
-    CAMPUGRID_BASE_REGISTRIES   which registries a FROM may name (builders/policy/dockerfiles.py)
+    CAMPUGRID_BASE_REGISTRIES   which registries a FROM may name (buildpolicy/dockerfiles.py)
     CAMPUGRID_REGISTRY_MIRRORS  "docker.io=http://127.0.0.1:5001 ghcr.io=https://m.example"
 
 A mirror is any OCI registry serving the same repositories (a pull-through cache such as
@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from campugrid.builders.policy.dockerfiles import BaseUse, parse_image_ref
+from campugrid.buildpolicy.dockerfiles import BaseUse, parse_image_ref
 from campugrid.coordinator.registry import RegistryTokens, is_loopback
 from campugrid.protocol.errors import InvalidInput
 

@@ -6,7 +6,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from campugrid.builders.policy.dockerfiles import AllowedBase, allowed_bases, base_registries
+from campugrid.buildpolicy.dockerfiles import AllowedBase, allowed_bases, base_registries
 from campugrid.coordinator.bases import Source, parse_mirrors
 
 MAX_HELD_LEASES = 4096  # CAMPUGRID_HELD_LEASES: each is a thread

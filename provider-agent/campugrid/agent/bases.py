@@ -2,7 +2,7 @@
 by the digest the coordinator resolved at submit (never the tag), from the first of its
 sources that has it (the operator's mirrors, then the registry), into this machine's bounded
 cache of bases. The build then starts from those local copies: the agent writes the
-Dockerfile again with each such FROM naming its copy (builders.policy.dockerfiles.pin_bases), and
+Dockerfile again with each such FROM naming its copy (buildpolicy.dockerfiles.pin_bases), and
 the builder stays offline (`--pull-never`).
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from campugrid.agent.images import ImageCache
 from campugrid.agent.messages import BaseImage
-from campugrid.builders.policy.dockerfiles import AllowedBase, BaseUse, parse_image_ref
+from campugrid.buildpolicy.dockerfiles import AllowedBase, BaseUse, parse_image_ref
 from campugrid.protocol.errors import BuildFailed, CannotRunHere, SandboxError
 from campugrid.sandbox.process import LogFn
 

@@ -24,7 +24,7 @@ from campugrid import hooks
 from campugrid.agent.client import CoordinatorApi
 from campugrid.agent.messages import CheckpointRecord, Hold, Resume
 from campugrid.agent.metrics import METRICS
-from campugrid.builders.policy.tarballs import extract_checkpoint
+from campugrid.buildpolicy.tarballs import extract_checkpoint
 from campugrid.protocol import logs
 from campugrid.protocol.errors import CampugridError, InvalidInput
 from campugrid.sandbox import confine

@@ -33,7 +33,7 @@ from campugrid.agent.client import CoordinatorApi
 from campugrid.agent.messages import Hold, ImageStep, Lease
 from campugrid.agent.metrics import METRICS
 from campugrid.builders.base import Builder
-from campugrid.builders.policy.dockerfiles import BaseUse
+from campugrid.buildpolicy.dockerfiles import BaseUse
 from campugrid.protocol.errors import BuildFailed, SandboxError
 from campugrid.protocol.spec import BuildOptions
 from campugrid.sandbox.podman_ops import PodmanOps

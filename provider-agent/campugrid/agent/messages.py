@@ -85,7 +85,7 @@ class BaseImage:
     """A FROM on a registry, resolved at submit: pull `digest` from the first of `sources`
     that has it."""
 
-    ref: str  # registry/repository:tag, as builders.policy.dockerfiles normalizes the FROM
+    ref: str  # registry/repository:tag, as buildpolicy.dockerfiles normalizes the FROM
     digest: str
     sources: tuple[Source, ...] = ()
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from campugrid.agent.gpus import nvml_text
-from campugrid.builders.policy.dockerfiles import allowed_bases
+from campugrid.buildpolicy.dockerfiles import allowed_bases
 from campugrid.sandbox.limits import delegated_subtree as v1_subtree
 
 PACKAGES = ("podman", "runsc", "uidmap", "slirp4netns")

@@ -56,8 +56,8 @@ from campugrid.agent.metrics import METRICS
 from campugrid.agent.renewer import Renewer
 from campugrid.agent.shares import Shares
 from campugrid.builders.base import Builder
-from campugrid.builders.policy.dockerfiles import BaseUse, allowed_bases, pin_bases
-from campugrid.builders.policy.tarballs import extract_context_file
+from campugrid.buildpolicy.dockerfiles import BaseUse, allowed_bases, pin_bases
+from campugrid.buildpolicy.tarballs import extract_context_file
 from campugrid.protocol import logs
 from campugrid.protocol.errors import (
     BuildFailed,

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import BinaryIO
 
-from campugrid.builders.policy.tarballs import inspect_context
+from campugrid.buildpolicy.tarballs import inspect_context
 from campugrid.coordinator.bases import BaseResolver
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.objects import ObjectStore

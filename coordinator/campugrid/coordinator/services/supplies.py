@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from campugrid.builders.policy.dockerfiles import parse_image_ref
+from campugrid.buildpolicy.dockerfiles import parse_image_ref
 from campugrid.coordinator.bases import BaseResolver
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.mirrors import PREFIX as MIRRORS_PREFIX

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from campugrid import hooks
-from campugrid.builders.policy.dockerfiles import AllowedBase, CheckedDockerfile, check_dockerfile
+from campugrid.buildpolicy.dockerfiles import AllowedBase, CheckedDockerfile, check_dockerfile
 from campugrid.protocol.errors import InvalidInput
 
 MAX_MEMBERS = 20_000
