@@ -10,9 +10,9 @@ from campugrid.protocol import keys
 
 
 def add_machine(store: Store, name: str, capabilities: dict[str, Any] | None = None, *,
-                approve: bool = True) -> str:
+                approve: bool = True, address: str = "") -> str:
     key = keys.Ed25519PrivateKey.generate()
-    record = store.machines.register(name, keys.public_text(key))
+    record = store.machines.register(name, keys.public_text(key), address)
     if approve:
         store.machines.set_status(record.id, Status.APPROVED)
     store.machines.heartbeat(record.id, capabilities or {})

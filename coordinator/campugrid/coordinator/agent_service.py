@@ -138,6 +138,10 @@ class AgentService(pb_grpc.AgentServiceServicer):
             context.abort(grpc.StatusCode.PERMISSION_DENIED, (
                 f"machine {record.id} is pending: its owner must compare its fingerprint "
                 f"{record.fingerprint} and run `campugrid machines approve {record.id}`"))
+        if record.status is Status.QUARANTINED and not pending_ok:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, (
+                f"machine {record.id} is quarantined: {record.quarantine} An admin reinstates "
+                f"it with `campugrid machines approve {record.id}` or revokes it"))
         return record.id
 
     def _guard(self, context: grpc.ServicerContext, fn: Callable[[], R]) -> R:

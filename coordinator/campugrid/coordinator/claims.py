@@ -29,6 +29,7 @@ from campugrid.coordinator.models import (
 )
 from campugrid.coordinator.scheduler import MachineView, place
 from campugrid.coordinator.sharding import open_session
+from campugrid.coordinator.verified import leased_replica
 from campugrid.coordinator.views import CheckpointView, Claim, JobView, stored_spec, utcnow
 from campugrid.protocol.states import JobState, sources_of
 
@@ -156,6 +157,8 @@ class Claimer:
                 {"job_id": job_id, "attempt": attempt, "machine_id": machine_id,
                  "gpu_uuid": uuid, "memory_mb": gpu_mb} for uuid in gpus])
         detail = f"machine {machine_id}" + (f", GPUs {', '.join(gpus)}" if gpus else "")
+        if row.replica_of is not None:
+            leased_replica(conn, row.replica_of, machine_id, now, events)
         events.append({"job_id": job_id, "at": now, "attempt": attempt, "kind": "leased",
                        "detail": detail})
         # Only an attempt records checkpoints: a job leased for the first time has none.
@@ -198,13 +201,19 @@ _JOBS, _CHECKPOINTS = Base.metadata.tables["jobs"], Base.metadata.tables["checkp
 # REFUSAL_TTL_S it is offered again: what it lacked may have been a passing failure).
 _REFUSALS = Base.metadata.tables["job_refusals"]
 REFUSAL_TTL_S = 3600.0
+_REPLICA_MACHINES = Base.metadata.tables["replica_machines"]
 _SUITS_LIMITS = ((_JOBS.c.limits_needed.op("&")(bindparam("lacks")) == 0)
                  & (_JOBS.c.cpus_needed <= bindparam("cpus"))
                  & (_JOBS.c.memory_needed_mb <= bindparam("memory_mb"))
                  & (_JOBS.c.disk_needed_mb <= bindparam("disk_mb"))
                  & ~exists().where(_REFUSALS.c.job_id == _JOBS.c.id,
                                    _REFUSALS.c.machine_id == bindparam("machine_id"),
-                                   _REFUSALS.c.at > bindparam("refused_since")))
+                                   _REFUSALS.c.at > bindparam("refused_since"))
+                 # A verified job is never leased (its replicas are), and a machine that took
+                 # one of its replicas (or shares an address with one that did) takes no other.
+                 & (_JOBS.c.replicas == 0)
+                 & ~exists().where(_REPLICA_MACHINES.c.job_id == _JOBS.c.replica_of,
+                                   _REPLICA_MACHINES.c.machine_id == bindparam("machine_id")))
 _UNSAID = 2**31 - 1  # a size the machine did not say (an older agent): no bound
 
 

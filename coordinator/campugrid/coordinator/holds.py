@@ -1,7 +1,7 @@
 """What a machine holds, and the one check that it still holds it.
 
-A machine holds work by a lease. Two kinds exist now, and the design takes more (replicas of
-one job on several machines at once are the next):
+A machine holds work by a lease. Two kinds exist (a verified job's replicas are plain jobs of
+their own, so a replica's hold is an attempt):
 
     kind      what it is                          its fencing token   where it lives
     ATTEMPT   a plain job's current attempt        the attempt number  the job's row
@@ -66,7 +66,8 @@ class Hold(Protocol):
     def finish(self, *, succeeded: bool, exit_code: int | None = None,
                reason: str | None = None, result: str | None = None,
                output_key: str | None = None, limits: dict[str, str] | None = None,
-               output_files: Sequence[tuple[str, int]] = ()) -> None: ...
+               output_files: Sequence[tuple[str, int]] = (),
+               output_digest: str | None = None) -> None: ...
 
     def release(self, reason: str, *, failed: bool, cannot_run_here: bool = False) -> None: ...
 
@@ -101,10 +102,11 @@ class AttemptHold:
     def finish(self, *, succeeded: bool, exit_code: int | None = None,
                reason: str | None = None, result: str | None = None,
                output_key: str | None = None, limits: dict[str, str] | None = None,
-               output_files: Sequence[tuple[str, int]] = ()) -> None:
+               output_files: Sequence[tuple[str, int]] = (),
+               output_digest: str | None = None) -> None:
         self.store.finish(self.ref, succeeded=succeeded, exit_code=exit_code, reason=reason,
                           result=result, output_key=output_key, limits=limits or {},
-                          output_files=output_files)
+                          output_files=output_files, output_digest=output_digest)
 
     def release(self, reason: str, *, failed: bool, cannot_run_here: bool = False) -> None:
         self.store.release(self.ref, reason, failed=failed, cannot_run_here=cannot_run_here)
@@ -142,7 +144,8 @@ class SessionHold:
     def finish(self, *, succeeded: bool, exit_code: int | None = None,
                reason: str | None = None, result: str | None = None,
                output_key: str | None = None, limits: dict[str, str] | None = None,
-               output_files: Sequence[tuple[str, int]] = ()) -> None:
+               output_files: Sequence[tuple[str, int]] = (),
+               output_digest: str | None = None) -> None:
         """A failed session is the job's own fault (its image does not build, its shard
         runner cannot start), so the job fails with it; shards report results, not output."""
         failure = None if succeeded else ((reason or "")[:4000] or "session failed")

@@ -35,6 +35,9 @@ class Status(enum.StrEnum):
     PENDING = "pending"
     APPROVED = "approved"
     REVOKED = "revoked"
+    # It answered against a quorum of other machines (verified.py): no work until an admin
+    # reinstates it (approve) or revokes it.
+    QUARANTINED = "quarantined"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +55,11 @@ class MachineRecord:
     cpus: int = 0
     memory_mb: int = 0
     disk_mb: int = 0
+    # Its record against quorums (verified.py), and why it is quarantined ("" if it is not).
+    agreed: int = 0
+    disagreed: int = 0
+    streak: int = 0
+    quarantine: str = ""
 
     @classmethod
     def from_row(cls, m: Machine) -> MachineRecord:
@@ -60,7 +68,8 @@ class MachineRecord:
         return cls(m.id, m.name, m.fingerprint, Status(m.status), m.public_key, m.address,
                    m.registered_at, m.last_seen_at, str(caps.get("held") or ""),
                    int(caps.get("cpus") or 0), int(caps.get("memory_mb") or 0),
-                   int(caps.get("disk_mb") or 0))
+                   int(caps.get("disk_mb") or 0), m.agreed or 0, m.disagreed or 0,
+                   m.streak or 0, m.quarantine or "")
 
 
 class Machines:
@@ -120,16 +129,11 @@ class Machines:
                 raise Forbidden(f"machine {machine_id} was revoked; it can only join again "
                                 "with a new key")
             m.status = status.value
-            _bump(s)
+            if status is Status.APPROVED:
+                m.quarantine = None  # reinstated: it earns trust again from nothing
+            bump_epoch(s)
             if status is Status.REVOKED:
-                # End its leases now: the reaper (or the caller) requeues them at once.
-                past = utcnow() - dt.timedelta(seconds=1)
-                s.execute(update(Job).where(Job.machine_id == machine_id,
-                                            Job.state.in_([x.value for x in ACTIVE]))
-                          .values(lease_expires_at=past))
-                s.execute(update(ShardSession).where(ShardSession.machine_id == machine_id,
-                                                     ShardSession.active.is_(True))
-                          .values(lease_expires_at=past))
+                end_leases(s, machine_id)
             return MachineRecord.from_row(m)
 
     def expire_pending(self, older_than_s: float = PENDING_TTL_S) -> int:
@@ -139,7 +143,7 @@ class Machines:
                                                   Machine.registered_at < since))
             gone = int(res.rowcount or 0)  # type: ignore[attr-defined]
             if gone:
-                _bump(s)
+                bump_epoch(s)
             return gone
 
     def epoch(self) -> int:
@@ -228,7 +232,18 @@ def _is_uuid(text: str) -> bool:
     return True
 
 
-def _bump(s: Session) -> None:
+def end_leases(s: Session, machine_id: str) -> None:
+    """End the machine's leases now: the reaper (or the caller) requeues them at once."""
+    past = utcnow() - dt.timedelta(seconds=1)
+    s.execute(update(Job).where(Job.machine_id == machine_id,
+                                Job.state.in_([x.value for x in ACTIVE]))
+              .values(lease_expires_at=past).execution_options(synchronize_session=False))
+    s.execute(update(ShardSession).where(ShardSession.machine_id == machine_id,
+                                         ShardSession.active.is_(True))
+              .values(lease_expires_at=past).execution_options(synchronize_session=False))
+
+
+def bump_epoch(s: Session) -> None:
     s.execute(update(MachineEpoch).where(MachineEpoch.id == 1)
               .values(epoch=MachineEpoch.epoch + 1))
 

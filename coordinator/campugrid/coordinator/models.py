@@ -89,6 +89,15 @@ class Job(Base):
     shards_done: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     shards_failed: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     shards_sha256: Mapped[str | None] = mapped_column(String(64))
+    # A verified job (spec.verify) is never leased itself: its replicas are, each a job of
+    # its own with replica_of set to it (coordinator/quorum.py). `replicas`: how many it has
+    # made so far (0 on every other job, which is what the claim's filter reads).
+    replicas: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    replica_of: Mapped[str | None] = mapped_column(String(36), index=True)
+    # A replica's /output as the coordinator read it (quorum.output_digest), to compare.
+    output_digest: Mapped[str | None] = mapped_column(String(80))
+    # Why the job's result cannot be trusted: it came from a machine quarantined since.
+    tainted: Mapped[str | None] = mapped_column(Text)
     machine_id: Mapped[str | None] = mapped_column(String(36))
     lease_expires_at: Mapped[dt.datetime | None] = mapped_column()
     exit_code: Mapped[int | None] = mapped_column(Integer)
@@ -171,8 +180,26 @@ class Machine(Base):
     gpus_json: Mapped[str] = mapped_column(Text, default="[]", server_default="[]")
     registered_at: Mapped[dt.datetime] = mapped_column()
     last_seen_at: Mapped[dt.datetime] = mapped_column()
+    # Its record against quorums (coordinator/quorum.py): answers that agreed and that did
+    # not, the agreeing answers in a row since its last disagreement (adaptive verification
+    # trusts it from quorum.TRUSTED_AFTER on), when it last agreed, and why it is quarantined.
+    agreed: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    disagreed: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    streak: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    last_agreed_at: Mapped[dt.datetime | None] = mapped_column()
+    quarantine: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (UniqueConstraint("public_key", name="uq_machines_public_key"),)
+
+
+class ReplicaMachine(Base):
+    """A machine that took a replica of a verified job (with every machine at its address):
+    it is never given another replica of that job."""
+
+    __tablename__ = "replica_machines"
+
+    job_id: Mapped[str] = mapped_column(String(36), primary_key=True)  # the verified job
+    machine_id: Mapped[str] = mapped_column(String(36), primary_key=True)
 
 
 class MachineEpoch(Base):
@@ -307,6 +334,7 @@ class Checkpoint(Base):
     size: Mapped[int] = mapped_column(BigInteger)
     sha256: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[dt.datetime] = mapped_column()
+    machine_id: Mapped[str | None] = mapped_column(String(36))  # the machine that made it
 
 
 class GpuReservation(Base):

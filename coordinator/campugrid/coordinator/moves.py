@@ -18,36 +18,41 @@ from sqlalchemy.orm import Session
 from campugrid.coordinator.models import Job, Shard
 from campugrid.coordinator.views import utcnow
 from campugrid.protocol.errors import CampugridError, IllegalTransition
-from campugrid.protocol.states import (
-    SHARDED_TRANSITIONS,
-    TRANSITIONS,
-    JobState,
-    ShardState,
-    sources_of,
-)
+from campugrid.protocol.states import JobKind, JobState, ShardState, sources_of
 
 Refusal = Callable[[], CampugridError]
 
 
-def move_job(s: Session, job_id: str, target: JobState, *, sharded: bool = False,
+def move_job(s: Session, job_id: str, target: JobState, *, kind: JobKind = JobKind.PLAIN,
              within: Collection[JobState] | None = None, stay: bool = False,
              where: Sequence[ColumnElement[bool]] = (), refused: Refusal | None = None,
              **values: Any) -> None:
-    """Move one job to `target` from a state the job's table allows (`within` narrows
+    """Move one job of this `kind` to `target` from a state its table allows (`within` narrows
     them; `stay` also lets a job already in `target` update its other columns), or raise
     `refused()` (default IllegalTransition) when the row did not match."""
-    table = SHARDED_TRANSITIONS if sharded else TRANSITIONS
-    sources = set(sources_of(target, table)) | ({target} if stay else set())
+    sources = set(sources_of(target, kind.transitions)) | ({target} if stay else set())
     if within is not None:
         sources &= set(within)
     res = s.execute(
         update(Job)
         .where(Job.id == job_id, Job.state.in_(sorted(x.value for x in sources)),
-               (Job.shards_total > 0) if sharded else (Job.shards_total == 0), *where)
+               *_OF_KIND[kind], *where)
         .values(state=target.value, **{"updated_at": utcnow(), **values}))
     if res.rowcount != 1:  # type: ignore[attr-defined]
         raise refused() if refused is not None else IllegalTransition(
             f"job {job_id} cannot become {target.value} now")
+
+
+_OF_KIND: dict[JobKind, tuple[ColumnElement[bool], ...]] = {
+    JobKind.PLAIN: (Job.shards_total == 0, Job.replicas == 0),
+    JobKind.SHARDED: (Job.shards_total > 0,),
+    JobKind.VERIFIED: (Job.replicas > 0,),
+}
+
+
+def kind_of(row: Job) -> JobKind:
+    return (JobKind.SHARDED if row.shards_total else JobKind.VERIFIED if row.replicas
+            else JobKind.PLAIN)
 
 
 def move_shards(s: Session, job_id: str, target: ShardState, *,

@@ -36,7 +36,7 @@ from campugrid.coordinator.moves import move_job, move_shards
 from campugrid.coordinator.views import HoldRef, ShardResult, ShardTask, ShardView
 from campugrid.protocol.errors import IllegalTransition, StaleAttempt
 from campugrid.protocol.spec import JobSpec
-from campugrid.protocol.states import JobState, ShardState
+from campugrid.protocol.states import JobKind, JobState, ShardState
 
 
 def insert_shards(s: Session, job_id: str, spec: JobSpec) -> None:
@@ -117,7 +117,7 @@ def _settle(s: Session, job_id: str) -> None:
                 .order_by(Shard.idx).limit(1)).one()
             reason = (f"{failed} of {total} shards failed (first: shard {first[0]}: {first[1]}); "
                       "every shard's result: campugrid shards JOB_ID")
-        move_job(s, job_id, target, sharded=True, within={state}, reason=reason,
+        move_job(s, job_id, target, kind=JobKind.SHARDED, within={state}, reason=reason,
                  result=f"{total - failed} of {total} shards succeeded", exit_code=None,
                  updated_at=now)
         s.execute(update(ShardSession).where(ShardSession.job_id == job_id,
@@ -128,7 +128,7 @@ def _settle(s: Session, job_id: str) -> None:
         return
     target = JobState.QUEUED if queued > 0 else JobState.RUNNING
     if target != state:
-        move_job(s, job_id, target, sharded=True, within={state}, updated_at=now)
+        move_job(s, job_id, target, kind=JobKind.SHARDED, within={state}, updated_at=now)
 
 
 class ShardStore:
@@ -196,7 +196,7 @@ class ShardStore:
             if failure:
                 now = dt.datetime.now(dt.UTC)
                 try:
-                    move_job(s, job_id, JobState.FAILED, sharded=True, reason=clean(failure),
+                    move_job(s, job_id, JobState.FAILED, kind=JobKind.SHARDED, reason=clean(failure),
                              updated_at=now)
                 except IllegalTransition:
                     return  # the job ended meanwhile (closing the session showed it)

@@ -17,6 +17,7 @@ from sqlalchemy import Engine, delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from campugrid.coordinator import verified
 from campugrid.coordinator.apps import Apps, Nonces
 from campugrid.coordinator.claims import REFUSAL_TTL_S, Claimer
 from campugrid.coordinator.db import Database, job_row, side_database
@@ -35,7 +36,7 @@ from campugrid.coordinator.models import (
     RateCounter,
     clean,
 )
-from campugrid.coordinator.moves import move_job
+from campugrid.coordinator.moves import kind_of, move_job
 from campugrid.coordinator.ratelimits import DatabaseCounters, Limiter
 from campugrid.coordinator.scheduler import MachineView
 from campugrid.coordinator.sharding import ShardStore, cancel_shards, insert_shards
@@ -120,6 +121,8 @@ class Store:
                     insert_shards(s, row.id, spec)
                 s.add(JobEvent(job_id=row.id, at=now, attempt=0, kind="submitted",
                                detail=f"{len(spec.shards)} shards" if spec.shards else ""))
+                if spec.verify is not None:
+                    verified.make_replicas(s, row, spec.verify.replicas, now)
             return JobView.from_row(row), True
         except IntegrityError:
             if spec.client_job_id is None:
@@ -191,7 +194,8 @@ class Store:
 
     def list_jobs(self, state: JobState | None = None, limit: int = 100,
                   owner: str | None = None) -> list[JobView]:
-        q = select(Job).order_by(Job.created_at.desc(), Job.id).limit(limit)
+        q = (select(Job).where(Job.replica_of.is_(None))  # replicas are shown on their job
+             .order_by(Job.created_at.desc(), Job.id).limit(limit))
         if owner is not None:
             q = q.where(Job.owner_id == owner)
         if state is not None:
@@ -210,12 +214,20 @@ class Store:
             row = _owned(job_row(s, job_id), owner)
             if JobState(row.state).final:
                 raise IllegalTransition(f"job {job_id} is already {row.state}")
-            move_job(s, row.id, JobState.CANCELLED, sharded=bool(row.shards_total),
-                     where=[Job.attempt == row.attempt], reason="cancelled by the user",
-                     machine_id=None, lease_expires_at=None)
-            s.add(JobEvent(job_id=job_id, at=utcnow(), attempt=row.attempt, kind="cancelled",
-                           detail=f"was {row.state}"))
-            self._free_gpus(s, job_id)
+            if row.replica_of is not None:
+                raise InvalidInput(f"job {job_id} is a replica of the verified job "
+                                   f"{row.replica_of}: cancel that job instead")
+            family = [row] + (list(s.scalars(select(Job).where(Job.replica_of == row.id)))
+                              if row.replicas else [])
+            for one in family:
+                if one is not row and JobState(one.state).final:
+                    continue
+                move_job(s, one.id, JobState.CANCELLED, kind=kind_of(one),
+                         where=[Job.attempt == one.attempt], reason="cancelled by the user",
+                         machine_id=None, lease_expires_at=None)
+                s.add(JobEvent(job_id=one.id, at=utcnow(), attempt=one.attempt,
+                               kind="cancelled", detail=f"was {one.state}"))
+                self._free_gpus(s, one.id)
             if row.shards_total:
                 cancel_shards(s, job_id, "the job was cancelled")
             s.refresh(row)
@@ -302,7 +314,11 @@ class Store:
 
     def finish(self, ref: HoldRef, *, succeeded: bool, exit_code: int | None,
                reason: str | None, result: str | None, output_key: str | None,
-               limits: dict[str, str], output_files: Sequence[tuple[str, int]] = ()) -> JobView:
+               limits: dict[str, str], output_files: Sequence[tuple[str, int]] = (),
+               output_digest: str | None = None) -> JobView:
+        """The attempt's end; for a replica of a verified job, with the digest of its output
+        as the coordinator read it (quorum.output_digest), and its job decided on if it can
+        be (verified.settle)."""
         job_id, token = ref.job_id, ref.token
         target = JobState.SUCCEEDED if succeeded else JobState.FAILED
         refused: StaleAttempt | IllegalTransition | None = None
@@ -313,13 +329,14 @@ class Store:
                          output_key=output_key, limits_json=json.dumps(limits),
                          output_files_json=json.dumps([list(f) for f in output_files])
                          if output_key and output_files else None,
-                         lease_expires_at=None)
+                         output_digest=output_digest, lease_expires_at=None)
             except IllegalTransition:
                 refused = self._refusal(s, job_row(s, job_id), token, "complete")
             else:
                 s.add(JobEvent(job_id=job_id, at=utcnow(), attempt=token, kind=target.value,
                                detail=clean(reason) or ""))
                 self._free_gpus(s, job_id)
+                self._ended(s, job_id)
             row = job_row(s, job_id)
         if refused is not None:
             raise refused
@@ -333,7 +350,7 @@ class Store:
             expired: Sequence[Any] = s.execute(
                 select(Job.id, Job.attempt, Job.max_attempts, Job.machine_id, Job.drained)
                 .where(Job.state.in_([x.value for x in ACTIVE]), Job.lease_expires_at < now,
-                       Job.shards_total == 0)
+                       Job.shards_total == 0, Job.replicas == 0)
             ).all()
             for job_id, attempt, max_attempts, machine_id, drained in expired:
                 out_of_attempts = attempt - drained >= max_attempts
@@ -350,6 +367,8 @@ class Store:
                 s.add(JobEvent(job_id=job_id, at=now, attempt=attempt,
                                kind="lease_expired", detail=reason))
                 self._free_gpus(s, job_id)
+                if out_of_attempts:
+                    self._ended(s, job_id)
                 moved.append(job_id)
         return moved + self.shards.requeue_expired(now)
 
@@ -375,7 +394,7 @@ class Store:
                 refused = None
                 now = utcnow()
                 s.add(Checkpoint(job_id=job_id, attempt=token, epoch=epoch, key=key, size=size,
-                                 sha256=sha256, created_at=now))
+                                 sha256=sha256, created_at=now, machine_id=ref.machine_id))
                 s.add(JobEvent(job_id=job_id, at=now, attempt=token, kind="checkpoint",
                                detail=f"epoch {epoch}, {size} bytes"))
                 s.flush()
@@ -433,6 +452,8 @@ class Store:
                 if cannot_run_here:
                     _refuse(s, job_id, machine_id, reason, now)
                 self._free_gpus(s, job_id)
+                if exhausted:
+                    self._ended(s, job_id)
             row = job_row(s, job_id)
         if refused is not None:
             raise refused
@@ -442,12 +463,30 @@ class Store:
         """After a coordinator restart, give agents one lease period to reach us again."""
         with self.tx() as s:
             res = s.execute(update(Job).where(Job.state.in_([x.value for x in ACTIVE]),
-                                              Job.shards_total == 0)
+                                              Job.shards_total == 0, Job.replicas == 0)
                             .values(lease_expires_at=utcnow() + dt.timedelta(seconds=lease_s)))
             jobs = int(res.rowcount)  # type: ignore[attr-defined]
         return jobs + self.shards.extend_active(lease_s)
 
+    def replicas(self, job_id: str) -> list[JobView]:
+        """The replicas of a verified job, those that ended first, in the order they did."""
+        with self.read() as s:
+            rows = list(s.scalars(select(Job).where(Job.replica_of == job_id)
+                                  .order_by(Job.updated_at, Job.id)))
+        return [JobView.from_row(r) for r in sorted(rows, key=lambda r: not JobState(r.state).final)]
+
+    def is_replica(self, job_id: str) -> bool:
+        with self.read() as s:
+            return s.scalar(select(Job.replica_of).where(Job.id == job_id)) is not None
+
     # --- helpers ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _ended(s: Session, job_id: str) -> None:
+        """A job ended: if it is a replica, its verified job is decided on, if it can be."""
+        row = job_row(s, job_id)
+        if row.replica_of is not None:
+            verified.settle(s, row.replica_of, utcnow())
 
     @staticmethod
     def _free_gpus(s: Session, job_id: str) -> None:

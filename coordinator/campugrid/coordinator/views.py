@@ -101,6 +101,10 @@ class JobView:
     bases: dict[str, str] = dataclasses.field(default_factory=dict)  # remote FROM -> digest
     output_files: tuple[tuple[str, int], ...] = ()  # (path in /output, size), as listed
     owner_id: str = ""  # the app that submitted it ("" for none)
+    replicas: int = 0  # a verified job's replicas made so far (0: not a verified job)
+    replica_of: str | None = None  # a replica's verified job
+    output_digest: str | None = None  # a replica's /output, as quorum.output_digest read it
+    tainted: str | None = None  # why its result cannot be trusted any more
 
     @classmethod
     def from_row(cls, row: Job | Row[Any] | SimpleNamespace) -> JobView:
@@ -118,6 +122,9 @@ class JobView:
             output_files=tuple((str(p), int(n)) for p, n in
                                json.loads(row.output_files_json or "[]")),
             owner_id=row.owner_id or "",
+            replicas=getattr(row, "replicas", 0) or 0, replica_of=getattr(row, "replica_of", None),
+            output_digest=getattr(row, "output_digest", None),
+            tainted=getattr(row, "tainted", None),
         )
 
 

@@ -143,6 +143,20 @@ class ImageOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class Verify:
+    """Results checked by agreement between machines (coordinator/quorum.py): `replicas` run
+    at first, on different machines; `quorum` of them must agree (the same exit code, result
+    line and /output content); on disagreement more run, up to `max_replicas` in all. With
+    `adaptive`, one runs where its machine has earned trust, and a second only when the
+    machine has not (or is sampled), as BOINC does."""
+
+    replicas: int = 2
+    quorum: int = 2
+    max_replicas: int = 4
+    adaptive: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class BuildOptions:
     """How the image is built: `network` "default" lets RUN steps (and ADD <url>) reach
     package registries through the platform's egress proxy; "none" builds offline, from the
@@ -152,6 +166,8 @@ class BuildOptions:
 
 
 def _is_plain(name: str, value: Any) -> bool:
+    if name == "verify":
+        return isinstance(value, (str, Mapping))
     if name == "command":
         return isinstance(value, (str, list))
     if name == "datasets":
@@ -181,10 +197,11 @@ class JobSpec:
     shard_mode: str = "process"
     image: ImageOptions = ImageOptions()
     build: BuildOptions = BuildOptions()
+    verify: Verify | None = None  # None: one machine's word is taken (the default)
 
     # Fields that may be given as plain values too, as JSON has them: JobSpec(resources=
     # {"memory_mb": 4096}, env={"SEED": "1"}, command="python3 train.py").
-    _PLAIN = ("command", "env", "resources", "datasets", "image", "build")
+    _PLAIN = ("command", "env", "resources", "datasets", "image", "build", "verify")
 
     def __post_init__(self) -> None:
         """Plain values (dicts, lists, a command string) are read and checked as from_dict
@@ -303,7 +320,12 @@ class JobSpec:
         image = data.get("image") or {}
         _require(isinstance(image, Mapping), "image", 'must be an object, e.g. {"reuse": "verified"}')
         _no_unknown(image, ImageOptions, "image")
-        reuse = image.get("reuse", "first")
+        verify = _verify(data.get("verify"))
+        if verify is not None and shards:
+            raise InvalidInput("verify: a sharded job cannot be verified yet; verify each "
+                               "shard's job as a plain job, or drop verify")
+        # A verified job runs an image two machines built alike, unless it says otherwise.
+        reuse = image.get("reuse", "verified" if verify is not None else "first")
         _require(reuse in IMAGE_REUSE, "image.reuse", f"must be one of {', '.join(IMAGE_REUSE)}")
 
         return cls(
@@ -318,12 +340,18 @@ class JobSpec:
             shards=shards,
             shard_mode=str(shard_mode),
             image=ImageOptions(reuse=str(reuse)),
+            verify=verify,
         )
 
     @property
     def share(self) -> str | None:
         """The provider share this job's files come from: only machines sharing it fit."""
         return next((ds.share for ds in self.datasets if ds.share), None)
+
+    def as_replica(self) -> JobSpec:
+        """The spec a replica of a verified job runs: the same, but for the verifying (which
+        is the coordinator's) and the job's own id (which is the verified job's)."""
+        return dataclasses.replace(self, verify=None, client_job_id=None)
 
     def without_shards(self) -> JobSpec:
         """The spec as stored on the job row and sent to agents: shards live in their own
@@ -364,6 +392,9 @@ class JobSpec:
             out["shard_mode"] = self.shard_mode
         if self.image != ImageOptions():  # likewise: stored specs stay as they were
             out["image"] = dataclasses.asdict(self.image)
+        if self.verify is not None:
+            out["verify"] = ("adaptive" if self.verify == ADAPTIVE
+                             else dataclasses.asdict(self.verify))
         if self.build != BuildOptions():
             out["build"] = {k: list(v) if isinstance(v, tuple) else v
                             for k, v in dataclasses.asdict(self.build).items() if v}
@@ -439,6 +470,30 @@ def _limit_names(value: Any) -> tuple[str, ...]:
             hint = f"did you mean '{close[0]}'?" if close else f"known: {', '.join(LIMITS)}"
             raise InvalidInput(f"resources.require_limits: no limit '{v}' ({hint})")
     return tuple(sorted(set(value), key=LIMITS.index))
+
+
+MAX_REPLICAS = 16
+ADAPTIVE = Verify(replicas=1, quorum=2, max_replicas=4, adaptive=True)
+
+
+def _verify(value: Any) -> Verify | None:
+    """The spec's verify: absent or null (off), "adaptive", or {replicas, quorum,
+    max_replicas}."""
+    if value is None:
+        return None
+    if value == "adaptive":
+        return ADAPTIVE
+    _require(isinstance(value, Mapping), "verify",
+             'must be "adaptive" or an object such as {"replicas": 2, "quorum": 2}')
+    _no_unknown(value, Verify, "verify")
+    if value.get("adaptive"):
+        _require(set(value) == {"adaptive"}, "verify", 'adaptive sets replicas and quorum '
+                 'itself: give "adaptive" alone')
+        return ADAPTIVE
+    replicas = _integer(value, "replicas", 2, 2, MAX_REPLICAS, "verify")
+    quorum = _integer(value, "quorum", min(2, replicas), 2, replicas, "verify")
+    bound = _integer(value, "max_replicas", max(4, replicas), replicas, MAX_REPLICAS, "verify")
+    return Verify(replicas=replicas, quorum=quorum, max_replicas=bound)
 
 
 def limits_mask(names: Iterable[str]) -> int:

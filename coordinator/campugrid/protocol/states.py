@@ -35,6 +35,11 @@ counters (SHARDED_TRANSITIONS), each shard its own small table (SHARD_TRANSITION
      |                                     one failed          +-- job failed/cancelled
      |                         SUCCEEDED <- every shard ended ok     --> CANCELLED (from both)
      +-- cancel (from QUEUED or RUNNING) --> CANCELLED
+
+A verified job (spec.verify) is never leased either: its replicas are, each a plain job of
+its own. It follows them (VERIFIED_TRANSITIONS): QUEUED until one is leased, RUNNING after,
+and final when a quorum of their answers agrees (SUCCEEDED or FAILED as that answer says),
+when they disagree past the job's bound (FAILED), or when it is cancelled.
 """
 
 from __future__ import annotations
@@ -94,6 +99,31 @@ SHARDED_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.FAILED: frozenset(),
     JobState.CANCELLED: frozenset(),
 }
+
+
+VERIFIED_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.QUEUED: frozenset({JobState.RUNNING, JobState.SUCCEEDED, JobState.FAILED,
+                                JobState.CANCELLED}),
+    JobState.BUILDING: frozenset(),  # never: its replicas are built, each on its machine
+    JobState.RUNNING: frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}),
+    JobState.SUCCEEDED: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
+}
+
+
+class JobKind(enum.Enum):
+    """Which table a job's moves follow: a plain job's (leased by attempts), a sharded job's
+    (its shards are leased), or a verified job's (its replicas are)."""
+
+    PLAIN = "plain"
+    SHARDED = "sharded"
+    VERIFIED = "verified"
+
+    @property
+    def transitions(self) -> dict[JobState, frozenset[JobState]]:
+        return {JobKind.PLAIN: TRANSITIONS, JobKind.SHARDED: SHARDED_TRANSITIONS,
+                JobKind.VERIFIED: VERIFIED_TRANSITIONS}[self]
 
 
 class ShardState(enum.StrEnum):

@@ -13,6 +13,7 @@ from campugrid.coordinator.config import Settings
 from campugrid.coordinator.holds import Holds
 from campugrid.coordinator.machines import Status as MachineStatus
 from campugrid.coordinator.objects import ObjectStore
+from campugrid.coordinator.quorum import output_digest
 from campugrid.coordinator.scheduler import MachineView, fast_from
 from campugrid.coordinator.services.inputs import InputService
 from campugrid.coordinator.services.machines import MachineService
@@ -142,9 +143,13 @@ class LeaseService:
                if output_uploaded and hold.takes_output else None)
         if key is not None and not self.objects.exists(key):
             key = None  # claimed but not there: never point researchers at nothing
+        # A replica's output is compared with the others' by what it holds, as read here:
+        # never by what its machine says it holds.
+        digest = (output_digest(self.objects.stream(key)) if key is not None
+                  and self.store.is_replica(ref.job_id) else None)
         hold.finish(
             succeeded=succeeded, exit_code=exit_code, reason=reason, result=result,
-            output_key=key, limits=limits,
+            output_key=key, limits=limits, output_digest=digest,
             output_files=[(_printable(p)[:MAX_OUTPUT_PATH], max(0, int(n)))
                           for p, n in output_files[:MAX_OUTPUT_FILES]])
         log.info("%s %d of job %s ended (%s)", ref.kind.value, ref.token, ref.job_id,

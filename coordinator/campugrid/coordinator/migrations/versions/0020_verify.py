@@ -1,0 +1,53 @@
+"""Verified jobs: replicas, the output digests they are compared by, taint, each machine's
+record against quorums, and which machine made each checkpoint
+
+Revision ID: 0020
+Revises: 0019
+Create Date: 2026-12-05
+"""
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0020"
+down_revision = "0019"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("jobs", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("replicas", sa.Integer(), nullable=False, server_default="0"))
+        batch_op.add_column(sa.Column("replica_of", sa.String(36), nullable=True))
+        batch_op.add_column(sa.Column("output_digest", sa.String(80), nullable=True))
+        batch_op.add_column(sa.Column("tainted", sa.Text(), nullable=True))
+        batch_op.create_index("ix_jobs_replica_of", ["replica_of"], unique=False)
+    with op.batch_alter_table("machines", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("agreed", sa.Integer(), nullable=False, server_default="0"))
+        batch_op.add_column(sa.Column("disagreed", sa.Integer(), nullable=False,
+                                      server_default="0"))
+        batch_op.add_column(sa.Column("streak", sa.Integer(), nullable=False, server_default="0"))
+        batch_op.add_column(sa.Column("last_agreed_at", sa.DateTime(timezone=True), nullable=True))
+        batch_op.add_column(sa.Column("quarantine", sa.Text(), nullable=True))
+    with op.batch_alter_table("checkpoints", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("machine_id", sa.String(36), nullable=True))
+    op.create_table(
+        "replica_machines",
+        sa.Column("job_id", sa.String(36), nullable=False),
+        sa.Column("machine_id", sa.String(36), nullable=False),
+        sa.PrimaryKeyConstraint("job_id", "machine_id"),
+    )
+
+
+def downgrade() -> None:
+    op.drop_table("replica_machines")
+    with op.batch_alter_table("checkpoints", schema=None) as batch_op:
+        batch_op.drop_column("machine_id")
+    with op.batch_alter_table("machines", schema=None) as batch_op:
+        for name in ("quarantine", "last_agreed_at", "streak", "disagreed", "agreed"):
+            batch_op.drop_column(name)
+    with op.batch_alter_table("jobs", schema=None) as batch_op:
+        batch_op.drop_index("ix_jobs_replica_of")
+        for name in ("tainted", "output_digest", "replica_of", "replicas"):
+            batch_op.drop_column(name)

@@ -1,0 +1,177 @@
+"""Verified jobs in the database: their replicas, quorum.py's decisions applied in the
+transaction of the replica that ended, and each machine's record against quorums (its
+agreements, its quarantine, and the results it made that can no longer be trusted).
+
+Every function here runs inside the caller's transaction (the store's operations and the
+claim), so a decision and the replica end that caused it commit together.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import random
+import uuid
+from typing import Any
+
+from sqlalchemy import Connection, insert, select, update
+from sqlalchemy.orm import Session
+
+from campugrid.coordinator.machines import Status, bump_epoch, end_leases
+from campugrid.coordinator.models import Job, JobEvent, Machine, ReplicaMachine
+from campugrid.coordinator.moves import move_job
+from campugrid.coordinator.quorum import NO_OUTPUT, Answer, Decision, decide, shares_host
+from campugrid.coordinator.views import stored_spec
+from campugrid.protocol.states import JobKind, JobState
+
+
+def make_replicas(s: Session, parent: Job, n: int, now: dt.datetime) -> list[str]:
+    """`n` more replicas of the verified job `parent` (a row of this session), queued: each a
+    plain job with the parent's spec but for verify, its files, bases and owner. They keep
+    the parent's place in the queue."""
+    spec = stored_spec(parent.spec_json).as_replica()
+    text, made = spec.to_json(), []
+    for i in range(parent.replicas, parent.replicas + n):
+        row = Job(
+            id=str(uuid.uuid4()), owner_id=parent.owner_id, client_job_id=None,
+            name=f"{parent.name or 'job ' + parent.id[:8]}: replica {i + 1}",
+            state=JobState.QUEUED.value, spec_json=text, context_key=parent.context_key,
+            context_sha256=parent.context_sha256, attempt=0, max_attempts=parent.max_attempts,
+            gpus_needed=parent.gpus_needed, limits_needed=parent.limits_needed,
+            cpus_needed=parent.cpus_needed, memory_needed_mb=parent.memory_needed_mb,
+            disk_needed_mb=parent.disk_needed_mb, share=parent.share, shards_total=0,
+            shards_queued=0, shards_done=0, shards_failed=0, bases_json=parent.bases_json,
+            replica_of=parent.id, created_at=parent.created_at, updated_at=now)
+        s.add(row)
+        made.append(row.id)
+        s.add(JobEvent(job_id=parent.id, at=now, attempt=0, kind="replica",
+                       detail=f"replica {i + 1} is job {row.id}"))
+    parent.replicas += n
+    return made
+
+
+def leased_replica(conn: Connection, parent_id: str, machine_id: str, now: dt.datetime,
+                   events: list[dict[str, Any]]) -> None:
+    """A replica of `parent_id` was just leased to this machine (in the claim's transaction):
+    neither it nor any machine at its address is given another replica of that job, and the
+    verified job is running."""
+    address = conn.scalar(select(Machine.address).where(Machine.id == machine_id)) or ""
+    same = ({machine_id} | set(conn.scalars(select(Machine.id).where(Machine.address == address)))
+            if shares_host(address) else {machine_id})
+    have = set(conn.scalars(select(ReplicaMachine.machine_id).where(
+        ReplicaMachine.job_id == parent_id, ReplicaMachine.machine_id.in_(sorted(same)))))
+    if same - have:
+        conn.execute(insert(ReplicaMachine), [{"job_id": parent_id, "machine_id": m}
+                                              for m in sorted(same - have)])
+    moved = conn.execute(update(Job).where(Job.id == parent_id, Job.state == JobState.QUEUED.value)
+                         .values(state=JobState.RUNNING.value, updated_at=now))
+    if moved.rowcount:
+        events.append({"job_id": parent_id, "at": now, "attempt": 0, "kind": "running",
+                       "detail": f"its first replica was leased to machine {machine_id}"})
+
+
+def settle(s: Session, parent_id: str, now: dt.datetime, draw: float | None = None) -> Decision:
+    """A replica of `parent_id` ended: apply quorum.decide to every replica's answer."""
+    parent = s.execute(select(Job).where(Job.id == parent_id).with_for_update()).scalar_one()
+    if JobState(parent.state).final:
+        return Decision()
+    verify = stored_spec(parent.spec_json).verify
+    assert verify is not None
+    replicas = list(s.scalars(select(Job).where(Job.replica_of == parent_id)
+                              .order_by(Job.updated_at, Job.id)))
+    ended = [r for r in replicas if JobState(r.state).final]
+    answers = [Answer(r.id, r.machine_id or "", _key(r)) for r in ended]
+    machines = {a.machine_id for a in answers if a.machine_id}
+    streak = {m.id: m.streak for m in s.scalars(select(Machine).where(
+        Machine.id.in_(sorted(machines))))}
+    decision = decide(verify, answers, pending=len(replicas) - len(ended), made=parent.replicas,
+                      streak=streak, draw=_draw() if draw is None else draw)
+    if decision.more:
+        made = make_replicas(s, parent, decision.more, now)
+        _event(s, parent, now, "disagreed" if len({a.key for a in answers if a.key}) > 1
+               else "replicated", f"{len(made)} more replica(s): "
+               + "; ".join(f"machine {a.machine_id[:8]}: {a.says()}" for a in answers))
+    elif decision.fail:
+        move_job(s, parent.id, JobState.FAILED, kind=JobKind.VERIFIED, reason=decision.fail,
+                 updated_at=now)
+        _event(s, parent, now, "failed", decision.fail)
+    elif decision.accept:
+        _accept(s, parent, decision, replicas, now)
+    return decision
+
+
+def _accept(s: Session, parent: Job, decision: Decision, replicas: list[Job],
+            now: dt.datetime) -> None:
+    first = next(r for r in replicas if r.id == decision.accept[0].replica)
+    ok = first.state == JobState.SUCCEEDED.value
+    agreed = [a.machine_id for a in decision.accept]
+    how = (f"{len(agreed)} replicas agreed (machines {', '.join(m[:8] for m in agreed)})"
+           if decision.checked else
+           f"taken from machine {agreed[0][:8]} alone: it has earned adaptive trust")
+    move_job(s, parent.id, JobState.SUCCEEDED if ok else JobState.FAILED,
+             kind=JobKind.VERIFIED, exit_code=first.exit_code, result=first.result,
+             output_key=first.output_key, output_files_json=first.output_files_json,
+             limits_json=first.limits_json, machine_id=first.machine_id,
+             reason=first.reason if not ok else None, updated_at=now)
+    _event(s, parent, now, "verified", how)
+    for r in replicas:  # the answers still to come are not needed
+        if not JobState(r.state).final:
+            move_job(s, r.id, JobState.CANCELLED, machine_id=None, lease_expires_at=None,
+                     reason=f"not needed: job {parent.id} was decided ({how})", updated_at=now)
+            s.add(JobEvent(job_id=r.id, at=now, attempt=r.attempt, kind="cancelled",
+                           detail="not needed: the verified job was decided"))
+    if not decision.checked:
+        return
+    s.execute(update(Machine).where(Machine.id.in_(sorted(set(agreed)))).values(
+        agreed=Machine.agreed + 1, streak=Machine.streak + 1, last_agreed_at=now))
+    said = decision.accept[0].says()
+    for a in decision.against:
+        quarantine(s, a.machine_id, now, f"on job {parent.id} it answered {a.says()}, "
+                   f"where {len(agreed)} other machines agreed on {said}")
+
+
+def quarantine(s: Session, machine_id: str, now: dt.datetime, why: str) -> None:
+    """The machine answered against a quorum: it gets no work until an admin reinstates or
+    revokes it, its leases end now, and the results it made since it last agreed with a
+    quorum are marked tainted on their jobs."""
+    m = s.get(Machine, machine_id)
+    if m is None:
+        return
+    since = m.last_agreed_at
+    m.disagreed += 1
+    m.streak = 0
+    if m.status != Status.REVOKED.value:
+        m.status, m.quarantine = Status.QUARANTINED.value, why[:4000]
+    bump_epoch(s)
+    end_leases(s, machine_id)
+    taint = (f"made by machine {machine_id[:8]}, quarantined {now:%Y-%m-%d %H:%M} UTC after "
+             f"it answered against a quorum; run it again with `campugrid rerun`")
+    q = (update(Job).where(Job.machine_id == machine_id, Job.replica_of.is_(None),
+                           Job.state.in_([JobState.SUCCEEDED.value, JobState.FAILED.value]),
+                           Job.tainted.is_(None))
+         .values(tainted=taint).execution_options(synchronize_session=False))
+    if since is not None:
+        q = q.where(Job.updated_at > since)
+    s.execute(q)
+
+
+_SAMPLER = random.SystemRandom()
+
+
+def _draw() -> float:
+    """The adaptive check's sample: unpredictable, so that no machine can tell in advance
+    which of its answers will be checked."""
+    return _SAMPLER.random()
+
+
+def _key(r: Job) -> tuple[int | None, str, str] | None:
+    """A replica's answer, or None where it ended without one (a failure that was not its
+    code's: no exit code; a cancellation)."""
+    if r.state == JobState.SUCCEEDED.value or (r.state == JobState.FAILED.value
+                                               and r.exit_code is not None):
+        return (r.exit_code, r.result or "", r.output_digest or NO_OUTPUT)
+    return None
+
+
+def _event(s: Session, parent: Job, now: dt.datetime, kind: str, detail: str) -> None:
+    s.add(JobEvent(job_id=parent.id, at=now, attempt=0, kind=kind, detail=detail[:4000]))
+

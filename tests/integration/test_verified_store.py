@@ -1,0 +1,155 @@
+"""Verified jobs in the store, on SQLite and on a real PostgreSQL: replicas on different
+machines, a quorum's answer taken, more replicas on disagreement, the liar quarantined and
+its earlier results marked tainted."""
+
+from __future__ import annotations
+
+import pytest
+
+from campugrid.coordinator import verified
+from campugrid.coordinator.machines import Status
+from campugrid.coordinator.store import Store
+from campugrid.coordinator.views import JobView
+from campugrid.protocol.errors import InvalidInput
+from campugrid.protocol.spec import JobSpec
+from campugrid.protocol.states import JobState
+from tests.support.holds import attempt
+from tests.support.machines import add_machine
+
+pytestmark = pytest.mark.integration
+RIGHT, WRONG = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+
+
+def submit(store: Store, **spec: object) -> JobView:
+    return store.submit(JobSpec.from_dict(dict(spec)), "contexts/x.tar", "ab" * 32)[0]
+
+
+def run(store: Store, machine: str, *, result: str = "42", digest: str = RIGHT,
+        exit_code: int = 0) -> JobView:
+    """The machine takes the next job it may and finishes it with this answer."""
+    job = store.claim_next(machine, lease_s=30)
+    assert job is not None, f"machine {machine[:8]} was given nothing"
+    return store.finish(attempt(job.id, job.attempt, machine), succeeded=exit_code == 0,
+                        exit_code=exit_code, reason=None, result=result, output_key=None,
+                        limits={}, output_digest=digest)
+
+
+def test_replicas_run_on_different_machines_and_a_quorum_decides(store: Store):
+    job = submit(store, verify={"replicas": 2})
+    assert job.state is JobState.QUEUED and job.replicas == 2
+    assert [j.id for j in store.list_jobs()] == [job.id]  # replicas show on their job only
+    m1, m2 = add_machine(store, "m1"), add_machine(store, "m2")
+    first = store.claim_next(m1, lease_s=30)
+    assert first is not None and first.replica_of == job.id and first.spec.verify is None
+    assert store.claim_next(m1, lease_s=30) is None  # never two replicas on one machine
+    assert store.get(job.id).state is JobState.RUNNING
+    store.finish(attempt(first.id, 1, m1), succeeded=True, exit_code=0, reason=None,
+                 result="42", output_key="outputs/a", limits={}, output_digest=RIGHT)
+    assert store.get(job.id).state is JobState.RUNNING  # one answer is not a quorum
+    run(store, m2)
+    done = store.get(job.id)
+    assert done.state is JobState.SUCCEEDED and done.result == "42"
+    assert done.output_key == "outputs/a" and done.machine_id == m1
+    for m in (m1, m2):
+        record = store.machines.get(m)
+        assert (record.agreed, record.streak, record.status) == (1, 1, Status.APPROVED)
+    assert [e.kind for e in store.events(job.id)][-1] == "verified"
+
+
+def test_a_liar_is_outvoted_quarantined_and_its_earlier_results_tainted(store: Store):
+    m1, liar, m3 = (add_machine(store, n) for n in ("m1", "liar", "m3"))
+    earlier = submit(store)  # a plain job the liar runs before it is caught
+    assert run(store, liar).id == earlier.id
+    job = submit(store, verify={"replicas": 2})
+    run(store, m1)
+    run(store, liar, result="41", digest=WRONG)
+    assert store.get(job.id).state is JobState.RUNNING and store.get(job.id).replicas == 3
+    assert store.claim_next(m1, lease_s=30) is None and store.claim_next(liar, lease_s=30) is None
+    run(store, m3)
+    done = store.get(job.id)
+    assert done.state is JobState.SUCCEEDED and done.result == "42"
+    record = store.machines.get(liar)
+    assert record.status is Status.QUARANTINED and record.disagreed == 1 and record.streak == 0
+    assert "41" in record.quarantine and job.id in record.quarantine
+    assert store.get(earlier.id).tainted and "quarantined" in (store.get(earlier.id).tainted or "")
+    assert not store.get(job.id).tainted
+    answers = {r.machine_id: r.result for r in store.replicas(job.id)}
+    assert answers == {m1: "42", liar: "41", m3: "42"}
+    # An admin reinstates it: it earns trust again from nothing.
+    store.machines.set_status(liar, Status.APPROVED)
+    assert store.machines.get(liar).quarantine == ""
+
+
+def test_results_that_never_reach_a_quorum_fail_the_job_with_every_answer(store: Store):
+    job = submit(store, verify={"replicas": 2, "max_replicas": 3})
+    ms = [add_machine(store, f"m{i}") for i in range(3)]
+    for i, m in enumerate(ms):
+        run(store, m, result=str(i), digest=f"sha256:{i}")
+    done = store.get(job.id)
+    assert done.state is JobState.FAILED and done.reason is not None
+    assert done.reason.startswith("results disagree") and all(f"'{i}'" in done.reason for i in range(3))
+    assert all(store.machines.get(m).status is Status.APPROVED for m in ms)  # no one is blamed
+
+
+def test_an_answer_agreed_on_may_be_a_failure(store: Store):
+    job = submit(store, verify={"replicas": 2})
+    for name in ("m1", "m2"):
+        run(store, add_machine(store, name), exit_code=3, result="")
+    done = store.get(job.id)
+    assert done.state is JobState.FAILED and done.exit_code == 3
+
+
+def test_a_replica_that_ends_without_an_answer_is_replaced(store: Store):
+    job = submit(store, verify={"replicas": 2}, max_attempts=1)
+    m1, m2, m3 = (add_machine(store, n) for n in ("m1", "m2", "m3"))
+    lost = store.claim_next(m1, lease_s=30)
+    assert lost is not None
+    store.release(attempt(lost.id, 1, m1), "disk broke", failed=True)  # its only attempt
+    assert store.get(lost.id).state is JobState.FAILED and store.get(job.id).replicas == 3
+    run(store, m2)
+    run(store, m3)
+    assert store.get(job.id).state is JobState.SUCCEEDED
+
+
+def test_machines_behind_one_address_count_as_one_host_but_loopback_does_not(store: Store):
+    job = submit(store, verify={"replicas": 2})
+    a = add_machine(store, "home-1", address="198.51.100.7")
+    b = add_machine(store, "home-2", address="198.51.100.7")
+    assert store.claim_next(a, lease_s=30) is not None
+    assert store.claim_next(b, lease_s=30) is None
+    local1 = add_machine(store, "local-1", address="127.0.0.1")
+    assert store.claim_next(local1, lease_s=30) is not None
+    assert len({r.machine_id for r in store.replicas(job.id)}) == 2
+
+
+def test_cancelling_a_verified_job_cancels_its_replicas_and_a_replica_is_not_cancelled_alone(
+        store: Store):
+    job = submit(store, verify={"replicas": 2})
+    m = add_machine(store, "m1")
+    held = store.claim_next(m, lease_s=30)
+    assert held is not None
+    with pytest.raises(InvalidInput, match="cancel that job instead"):
+        store.cancel(held.id)
+    store.cancel(job.id)
+    assert {r.state for r in store.replicas(job.id)} == {JobState.CANCELLED}
+    assert store.get(job.id).state is JobState.CANCELLED
+
+
+def test_adaptive_trusts_a_machine_only_after_agreeing_answers_in_a_row(
+        store: Store, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(verified, "_draw", lambda: 0.99)  # never sampled for a check
+    new, trusted, other = (add_machine(store, n) for n in ("new", "trusted", "other"))
+    with store.tx() as s:
+        from campugrid.coordinator.models import Machine
+        s.get(Machine, trusted).streak = 50
+    job = submit(store, verify="adaptive")
+    assert job.replicas == 1 and job.spec.image.reuse == "verified"
+    run(store, trusted)
+    done = store.get(job.id)
+    assert done.state is JobState.SUCCEEDED and "alone" in store.events(job.id)[-1].detail
+    job = submit(store, verify="adaptive")
+    run(store, new)
+    assert store.get(job.id).state is JobState.RUNNING and store.get(job.id).replicas == 2
+    run(store, other)
+    assert store.get(job.id).state is JobState.SUCCEEDED
+    assert store.machines.get(new).streak == 1
