@@ -91,6 +91,16 @@ def test_results_that_never_reach_a_quorum_fail_the_job_with_every_answer(store:
     assert all(store.machines.get(m).status is Status.APPROVED for m in ms)  # no one is blamed
 
 
+def test_replicas_still_running_are_cancelled_once_agreement_is_out_of_reach(store: Store):
+    job = submit(store, verify={"replicas": 3, "quorum": 3, "max_replicas": 3})
+    m1, m2, m3 = (add_machine(store, n) for n in ("m1", "m2", "m3"))
+    run(store, m1, result="1")
+    still = store.claim_next(m3, lease_s=30)
+    run(store, m2, result="2")
+    assert store.get(job.id).state is JobState.FAILED
+    assert still is not None and store.get(still.id).state is JobState.CANCELLED
+
+
 def test_an_answer_agreed_on_may_be_a_failure(store: Store):
     job = submit(store, verify={"replicas": 2})
     for name in ("m1", "m2"):

@@ -13,11 +13,11 @@ import random
 import uuid
 from typing import Any
 
-from sqlalchemy import Connection, insert, select, update
+from sqlalchemy import Connection, delete, insert, select, update
 from sqlalchemy.orm import Session
 
 from campugrid.coordinator.machines import Status, bump_epoch, end_leases
-from campugrid.coordinator.models import Job, JobEvent, Machine, ReplicaMachine
+from campugrid.coordinator.models import GpuReservation, Job, JobEvent, Machine, ReplicaMachine
 from campugrid.coordinator.moves import move_job
 from campugrid.coordinator.quorum import NO_OUTPUT, Answer, Decision, decide, shares_host
 from campugrid.coordinator.views import stored_spec
@@ -94,6 +94,7 @@ def settle(s: Session, parent_id: str, now: dt.datetime, draw: float | None = No
         move_job(s, parent.id, JobState.FAILED, kind=JobKind.VERIFIED, reason=decision.fail,
                  updated_at=now)
         _event(s, parent, now, "failed", decision.fail)
+        _cancel_rest(s, parent, replicas, now, "its results can no longer agree")
     elif decision.accept:
         _accept(s, parent, decision, replicas, now)
     return decision
@@ -113,12 +114,7 @@ def _accept(s: Session, parent: Job, decision: Decision, replicas: list[Job],
              limits_json=first.limits_json, machine_id=first.machine_id,
              reason=first.reason if not ok else None, updated_at=now)
     _event(s, parent, now, "verified", how)
-    for r in replicas:  # the answers still to come are not needed
-        if not JobState(r.state).final:
-            move_job(s, r.id, JobState.CANCELLED, machine_id=None, lease_expires_at=None,
-                     reason=f"not needed: job {parent.id} was decided ({how})", updated_at=now)
-            s.add(JobEvent(job_id=r.id, at=now, attempt=r.attempt, kind="cancelled",
-                           detail="not needed: the verified job was decided"))
+    _cancel_rest(s, parent, replicas, now, how)
     if not decision.checked:
         return
     s.execute(update(Machine).where(Machine.id.in_(sorted(set(agreed)))).values(
@@ -127,6 +123,18 @@ def _accept(s: Session, parent: Job, decision: Decision, replicas: list[Job],
     for a in decision.against:
         quarantine(s, a.machine_id, now, f"on job {parent.id} it answered {a.says()}, "
                    f"where {len(agreed)} other machines agreed on {said}")
+
+
+def _cancel_rest(s: Session, parent: Job, replicas: list[Job], now: dt.datetime,
+                 why: str) -> None:
+    """The replicas still queued or running are not needed: the job was decided."""
+    for r in replicas:
+        if not JobState(r.state).final:
+            move_job(s, r.id, JobState.CANCELLED, machine_id=None, lease_expires_at=None,
+                     reason=f"not needed: job {parent.id} was decided ({why})", updated_at=now)
+            s.add(JobEvent(job_id=r.id, at=now, attempt=r.attempt, kind="cancelled",
+                           detail="not needed: the verified job was decided"))
+            s.execute(delete(GpuReservation).where(GpuReservation.job_id == r.id))
 
 
 def quarantine(s: Session, machine_id: str, now: dt.datetime, why: str) -> None:
