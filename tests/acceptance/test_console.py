@@ -8,54 +8,27 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import pyotp
 import pytest
 
 from campugrid.agent.client import CoordinatorClient, Membership
 from campugrid.cli.platform import Platform
 from campugrid.cli.seaweed import free_port
 from campugrid.protocol import agent_pb2 as pb
+from tests.support.console import PASSWORD, browser_page, enrol, run, sign_in
 
 pytestmark = pytest.mark.acceptance
-CLI = [sys.executable, "-m", "campugrid.cli"]
-CHROMIUM = "/usr/bin/chromium"
-SHOTS = Path(os.environ.get("CAMPUGRID_SCREENSHOTS", "/tmp/campugrid-screenshots"))
-PASSWORD = "correct horse battery staple"
 TICKS = "for i in 1 2 3 4 5 6 7 8; do echo tick $i; sleep 1; done"
 
 
 @pytest.fixture
 def page(request: pytest.FixtureRequest) -> Iterator[object]:
-    """A Chromium page; a screenshot of every open page is saved if the test fails."""
-    sync_api = pytest.importorskip("playwright.sync_api")
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: apt-get install chromium (infra/test does)")
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM)
-        context = browser.new_context()
-        context.set_default_timeout(30_000)
-        first = context.new_page()
+    with browser_page(request) as first:
         yield first
-        if getattr(request.node, "failed", False):
-            SHOTS.mkdir(parents=True, exist_ok=True)
-            for i, open_page in enumerate(context.pages):
-                shot = SHOTS / f"{request.node.name}-{i}.png"
-                open_page.screenshot(path=str(shot), full_page=True)
-                print(f"screenshot: {shot} ({open_page.url})")
-        browser.close()
-
-
-def run(env: dict[str, str], *args: str) -> str:
-    out = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120, env=env)
-    assert out.returncode == 0, (args, out.stdout, out.stderr)
-    return out.stdout
 
 
 def test_from_nothing_to_a_finished_job_in_the_console(page):
@@ -71,14 +44,7 @@ def test_from_nothing_to_a_finished_job_in_the_console(page):
         agent = p.start_agent("home-pc", approve=False)  # pending until approved below
 
         # Enrolment: a password and the first code from the authenticator.
-        page.goto(link)
-        totp = pyotp.TOTP(page.locator("#totp-secret").inner_text().strip())
-        expect(page.locator("img[alt^='QR code']")).to_be_visible()
-        page.fill("#password", PASSWORD)
-        page.fill("#again", PASSWORD)
-        page.fill("#code", totp.now())
-        page.click("button:has-text('Activate my account')")
-        expect(page.locator(".notice")).to_contain_text("You are enrolled")
+        totp = enrol(page, link)
 
         # A wrong code is refused; the right one (the next step: enrolment used this one) works.
         page.fill("#name", "ada")
@@ -86,10 +52,7 @@ def test_from_nothing_to_a_finished_job_in_the_console(page):
         page.fill("#code", str((int(totp.now()) + 1) % 10**6).zfill(6))
         page.click("button:has-text('Sign in')")
         expect(page.locator("#login-error")).to_contain_text("wrong user name, password or code")
-        page.fill("#password", PASSWORD)
-        page.fill("#code", totp.at(time.time() + 30))
-        page.click("button:has-text('Sign in')")
-        expect(page.locator("h1")).to_have_text("Jobs")
+        sign_in(page, "ada", totp)
 
         # Submit through the form: the first one must acknowledge that providers read it all.
         page.click("nav >> text=Submit")

@@ -232,6 +232,17 @@ def cancel(job_id: str, server: Server = DEFAULT_SERVER, as_json: Json = False) 
 
 
 @app.command()
+def rerun(job_id: str, server: Server = DEFAULT_SERVER, as_json: Json = False) -> None:
+    """Run a job again as a new job: the same spec, context and bases (for a result marked
+    tainted, or simply again)."""
+    try:
+        job = _api(server).rerun(job_id)
+    except CampugridError as e:
+        fail(str(e))
+    emit(as_json, job, job_text(job))
+
+
+@app.command()
 def jobs(state: Annotated[str | None, typer.Option(help="Only jobs in this state.")] = None,
          limit: int = 50, server: Server = DEFAULT_SERVER, as_json: Json = False) -> None:
     """List recent jobs."""

@@ -318,10 +318,12 @@ class Platform:
     def start_agent(self, name: str = "local-agent", log_file: Path | None = None,
                     user: ProviderUser | None = None, coordinator: str | None = None,
                     restart: bool = False, approve: bool = True,
-                    pin: str | None = None, args: tuple[str, ...] = ()) -> AgentHandle:
+                    pin: str | None = None, args: tuple[str, ...] = (),
+                    program: tuple[str, ...] = ("-m", "campugrid.cli")) -> AgentHandle:
         """Join an agent (`campugrid agent join`, as the provider user) and start it; with
         `approve`, approve it as its owner (same host, same owner); with `restart`, start it
-        again (with back-off) whenever it dies."""
+        again (with back-off) whenever it dies. `program`: what the Python interpreter runs
+        for `agent run` (the CLI; the tests' dishonest agent wraps it)."""
         user = user or ProviderUser.resolve()
         agent_dir = self.state_dir / "agents" / name
         (self.state_dir / "agents").mkdir(parents=True, exist_ok=True)
@@ -350,7 +352,7 @@ class Platform:
             m = self.running.coord.machines.approve(machine_id)
             log.info("approved the local agent %s as machine %s (fingerprint %s): same host, "
                      "same owner", name, m.id, m.fingerprint)
-        argv = user.command([sys.executable, "-m", "campugrid.cli", "agent", "run",
+        argv = user.command([sys.executable, *program, "agent", "run",
                              "--state-dir", str(agent_dir), "--name", name, *args])
         log_file = log_file or agent_dir.with_suffix(".log")
         handle = AgentHandle(name, agent_dir, _spawn(argv, log_file), argv=argv,

@@ -14,8 +14,14 @@ def job_text(job: dict[str, Any]) -> str:
         lines.append(f"state    {job['state']}  ({shards['total']} shards: {shards['queued']} "
                      f"queued, {shards['running']} running, {shards['done'] - shards['failed']} "
                      f"succeeded, {shards['failed']} failed)")
+    elif job.get("replicas") is not None:
+        lines.append(f"state    {job['state']}  (verified: {len(job['replicas'])} replicas)")
     else:
         lines.append(f"state    {job['state']}  (attempt {job['attempt']} of {job['max_attempts']})")
+    if job.get("tainted"):
+        lines.append(f"TAINTED  {job['tainted']}")
+    if job.get("replica_of"):
+        lines.append(f"replica  of the verified job {job['replica_of']}")
     if job.get("waiting_reason"):
         lines.append(f"waiting  {job['waiting_reason']}")
     if job.get("reason"):  # once, with its own line breaks (a build log's tail)
@@ -30,6 +36,13 @@ def job_text(job: dict[str, Any]) -> str:
         lines.append(f"output   {shown}" + (f", and {len(files) - 5} more" if len(files) > 5
                                              else "")
                      + f"  (campugrid output {job['id'][:8]} -o out.tar.gz)")
+    for r in job.get("replicas") or []:
+        said = (f"exit {r['exit_code']}, result {r['result'] or ''!r}, output "
+                f"{(r['output_digest'] or 'none')[:19]}" if r["exit_code"] is not None
+                else "no answer")
+        verdict = {True: "agreed", False: "DISAGREED", None: ""}[r["agreed"]]
+        lines.append(f"replica  {r['id'][:8]} on {(r['machine_id'] or '-')[:8]:<8} "
+                     f"{r['state']:<9} {said}  {verdict}".rstrip())
     for ref, digest in (job.get("bases") or {}).items():
         lines.append(f"base     {ref}@{digest}")
     for limit, how in (job.get("limits") or {}).items():
@@ -50,4 +63,8 @@ def machine_line(m: dict[str, Any]) -> str:
             f"{size_text(m['disk_mb'] * 2**20)} disk" if m.get("cpus") else "size not reported")
     return (f"{m['id']}  {m['status']:<8} {now:<22} {m['name']}  {size}\n"
             f"    {m['fingerprint']}  (from {m['address'] or '?'}, seen {m['last_seen_at'][:19]})"
-            + (f"\n    held by its owner: {m['held']}" if m.get("held") else ""))
+            + (f"\n    held by its owner: {m['held']}" if m.get("held") else "")
+            + (f"\n    answered against quorums {m['disagreed']} time(s), agreed {m['agreed']}; "
+               f"quarantined: {m['quarantine']}\n    reinstate: campugrid machines approve "
+               f"{m['id'][:8]}   or revoke: campugrid machines revoke {m['id'][:8]}"
+               if m.get("quarantine") else ""))

@@ -304,6 +304,10 @@ class Api:
     def cancel(self, job_id: str) -> dict[str, Any]:
         return dict(self._check(self._send("POST", f"/v1/jobs/{job_id}/cancel")))
 
+    def rerun(self, job_id: str) -> dict[str, Any]:
+        """The same job again, as a new job (its spec, context and bases): the new job."""
+        return dict(self._check(self._send("POST", f"/v1/jobs/{job_id}/rerun")))
+
     def logs(self, job_id: str, after: int = 0) -> dict[str, Any]:
         return dict(self._check(self._send("GET", f"/v1/jobs/{job_id}/logs", params={"after": after})))
 

@@ -21,7 +21,9 @@ from campugrid.protocol.spec import JobSpec
 NUMBERS = {"cpus": float, "memory_mb": int, "gpus": int, "gpu_memory_mb": int,
            "wall_time_s": int, "max_attempts": int}
 TEXT_FIELDS = ("name", "command", "dockerfile", "datasets", "shards", "client_job_id",
-               "image_reuse", *NUMBERS)
+               "image_reuse", "verify", *NUMBERS)
+# The submit form's choices of spec.verify.
+VERIFY = {"": None, "2": {"replicas": 2}, "3": {"replicas": 3, "quorum": 2}, "adaptive": "adaptive"}
 MAX_FILES = 1000  # each is a spooled file, with a file handle past 1 MiB
 SPOOL_BYTES = 8 * 1024**2  # a folder's tarball is on disk past this
 
@@ -45,6 +47,8 @@ def field_of(message: str) -> str:
         return "shards"
     if head.startswith("image"):
         return "image_reuse"
+    if head.startswith("verify"):
+        return "verify"
     if head.startswith("build"):
         return "build_offline"
     if head.startswith(("context", "Dockerfile", "FROM", "RUN", "ADD", "COPY")):
@@ -90,6 +94,11 @@ def spec_of(form: FormData) -> JobSpec:
     reuse = str(form.get("image_reuse") or "").strip()
     if reuse:
         data["image"] = {"reuse": reuse}
+    verify = str(form.get("verify") or "").strip()
+    if verify not in VERIFY:
+        errors["verify"] = "one of the choices offered"
+    elif VERIFY[verify] is not None:
+        data["verify"] = VERIFY[verify]
     for key in ("datasets", "shards"):
         value = _json_list(form, key, errors)
         if value is not None:

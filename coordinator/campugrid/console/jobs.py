@@ -55,7 +55,9 @@ def job(request: Request, job_id: str) -> HTMLResponse:
     shards = (site.coord.jobs.shards(found.id, state=None, after=-1, limit=200, owner=owner_of(user))
               if found.shards_total else [])
     names = site.coord.machines.names()
-    return site.page(request, "job.html", job=found, why=why, final=final,
+    replicas = site.coord.jobs.replicas(found) if found.replicas else []
+    return site.page(request, "job.html", job=found, why=why, final=final, names=names,
+                     replicas=replicas,
                      events=site.coord.jobs.events(found.id, owner_of(user)),
                      machine=names.get(found.machine_id or "", found.machine_id or ""),
                      checkpoints=site.coord.jobs.checkpoints(found.id, owner_of(user)),
@@ -141,6 +143,15 @@ def cancel(request: Request, job_id: str) -> Response:
     found = site.coord.jobs.cancel(site.job_id(request, job_id), owner_of(user_of(request)))
     return RedirectResponse(f"{request.scope.get('root_path', '')}/jobs/{found.id}"
                             "?done=cancelled", 303)
+
+
+@private.post("/jobs/{job_id}/rerun")
+def rerun(request: Request, job_id: str) -> Response:
+    """The same job again, as a new job; the browser goes to the new one."""
+    site = pages(request)
+    new = site.coord.jobs.rerun(site.job_id(request, job_id), owner_of(user_of(request)))
+    return RedirectResponse(f"{request.scope.get('root_path', '')}/jobs/{new.id}"
+                            "?done=rerun", 303)
 
 
 @private.get("/jobs/{job_id}/checkpoints/{epoch}")

@@ -29,6 +29,7 @@ from campugrid.protocol.errors import Forbidden
 # What a page says after an action redirected to it (?done=…): fixed words, never the query's.
 NOTICES = {
     "cancelled": "Job cancelled: its sandbox is stopped, and it will not run again.",
+    "rerun": "This is a new run of the job, with the same spec and files.",
     "approved": "Machine approved: it takes work from now on.",
     "revoked": "Machine revoked: its leases have ended, its jobs are queued again, and "
                "whatever it still sends is refused.",

@@ -283,3 +283,8 @@ class MachineRecords:
 
     def forget(self, machine_id: str) -> None:
         self._records.pop(machine_id, None)
+
+    def recheck(self) -> None:
+        """Read the status epoch at the next call: a status may have changed in this
+        process's own transaction (a quarantine) that no `forget` names."""
+        self._epoch = (-1, 0.0)

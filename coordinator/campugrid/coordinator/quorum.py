@@ -48,6 +48,15 @@ class Answer:
         return f"exit {code}, result {result[:80]!r}, output {digest[:19]}"
 
 
+def answer_key(state: str, exit_code: int | None, result: str | None,
+               digest: str | None) -> tuple[int | None, str, str] | None:
+    """What a replica that ended in `state` answered, as quorums compare answers; None where
+    it ended without one (a failure that was not its code's, so no exit code; cancelled)."""
+    if state == "succeeded" or (state == "failed" and exit_code is not None):
+        return (exit_code, result or "", digest or NO_OUTPUT)
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """`accept`: the agreeing answers (the first is the job's result), `against`: answers that

@@ -6,6 +6,7 @@ on SQLite (guarded update by id and state); SKIP LOCKED is only a speed-up.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import re
@@ -34,6 +35,7 @@ from campugrid.coordinator.models import (
     LogChunk,
     Nonce,
     RateCounter,
+    Shard,
     clean,
 )
 from campugrid.coordinator.moves import kind_of, move_job
@@ -49,6 +51,7 @@ from campugrid.coordinator.views import (
     HoldRef,
     JobView,
     LogView,
+    stored_spec,
     utcnow,
 )
 from campugrid.protocol.errors import (
@@ -59,6 +62,7 @@ from campugrid.protocol.errors import (
     StaleAttempt,
 )
 from campugrid.protocol.spec import JobSpec, limits_mask
+from campugrid.protocol.spec import Shard as SpecShard
 from campugrid.protocol.states import ACTIVE, JobState
 
 
@@ -474,6 +478,28 @@ class Store:
             rows = list(s.scalars(select(Job).where(Job.replica_of == job_id)
                                   .order_by(Job.updated_at, Job.id)))
         return [JobView.from_row(r) for r in sorted(rows, key=lambda r: not JobState(r.state).final)]
+
+    def rerun(self, job_id: str, owner: str | None = None) -> JobView:
+        """A new job with the same spec, context and bases as this one (with its shards), for
+        a result that cannot be trusted (tainted) or simply again; its owner is the same."""
+        with self.read() as s:
+            row = _owned(job_row(s, job_id), owner)
+            shards = list(s.scalars(select(Shard).where(Shard.job_id == job_id)
+                                    .order_by(Shard.idx))) if row.shards_total else []
+        if row.replica_of is not None:
+            raise InvalidInput(f"job {job_id} is a replica of the verified job "
+                               f"{row.replica_of}: run that job again instead")
+        spec = stored_spec(row.spec_json)
+        if any(ds.ticket for ds in spec.datasets):
+            raise InvalidInput(f"job {job_id} read uploaded files, which were deleted when it "
+                               "ended: submit it again with the files (`submit --upload`)")
+        spec = dataclasses.replace(spec, client_job_id=None, shards=tuple(
+            SpecShard(payload_json=sh.payload_json, cost=sh.cost) for sh in shards))
+        new, _ = self.submit(spec, row.context_key, row.context_sha256, row.owner_id or "",
+                             bases=json.loads(row.bases_json) if row.bases_json else None)
+        self.note(new.id, 0, "rerun", f"a new run of job {row.id}")
+        self.note(row.id, row.attempt, "rerun", f"run again as job {new.id}")
+        return new
 
     def is_replica(self, job_id: str) -> bool:
         with self.read() as s:

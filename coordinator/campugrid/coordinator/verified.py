@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from campugrid.coordinator.machines import Status, bump_epoch, end_leases
 from campugrid.coordinator.models import GpuReservation, Job, JobEvent, Machine, ReplicaMachine
 from campugrid.coordinator.moves import move_job
-from campugrid.coordinator.quorum import NO_OUTPUT, Answer, Decision, decide, shares_host
+from campugrid.coordinator.quorum import Answer, Decision, answer_key, decide, shares_host
 from campugrid.coordinator.views import stored_spec
 from campugrid.protocol.states import JobKind, JobState
 
@@ -172,12 +172,7 @@ def _draw() -> float:
 
 
 def _key(r: Job) -> tuple[int | None, str, str] | None:
-    """A replica's answer, or None where it ended without one (a failure that was not its
-    code's: no exit code; a cancellation)."""
-    if r.state == JobState.SUCCEEDED.value or (r.state == JobState.FAILED.value
-                                               and r.exit_code is not None):
-        return (r.exit_code, r.result or "", r.output_digest or NO_OUTPUT)
-    return None
+    return answer_key(r.state, r.exit_code, r.result, r.output_digest)
 
 
 def _event(s: Session, parent: Job, now: dt.datetime, kind: str, detail: str) -> None:

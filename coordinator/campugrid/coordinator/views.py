@@ -168,10 +168,12 @@ class CheckpointView:
     size: int
     sha256: str
     created_at: dt.datetime
+    machine_id: str | None = None  # the machine that made it (None: made before this was kept)
 
     @classmethod
     def from_row(cls, r: Checkpoint | Row[Any]) -> CheckpointView:
-        return cls(r.job_id, r.attempt, r.epoch, r.key, r.size, r.sha256, r.created_at)
+        return cls(r.job_id, r.attempt, r.epoch, r.key, r.size, r.sha256, r.created_at,
+                   getattr(r, "machine_id", None))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ from campugrid.coordinator.rest.models import (
     JobOut,
     LogChunkOut,
     LogsOut,
+    ReplicaOut,
     ShardOut,
     UploadIn,
     UploadOut,
@@ -62,7 +63,9 @@ def get_job(job_id: str, who: Caller, coord: Coord) -> JobOut:
     events = [EventOut(at=e.at, attempt=e.attempt, kind=e.kind, detail=e.detail)
               for e in coord.jobs.events(job.id, owner_of(who))]
     [why] = coord.jobs.waiting_reasons([job])
-    return JobOut.of(job, events, why)
+    replicas = ([ReplicaOut.of(r, agreed) for r, agreed in coord.jobs.replicas(job)]
+                if job.replicas else None)
+    return JobOut.of(job, events, why, replicas)
 
 
 @router.get("/jobs/{job_id}/shards", response_model=list[ShardOut])
@@ -81,6 +84,13 @@ def shards(job_id: str, who: Caller, coord: Coord,
 @router.post("/jobs/{job_id}/cancel", response_model=JobOut)
 def cancel(job_id: str, who: Caller, coord: Coord) -> JobOut:
     return JobOut.of(coord.jobs.cancel(coord.jobs.job_id(job_id, owner_of(who)), owner_of(who)))
+
+
+@router.post("/jobs/{job_id}/rerun", response_model=JobOut, status_code=201)
+def rerun(job_id: str, who: Caller, coord: Coord) -> JobOut:
+    """The same job again, as a new job: its spec, context and bases (a tainted result's
+    remedy)."""
+    return JobOut.of(coord.jobs.rerun(coord.jobs.job_id(job_id, owner_of(who)), owner_of(who)))
 
 
 @router.get("/jobs/{job_id}/logs", response_model=LogsOut)

@@ -43,6 +43,24 @@ class ShardOut(BaseModel):
     finished_at: dt.datetime | None
 
 
+class ReplicaOut(BaseModel):
+    """One replica of a verified job: where it ran and what it answered."""
+
+    id: str
+    state: JobState
+    machine_id: str | None
+    exit_code: int | None
+    result: str | None
+    output_digest: str | None  # its /output as the coordinator read it
+    agreed: bool | None  # its answer is the one the job took (None: no answer, or undecided)
+
+    @classmethod
+    def of(cls, job: JobView, agreed: bool | None) -> ReplicaOut:
+        return cls(id=job.id, state=job.state, machine_id=job.machine_id,
+                   exit_code=job.exit_code, result=job.result,
+                   output_digest=job.output_digest, agreed=agreed)
+
+
 class JobOut(BaseModel):
     id: str
     client_job_id: str | None
@@ -64,10 +82,14 @@ class JobOut(BaseModel):
     waiting_reason: str | None = None  # queued jobs: why no machine has taken it yet
     shards: ShardCounts | None = None  # sharded jobs only
     events: list[EventOut] | None = None
+    tainted: str | None = None  # why its result cannot be trusted (its machine was caught)
+    replica_of: str | None = None  # a replica: the verified job it is one of
+    replicas: list[ReplicaOut] | None = None  # a verified job's, in a single job's answer
 
     @classmethod
     def of(cls, job: JobView, events: list[EventOut] | None = None,
-           waiting_reason: str | None = None) -> JobOut:
+           waiting_reason: str | None = None,
+           replicas: list[ReplicaOut] | None = None) -> JobOut:
         return cls(
             id=job.id, client_job_id=job.client_job_id, name=job.name, state=job.state,
             attempt=job.attempt, max_attempts=job.max_attempts, machine_id=job.machine_id,
@@ -82,6 +104,7 @@ class JobOut(BaseModel):
                 failed=job.shards_failed,
                 running=job.shards_total - job.shards_queued - job.shards_done)
             if job.shards_total else None,
+            tainted=job.tainted, replica_of=job.replica_of, replicas=replicas,
         )
 
 
@@ -128,7 +151,7 @@ class LoginIn(BaseModel):
 class MachineOut(BaseModel):
     id: str
     name: str
-    status: str  # pending, approved, revoked
+    status: str  # pending, approved, quarantined, revoked
     fingerprint: str
     address: str
     registered_at: dt.datetime
@@ -139,6 +162,12 @@ class MachineOut(BaseModel):
     cpus: int  # what one task can be given there, as it last said (0: not said)
     memory_mb: int
     disk_mb: int
+    # Its record against quorums of verified jobs: answers that agreed, that did not, the
+    # agreeing ones in a row; why it is quarantined ("" when it is not), with the evidence.
+    agreed: int = 0
+    disagreed: int = 0
+    streak: int = 0
+    quarantine: str = ""
 
     @classmethod
     def of(cls, m: MachineRecord, online: MachineView | None = None) -> MachineOut:
@@ -146,7 +175,8 @@ class MachineOut(BaseModel):
                    address=m.address, registered_at=m.registered_at, last_seen_at=m.last_seen_at,
                    held=m.held, online=online is not None,
                    busy=online.busy if online is not None else "", cpus=m.cpus,
-                   memory_mb=m.memory_mb, disk_mb=m.disk_mb)
+                   memory_mb=m.memory_mb, disk_mb=m.disk_mb, agreed=m.agreed,
+                   disagreed=m.disagreed, streak=m.streak, quarantine=m.quarantine)
 
 
 class JoinOut(BaseModel):

@@ -15,6 +15,7 @@ from campugrid.buildpolicy.tarballs import inspect_context
 from campugrid.coordinator.bases import BaseResolver
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.objects import ObjectStore
+from campugrid.coordinator.quorum import answer_key
 from campugrid.coordinator.services.inputs import InputService
 from campugrid.coordinator.store import Store
 from campugrid.coordinator.views import CheckpointView, EventView, JobView, LogView, ShardView
@@ -25,6 +26,11 @@ from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobState
 
 log = logging.getLogger("campugrid.coordinator")
+
+
+def answer_of(replica: JobView) -> tuple[int | None, str, str] | None:
+    return answer_key(replica.state.value, replica.exit_code, replica.result,
+                      replica.output_digest)
 
 
 class JobService:
@@ -102,6 +108,22 @@ class JobService:
 
     def cancel(self, job_id: str, owner: str | None = None) -> JobView:
         return self.store.cancel(job_id, owner)
+
+    def rerun(self, job_id: str, owner: str | None = None) -> JobView:
+        """The same job again, as a new job (a tainted result's remedy)."""
+        job = self.store.rerun(job_id, owner)
+        self.work.notify()
+        return job
+
+    def replicas(self, job: JobView) -> list[tuple[JobView, bool | None]]:
+        """A verified job's replicas, each with whether its answer is the one the job took
+        (None: no answer, or the job not decided yet)."""
+        replicas = self.store.replicas(job.id)
+        chosen = next((r for r in replicas if job.state.final and r.machine_id == job.machine_id
+                       and answer_of(r) is not None), None)
+        taken = answer_of(chosen) if chosen is not None else None
+        return [(r, None if taken is None or answer_of(r) is None else answer_of(r) == taken)
+                for r in replicas]
 
     def open_output(self, job_id: str, owner: str | None = None) -> tuple[JobView, Iterator[bytes]]:
         """The job and its output archive, streamed from storage; NotFound where it has none

@@ -145,13 +145,17 @@ class LeaseService:
             key = None  # claimed but not there: never point researchers at nothing
         # A replica's output is compared with the others' by what it holds, as read here:
         # never by what its machine says it holds.
-        digest = (output_digest(self.objects.stream(key)) if key is not None
-                  and self.store.is_replica(ref.job_id) else None)
+        replica = hold.takes_output and self.store.is_replica(ref.job_id)
+        digest = (output_digest(self.objects.stream(key)) if key is not None and replica
+                  else None)
         hold.finish(
             succeeded=succeeded, exit_code=exit_code, reason=reason, result=result,
             output_key=key, limits=limits, output_digest=digest,
             output_files=[(_printable(p)[:MAX_OUTPUT_PATH], max(0, int(n)))
                           for p, n in output_files[:MAX_OUTPUT_FILES]])
+        if replica:  # its job may have been decided: a liar quarantined, more replicas made
+            self.machines.recheck()
+            self.work.notify()
         log.info("%s %d of job %s ended (%s)", ref.kind.value, ref.token, ref.job_id,
                  "succeeded" if succeeded else "failed", extra={"job_id": ref.job_id})
 

@@ -42,6 +42,10 @@ class MachineService:
         """The machine a call claims to be (its key and status; see MachineRecords)."""
         return self._records.get(machine_id)
 
+    def recheck(self) -> None:
+        """Statuses may have changed here (a quarantine): the next check reads them again."""
+        self._records.recheck()
+
     def all(self) -> list[MachineRecord]:
         return self.store.machines.all()
 

@@ -1,0 +1,124 @@
+"""Results checked by agreement, for real: three agents (the provider user's, real Podman,
+runsc and Buildah), one of them dishonest (tests/support/liar.py: it changes a byte of every
+/output it uploads and reports the rest truthfully). A verified job ends with the honest
+answer, the liar is quarantined with the evidence, gets no more work, and the result it made
+earlier for an unverified job is marked tainted; `rerun` runs that job again."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from campugrid.cli.platform import Platform
+from campugrid.cli.seaweed import free_port
+from campugrid.client import Api, tar_folder
+from campugrid.protocol.spec import JobSpec
+from tests.support.console import CLI, browser_page, signed_in_admin
+
+pytestmark = pytest.mark.acceptance
+LIAR = Path(__file__).resolve().parents[1] / "support" / "liar.py"
+# The answer is in the output file: a liar that changes /output but reports the honest result
+# line is caught only by the coordinator's own reading of the archives.
+COMMAND = ["sh", "-c", "mkdir -p /output/model && echo 42 > /output/model/answer.txt && echo 42"]
+
+
+@pytest.fixture
+def grid() -> Iterator[tuple[Platform, Api, Path]]:
+    root = Path(tempfile.mkdtemp(prefix="campugrid-verify-"))
+    os.chmod(root, 0o711)
+    context = root / "job"
+    context.mkdir()
+    (context / "Dockerfile").write_text("FROM localhost/campugrid/python:bookworm\n")
+    p = Platform(root / "state", http_port=free_port(), lease_seconds=4.0,
+                 admin_identity=root / "admin.json").start()
+    try:
+        with p.api() as api:
+            yield p, api, context
+    finally:
+        p.stop()
+        for a in p.agents:
+            log = a.state_dir.with_suffix(".log")
+            if log.exists():
+                print(f"--- {a.name} ---\n" + "\n".join(log.read_text().splitlines()[-25:]))
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def wait_for(what: str, check, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def answer_in(api: Api, job_id: str) -> bytes:
+    with tarfile.open(fileobj=io.BytesIO(api.output(job_id)), mode="r:gz") as tar:
+        f = tar.extractfile("model/answer.txt")
+        assert f is not None
+        return f.read()
+
+
+def test_a_liar_is_outvoted_quarantined_and_its_earlier_result_tainted(grid, request):
+    p, api, context = grid
+    liar = p.start_agent("liar", program=(str(LIAR), "--lie", "output"))
+    # Before anyone checks it, the liar runs an unverified job: its word is taken.
+    plain = api.wait(api.submit(tar_folder(context), JobSpec(command=COMMAND))["id"],
+                     timeout_s=240, poll_s=0.2)
+    assert plain["machine_id"] == liar.machine_id() and answer_in(api, plain["id"]) != b"42\n"
+    assert not plain.get("tainted")
+
+    spec = JobSpec.from_dict({"command": COMMAND, "verify": {"replicas": 2}})
+    job = api.submit(tar_folder(context), spec)["id"]
+    # The liar takes the first replica (it is the only machine); honest ones join after.
+    wait_for("the liar to hold a replica", lambda: any(
+        r["machine_id"] == liar.machine_id() for r in api.job(job)["replicas"]))
+    for name in ("honest-a", "honest-b"):
+        p.start_agent(name)
+    final = api.wait(job, timeout_s=300, poll_s=0.3)
+    assert final["state"] == "succeeded" and final["result"] == "42"
+    assert answer_in(api, job) == b"42\n"  # the output served is the quorum's
+    by_machine = {r["machine_id"]: r for r in final["replicas"]}
+    assert len(by_machine) == 3 and by_machine[liar.machine_id()]["agreed"] is False
+    assert by_machine[liar.machine_id()]["result"] == "42"  # same line, other bytes
+    assert sorted(r["agreed"] for r in final["replicas"]) == [False, True, True]
+
+    record = next(m for m in api.machines() if m["id"] == liar.machine_id())
+    assert record["status"] == "quarantined" and job in record["quarantine"]
+    assert record["disagreed"] == 1
+    tainted = api.job(plain["id"])
+    assert tainted["tainted"] and "quarantined" in tainted["tainted"]
+
+    # Its remedy: run it again; the quarantined liar gets none of it.
+    again = api.wait(api.rerun(plain["id"])["id"], timeout_s=240, poll_s=0.2)
+    assert again["machine_id"] != liar.machine_id() and answer_in(api, again["id"]) == b"42\n"
+    assert liar.proc.poll() is None  # still running, asking in vain
+
+    # What the people see: the replicas and who disagreed, the taint, the quarantine.
+    shown = subprocess.run([*CLI, "status", job], capture_output=True, text=True, timeout=60,
+                           env=p.cli_env(), check=True).stdout
+    assert "verified: 3 replicas" in shown, shown
+    assert [line.split()[-1] for line in shown.splitlines() if line.startswith("replica ")] \
+        == ["DISAGREED", "agreed", "agreed"], shown
+    with browser_page(request) as page:
+        from playwright.sync_api import expect
+
+        signed_in_admin(page, p.cli_env())
+        page.goto(f"{p.url}/console/jobs/{job}")
+        expect(page.locator("#replicas tr.replica")).to_have_count(3)
+        expect(page.locator("#replicas tr.replica.disagreed")).to_contain_text("liar")
+        page.goto(f"{p.url}/console/jobs/{plain['id']}")
+        expect(page.locator("#job-tainted")).to_contain_text("quarantined")
+        page.goto(f"{p.url}/console/machines")
+        row = page.locator("tr.machine", has_text="liar")
+        expect(row).to_have_class(re.compile("quarantined"))
+        expect(row.locator(".quarantine")).to_contain_text(job)
+        expect(row.locator("button:has-text('Reinstate')")).to_be_visible()
