@@ -16,8 +16,11 @@ import jwt
 import pytest
 
 from campugrid.coordinator.images import Images, build_key, repository
+from campugrid.coordinator.machines import Status
 from campugrid.coordinator.registry import ISSUER, SERVICE, RegistryTokens
 from campugrid.coordinator.store import Store
+from campugrid.coordinator.verified import quarantine
+from campugrid.coordinator.views import utcnow
 from campugrid.protocol.errors import InvalidInput, StaleAttempt
 from campugrid.protocol.spec import JobSpec
 from tests.support.holds import attempt, session
@@ -73,6 +76,25 @@ def test_first_reuse_one_machine_builds_the_others_wait_then_pull(store: Store):
     assert any(f"machine {a} built and pushed image sha256:{'d' * 64}" in e for e in events(store, ja))
     assert any(f"machine {b} pulls image sha256:{'d' * 64} built by machine {a}" in e for e in events(store, jb))
     assert images.builds(CONTEXT)[0]["machine_id"] == a
+
+
+def test_builds_of_a_quarantined_or_revoked_machine_are_withdrawn(store: Store):
+    images = Images(store.db)
+    a, b, c, d = (add_machine(store, n) for n in "abcd")
+    (ja, ta), (jb, tb), (jc, tc) = leased(store, a), leased(store, b), leased(store, c)
+    key = build_key(CONTEXT, INPUTS)
+    assert images.resolve(key=key, reuse="first", ref=attempt(ja, ta, a)).push
+    images.record(key=key, context_sha256=CONTEXT, digest="sha256:" + "d" * 64, ref=attempt(ja, ta, a))
+    assert images.resolve(key=key, reuse="first", ref=attempt(jb, tb, b)).action == "pull"
+    with store.tx() as s:  # caught answering against a quorum
+        quarantine(s, a, utcnow(), "it lied")
+    again = images.resolve(key=key, reuse="first", ref=attempt(jc, tc, c))
+    assert (again.action, again.push) == ("build", True)  # not a's: built anew, for the others
+    images.record(key=key, context_sha256=CONTEXT, digest="sha256:" + "c" * 64, ref=attempt(jc, tc, c))
+    store.machines.set_status(c, Status.REVOKED)
+    jd, td = leased(store, d)
+    assert images.resolve(key=key, reuse="first", ref=attempt(jd, td, d)).action == "build"
+    assert len(images.builds(CONTEXT)) == 2  # kept for the garbage collector
 
 
 def test_a_lone_job_builds_without_pushing_and_keeps_no_one_waiting(store: Store):

@@ -28,7 +28,8 @@ from sqlalchemy.orm import Session
 
 from campugrid.coordinator.db import Database
 from campugrid.coordinator.fence import live
-from campugrid.coordinator.models import ImageBuild, ImageClaim, Job, JobEvent, ShardSession
+from campugrid.coordinator.machines import Status as MachineStatus
+from campugrid.coordinator.models import ImageBuild, ImageClaim, Job, JobEvent, Machine, ShardSession
 from campugrid.coordinator.registry import RegistryTokens
 from campugrid.coordinator.views import HoldKind, HoldRef, stored_spec, utcnow
 from campugrid.protocol.errors import InvalidInput, StaleAttempt
@@ -61,6 +62,12 @@ class ImageAnswer:
     push: bool = False
     retry_s: float = 0.0
     built_by: str = ""
+
+
+# Only builds of approved machines are pulled: a quarantined or revoked machine's pushes are
+# withdrawn (kept for the garbage collector, which drops them from the registry in time).
+_IN_GOOD_STANDING = ImageBuild.machine_id.in_(
+    select(Machine.id).where(Machine.status == MachineStatus.APPROVED.value))
 
 
 def repository(key: str) -> str:
@@ -185,7 +192,7 @@ class Images:
         return Decision("pull", key, digest=digest, built_by=by)
 
     def _first(self, s: Session, key: str, ref: HoldRef) -> Decision:
-        builds = s.scalars(select(ImageBuild).where(ImageBuild.build_key == key)
+        builds = s.scalars(select(ImageBuild).where(ImageBuild.build_key == key, _IN_GOOD_STANDING)
                            .order_by(ImageBuild.created_at, ImageBuild.id)).all()
         if builds:
             return self._pull(s, key, builds[0].digest, [builds[0]], ref)
@@ -217,7 +224,7 @@ class Images:
         return Decision("build", key, push=True)
 
     def _verified(self, s: Session, key: str, ref: HoldRef) -> Decision:
-        builds = s.scalars(select(ImageBuild).where(ImageBuild.build_key == key)
+        builds = s.scalars(select(ImageBuild).where(ImageBuild.build_key == key, _IN_GOOD_STANDING)
                            .order_by(ImageBuild.created_at, ImageBuild.id)).all()
         votes = Counter(b.digest for b in builds)  # one per machine: (key, machine) is unique
         agreed = [d for d, n in votes.most_common() if n >= 2]
