@@ -3,11 +3,11 @@
     .venv/bin/python bench/verify.py [--count 200] [--agents 3]     (as root, like ./infra/up)
 
 Part 1, for real: the platform as `campugrid up` starts it, with N local agents (the provider
-user's, real Podman, runsc and Buildah). A sweep of COUNT small jobs (each prints i * 2 and
-writes it to /output) is run three times: with `verify` off (the baseline, in the same run),
-with `{"replicas": 2}`, and with "adaptive" on fresh machines (no trust earned yet). For each:
-the wall time from the first submit to the last job's end, the tasks run, and the machine-time
-(each task's time from its lease to its end, summed) against off's.
+user's, real Podman, runsc and Buildah). A sweep of COUNT shards (each answers i * 2) is run
+three times: with `verify` off (the baseline, in the same run), with `{"replicas": 2}`, and
+with "adaptive" (the machines start with no trust, and earn it as the sweeps go). For each:
+the wall time from submit to the last shard's end, and the shard runs (copies included)
+against off's: the extra machine-time, since every run is the same work.
 
 Part 2, the rules by simulation (coordinator/quorum.py's `simulate`, the very functions the
 coordinator applies): over 1,000 machines with 50 liars lying on 1 %, 10 % or 100 % of their
@@ -18,7 +18,6 @@ machines once trust is earned (its steady state, which a short live run cannot r
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import os
 import shutil
 import sys
@@ -36,39 +35,30 @@ from campugrid.protocol.spec import ADAPTIVE, JobSpec, Verify
 MODES: dict[str, Any] = {"off": None, "replicas 2": {"replicas": 2}, "adaptive": "adaptive"}
 
 
-def task_seconds(api: Api, job_id: str) -> float:
-    """From the task's (last) lease to its end, by its history."""
-    events = api.job(job_id)["events"]
-    leased = [e["at"] for e in events if e["kind"] == "leased"]
-    ended = [e["at"] for e in events if e["kind"] in ("succeeded", "failed", "cancelled")]
-    if not leased or not ended:
-        return 0.0
-    return (dt.datetime.fromisoformat(ended[-1]) - dt.datetime.fromisoformat(leased[-1])).total_seconds()
-
-
 def sweep(api: Api, context: Path, mode: str, count: int) -> dict[str, float]:
-    tarball = tar_folder(context)
+    """One sharded job of `count` shards (each answers i * 2), verified as `mode` says."""
+    spec: dict[str, Any] = {
+        "command": ["sh", "-c", 'echo $(( $(echo "$CAMPUGRID_SHARD_PAYLOAD" | tr -dc 0-9) * 2 ))'],
+        "resources": {"cpus": 0.5, "memory_mb": 256, "wall_time_s": 600},
+        "shards": [{"payload": i} for i in range(count)]}
+    if MODES[mode] is not None:
+        spec["verify"] = MODES[mode]
     began = time.perf_counter()
-    ids = []
-    for i in range(count):
-        spec: dict[str, Any] = {"command": ["sh", "-c", f"echo {i * 2} > /output/r; echo {i * 2}"],
-                                "resources": {"cpus": 0.5, "memory_mb": 256, "wall_time_s": 120}}
-        if MODES[mode] is not None:
-            spec["verify"] = MODES[mode]
-        ids.append(api.submit(tarball, JobSpec.from_dict(spec))["id"])
-    finals = [api.wait(i, timeout_s=3600, poll_s=0.2, check=False) for i in ids]
+    job = api.submit(tar_folder(context), JobSpec.from_dict(spec))
+    final = api.wait(job["id"], timeout_s=3600, poll_s=0.2, check=False)
     wall = time.perf_counter() - began
-    wrong = [f["id"] for i, f in enumerate(finals) if f["state"] != "succeeded" or f["result"] != str(i * 2)]
-    if wrong:
-        raise SystemExit(f"{mode}: {len(wrong)} jobs did not end with their answer, e.g. {wrong[0]}")
-    tasks = [r["id"] for f in finals for r in f["replicas"]] if MODES[mode] is not None else ids
-    return {"wall_s": wall, "tasks": len(tasks),
-            "machine_s": sum(task_seconds(api, t) for t in tasks)}
+    shards = list(api.shards(job["id"]))
+    wrong = [s["index"] for s in shards if s["result"] != s["index"] * 2]
+    if final["state"] != "succeeded" or wrong:
+        raise SystemExit(f"{mode}: the sweep ended {final['state']} ({final.get('reason')}); "
+                         f"wrong results for shards {wrong[:10]}")
+    runs = sum(len(s["copies"]) for s in shards) if MODES[mode] is not None else len(shards)
+    return {"wall_s": wall, "runs": runs}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--count", type=int, default=60, help="jobs in each sweep")
+    ap.add_argument("--count", type=int, default=200, help="shards in each sweep")
     ap.add_argument("--agents", type=int, default=3, help="local agents")
     ap.add_argument("--no-live", action="store_true", help="the simulation only")
     args = ap.parse_args()
@@ -92,16 +82,15 @@ def main() -> None:
             platform.stop()
             shutil.rmtree(root, ignore_errors=True)
         off = rows["off"]
-        print(f"\nA sweep of {args.count} jobs over {args.agents} local agents (gVisor, this "
+        print(f"\nA sweep of {args.count} shards over {args.agents} local agents (gVisor, this "
               "machine), each mode in the same run\n")
-        print("| verify       | wall s | tasks run | machine-time s | extra machine-time vs off |")
-        print("|--------------|--------|-----------|----------------|---------------------------|")
+        print("| verify       | wall s | shard runs | extra machine-time vs off |")
+        print("|--------------|--------|------------|---------------------------|")
         for mode, r in rows.items():
-            extra = r["machine_s"] / off["machine_s"] - 1 if off["machine_s"] else float("nan")
-            print(f"| {mode:<12} | {r['wall_s']:6.1f} | {r['tasks']:9.0f} | {r['machine_s']:14.1f} "
-                  f"| {extra:+25.0%} |")
-        print("\nadaptive here runs on machines with no trust yet: every answer is checked until "
-              "a machine has agreed 10 times in a row (its steady state is below).")
+            print(f"| {mode:<12} | {r['wall_s']:6.1f} | {r['runs']:10.0f} "
+                  f"| {r['runs'] / off['runs'] - 1:+25.0%} |")
+        print("\nadaptive here starts on machines with no trust (the two sweeps before it earn "
+              "some): an untrusted machine's every answer is checked; the steady state is below.")
 
     print("\nThe rules by simulation: 1,000 machines, 50 of them liars (each lying alone), "
           "100,000 tasks\n")
@@ -109,10 +98,10 @@ def main() -> None:
     print("|------------|--------------|------------------|--------------|---------------------------------|--------------------|")
     for name, verify in (("replicas 2", Verify(2, 2, 4)), ("adaptive", ADAPTIVE)):
         for rate in (0.01, 0.1, 1.0):
-            r = simulate(verify, machines=1000, liars=50, lie_rate=rate, tasks=100_000, seed=1)
-            per = r.liar_tasks / r.caught if r.caught else float("nan")
-            print(f"| {name:<10} | {rate:12.0%} | {r.wrong:16d} | {r.caught:>6d} of {r.liars:<3d} "
-                  f"| {per:31.1f} | {r.extra:+18.1%} |")
+            sim = simulate(verify, machines=1000, liars=50, lie_rate=rate, tasks=100_000, seed=1)
+            per = sim.liar_tasks / sim.caught if sim.caught else float("nan")
+            print(f"| {name:<10} | {rate:12.0%} | {sim.wrong:16d} | {sim.caught:>6d} of {sim.liars:<3d} "
+                  f"| {per:31.1f} | {sim.extra:+18.1%} |")
     steady = simulate(ADAPTIVE, machines=100, liars=0, lie_rate=0, tasks=100_000, seed=1,
                       count_from=50_000)
     early = simulate(ADAPTIVE, machines=100, liars=0, lie_rate=0, tasks=10_000, seed=1)

@@ -1,8 +1,10 @@
 """Results checked by agreement, for real: three agents (the provider user's, real Podman,
 runsc and Buildah), one of them dishonest (tests/support/liar.py: it changes a byte of every
-/output it uploads and reports the rest truthfully). A verified job ends with the honest
+/output it uploads, and every shard result it reports). A verified job ends with the honest
 answer, the liar is quarantined with the evidence, gets no more work, and the result it made
-earlier for an unverified job is marked tainted; `rerun` runs that job again."""
+earlier for an unverified job is marked tainted; `rerun` runs that job again. Reinstated, it
+lies about shards: an adaptive sweep ends with every shard's honest result, and it is
+quarantined again."""
 
 from __future__ import annotations
 
@@ -69,7 +71,7 @@ def answer_in(api: Api, job_id: str) -> bytes:
 
 def test_a_liar_is_outvoted_quarantined_and_its_earlier_result_tainted(grid, request):
     p, api, context = grid
-    liar = p.start_agent("liar", program=(str(LIAR), "--lie", "output"))
+    liar = p.start_agent("liar", program=(str(LIAR), "--lie", "output,shards"))
     # Before anyone checks it, the liar runs an unverified job: its word is taken.
     plain = api.wait(api.submit(tar_folder(context), JobSpec(command=COMMAND))["id"],
                      timeout_s=240, poll_s=0.2)
@@ -122,3 +124,18 @@ def test_a_liar_is_outvoted_quarantined_and_its_earlier_result_tainted(grid, req
         expect(row).to_have_class(re.compile("quarantined"))
         expect(row.locator(".quarantine")).to_contain_text(job)
         expect(row.locator("button:has-text('Reinstate')")).to_be_visible()
+
+    # Reinstated (as new: no trust), it lies about shards: an adaptive sweep checks every
+    # answer of an untrusted machine, and ends with every shard's honest result.
+    api.approve_machine(liar.machine_id())
+    sweep = api.submit(tar_folder(context), JobSpec.from_dict({
+        "command": ["sh", "-c", 'echo $(( $(echo "$CAMPUGRID_SHARD_PAYLOAD" | tr -dc 0-9) * 2 ))'],
+        "verify": "adaptive", "shards": [{"payload": i} for i in range(6)]}))["id"]
+    done = api.wait(sweep, timeout_s=300, poll_s=0.3)
+    shards = list(api.shards(sweep))
+    assert [s["result"] for s in shards] == [i * 2 for i in range(6)], shards
+    assert all(len(s["copies"]) >= 2 for s in shards)  # no machine had earned trust
+    assert any(agreed is False for s in shards for _, _, agreed in s["copies"])
+    again = next(m for m in api.machines() if m["id"] == liar.machine_id())
+    assert again["status"] == "quarantined" and f"of job {sweep}" in again["quarantine"], again
+    assert done["state"] == "succeeded"

@@ -4,12 +4,14 @@ its earlier results marked tainted."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from campugrid.coordinator import verified
 from campugrid.coordinator.machines import Status
 from campugrid.coordinator.store import Store
-from campugrid.coordinator.views import JobView
+from campugrid.coordinator.views import JobView, ShardResult
 from campugrid.protocol.errors import InvalidInput
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobState
@@ -147,7 +149,7 @@ def test_cancelling_a_verified_job_cancels_its_replicas_and_a_replica_is_not_can
 
 def test_adaptive_trusts_a_machine_only_after_agreeing_answers_in_a_row(
         store: Store, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(verified, "_draw", lambda: 0.99)  # never sampled for a check
+    monkeypatch.setattr(verified, "draw", lambda: 0.99)  # never sampled for a check
     new, trusted, other = (add_machine(store, n) for n in ("new", "trusted", "other"))
     with store.tx() as s:
         from campugrid.coordinator.models import Machine
@@ -163,3 +165,63 @@ def test_adaptive_trusts_a_machine_only_after_agreeing_answers_in_a_row(
     run(store, other)
     assert store.get(job.id).state is JobState.SUCCEEDED
     assert store.machines.get(new).streak == 1
+
+
+# --- sharded jobs: each shard run as copies on different machines --------------------------
+
+
+def work_through(store: Store, machine: str, answer=lambda i: i * 10) -> list[int]:
+    """The machine opens a session and answers every shard it is given; the shards it got."""
+    claim = store.claim(machine, 30)
+    if claim is None or claim.session is None:
+        return []
+    ref, task, got = claim.hold(machine), claim.shard, []
+    while task is not None:
+        got.append(task.index)
+        task = store.shards.next_shard(ref, ShardResult(task.index, True, 0,
+                                                        json.dumps(answer(task.index)), None),
+                                       heavy_first=True)
+    return got
+
+
+def test_each_shard_of_a_verified_sweep_is_decided_by_copies_on_different_machines(store: Store):
+    job = submit(store, command=["python3", "w.py"], verify={"replicas": 2},
+                 shards=[{"payload": {"i": i}} for i in range(3)])
+    assert job.shards_total == 3 and job.shards_queued == 6 and job.replicas == 0
+    m1, liar, m3 = (add_machine(store, n) for n in ("m1", "liar", "m3"))
+    assert sorted(work_through(store, m1)) == [0, 1, 2]  # one copy of each, never two
+    assert work_through(store, m1) == []  # nothing left that it may take
+    assert sorted(work_through(store, liar, answer=lambda i: i * 10 + (i == 1))) == [0, 1, 2]
+    # shards 0 and 2 agree; shard 1 disagrees and needs a third copy, which m3 runs
+    assert store.get(job.id).state is not JobState.SUCCEEDED
+    assert work_through(store, m3) == [1]
+    done = store.get(job.id)
+    assert done.state is JobState.SUCCEEDED, done.reason
+    listed = store.shards.shards(job.id)
+    assert [(s.index, s.result) for s in listed] == [(0, 0), (1, 10), (2, 20)]
+    assert sorted(listed[1].copies, key=str) == sorted([(m1, 10, True), (liar, 11, False),
+                                                        (m3, 10, True)], key=str)
+    record = store.machines.get(liar)
+    assert record.status is Status.QUARANTINED and "shard 1" in record.quarantine
+    assert store.machines.get(m1).agreed == 3 and store.machines.get(m3).agreed == 1
+
+
+def test_an_adaptive_sweep_copies_only_what_an_untrusted_machine_answered(
+        store: Store, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(verified, "draw", lambda: 0.99)
+    trusted, new, other = (add_machine(store, n) for n in ("trusted", "new", "other"))
+    with store.tx() as s:
+        from campugrid.coordinator.models import Machine
+        s.get(Machine, trusted).streak = 100
+    job = submit(store, command=["python3", "w.py"], verify="adaptive",
+                 shards=[{"payload": {"i": i}} for i in range(4)])
+    assert job.shards_queued == 4
+    claim = store.claim(trusted, 30)
+    assert claim is not None and claim.shard is not None
+    store.shards.next_shard(claim.hold(trusted), ShardResult(claim.shard.index, True, 0, "7", None),
+                            heavy_first=True)  # and takes the next
+    got = work_through(store, new)
+    assert len(got) == 2  # the two left; the trusted machine holds one
+    assert store.get(job.id).shards_queued == 2  # each of the new machine's answers is checked
+    assert sorted(work_through(store, other)) == sorted(got)
+    assert store.get(job.id).shards_done == 3

@@ -3,9 +3,10 @@ chosen way. Run as a program in place of `python -m campugrid.cli`:
 
     python tests/support/liar.py --lie output agent run --state-dir ... --name ...
 
-The lies (what a provider who owns its machine can make its agent do):
-    result  the result line it reports is not the one the job printed
+The lies (what a provider who owns its machine can make its agent do), one or several
+(`--lie output,shards`; a wrong result line is the store tests' case):
     output  one byte of the job's /output is changed before the archive is packed
+    shards  each shard's result it reports is another value (a number plus one)
 
 Nothing here is reachable from an installed agent: the switch is this file's argument, and
 the file lives in tests/.
@@ -18,22 +19,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-LIES = ("result", "output")
+LIES = ("output", "shards")
 
 
 def lie_about(lie: str) -> None:
     from campugrid.agent import client, task
 
-    if lie == "result":
-        honest_complete = client.CoordinatorClient.complete
-
-        def complete(self, hold, outcome):  # type: ignore[no-untyped-def]
-            import dataclasses
-            outcome = dataclasses.replace(outcome, result=f"{outcome.result or ''} (a lie)")
-            return honest_complete(self, hold, outcome)
-
-        client.CoordinatorClient.complete = complete  # type: ignore[method-assign]
-    elif lie == "output":
+    if lie == "output":
         honest_upload = task._upload_output
 
         def upload(url: str, output_dir: Path, tarball: Path):  # type: ignore[no-untyped-def]
@@ -47,12 +39,27 @@ def lie_about(lie: str) -> None:
                 return honest_upload(url, forged, tarball)
 
         task._upload_output = upload
+    elif lie == "shards":
+        honest_next = client.CoordinatorApi.next_shard
+
+        def next_shard(self, hold, done):  # type: ignore[no-untyped-def]
+            import dataclasses
+            import json
+            if done is not None and done.succeeded and done.result_json:
+                value = json.loads(done.result_json)
+                forged = value + 1 if isinstance(value, (int, float)) else [value, "a lie"]
+                done = dataclasses.replace(done, result_json=json.dumps(forged))
+            return honest_next(self, hold, done)
+
+        client.CoordinatorApi.next_shard = next_shard  # type: ignore[method-assign]
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) < 2 or argv[0] != "--lie" or argv[1] not in LIES:
-        sys.exit(f"usage: liar.py --lie {{{','.join(LIES)}}} <campugrid arguments>")
-    lie_about(argv[1])
+    lies = argv[1].split(",") if len(argv) >= 2 and argv[0] == "--lie" else []
+    if not lies or not set(lies) <= set(LIES):
+        sys.exit(f"usage: liar.py --lie {{{','.join(LIES)}}}[,...] <campugrid arguments>")
+    for lie in lies:
+        lie_about(lie)
     from campugrid.cli.main import app
 
     sys.argv = ["campugrid", *argv[2:]]

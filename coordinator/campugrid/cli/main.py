@@ -215,8 +215,11 @@ def shards(job_id: str,
             emit_array(found)
             return
         for sh in found:
-            typer.echo(json.dumps({k: sh[k] for k in ("index", "state", "result", "reason",
-                                                      "exit_code", "cost", "machine_id")}))
+            line = {k: sh[k] for k in ("index", "state", "result", "reason", "exit_code", "cost",
+                                       "machine_id")}
+            if sh.get("copies"):  # a verified job's: [machine, result, agreed]
+                line["copies"] = sh["copies"]
+            typer.echo(json.dumps(line))
     except CampugridError as e:
         fail(str(e))
 

@@ -296,6 +296,10 @@ class Shard(Base):
     result_json: Mapped[str | None] = mapped_column(Text)
     reason: Mapped[str | None] = mapped_column(Text)
     finished_at: Mapped[dt.datetime | None] = mapped_column()
+    # A verified sharded job (spec.verify): rows 0..total-1 are its shards as researchers see
+    # them, never handed out; each is run as copies (rows from total on, copy_of naming it)
+    # on different machines, and takes the answer a quorum of them agrees on. NULL elsewhere.
+    copy_of: Mapped[int | None] = mapped_column(Integer)
 
     __table_args__ = (
         # Next shard of a job: the heaviest (fast machines) or lightest (slow ones) queued.

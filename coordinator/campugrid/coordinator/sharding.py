@@ -9,6 +9,13 @@ The job row keeps counters (total, queued, done, failed) that every change updat
 which also serialises changes to one job; `_settle` then derives the job's state from them:
 QUEUED while shards wait for a machine, RUNNING once every shard is handed out, and
 SUCCEEDED or FAILED when every shard has ended.
+
+A verified sharded job (spec.verify) runs each shard as copies on different machines: its rows
+0..total-1 are the shards as researchers see them and are never handed out; copies (rows from
+total on, `copy_of` naming their shard) are, under the shard's own index, and when one ends
+quorum.decide settles its shard as it settles a verified job (verified.judge then quarantines
+a machine that answered against a quorum). The job's counters then count copies waiting
+(queued) and shards decided (done, failed).
 """
 
 from __future__ import annotations
@@ -16,10 +23,12 @@ from __future__ import annotations
 import datetime as dt
 import json
 from collections.abc import Sequence
+from typing import Any
 
-from sqlalchemy import delete, func, insert, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy import delete, exists, func, insert, select, update
+from sqlalchemy.orm import Session, aliased
 
+from campugrid.coordinator import verified
 from campugrid.coordinator.db import Database, job_row
 from campugrid.coordinator.fence import session_row
 from campugrid.coordinator.models import (
@@ -27,23 +36,36 @@ from campugrid.coordinator.models import (
     GpuReservation,
     Job,
     JobEvent,
+    JobRefusal,
     LogChunk,
+    Machine,
     Shard,
     ShardSession,
     clean,
 )
 from campugrid.coordinator.moves import move_job, move_shards
-from campugrid.coordinator.views import HoldRef, ShardResult, ShardTask, ShardView
+from campugrid.coordinator.quorum import Answer, Decision, answer_key, decide
+from campugrid.coordinator.views import HoldRef, ShardResult, ShardTask, ShardView, stored_spec
 from campugrid.protocol.errors import IllegalTransition, StaleAttempt
-from campugrid.protocol.spec import JobSpec
+from campugrid.protocol.spec import JobSpec, Verify
 from campugrid.protocol.states import JobKind, JobState, ShardState
 
 
-def insert_shards(s: Session, job_id: str, spec: JobSpec) -> None:
+def insert_shards(s: Session, job_id: str, spec: JobSpec) -> int:
+    """The job's shards (and for a verified job, their first copies); how many rows wait
+    to be handed out."""
     s.execute(insert(Shard), [
         {"job_id": job_id, "idx": i, "state": ShardState.QUEUED.value, "cost": sh.cost,
          "payload_json": sh.payload_json, "tries": 0}
         for i, sh in enumerate(spec.shards)])
+    if spec.verify is None:
+        return len(spec.shards)
+    n, copies = len(spec.shards), spec.verify.replicas
+    s.execute(insert(Shard), [
+        {"job_id": job_id, "idx": n + i * copies + c, "state": ShardState.QUEUED.value,
+         "cost": sh.cost, "payload_json": sh.payload_json, "tries": 0, "copy_of": i}
+        for i, sh in enumerate(spec.shards) for c in range(copies)])
+    return n * copies
 
 
 def open_session(s: Session, job_id: str, machine_id: str, lease_s: float, *,
@@ -58,6 +80,11 @@ def open_session(s: Session, job_id: str, machine_id: str, lease_s: float, *,
         lease_expires_at=now + dt.timedelta(seconds=lease_s), started_at=now)
         .returning(ShardSession.id)).one())
     task = _hand_out(s, job_id, sid, machine_id, heavy_first)
+    if task is None:  # every copy waiting is of a shard this machine answered already
+        s.execute(delete(ShardSession).where(ShardSession.id == sid))
+        s.merge(JobRefusal(job_id=job_id, machine_id=machine_id, at=now,
+                           reason="it ran another copy of every shard still waiting"))
+        return None
     for uuid in gpus:
         s.add(GpuReservation(job_id=job_id, attempt=sid, machine_id=machine_id, gpu_uuid=uuid,
                              memory_mb=gpu_mb))
@@ -79,18 +106,108 @@ def _take_one(s: Session, job_id: str) -> bool:
 
 
 def _hand_out(s: Session, job_id: str, sid: int, machine_id: str,
-              heavy_first: bool) -> ShardTask:
-    """The heaviest queued shard for a fast machine, the lightest for a slow one."""
+              heavy_first: bool) -> ShardTask | None:
+    """The heaviest queued shard for a fast machine, the lightest for a slow one; for a
+    verified job, a copy of a shard this machine has not answered (None: there is none, and
+    the one _take_one counted is given back)."""
     # One direction per order, so ix_shards_pick serves both without sorting (forwards for
     # the lightest, backwards for the heaviest): cheap at 100,000 shards too.
     order = (Shard.cost.desc(), Shard.idx.desc()) if heavy_first else (Shard.cost, Shard.idx)
-    q = (select(Shard.idx, Shard.payload_json, Shard.cost)
+    q = (select(Shard.idx, Shard.payload_json, Shard.cost, Shard.copy_of)
          .where(Shard.job_id == job_id, Shard.state == ShardState.QUEUED.value)
          .order_by(*order).limit(1))
-    idx, payload, cost = s.execute(q).one()  # the job's counter said one is queued
+    if _verify_of(s, job_id) is not None:
+        other = aliased(Shard)
+        q = q.where(Shard.copy_of.is_not(None), ~exists().where(
+            other.job_id == job_id, other.copy_of == Shard.copy_of,
+            other.machine_id == machine_id))
+    found = s.execute(q).first()
+    if found is None:
+        s.execute(update(Job).where(Job.id == job_id)
+                  .values(shards_queued=Job.shards_queued + 1)
+                  .execution_options(synchronize_session=False))
+        return None
+    idx, payload, cost, copy_of = found
     move_shards(s, job_id, ShardState.RUNNING, where=[Shard.idx == idx], session_id=sid,
                 machine_id=machine_id)
-    return ShardTask(int(idx), str(payload), float(cost))
+    if copy_of is not None:  # its shard runs from its first copy on, until it is decided
+        move_shards(s, job_id, ShardState.RUNNING, expect=None, where=[
+            Shard.idx == copy_of, Shard.state == ShardState.QUEUED.value])
+    # A copy runs as its shard: the job sees (and the machine reports) the shard's index.
+    return ShardTask(int(idx if copy_of is None else copy_of), str(payload), float(cost))
+
+
+def _verify_of(s: Session, job_id: str) -> Verify | None:
+    return stored_spec(s.scalar(select(Job.spec_json).where(Job.id == job_id)) or "{}").verify
+
+
+def _decide(s: Session, job_id: str, shard: int, verify: Verify, now: dt.datetime) -> None:
+    """A copy of `shard` ended: quorum.decide on its copies' answers, as verified.settle
+    does for a verified job's replicas."""
+    row = s.get(Shard, (job_id, shard), populate_existing=True)
+    assert row is not None
+    copies = list(s.scalars(select(Shard).where(Shard.job_id == job_id, Shard.copy_of == shard)
+                            .order_by(Shard.finished_at, Shard.idx)
+                            .execution_options(populate_existing=True)))
+    ended = [c for c in copies if ShardState(c.state) not in (ShardState.QUEUED, ShardState.RUNNING)]
+    answers = [Answer(str(c.idx), c.machine_id or "", _answer(c)) for c in ended]
+    if row.state not in (ShardState.QUEUED.value, ShardState.RUNNING.value):
+        # decided already: a late answer is still judged against the answer taken
+        taken = _answer(row)
+        late = [a for a in answers if a.key is not None and a.machine_id != row.machine_id]
+        if taken is not None:
+            for a in late[-1:]:
+                agreed = Answer("", row.machine_id or "", taken)
+                verified.judge(s, Decision(accept=(agreed, a) if a.key == taken else (agreed,),
+                                  against=() if a.key == taken else (a,)), now,
+                      f"shard {shard} of job {job_id}")
+        return
+    streak = {m.id: m.streak for m in s.scalars(select(Machine).where(
+        Machine.id.in_(sorted({a.machine_id for a in answers if a.machine_id}))))}
+    decision = decide(verify, answers, pending=len(copies) - len(ended), made=len(copies),
+                      streak=streak, draw=verified.draw())
+    if decision.more:
+        top = int(s.scalar(select(func.max(Shard.idx)).where(Shard.job_id == job_id)) or 0)
+        s.execute(insert(Shard), [
+            {"job_id": job_id, "idx": top + 1 + i, "state": ShardState.QUEUED.value,
+             "cost": row.cost, "payload_json": row.payload_json, "tries": 0, "copy_of": shard}
+            for i in range(decision.more)])
+        s.execute(update(Job).where(Job.id == job_id).values(
+            shards_queued=Job.shards_queued + decision.more))
+        s.add(JobEvent(job_id=job_id, at=now, attempt=0, kind="replicated", detail=(
+            f"shard {shard}: {decision.more} more cop(ies): " + "; ".join(
+                f"machine {a.machine_id[:8]}: {a.says()}" for a in answers))[:4000]))
+        return
+    if not decision.fail and not decision.accept:
+        return  # the copies still running may yet agree
+    if decision.fail:
+        move_shards(s, job_id, ShardState.FAILED, where=[Shard.idx == shard],
+                    reason=decision.fail[:4000], finished_at=now)
+        failed = 1
+    else:
+        first = next(c for c in copies if str(c.idx) == decision.accept[0].replica)
+        move_shards(s, job_id, ShardState(first.state), where=[Shard.idx == shard],
+                    exit_code=first.exit_code, result_json=first.result_json,
+                    reason=first.reason, machine_id=first.machine_id, finished_at=now)
+        failed = int(first.state == ShardState.FAILED.value)
+        verified.judge(s, decision, now, f"shard {shard} of job {job_id}")
+    waiting = move_shards(s, job_id, ShardState.CANCELLED, expect=None, where=[
+        Shard.copy_of == shard, Shard.state == ShardState.QUEUED.value],
+        reason="not needed: its shard was decided")
+    s.execute(update(Job).where(Job.id == job_id).values(
+        shards_done=Job.shards_done + 1, shards_failed=Job.shards_failed + failed,
+        shards_queued=Job.shards_queued - waiting))
+
+
+def _shown(copy: Shard, shard: Shard) -> tuple[str | None, Any, bool | None]:
+    """A copy as its shard's listing shows it: machine, result, and whether it agreed."""
+    taken, said = _answer(shard), _answer(copy)
+    return (copy.machine_id, json.loads(copy.result_json) if copy.result_json else None,
+            None if taken is None or said is None else said == taken)
+
+
+def _answer(row: Shard) -> tuple[int | None, str, str] | None:
+    return answer_key(row.state, row.exit_code, row.result_json, None)
 
 
 def cancel_shards(s: Session, job_id: str, why: str) -> None:
@@ -156,17 +273,26 @@ class ShardStore:
             return task
 
     def _record(self, s: Session, job_id: str, sid: int, done: ShardResult) -> None:
+        verify = _verify_of(s, job_id)
+        if verify is not None:  # the job row first: one shard's copies are decided in turn
+            s.execute(update(Job).where(Job.id == job_id).values(updated_at=Job.updated_at)
+                      .execution_options(synchronize_session=False))
+        # A verified job's session holds a copy of the shard it names (one per shard at most).
+        which = (Shard.idx == done.index) if verify is None else (Shard.copy_of == done.index)
+        now = dt.datetime.now(dt.UTC)
         move_shards(
             s, job_id, ShardState.SUCCEEDED if done.succeeded else ShardState.FAILED,
-            where=[Shard.idx == done.index, Shard.session_id == sid,
-                   Shard.state == ShardState.RUNNING.value],
+            where=[which, Shard.session_id == sid, Shard.state == ShardState.RUNNING.value],
             refused=lambda: StaleAttempt(f"result of shard {done.index} refused: session {sid} "
                                          "does not hold it"),
             exit_code=done.exit_code, result_json=clean(done.result_json),
-            reason=clean(done.reason), finished_at=dt.datetime.now(dt.UTC))
-        s.execute(update(Job).where(Job.id == job_id).values(
-            shards_done=Job.shards_done + 1,
-            shards_failed=Job.shards_failed + (0 if done.succeeded else 1)))
+            reason=clean(done.reason), finished_at=now)
+        if verify is not None:
+            _decide(s, job_id, done.index, verify, now)
+        else:
+            s.execute(update(Job).where(Job.id == job_id).values(
+                shards_done=Job.shards_done + 1,
+                shards_failed=Job.shards_failed + (0 if done.succeeded else 1)))
         _settle(s, job_id)
 
     def renew(self, ref: HoldRef, lease_s: float) -> None:
@@ -230,17 +356,21 @@ class ShardStore:
         session.active = False
         job_id = session.job_id
         max_tries = int(s.scalar(select(Job.max_attempts).where(Job.id == job_id)) or 1)
-        held = s.execute(select(Shard.idx, Shard.tries).where(
+        held = s.execute(select(Shard.idx, Shard.tries, Shard.copy_of).where(
             Shard.job_id == job_id, Shard.session_id == session.id,
             Shard.state == ShardState.RUNNING.value)).all()
         requeued = failed = 0
-        for idx, tries in held:
+        undecided: list[int] = []  # copies out of tries: their shards are decided on
+        for idx, tries, copy_of in held:
             tries += 1 if count_try else 0
             if tries >= max_tries:
                 move_shards(s, job_id, ShardState.FAILED, where=[Shard.idx == idx], tries=tries,
                             finished_at=dt.datetime.now(dt.UTC),
                             reason=f"{why}; all {max_tries} tries used")
-                failed += 1
+                if copy_of is None:
+                    failed += 1
+                else:
+                    undecided.append(copy_of)
             else:
                 move_shards(s, job_id, ShardState.QUEUED, where=[Shard.idx == idx], tries=tries,
                             session_id=None, machine_id=None)
@@ -251,11 +381,16 @@ class ShardStore:
             s.execute(update(Job).where(Job.id == job_id).values(
                 shards_queued=Job.shards_queued + requeued, shards_done=Job.shards_done + failed,
                 shards_failed=Job.shards_failed + failed))
+        verify = _verify_of(s, job_id) if undecided else None
+        for shard in undecided:
+            assert verify is not None
+            _decide(s, job_id, shard, verify, dt.datetime.now(dt.UTC))
         if count_try or held:
+            shown = [str(i if copy_of is None else copy_of) for i, _, copy_of in held]
             s.add(JobEvent(job_id=job_id, at=dt.datetime.now(dt.UTC), attempt=session.id,
                            kind="session_lost" if count_try else "session_released",
-                           detail=why + (f"; shard(s) {', '.join(str(i) for i, _ in held)} "
-                                         "queued again" if requeued else "")))
+                           detail=why + (f"; shard(s) {', '.join(shown)} queued again"
+                                         if requeued else "")))
         _settle(s, job_id)
 
     def append_logs(self, ref: HoldRef, stream: str, seq: int, text: str) -> None:
@@ -281,18 +416,28 @@ class ShardStore:
 
     def shards(self, job_id: str, *, state: str | None = None, after: int = -1,
                limit: int = 1000) -> list[ShardView]:
-        q = (select(Shard).where(Shard.job_id == job_id, Shard.idx > after)
+        q = (select(Shard).where(Shard.job_id == job_id, Shard.idx > after,
+                                 Shard.copy_of.is_(None))  # copies show as their shard
              .order_by(Shard.idx).limit(limit))
         if state is not None:
             q = q.where(Shard.state == ShardState(state).value)
         with self.db.read() as s:
             job_row(s, job_id)
+            rows = list(s.scalars(q))
+            copies: dict[int, list[Shard]] = {}
+            if rows and _verify_of(s, job_id) is not None:
+                for c in s.scalars(select(Shard).where(
+                        Shard.job_id == job_id, Shard.copy_of.in_([r.idx for r in rows]),
+                        Shard.state.in_([ShardState.SUCCEEDED.value, ShardState.FAILED.value]))
+                        .order_by(Shard.finished_at, Shard.idx)):
+                    copies.setdefault(int(c.copy_of or 0), []).append(c)
             return [ShardView(r.idx, r.state, r.cost, r.tries, r.machine_id, r.exit_code,
                               json.loads(r.result_json) if r.result_json else None, r.reason,
-                              r.finished_at) for r in s.scalars(q)]
+                              r.finished_at, tuple(_shown(c, r) for c in copies.get(r.idx, [])))
+                    for r in rows]
 
     def counts(self, job_id: str) -> dict[str, int]:
         with self.db.read() as s:
-            rows = s.execute(select(Shard.state, func.count()).where(Shard.job_id == job_id)
-                             .group_by(Shard.state)).all()
+            rows = s.execute(select(Shard.state, func.count()).where(
+                Shard.job_id == job_id, Shard.copy_of.is_(None)).group_by(Shard.state)).all()
         return {str(state): int(n) for state, n in rows}

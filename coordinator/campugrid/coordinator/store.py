@@ -122,10 +122,10 @@ class Store:
                 s.flush()
                 take_uploads(s, list(tickets), owner, row.id)
                 if spec.shards:
-                    insert_shards(s, row.id, spec)
+                    row.shards_queued = insert_shards(s, row.id, spec)
                 s.add(JobEvent(job_id=row.id, at=now, attempt=0, kind="submitted",
                                detail=f"{len(spec.shards)} shards" if spec.shards else ""))
-                if spec.verify is not None:
+                if spec.verify is not None and not spec.shards:  # shards: copies of each
                     verified.make_replicas(s, row, spec.verify.replicas, now)
             return JobView.from_row(row), True
         except IntegrityError:
@@ -484,7 +484,8 @@ class Store:
         a result that cannot be trusted (tainted) or simply again; its owner is the same."""
         with self.read() as s:
             row = _owned(job_row(s, job_id), owner)
-            shards = list(s.scalars(select(Shard).where(Shard.job_id == job_id)
+            shards = list(s.scalars(select(Shard).where(Shard.job_id == job_id,
+                                                        Shard.copy_of.is_(None))
                                     .order_by(Shard.idx))) if row.shards_total else []
         if row.replica_of is not None:
             raise InvalidInput(f"job {job_id} is a replica of the verified job "

@@ -69,7 +69,7 @@ def leased_replica(conn: Connection, parent_id: str, machine_id: str, now: dt.da
                        "detail": f"its first replica was leased to machine {machine_id}"})
 
 
-def settle(s: Session, parent_id: str, now: dt.datetime, draw: float | None = None) -> Decision:
+def settle(s: Session, parent_id: str, now: dt.datetime, sample: float | None = None) -> Decision:
     """A replica of `parent_id` ended: apply quorum.decide to every replica's answer."""
     parent = s.execute(select(Job).where(Job.id == parent_id).with_for_update()).scalar_one()
     if JobState(parent.state).final:
@@ -84,7 +84,7 @@ def settle(s: Session, parent_id: str, now: dt.datetime, draw: float | None = No
     streak = {m.id: m.streak for m in s.scalars(select(Machine).where(
         Machine.id.in_(sorted(machines))))}
     decision = decide(verify, answers, pending=len(replicas) - len(ended), made=parent.replicas,
-                      streak=streak, draw=_draw() if draw is None else draw)
+                      streak=streak, draw=draw() if sample is None else sample)
     if decision.more:
         made = make_replicas(s, parent, decision.more, now)
         _event(s, parent, now, "disagreed" if len({a.key for a in answers if a.key}) > 1
@@ -115,14 +115,22 @@ def _accept(s: Session, parent: Job, decision: Decision, replicas: list[Job],
              reason=first.reason if not ok else None, updated_at=now)
     _event(s, parent, now, "verified", how)
     _cancel_rest(s, parent, replicas, now, how)
-    if not decision.checked:
+    judge(s, decision, now, f"job {parent.id}")
+
+
+def judge(s: Session, decision: Decision, now: dt.datetime, on: str) -> None:
+    """An accepted, checked decision: the machines that agreed earn trust; those that
+    answered against it are quarantined, with the evidence."""
+    if not decision.checked or not decision.accept:
         return
+    agreed = [a.machine_id for a in decision.accept]
     s.execute(update(Machine).where(Machine.id.in_(sorted(set(agreed)))).values(
-        agreed=Machine.agreed + 1, streak=Machine.streak + 1, last_agreed_at=now))
+        agreed=Machine.agreed + 1, streak=Machine.streak + 1, last_agreed_at=now)
+        .execution_options(synchronize_session=False))
     said = decision.accept[0].says()
     for a in decision.against:
-        quarantine(s, a.machine_id, now, f"on job {parent.id} it answered {a.says()}, "
-                   f"where {len(agreed)} other machines agreed on {said}")
+        quarantine(s, a.machine_id, now, f"on {on} it answered {a.says()}, where "
+                   f"{len(agreed)} other machines agreed on {said}")
 
 
 def _cancel_rest(s: Session, parent: Job, replicas: list[Job], now: dt.datetime,
@@ -165,7 +173,7 @@ def quarantine(s: Session, machine_id: str, now: dt.datetime, why: str) -> None:
 _SAMPLER = random.SystemRandom()
 
 
-def _draw() -> float:
+def draw() -> float:
     """The adaptive check's sample: unpredictable, so that no machine can tell in advance
     which of its answers will be checked."""
     return _SAMPLER.random()

@@ -62,6 +62,9 @@ class ShardView:
     result: Any
     reason: str | None
     finished_at: dt.datetime | None
+    # A verified job's shard: each copy that ended, (machine, its result, whether it is the
+    # answer taken: None while undecided or for no answer).
+    copies: tuple[tuple[str | None, Any, bool | None], ...] = ()
 
 
 @functools.lru_cache(maxsize=4096)

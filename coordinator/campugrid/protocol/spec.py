@@ -321,9 +321,6 @@ class JobSpec:
         _require(isinstance(image, Mapping), "image", 'must be an object, e.g. {"reuse": "verified"}')
         _no_unknown(image, ImageOptions, "image")
         verify = _verify(data.get("verify"))
-        if verify is not None and shards:
-            raise InvalidInput("verify: a sharded job cannot be verified yet; verify each "
-                               "shard's job as a plain job, or drop verify")
         # A verified job runs an image two machines built alike, unless it says otherwise.
         reuse = image.get("reuse", "verified" if verify is not None else "first")
         _require(reuse in IMAGE_REUSE, "image.reuse", f"must be one of {', '.join(IMAGE_REUSE)}")

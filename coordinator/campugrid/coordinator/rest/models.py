@@ -41,6 +41,9 @@ class ShardOut(BaseModel):
     result: Any  # the shard's result: its result.json, or its last line of stdout
     reason: str | None
     finished_at: dt.datetime | None
+    # A verified job's shard: each copy that ended: [machine, result, agreed with the answer
+    # taken (null while undecided)].
+    copies: list[tuple[str | None, Any, bool | None]] = []
 
 
 class ReplicaOut(BaseModel):

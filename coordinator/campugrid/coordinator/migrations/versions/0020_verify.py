@@ -1,5 +1,5 @@
-"""Verified jobs: replicas, the output digests they are compared by, taint, each machine's
-record against quorums, and which machine made each checkpoint
+"""Verified jobs: replicas (and copies of shards), the output digests they are compared by,
+taint, each machine's record against quorums, and which machine made each checkpoint
 
 Revision ID: 0020
 Revises: 0019
@@ -32,6 +32,8 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column("quarantine", sa.Text(), nullable=True))
     with op.batch_alter_table("checkpoints", schema=None) as batch_op:
         batch_op.add_column(sa.Column("machine_id", sa.String(36), nullable=True))
+    with op.batch_alter_table("shards", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("copy_of", sa.Integer(), nullable=True))
     op.create_table(
         "replica_machines",
         sa.Column("job_id", sa.String(36), nullable=False),
@@ -42,6 +44,8 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.drop_table("replica_machines")
+    with op.batch_alter_table("shards", schema=None) as batch_op:
+        batch_op.drop_column("copy_of")
     with op.batch_alter_table("checkpoints", schema=None) as batch_op:
         batch_op.drop_column("machine_id")
     with op.batch_alter_table("machines", schema=None) as batch_op:
