@@ -161,6 +161,11 @@ def test_both_stores_keep_read_list_and_forget_objects_alike(store):
     assert len(store.list_objects(store.bucket, "ds/", 1)) == 2  # one past the limit: more
     with pytest.raises(InvalidInput, match="no bucket"):
         store.list_objects("no-such-bucket-" + secrets.token_hex(4), "", 10)
+    store.copy(key, "outputs/kept.tar.gz")  # the store's own copy: a later PUT cannot touch it
+    store.put_bytes(key, b"changed")
+    assert b"".join(store.stream("outputs/kept.tar.gz")) == b"\x00payload"
+    with pytest.raises(InvalidInput, match="no object"):
+        store.copy("no/such/key", "outputs/x")
     store.delete(key)
     store.delete(key)  # twice is fine
     assert not store.exists(key)

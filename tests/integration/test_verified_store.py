@@ -11,7 +11,7 @@ import pytest
 from campugrid.coordinator import verified
 from campugrid.coordinator.machines import Status
 from campugrid.coordinator.store import Store
-from campugrid.coordinator.views import JobView, ShardResult
+from campugrid.coordinator.views import JobView, ShardResult, utcnow
 from campugrid.protocol.errors import InvalidInput
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobState
@@ -225,3 +225,49 @@ def test_an_adaptive_sweep_copies_only_what_an_untrusted_machine_answered(
     assert store.get(job.id).shards_queued == 2  # each of the new machine's answers is checked
     assert sorted(work_through(store, other)) == sorted(got)
     assert store.get(job.id).shards_done == 3
+
+
+# --- checkpoints: who made them, from what, and whether a job may resume from them ----------
+
+
+def test_a_job_never_resumes_from_a_checkpoint_a_quarantined_machine_made(store: Store):
+    job = submit(store)
+    honest, liar, third = (add_machine(store, n) for n in ("honest", "liar", "third"))
+
+    def attempt_on(machine: str, epochs: list[int]) -> int:
+        held = store.claim_next(machine, lease_s=30)
+        assert held is not None and held.id == job.id
+        for e in epochs:
+            store.record_checkpoint(attempt(job.id, held.attempt, machine), epoch=e,
+                                    key=f"checkpoints/{job.id}/{held.attempt}-{e}", size=1,
+                                    sha256="0" * 64, keep=10)
+        store.release(attempt(job.id, held.attempt, machine), "drained", failed=False)
+        return held.attempt
+
+    attempt_on(honest, [1, 2])
+    attempt_on(liar, [3, 4])
+    by_epoch = {c.epoch: c for c in store.checkpoints(job.id)}
+    assert (by_epoch[2].machine_id, by_epoch[2].resumed_from) == (honest, None)
+    assert (by_epoch[4].machine_id, by_epoch[4].resumed_from) == (liar, 2)
+    with store.tx() as s:
+        verified.quarantine(s, liar, utcnow(), "it lied elsewhere")
+    claim = store.claim(third, 30)
+    assert claim is not None and claim.resume is not None and claim.resume.epoch == 2
+    assert store.latest_checkpoint(job.id).epoch == 2
+
+
+def test_a_replica_resumes_only_from_its_own_machines_checkpoints(store: Store):
+    job = submit(store, verify={"replicas": 2})
+    a, b = add_machine(store, "a"), add_machine(store, "b")
+    first = store.claim_next(a, lease_s=30)
+    assert first is not None and first.replica_of == job.id
+    store.record_checkpoint(attempt(first.id, 1, a), epoch=5, key="checkpoints/x", size=1,
+                            sha256="0" * 64, keep=3)
+    store.release(attempt(first.id, 1, a), "drained", failed=False)
+    taken = store.claim(b, 30)  # either replica: never from a's checkpoint
+    assert taken is not None and taken.resume is None
+    again = store.claim(a, 30)  # its own replica again, if b left it, from its own checkpoint
+    if taken.job.id == first.id:
+        assert again is None  # a never takes the other replica
+    else:
+        assert again is not None and again.job.id == first.id and again.resume.epoch == 5

@@ -5,8 +5,11 @@ verification costs honest machines."""
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import io
 import itertools
+import random
 import tarfile
 
 import pytest
@@ -81,9 +84,10 @@ def test_which_addresses_make_machines_one_host(address: str, one_host: bool):
 
 
 def archive(members: list[tuple[str, bytes]], *, mtime: int = 0, level: int = 9,
-            kind: bytes = tarfile.REGTYPE) -> list[bytes]:
+            kind: bytes = tarfile.REGTYPE, form: int = tarfile.PAX_FORMAT) -> list[bytes]:
+    """An archive as the agent packs /output (task._upload_output: PAX, plain files)."""
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=level) as tar:
+    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=level, format=form) as tar:
         for name, data in members:
             info = tarfile.TarInfo(name)
             info.size, info.mtime, info.type = len(data), mtime, kind
@@ -105,6 +109,89 @@ def test_the_output_digest_is_what_the_files_hold_not_how_they_were_packed():
     assert output_digest(archive([FILES[0], ("logs/metrics.json", b'{"loss": 0.2}')])) != d
     assert output_digest(archive([FILES[0], ("logs/other.json", FILES[1][1])])) != d
     assert output_digest(archive([])) == NO_OUTPUT
+
+
+def library_digest(chunks: list[bytes]) -> str:
+    """The digest by the library's reading of the archive (tarfile extracting each file)."""
+    files = {}
+    with tarfile.open(fileobj=io.BytesIO(b"".join(chunks)), mode="r:gz") as tar:
+        for m in tar:
+            data = tar.extractfile(m).read()  # type: ignore[union-attr]
+            files[m.name] = f"{len(data)}:{hashlib.sha256(data).hexdigest()}"
+    if not files:
+        return NO_OUTPUT
+    h = hashlib.sha256()
+    for name in sorted(files):
+        h.update(f"{name}\x00{files[name]}\n".encode())
+    return f"sha256:{h.hexdigest()}"
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_strict_reader_agrees_with_tarfile_on_every_archive_an_agent_makes(seed: int):
+    rng = random.Random(seed)
+    names = set()
+    while len(names) < rng.randint(0, 12):
+        depth = rng.randint(1, 4)
+        names.add("/".join(rng.choice(["model", "logs", "é", "a" * rng.randint(1, 120), "x y",
+                                       "tab\there", "ckpt-00017"]) + str(rng.randint(0, 9))
+                           for _ in range(depth)))
+    members = [(n, rng.randbytes(rng.choice([0, 1, 511, 512, 513, 70_000, 2_500_000])))
+               for n in sorted(names)]
+    chunks = archive(members, mtime=rng.randint(0, 2**33), level=rng.randint(1, 9))
+    assert output_digest(chunks) == library_digest(chunks)
+
+
+def raw_tar(members: list[tuple[str, bytes]], form: int = tarfile.PAX_FORMAT) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=form) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def gz(data: bytes) -> list[bytes]:
+    return [gzip.compress(data)]
+
+
+def sparse_pax() -> list[bytes]:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo("big")
+        info.size, info.pax_headers = 4, {"GNU.sparse.size": str(2**50), "GNU.sparse.map": "0,4"}
+        tar.addfile(info, io.BytesIO(b"abcd"))
+    return gz(buf.getvalue())
+
+
+def after_the_end() -> list[bytes]:
+    honest = raw_tar(FILES)
+    end = honest.index(bytes(1024), 512)
+    return gz(honest[:end + 512] + raw_tar([("hidden", b"only tar -i sees me")]))
+
+
+def bad_checksum() -> list[bytes]:
+    honest = bytearray(raw_tar(FILES))
+    honest[0] ^= 1  # the first header's name, its checksum unchanged
+    return gz(bytes(honest))
+
+
+@pytest.mark.parametrize("chunks", [
+    sparse_pax(),
+    gz(raw_tar([("n" * 200, b"x")], form=tarfile.GNU_FORMAT)),  # a GNU long-name header
+    archive([("hard", b"")], kind=tarfile.LNKTYPE),
+    after_the_end(),
+    bad_checksum(),
+], ids=["sparse", "gnu-longname", "hardlink", "after-the-end", "checksum"])
+def test_what_tar_tools_read_differently_is_malformed(chunks: list[bytes]):
+    assert output_digest(chunks).startswith(MALFORMED)
+
+
+def test_a_bomb_is_not_inflated_past_the_limit():
+    bomb = gz(raw_tar([("zeros", bytes(50 * 1024 * 1024))]))  # 50 MiB in about 50 KiB
+    assert sum(map(len, bomb)) < 200_000
+    assert output_digest(bomb, limit=1024 * 1024).startswith(MALFORMED)
+    assert output_digest(bomb).startswith("sha256:")  # under the real limit it is read
 
 
 @pytest.mark.parametrize("chunks", [
@@ -152,3 +239,13 @@ def test_adaptive_costs_honest_machines_little_once_they_have_earned_trust() -> 
                       count_from=50_000)  # 500 tasks a machine: trust earned
     assert early.extra > 0.2  # every machine starts untrusted: all its answers are checked
     assert steady.extra <= 0.10 and steady.honest_quarantined == 0
+
+
+def test_replicas_that_all_end_without_an_answer_fail_the_job_saying_so():
+    d = decide(TWO, [said("a", None), said("b", None), said("c", None), said("d", None)], 0, 4,
+               {}, 0.5)
+    assert d.fail.startswith("no replica answered")
+    agent_failure = Answer("r", "m", None)  # exit -1: the agent's, not the job's
+    from campugrid.coordinator.quorum import answer_key
+    assert answer_key("failed", -1, "", None) is None and agent_failure.says() == "no answer"
+    assert answer_key("failed", 3, "", None) == (3, "", NO_OUTPUT)

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from campugrid.protocol.errors import InvalidInput
@@ -144,3 +146,27 @@ def test_a_spec_takes_plain_values_as_json_has_them_and_checks_them_alike():
         JobSpec(resources={"memry_mb": 1})
     with pytest.raises(InvalidInput, match="CAMPUGRID_ are reserved"):
         JobSpec(env={"CAMPUGRID_X": "1"})
+
+
+@pytest.mark.parametrize(("verify", "message"), [
+    ({"replicas": 1}, "verify.replicas: must be an integer from 2 to 16"),
+    ({"replicas": 2, "quorum": 3}, "verify.quorum: must be an integer from 2 to 2"),
+    ({"replicas": 3, "max_replicas": 2}, "verify.max_replicas: must be an integer from 3 to 16"),
+    ({"replica": 2}, "did you mean 'replicas'"),
+    ("always", 'verify: must be "adaptive" or an object'),
+    ({"adaptive": True, "replicas": 3}, 'give "adaptive" alone'),
+])
+def test_verify_is_checked_field_by_field(verify, message):
+    with pytest.raises(InvalidInput, match=re.escape(message)):
+        JobSpec.from_dict({"verify": verify})
+
+
+def test_a_verified_spec_round_trips_and_runs_a_verified_image_unless_it_says_otherwise():
+    for given in ({"replicas": 3, "quorum": 2}, "adaptive"):
+        spec = JobSpec.from_dict({"verify": given, "shards": [{"payload": 1}], "command": "x"})
+        assert JobSpec.from_json(spec.to_json()) == spec and spec.image.reuse == "verified"
+        assert spec.as_replica().verify is None and spec.as_replica().image.reuse == "verified"
+        assert JobSpec(verify=given).image.reuse == "verified"
+    first = JobSpec.from_dict({"verify": {"replicas": 2}, "image": {"reuse": "first"}})
+    assert JobSpec.from_json(first.to_json()).image.reuse == "first"
+    assert JobSpec.from_dict({}).verify is None and "verify" not in JobSpec().to_dict()

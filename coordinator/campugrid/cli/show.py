@@ -61,7 +61,7 @@ def machine_line(m: dict[str, Any]) -> str:
            else "idle") if m.get("online") else "offline" if m["status"] == "approved" else ""
     size = (f"{m['cpus']} CPUs, {size_text(m['memory_mb'] * 2**20)} memory, "
             f"{size_text(m['disk_mb'] * 2**20)} disk" if m.get("cpus") else "size not reported")
-    return (f"{m['id']}  {m['status']:<8} {now:<22} {m['name']}  {size}\n"
+    return (f"{m['id']}  {m['status']:<11} {now:<22} {m['name']}  {size}\n"
             f"    {m['fingerprint']}  (from {m['address'] or '?'}, seen {m['last_seen_at'][:19]})"
             + (f"\n    held by its owner: {m['held']}" if m.get("held") else "")
             + (f"\n    answered against quorums {m['disagreed']} time(s), agreed {m['agreed']}; "

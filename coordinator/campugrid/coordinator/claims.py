@@ -19,6 +19,7 @@ from sqlalchemy import Connection, Row, bindparam, exists, func, insert, select,
 from sqlalchemy.orm import Session
 
 from campugrid.coordinator.db import Database, dialect_of, job_row
+from campugrid.coordinator.machines import Status as MachineStatus
 from campugrid.coordinator.models import (
     Base,
     GpuReservation,
@@ -158,12 +159,17 @@ class Claimer:
                  "gpu_uuid": uuid, "memory_mb": gpu_mb} for uuid in gpus])
         detail = f"machine {machine_id}" + (f", GPUs {', '.join(gpus)}" if gpus else "")
         if row.replica_of is not None:
-            leased_replica(conn, row.replica_of, machine_id, now, events)
+            leased_replica(conn, row.replica_of, job_id, machine_id, now, events)
         events.append({"job_id": job_id, "at": now, "attempt": attempt, "kind": "leased",
                        "detail": detail})
         # Only an attempt records checkpoints: a job leased for the first time has none.
-        resume = (conn.execute(_LATEST_CHECKPOINT, {"job_id": job_id}).first()
-                  if attempt > 1 else None)
+        # A replica resumes only from its own machine's checkpoints: another machine's could
+        # be poisoned, and the machine resuming it would answer for it.
+        resume = (None if attempt <= 1 else
+                  conn.execute(_LATEST_CHECKPOINT, {"job_id": job_id}).first()
+                  if row.replica_of is None else
+                  conn.execute(_LATEST_OWN_CHECKPOINT, {"job_id": job_id,
+                                                        "machine_id": machine_id}).first())
         return Claim(JobView.from_row(row), gpus,
                      CheckpointView.from_row(resume) if resume is not None else None)
 
@@ -213,7 +219,8 @@ _SUITS_LIMITS = ((_JOBS.c.limits_needed.op("&")(bindparam("lacks")) == 0)
                  # one of its replicas (or shares an address with one that did) takes no other.
                  & (_JOBS.c.replicas == 0)
                  & ~exists().where(_REPLICA_MACHINES.c.job_id == _JOBS.c.replica_of,
-                                   _REPLICA_MACHINES.c.machine_id == bindparam("machine_id")))
+                                   _REPLICA_MACHINES.c.machine_id == bindparam("machine_id"),
+                                   _REPLICA_MACHINES.c.replica_id != _JOBS.c.id))
 _UNSAID = 2**31 - 1  # a size the machine did not say (an older agent): no bound
 
 
@@ -253,8 +260,16 @@ _TAKE_JOB = (update(_JOBS)
                     _JOBS.c.attempt == bindparam("seen_attempt"))
              .values(**_LEASE_VALUES).returning(*_JOBS.c))
 _ADD_EVENT = insert(JobEvent)
-_LATEST_CHECKPOINT = (select(*_CHECKPOINTS.c).where(_CHECKPOINTS.c.job_id == bindparam("job_id"))
+# A job resumes from its newest checkpoint made by a machine in good standing: not from one a
+# quarantined or revoked machine made (which could be poisoned), nor from any made after it.
+RESUMABLE = (_CHECKPOINTS.c.machine_id.is_(None)
+             | _CHECKPOINTS.c.machine_id.in_(select(Machine.id).where(
+                 Machine.status == MachineStatus.APPROVED.value)))
+_LATEST_CHECKPOINT = (select(*_CHECKPOINTS.c).where(_CHECKPOINTS.c.job_id == bindparam("job_id"),
+                                                    RESUMABLE)
                       .order_by(_CHECKPOINTS.c.epoch.desc(), _CHECKPOINTS.c.id.desc()).limit(1))
+_LATEST_OWN_CHECKPOINT = _LATEST_CHECKPOINT.where(
+    _CHECKPOINTS.c.machine_id == bindparam("machine_id"))
 
 
 def _take_next_sqlite(conn: Connection, params: dict[str, Any]) -> SimpleNamespace | None:

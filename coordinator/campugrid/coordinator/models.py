@@ -194,12 +194,14 @@ class Machine(Base):
 
 class ReplicaMachine(Base):
     """A machine that took a replica of a verified job (with every machine at its address):
-    it is never given another replica of that job."""
+    it is never given another replica of that job (the same one again, after a drain, it
+    may be)."""
 
     __tablename__ = "replica_machines"
 
     job_id: Mapped[str] = mapped_column(String(36), primary_key=True)  # the verified job
     machine_id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    replica_id: Mapped[str] = mapped_column(String(36))  # the replica it took
 
 
 class MachineEpoch(Base):
@@ -339,6 +341,8 @@ class Checkpoint(Base):
     sha256: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[dt.datetime] = mapped_column()
     machine_id: Mapped[str | None] = mapped_column(String(36))  # the machine that made it
+    # The epoch its attempt resumed from (None: it started from nothing).
+    resumed_from: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class GpuReservation(Base):

@@ -23,6 +23,7 @@ from typing import BinaryIO, Protocol
 import certifi
 import urllib3
 from minio import Minio
+from minio.commonconfig import CopySource
 from minio.error import MinioException, S3Error
 from urllib3.exceptions import HTTPError
 
@@ -77,6 +78,11 @@ class ObjectStore(Protocol):
     def presign_get(self, key: str, ttl: dt.timedelta, bucket: str | None = None) -> str: ...
     def presign_put(self, key: str, ttl: dt.timedelta) -> str: ...
     def delete(self, key: str) -> None: ...
+    def copy(self, key: str, to: str) -> None:
+        """A copy of the object under another key, made by the store (nothing downloaded):
+        what an agent's presigned URL for `key` can no longer change."""
+        ...
+
     def begin_multipart(self, key: str) -> str:
         """A multipart upload of `key` (a checkpoint): its upload id."""
         ...
@@ -262,6 +268,16 @@ class S3Store:
         except _FAILURES as e:
             raise StorageError(f"cannot delete {key}: {e}") from e
 
+    def copy(self, key: str, to: str) -> None:
+        try:
+            self.client.copy_object(self.bucket, to, CopySource(self.bucket, key))
+        except S3Error as e:
+            if e.code in ("NoSuchKey", "NoSuchObject", "NotFound"):
+                raise InvalidInput(f"no object {key}") from e
+            raise StorageError(f"cannot copy {key}: {e}") from e
+        except _FAILURES as e:
+            raise StorageError(f"cannot copy {key}: {e}") from e
+
     # --- multipart: the SDK's own calls for these are private API, so here they are plain S3
     # requests, signed by the presigner and sent on the SDK's connection pool ---
 
@@ -428,6 +444,9 @@ class MemoryObjects:
     def delete(self, key: str) -> None:
         with self._lock:
             self._objects.pop((self.bucket, key), None)
+
+    def copy(self, key: str, to: str) -> None:
+        self.put_bytes(to, self._get(key))
 
     def begin_multipart(self, key: str) -> str:
         upload_id = secrets.token_hex(16)

@@ -19,14 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import ipaddress
-import tarfile
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
 
-from campugrid.protocol.spec import Verify
+from campugrid.protocol.spec import MAX_OUTPUT_BYTES, Verify
 
 TRUSTED_AFTER = 10  # agreeing answers in a row before adaptive takes a machine's word alone
 SAMPLE_FLOOR = 0.05  # the least fraction of a trusted machine's answers still checked
@@ -51,8 +48,9 @@ class Answer:
 def answer_key(state: str, exit_code: int | None, result: str | None,
                digest: str | None) -> tuple[int | None, str, str] | None:
     """What a replica that ended in `state` answered, as quorums compare answers; None where
-    it ended without one (a failure that was not its code's, so no exit code; cancelled)."""
-    if state == "succeeded" or (state == "failed" and exit_code is not None):
+    it ended without one: cancelled, or failed with no exit code of its own (a negative one
+    is the agent's: the build failed, the sandbox could not start)."""
+    if state == "succeeded" or (state == "failed" and exit_code is not None and exit_code >= 0):
         return (exit_code, result or "", digest or NO_OUTPUT)
     return None
 
@@ -104,6 +102,9 @@ def decide(verify: Verify, answers: Sequence[Answer], pending: int, made: int,
     if pending and needed <= pending + verify.max_replicas - made:
         return Decision()  # those still running may yet agree
     said = "; ".join(f"machine {a.machine_id[:8]}: {a.says()}" for a in answers)
+    if not got:
+        return Decision(fail=f"no replica answered: each of the {made} ended without an exit "
+                             f"code of its job's ({said})")
     return Decision(fail=f"results disagree: no {verify.quorum} of {made} replicas agreed "
                          f"({said})")
 
@@ -122,49 +123,115 @@ def shares_host(address: str) -> bool:
 
 NO_OUTPUT = "none"
 MALFORMED = "malformed"
+MAX_PAX_BYTES = 64 * 1024  # an extended header's records, at most (a long path needs far less)
+# The extended-header keys Python's tarfile writes for a plain file (the agent's archives).
+_PAX_KEYS = frozenset({"path", "mtime", "atime", "ctime", "uid", "gid", "uname", "gname"})
+_ZEROS = bytes(512)
+_USTAR = b"ustar\x0000"  # POSIX ustar's magic and version, as the PAX format writes them
 
 
-def output_digest(chunks: Iterable[bytes]) -> str:
-    """A digest of what an /output archive (the agent's tar.gz) holds, independent of its
+class _Malformed(Exception):
+    """Not an archive an honest agent makes."""
+
+
+def output_digest(chunks: Iterable[bytes], limit: int = MAX_OUTPUT_BYTES) -> str:
+    return read_output(chunks, limit)[0]
+
+
+def read_output(chunks: Iterable[bytes],
+                limit: int = MAX_OUTPUT_BYTES) -> tuple[str, list[tuple[str, int]]]:
+    """(digest, [(path, size), ...] of its files, as read here; none if malformed). The digest
+    is of what an /output archive (the agent's tar.gz) holds, independent of its
     order, timestamps, owners and compression: sha256 over each regular file's path and
-    bytes, sorted by path. An archive an honest agent cannot make (anything but regular files
-    with plain relative paths, a path twice, a gzip stream that is cut short, damaged or
-    followed by more) digests to MALFORMED plus a digest of its bytes, which never agrees
-    with an honest one; so a tar tool cannot be shown bytes other than the ones compared."""
+    bytes, sorted by path. The archive is read strictly as the agent writes it (POSIX ustar
+    headers, PAX records of a few known keys, regular files, nothing after its end but
+    zeros, one whole gzip stream) and never inflated past `limit` plus its headers: anything
+    else (a link, a sparse file, a path twice, a damaged or cut stream, a bomb) digests to
+    MALFORMED plus a digest of its bytes, which never agrees with an honest archive. So no
+    tar tool can be shown files other than the ones compared."""
     raw = _Raw(iter(chunks))
-    gz = zlib.decompressobj(wbits=31)  # gzip, its CRC and length checked at its end
-    stream = _ChunkReader(_inflate(raw, gz))
-    files: dict[str, str] = {}
+    stream = _Inflated(raw, limit + limit // 16 + 1024 * 1024)
     try:
-        with tarfile.open(fileobj=stream, mode="r|") as tar:
-            for member in tar:
-                name = member.name
-                if not member.isreg() or not _plain_path(name) or name in files:
-                    return raw.malformed()
-                f = tar.extractfile(member)
-                assert f is not None
-                h = hashlib.sha256()
-                while block := f.read(1024 * 1024):
-                    h.update(block)
-                files[name] = f"{member.size}:{h.hexdigest()}"
-        while stream.read(1024 * 1024):  # what follows the tar's end must still inflate
-            pass
-    except (tarfile.TarError, OSError, EOFError, zlib.error):
-        return raw.malformed()
-    if not gz.eof or gz.unused_data or raw.more():
-        return raw.malformed()
+        files = _read_tar(stream)
+        stream.finish()
+    except (_Malformed, zlib.error, UnicodeDecodeError, ValueError):
+        return raw.malformed(), []
     if not files:
-        return NO_OUTPUT
+        return NO_OUTPUT, []
     h = hashlib.sha256()
     for name in sorted(files):
         h.update(f"{name}\x00{files[name]}\n".encode())
-    return f"sha256:{h.hexdigest()}"
+    return f"sha256:{h.hexdigest()}", [(n, int(files[n].split(":")[0])) for n in sorted(files)]
+
+
+def _read_tar(r: _Inflated) -> dict[str, str]:
+    files: dict[str, str] = {}
+    path: str | None = None  # from the extended header just read, for the next entry
+    while True:
+        h = r.read(512)
+        if h == _ZEROS:
+            if r.read(512) != _ZEROS:
+                raise _Malformed("one zero block")
+            return files
+        if h[257:265] != _USTAR or _octal(h[148:156]) != sum(h[:148]) + 256 + sum(h[156:]):
+            raise _Malformed("not a POSIX ustar header, or its checksum is wrong")
+        kind, size = h[156:157], _octal(h[124:136])
+        if kind == b"x":
+            if size > MAX_PAX_BYTES or path is not None:
+                raise _Malformed("an extended header too long, or two in a row")
+            path = _pax_path(r.read(size))
+            r.skip(-size % 512)
+            continue
+        if kind not in (b"0", b"\0"):
+            raise _Malformed("an entry that is not a regular file")
+        name = path if path is not None else _ustar_name(h)
+        path = None
+        if not _plain_path(name) or name in files:
+            raise _Malformed("a path that is not plain, or a path twice")
+        digest = hashlib.sha256()
+        for piece in r.pieces(size):
+            digest.update(piece)
+        r.skip(-size % 512)
+        files[name] = f"{size}:{digest.hexdigest()}"
+
+
+def _octal(field: bytes) -> int:
+    text = field.rstrip(b"\0 ").lstrip(b" ")
+    if not text or any(c not in b"01234567" for c in text):
+        raise _Malformed("a number field that is not octal")
+    return int(text, 8)
+
+
+def _ustar_name(h: bytes) -> str:
+    name = h[:100].split(b"\0", 1)[0].decode("utf-8")
+    prefix = h[345:500].split(b"\0", 1)[0].decode("utf-8")
+    return f"{prefix}/{name}" if prefix else name
+
+
+def _pax_path(data: bytes) -> str | None:
+    """The path an extended header gives; only the keys tarfile writes for a file."""
+    path, at = None, 0
+    while at < len(data):
+        length_text, space, _ = data[at:at + 20].partition(b" ")
+        if not space or not length_text.isdigit():
+            raise _Malformed("an extended header record without its length")
+        length = int(length_text)
+        record = data[at:at + length]
+        if length <= len(length_text) + 1 or len(record) != length or not record.endswith(b"\n"):
+            raise _Malformed("an extended header record of the wrong length")
+        key, eq, value = record[len(length_text) + 1:-1].partition(b"=")
+        if not eq or key.decode("utf-8") not in _PAX_KEYS:
+            raise _Malformed("an extended header key an agent does not write")
+        if key == b"path":
+            path = value.decode("utf-8")
+        at += length
+    return path
 
 
 def _plain_path(name: str) -> bool:
     parts = name.split("/")
-    return bool(name) and not name.startswith("/") and "\\" not in name and all(
-        p not in ("", ".", "..") for p in parts) and name.isprintable()
+    return bool(name) and not name.startswith("/") and "\0" not in name and all(
+        p not in ("", ".", "..") for p in parts)
 
 
 class _Raw:
@@ -178,48 +245,64 @@ class _Raw:
             self.sha256.update(chunk)
             yield chunk
 
-    def more(self) -> bool:
-        return any(True for chunk in self if chunk)
-
     def malformed(self) -> str:
         for _ in self:
             pass
         return f"{MALFORMED}:{self.sha256.hexdigest()[:32]}"
 
 
-def _inflate(raw: _Raw, gz: Any) -> Iterator[bytes]:
-    """The gzip stream inflated, up to its end (what follows is left in `raw`)."""
-    for chunk in raw:
-        out = gz.decompress(chunk)
-        if out:
-            yield out
-        if gz.eof:
-            return
-    if not gz.eof:
-        raise EOFError("the gzip stream is cut short")
+class _Inflated:
+    """The gzip stream inflated, a megabyte at a time, never past `cap` bytes in all."""
 
+    def __init__(self, raw: _Raw, cap: int) -> None:
+        self._raw, self._cap = iter(raw), cap
+        self._gz = zlib.decompressobj(wbits=31)  # gzip: its CRC and length checked at its end
+        self._pending, self._buf, self._at, self._total = b"", b"", 0, 0
 
-class _ChunkReader(io.RawIOBase):
-    """A file over an iterator of byte chunks."""
+    def _more(self) -> bool:
+        """Inflate some more into the buffer (which has been read whole); False at the end."""
+        while not self._gz.eof:
+            if not self._pending:
+                chunk = next(self._raw, None)
+                if chunk is None:
+                    raise _Malformed("the gzip stream is cut short")
+                self._pending = chunk
+            out = self._gz.decompress(self._pending, 1024 * 1024)
+            self._pending = self._gz.unconsumed_tail
+            if out:
+                self._total += len(out)
+                if self._total > self._cap:
+                    raise _Malformed("it inflates past the output limit")
+                self._buf, self._at = out, 0
+                return True
+        return False
 
-    def __init__(self, chunks: Iterator[bytes]) -> None:
-        self._chunks = chunks
-        self._chunk, self._at = b"", 0
+    def pieces(self, n: int) -> Iterator[bytes]:
+        while n:
+            if self._at >= len(self._buf) and not self._more():
+                raise _Malformed("it ends inside an entry")
+            take = min(n, len(self._buf) - self._at)
+            yield self._buf[self._at:self._at + take]
+            self._at += take
+            n -= take
 
-    def readable(self) -> bool:
-        return True
+    def read(self, n: int) -> bytes:
+        return b"".join(self.pieces(n))
 
-    def readinto(self, buffer: Any) -> int:
-        while self._at >= len(self._chunk):
-            chunk = next(self._chunks, None)
-            if chunk is None:
-                return 0
-            self._chunk, self._at = chunk, 0
-        view = memoryview(buffer).cast("B")
-        n = min(len(view), len(self._chunk) - self._at)
-        view[:n] = self._chunk[self._at:self._at + n]
-        self._at += n
-        return n
+    def skip(self, n: int) -> None:
+        for _ in self.pieces(n):
+            pass
+
+    def finish(self) -> None:
+        """After the tar's end: zeros only, then the end of one gzip stream and no more."""
+        while True:
+            if any(self._buf[self._at:]):
+                raise _Malformed("data after the end of the archive")
+            self._at = len(self._buf)
+            if not self._more():
+                break
+        if self._gz.unused_data or self._pending or next(self._raw, None) is not None:
+            raise _Malformed("more after the gzip stream")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,7 @@ from sqlalchemy.orm import Session, aliased
 from campugrid.coordinator import verified
 from campugrid.coordinator.db import Database, job_row
 from campugrid.coordinator.fence import session_row
+from campugrid.coordinator.machines import Status as MachineStatus
 from campugrid.coordinator.models import (
     MAX_LOG_CHUNK,
     GpuReservation,
@@ -44,7 +45,7 @@ from campugrid.coordinator.models import (
     clean,
 )
 from campugrid.coordinator.moves import move_job, move_shards
-from campugrid.coordinator.quorum import Answer, Decision, answer_key, decide
+from campugrid.coordinator.quorum import Answer, answer_key, decide, shares_host
 from campugrid.coordinator.views import HoldRef, ShardResult, ShardTask, ShardView, stored_spec
 from campugrid.protocol.errors import IllegalTransition, StaleAttempt
 from campugrid.protocol.spec import JobSpec, Verify
@@ -117,10 +118,14 @@ def _hand_out(s: Session, job_id: str, sid: int, machine_id: str,
          .where(Shard.job_id == job_id, Shard.state == ShardState.QUEUED.value)
          .order_by(*order).limit(1))
     if _verify_of(s, job_id) is not None:
+        # Never two copies of a shard on one machine, nor on two behind one address.
+        address = s.scalar(select(Machine.address).where(Machine.id == machine_id)) or ""
+        host = ({machine_id} | set(s.scalars(select(Machine.id).where(Machine.address == address)))
+                if shares_host(address) else {machine_id})
         other = aliased(Shard)
         q = q.where(Shard.copy_of.is_not(None), ~exists().where(
             other.job_id == job_id, other.copy_of == Shard.copy_of,
-            other.machine_id == machine_id))
+            other.machine_id.in_(sorted(host))))
     found = s.execute(q).first()
     if found is None:
         s.execute(update(Job).where(Job.id == job_id)
@@ -141,9 +146,10 @@ def _verify_of(s: Session, job_id: str) -> Verify | None:
     return stored_spec(s.scalar(select(Job.spec_json).where(Job.id == job_id)) or "{}").verify
 
 
-def _decide(s: Session, job_id: str, shard: int, verify: Verify, now: dt.datetime) -> None:
-    """A copy of `shard` ended: quorum.decide on its copies' answers, as verified.settle
-    does for a verified job's replicas."""
+def _decide(s: Session, job_id: str, shard: int, verify: Verify, now: dt.datetime,
+            just_ended: int | None = None) -> None:
+    """A copy of `shard` ended (row `just_ended`, if it answered): quorum.decide on its
+    copies' answers, as verified.settle does for a verified job's replicas."""
     row = s.get(Shard, (job_id, shard), populate_existing=True)
     assert row is not None
     copies = list(s.scalars(select(Shard).where(Shard.job_id == job_id, Shard.copy_of == shard)
@@ -154,13 +160,15 @@ def _decide(s: Session, job_id: str, shard: int, verify: Verify, now: dt.datetim
     if row.state not in (ShardState.QUEUED.value, ShardState.RUNNING.value):
         # decided already: a late answer is still judged against the answer taken
         taken = _answer(row)
-        late = [a for a in answers if a.key is not None and a.machine_id != row.machine_id]
-        if taken is not None:
-            for a in late[-1:]:
-                agreed = Answer("", row.machine_id or "", taken)
-                verified.judge(s, Decision(accept=(agreed, a) if a.key == taken else (agreed,),
-                                  against=() if a.key == taken else (a,)), now,
-                      f"shard {shard} of job {job_id}")
+        for a in answers:
+            if taken is None or a.key is None or a.replica != str(just_ended):
+                continue
+            if a.key == taken:
+                verified.agreed(s, [a.machine_id], now)
+            else:
+                verified.quarantine(s, a.machine_id, now, f"on shard {shard} of job {job_id} it "
+                                    f"answered {a.says()}, where a quorum had agreed on "
+                                    f"{Answer('', '', taken).says()}")
         return
     streak = {m.id: m.streak for m in s.scalars(select(Machine).where(
         Machine.id.in_(sorted({a.machine_id for a in answers if a.machine_id}))))}
@@ -265,6 +273,9 @@ class ShardStore:
             session = session_row(s, ref, "shard result")
             if done is not None:
                 self._record(s, job_id, session.id, done)
+                if _verify_of(s, job_id) is not None and s.scalar(select(Machine.status).where(
+                        Machine.id == machine_id)) != MachineStatus.APPROVED.value:
+                    return None  # this very result got its machine quarantined
             state = JobState(s.scalar(select(Job.state).where(Job.id == job_id)) or "failed")
             if state.final or not _take_one(s, job_id):
                 return None
@@ -288,7 +299,9 @@ class ShardStore:
             exit_code=done.exit_code, result_json=clean(done.result_json),
             reason=clean(done.reason), finished_at=now)
         if verify is not None:
-            _decide(s, job_id, done.index, verify, now)
+            copy = s.scalar(select(Shard.idx).where(Shard.job_id == job_id, which,
+                                                    Shard.session_id == sid))
+            _decide(s, job_id, done.index, verify, now, just_ended=copy)
         else:
             s.execute(update(Job).where(Job.id == job_id).values(
                 shards_done=Job.shards_done + 1,
@@ -317,6 +330,12 @@ class ShardStore:
         with self.db.tx() as s:
             session = session_row(s, ref, "end of session", ended_ok=failure is None)
             if not session.active:  # the job ended first, which closed it
+                return
+            if failure and _verify_of(s, job_id) is not None:
+                # One machine's word does not fail a verified job: its copies are tries lost
+                # there, and other machines run them (out of tries, a shard has no answer
+                # from it, and its quorum decides).
+                self._close(s, session, count_try=True, why=f"session failed: {failure}"[:2000])
                 return
             self._close(s, session, count_try=False, why="session ended")
             if failure:
@@ -355,15 +374,24 @@ class ShardStore:
         """End a session; shards it still holds are queued again (or fail, out of tries)."""
         session.active = False
         job_id = session.job_id
+        if _verify_of(s, job_id) is not None:  # the job row first, as _record takes it
+            s.execute(update(Job).where(Job.id == job_id).values(updated_at=Job.updated_at)
+                      .execution_options(synchronize_session=False))
         max_tries = int(s.scalar(select(Job.max_attempts).where(Job.id == job_id)) or 1)
         held = s.execute(select(Shard.idx, Shard.tries, Shard.copy_of).where(
             Shard.job_id == job_id, Shard.session_id == session.id,
             Shard.state == ShardState.RUNNING.value)).all()
         requeued = failed = 0
         undecided: list[int] = []  # copies out of tries: their shards are decided on
+        decided = set(s.scalars(select(Shard.idx).where(
+            Shard.job_id == job_id, Shard.idx.in_([c for _, _, c in held if c is not None]),
+            Shard.state.not_in([ShardState.QUEUED.value, ShardState.RUNNING.value]))))
         for idx, tries, copy_of in held:
             tries += 1 if count_try else 0
-            if tries >= max_tries:
+            if copy_of in decided:  # its shard needs it no more
+                move_shards(s, job_id, ShardState.CANCELLED, where=[Shard.idx == idx],
+                            reason="not needed: its shard was decided")
+            elif tries >= max_tries:
                 move_shards(s, job_id, ShardState.FAILED, where=[Shard.idx == idx], tries=tries,
                             finished_at=dt.datetime.now(dt.UTC),
                             reason=f"{why}; all {max_tries} tries used")

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from campugrid.coordinator import verified
 from campugrid.coordinator.apps import Apps, Nonces
-from campugrid.coordinator.claims import REFUSAL_TTL_S, Claimer
+from campugrid.coordinator.claims import REFUSAL_TTL_S, RESUMABLE, Claimer
 from campugrid.coordinator.db import Database, job_row, side_database
 from campugrid.coordinator.fence import attempt_guard, attempt_held
 from campugrid.coordinator.gpu_history import GpuHistories
@@ -327,6 +327,7 @@ class Store:
         target = JobState.SUCCEEDED if succeeded else JobState.FAILED
         refused: StaleAttempt | IllegalTransition | None = None
         with self.tx() as s:
+            verified.lock_parent(s, job_id)
             try:
                 move_job(s, job_id, target, within=ACTIVE, where=attempt_guard(ref),
                          exit_code=exit_code, reason=clean(reason), result=clean(result),
@@ -357,6 +358,7 @@ class Store:
                        Job.shards_total == 0, Job.replicas == 0)
             ).all()
             for job_id, attempt, max_attempts, machine_id, drained in expired:
+                verified.lock_parent(s, job_id)
                 out_of_attempts = attempt - drained >= max_attempts
                 target = JobState.FAILED if out_of_attempts else JobState.QUEUED
                 reason = (f"lease of attempt {attempt} on machine {machine_id} expired"
@@ -397,8 +399,14 @@ class Store:
             else:
                 refused = None
                 now = utcnow()
+                # What this attempt resumed from: the newest of earlier attempts' (its lease
+                # gave it that one; no other attempt records checkpoints meanwhile).
+                resumed_from = s.scalar(select(Checkpoint.epoch).where(
+                    Checkpoint.job_id == job_id, Checkpoint.attempt < token, RESUMABLE)
+                    .order_by(Checkpoint.epoch.desc(), Checkpoint.id.desc()).limit(1))
                 s.add(Checkpoint(job_id=job_id, attempt=token, epoch=epoch, key=key, size=size,
-                                 sha256=sha256, created_at=now, machine_id=ref.machine_id))
+                                 sha256=sha256, created_at=now, machine_id=ref.machine_id,
+                                 resumed_from=resumed_from))
                 s.add(JobEvent(job_id=job_id, at=now, attempt=token, kind="checkpoint",
                                detail=f"epoch {epoch}, {size} bytes"))
                 s.flush()
@@ -413,7 +421,7 @@ class Store:
 
     def latest_checkpoint(self, job_id: str) -> CheckpointView | None:
         with self.read() as s:
-            row = s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
+            row = s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id, RESUMABLE)
                             .order_by(Checkpoint.epoch.desc(), Checkpoint.id.desc()).limit(1)).first()
             return CheckpointView.from_row(row) if row is not None else None
 
@@ -433,6 +441,7 @@ class Store:
         now = utcnow()
         failed = failed and not cannot_run_here
         with self.tx() as s:
+            verified.lock_parent(s, job_id)
             row = job_row(s, job_id)
             used = row.attempt - row.drained
             exhausted = failed and used >= row.max_attempts

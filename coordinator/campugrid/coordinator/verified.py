@@ -49,8 +49,8 @@ def make_replicas(s: Session, parent: Job, n: int, now: dt.datetime) -> list[str
     return made
 
 
-def leased_replica(conn: Connection, parent_id: str, machine_id: str, now: dt.datetime,
-                   events: list[dict[str, Any]]) -> None:
+def leased_replica(conn: Connection, parent_id: str, replica_id: str, machine_id: str,
+                   now: dt.datetime, events: list[dict[str, Any]]) -> None:
     """A replica of `parent_id` was just leased to this machine (in the claim's transaction):
     neither it nor any machine at its address is given another replica of that job, and the
     verified job is running."""
@@ -60,9 +60,14 @@ def leased_replica(conn: Connection, parent_id: str, machine_id: str, now: dt.da
     have = set(conn.scalars(select(ReplicaMachine.machine_id).where(
         ReplicaMachine.job_id == parent_id, ReplicaMachine.machine_id.in_(sorted(same)))))
     if same - have:
-        conn.execute(insert(ReplicaMachine), [{"job_id": parent_id, "machine_id": m}
+        conn.execute(insert(ReplicaMachine), [{"job_id": parent_id, "machine_id": m,
+                                               "replica_id": replica_id}
                                               for m in sorted(same - have)])
-    moved = conn.execute(update(Job).where(Job.id == parent_id, Job.state == JobState.QUEUED.value)
+    # The replica's row is locked here, and a decision locks the verified job before its
+    # replicas: so the verified job is moved only if no one holds it (else settle does it).
+    free = (select(Job.id).where(Job.id == parent_id, Job.state == JobState.QUEUED.value)
+            .with_for_update(skip_locked=True).scalar_subquery())
+    moved = conn.execute(update(Job).where(Job.id == free)
                          .values(state=JobState.RUNNING.value, updated_at=now))
     if moved.rowcount:
         events.append({"job_id": parent_id, "at": now, "attempt": 0, "kind": "running",
@@ -97,7 +102,18 @@ def settle(s: Session, parent_id: str, now: dt.datetime, sample: float | None = 
         _cancel_rest(s, parent, replicas, now, "its results can no longer agree")
     elif decision.accept:
         _accept(s, parent, decision, replicas, now)
+    elif parent.state == JobState.QUEUED.value and any(JobState(r.state).active for r in replicas):
+        move_job(s, parent.id, JobState.RUNNING, kind=JobKind.VERIFIED, updated_at=now)
     return decision
+
+
+def lock_parent(s: Session, job_id: str) -> None:
+    """Before a replica's row is written: lock its verified job (if it is a replica), so that
+    every path takes the two in one order (a decision holds the verified job and writes its
+    replicas)."""
+    parent = s.scalar(select(Job.replica_of).where(Job.id == job_id))
+    if parent is not None:
+        s.execute(select(Job.id).where(Job.id == parent).with_for_update())
 
 
 def _accept(s: Session, parent: Job, decision: Decision, replicas: list[Job],
@@ -123,14 +139,19 @@ def judge(s: Session, decision: Decision, now: dt.datetime, on: str) -> None:
     answered against it are quarantined, with the evidence."""
     if not decision.checked or not decision.accept:
         return
-    agreed = [a.machine_id for a in decision.accept]
-    s.execute(update(Machine).where(Machine.id.in_(sorted(set(agreed)))).values(
-        agreed=Machine.agreed + 1, streak=Machine.streak + 1, last_agreed_at=now)
-        .execution_options(synchronize_session=False))
+    agreed_by = [a.machine_id for a in decision.accept]
+    agreed(s, agreed_by, now)
     said = decision.accept[0].says()
     for a in decision.against:
         quarantine(s, a.machine_id, now, f"on {on} it answered {a.says()}, where "
-                   f"{len(agreed)} other machines agreed on {said}")
+                   f"{len(agreed_by)} other machines agreed on {said}")
+
+
+def agreed(s: Session, machines: list[str], now: dt.datetime) -> None:
+    """These machines' answers agreed with a quorum: their records say so."""
+    s.execute(update(Machine).where(Machine.id.in_(sorted(set(machines)))).values(
+        agreed=Machine.agreed + 1, streak=Machine.streak + 1, last_agreed_at=now)
+        .execution_options(synchronize_session=False))
 
 
 def _cancel_rest(s: Session, parent: Job, replicas: list[Job], now: dt.datetime,

@@ -109,6 +109,12 @@ class JobView:
     output_digest: str | None = None  # a replica's /output, as quorum.output_digest read it
     tainted: str | None = None  # why its result cannot be trusted any more
 
+    @property
+    def shards_waiting(self) -> int:
+        """Shards no machine holds yet, as researchers count them: a verified job's counter
+        counts copies, which only bound it."""
+        return min(self.shards_queued, self.shards_total - self.shards_done)
+
     @classmethod
     def from_row(cls, row: Job | Row[Any] | SimpleNamespace) -> JobView:
         return cls(
@@ -172,11 +178,12 @@ class CheckpointView:
     sha256: str
     created_at: dt.datetime
     machine_id: str | None = None  # the machine that made it (None: made before this was kept)
+    resumed_from: int | None = None  # the epoch its attempt resumed from (None: from nothing)
 
     @classmethod
     def from_row(cls, r: Checkpoint | Row[Any]) -> CheckpointView:
         return cls(r.job_id, r.attempt, r.epoch, r.key, r.size, r.sha256, r.created_at,
-                   getattr(r, "machine_id", None))
+                   getattr(r, "machine_id", None), getattr(r, "resumed_from", None))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,7 +46,7 @@ def waiting_reason(job: JobView, machines: list[MachineView], pending: int = 0,
     if why is not None and pending:
         why += (f"; {pending} machine(s) online wait for their owner's approval "
                 "(`campugrid machines`)")
-    running = job.shards_total - job.shards_queued - job.shards_done
+    running = job.shards_total - job.shards_waiting - job.shards_done
     if job.shards_total and running:
-        return f"{job.shards_queued} shards wait, {running} running: {why}"
+        return f"{job.shards_waiting} shards wait, {running} running: {why}"
     return why

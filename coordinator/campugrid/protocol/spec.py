@@ -30,6 +30,7 @@ MAX_SHARDS = 100_000
 MAX_SHARD_PAYLOAD = 64 * 1024  # bytes of JSON per shard
 MAX_SHARD_RESULT = 64 * 1024  # bytes of JSON a shard's result may have
 MAX_SPEC_BYTES = 16 * 1024 * 1024  # room for a long list of shards
+MAX_OUTPUT_BYTES = 1024**3  # the files of one /output archive, at most (agents refuse more)
 SHARD_MODES = ("process", "serve")
 # image.reuse: which build of the job's image a machine may run instead of building its own.
 # "first": the first machine's (pushed to the registry, pulled by digest by the others);
@@ -212,6 +213,8 @@ class JobSpec:
             typed = JobSpec.from_dict(plain)
             for name in plain:
                 object.__setattr__(self, name, getattr(typed, name))
+            if "verify" in plain and self.image == ImageOptions():  # as from_dict reads it
+                object.__setattr__(self, "image", typed.image)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> JobSpec:
@@ -387,8 +390,8 @@ class JobSpec:
             out["shards"] = [{"payload": sh.payload, "cost": sh.cost} for sh in self.shards]
         if self.shard_mode != "process":  # kept in the stored spec, which has no shards
             out["shard_mode"] = self.shard_mode
-        if self.image != ImageOptions():  # likewise: stored specs stay as they were
-            out["image"] = dataclasses.asdict(self.image)
+        if self.image != ImageOptions() or self.verify is not None:  # (a verified job's
+            out["image"] = dataclasses.asdict(self.image)  # reuse is always said: not implied)
         if self.verify is not None:
             out["verify"] = ("adaptive" if self.verify == ADAPTIVE
                              else dataclasses.asdict(self.verify))

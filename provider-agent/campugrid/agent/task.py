@@ -34,6 +34,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import tarfile
 import threading
 import time
@@ -66,13 +67,12 @@ from campugrid.protocol.errors import (
     InvalidInput,
     SandboxError,
 )
-from campugrid.protocol.spec import BUILD_MB, ENFORCED, JobSpec
+from campugrid.protocol.spec import BUILD_MB, ENFORCED, MAX_OUTPUT_BYTES, JobSpec
 from campugrid.sandbox import confine, slots
 from campugrid.sandbox.podman_ops import PodmanOps
 from campugrid.sandbox.runtime import RunRequest, Runtime
 
 log = logging.getLogger("campugrid.agent")
-MAX_OUTPUT_BYTES = 1024**3
 BUILD_TIMEOUT_S = 1800
 HOOKS_MOUNT = "/opt/campugrid/hooks"
 CHECKPOINT_MOUNT = "/checkpoints"
@@ -651,10 +651,20 @@ def _upload_output(url: str, output_dir: Path, tarball: Path) -> tuple[tuple[str
         return ()
     if sum(p.stat().st_size for p in files) > MAX_OUTPUT_BYTES:
         raise InvalidInput(f"output: larger than {MAX_OUTPUT_BYTES // 1024**2} MiB; not uploaded")
-    with tarfile.open(tarball, mode="w:gz") as tar:
+    listed = []
+    # Every entry a plain regular file (a hard link's second name too, with its bytes): what
+    # the coordinator's digest of a verified job's output reads (coordinator/quorum.py).
+    with tarfile.open(tarball, mode="w:gz", format=tarfile.PAX_FORMAT) as tar:
         for p in files:
-            tar.add(p, arcname=str(p.relative_to(output_dir)), recursive=False)
+            with os.fdopen(os.open(p, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                info = tarfile.TarInfo(str(p.relative_to(output_dir)))
+                info.size, info.mode, info.mtime = st.st_size, st.st_mode & 0o755, int(st.st_mtime)
+                tar.addfile(info, f)
+                listed.append((info.name, st.st_size))
     size = tarball.stat().st_size
     with httpx.Client(timeout=300) as http, open(tarball, "rb") as f:
         http.put(url, content=f, headers={"content-length": str(size)}).raise_for_status()
-    return tuple((str(p.relative_to(output_dir)), p.stat().st_size) for p in files)
+    return tuple(listed)

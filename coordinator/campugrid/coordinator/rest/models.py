@@ -103,9 +103,9 @@ class JobOut(BaseModel):
             created_at=job.created_at, updated_at=job.updated_at, events=events,
             waiting_reason=waiting_reason,
             shards=ShardCounts(
-                total=job.shards_total, queued=job.shards_queued, done=job.shards_done,
+                total=job.shards_total, queued=job.shards_waiting, done=job.shards_done,
                 failed=job.shards_failed,
-                running=job.shards_total - job.shards_queued - job.shards_done)
+                running=job.shards_total - job.shards_waiting - job.shards_done)
             if job.shards_total else None,
             tainted=job.tainted, replica_of=job.replica_of, replicas=replicas,
         )

@@ -13,7 +13,7 @@ from campugrid.coordinator.config import Settings
 from campugrid.coordinator.holds import Holds
 from campugrid.coordinator.machines import Status as MachineStatus
 from campugrid.coordinator.objects import ObjectStore
-from campugrid.coordinator.quorum import output_digest
+from campugrid.coordinator.quorum import read_output
 from campugrid.coordinator.scheduler import MachineView, fast_from
 from campugrid.coordinator.services.inputs import InputService
 from campugrid.coordinator.services.machines import MachineService
@@ -120,7 +120,10 @@ class LeaseService:
         """Record the shard the session finished (if any) and hand out its next one."""
         if done is not None and done.result_json is not None:
             _check_result(done.index, done.result_json)
-        return self.holds.of(ref).next_shard(done, heavy_first=self.is_fast(ref.machine_id))
+        task = self.holds.of(ref).next_shard(done, heavy_first=self.is_fast(ref.machine_id))
+        if done is not None:  # a verified shard's result may have quarantined a machine
+            self.machines.recheck()
+        return task
 
     def renew(self, ref: HoldRef, phase: JobState) -> float:
         """Extend the lease of a hold (an attempt moves to `phase`); returns the lease
@@ -141,13 +144,14 @@ class LeaseService:
         hold = self.holds.of(ref)
         key = (self.output_key(ref.job_id, ref.token)
                if output_uploaded and hold.takes_output else None)
+        replica = hold.takes_output and self.store.is_replica(ref.job_id)
+        digest = None
+        if replica:
+            hold.check("complete")  # a stale call costs no reading
+            if key is not None:
+                key, digest, output_files = self._keep_output(key)
         if key is not None and not self.objects.exists(key):
             key = None  # claimed but not there: never point researchers at nothing
-        # A replica's output is compared with the others' by what it holds, as read here:
-        # never by what its machine says it holds.
-        replica = hold.takes_output and self.store.is_replica(ref.job_id)
-        digest = (output_digest(self.objects.stream(key)) if key is not None and replica
-                  else None)
         hold.finish(
             succeeded=succeeded, exit_code=exit_code, reason=reason, result=result,
             output_key=key, limits=limits, output_digest=digest,
@@ -217,6 +221,20 @@ class LeaseService:
     def extend_active_leases(self) -> int:
         """After a restart, give agents one lease period to reach us again."""
         return self.store.extend_active_leases(self.settings.lease_seconds)
+
+    def _keep_output(self, key: str) -> tuple[str, str | None, list[tuple[str, int]]]:
+        """A replica's output, moved where the machine's upload URL (good for hours) can no
+        longer change it, and read there: (its key, its digest, its files). It is compared
+        with the others' by what it holds as read here, never by what its machine says. A
+        retried call finds it moved already."""
+        kept = f"{key.removesuffix('.tar.gz')}-kept.tar.gz"
+        if self.objects.exists(key):
+            self.objects.copy(key, kept)
+            self.objects.delete(key)
+        if not self.objects.exists(kept):
+            return key, None, []
+        digest, files = read_output(self.objects.stream(kept))
+        return kept, digest, files
 
     @staticmethod
     def output_key(job_id: str, attempt: int) -> str:

@@ -32,12 +32,14 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column("quarantine", sa.Text(), nullable=True))
     with op.batch_alter_table("checkpoints", schema=None) as batch_op:
         batch_op.add_column(sa.Column("machine_id", sa.String(36), nullable=True))
+        batch_op.add_column(sa.Column("resumed_from", sa.BigInteger(), nullable=True))
     with op.batch_alter_table("shards", schema=None) as batch_op:
         batch_op.add_column(sa.Column("copy_of", sa.Integer(), nullable=True))
     op.create_table(
         "replica_machines",
         sa.Column("job_id", sa.String(36), nullable=False),
         sa.Column("machine_id", sa.String(36), nullable=False),
+        sa.Column("replica_id", sa.String(36), nullable=False),
         sa.PrimaryKeyConstraint("job_id", "machine_id"),
     )
 
@@ -47,6 +49,7 @@ def downgrade() -> None:
     with op.batch_alter_table("shards", schema=None) as batch_op:
         batch_op.drop_column("copy_of")
     with op.batch_alter_table("checkpoints", schema=None) as batch_op:
+        batch_op.drop_column("resumed_from")
         batch_op.drop_column("machine_id")
     with op.batch_alter_table("machines", schema=None) as batch_op:
         for name in ("quarantine", "last_agreed_at", "streak", "disagreed", "agreed"):
