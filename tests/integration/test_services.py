@@ -47,3 +47,29 @@ def test_an_output_the_machine_claims_but_storage_lacks_is_never_shown(store: St
     shown, stream = coord.jobs.open_output(uploaded.job.id)
     assert b"".join(stream) == b"the output archive"
     assert shown.output_files == (("out/?file", 18),)  # as said, printable
+
+
+def test_a_replicas_output_is_read_where_its_upload_url_cannot_change_it(store: Store, tmp_path):
+    from tests.unit.test_quorum import archive
+
+    coord, objects = coordinator(store, tmp_path)
+    parent, _ = store.submit(JobSpec.from_dict({"verify": {"replicas": 2}}), "contexts/x.tar",
+                             "ab" * 32)
+    honest = archive([("answer.txt", b"42\n")])
+    leases = []
+    for name in ("a", "b"):
+        lease = coord.leasing.lease(add_machine(store, name))
+        assert lease is not None and lease.job.replica_of == parent.id
+        objects.accept(lease.output_url, b"".join(honest))
+        leases.append(lease)
+    # A call that moved the archive and then broke: its retry finds it moved, and reads it.
+    coord.leasing._keep_output(coord.leasing.output_key(leases[0].job.id, 1))
+    coord.leasing.complete(leases[0].hold, succeeded=True, exit_code=0, reason=None, result="42",
+                           output_uploaded=True, limits={}, output_files=[("lies.txt", 1)])
+    coord.leasing.complete(leases[1].hold, succeeded=True, exit_code=0, reason=None, result="42",
+                           output_uploaded=True, limits={})
+    job = coord.jobs.get(parent.id)
+    assert job.state is JobState.SUCCEEDED and job.output_files == (("answer.txt", 3),)
+    objects.accept(leases[0].output_url, b"swapped after the vote")  # its URL still works...
+    _, stream = coord.jobs.open_output(job.id)
+    assert b"".join(stream) == b"".join(honest)  # ...but not on what was compared
