@@ -204,6 +204,22 @@ def test_each_shard_of_a_verified_sweep_is_decided_by_copies_on_different_machin
     record = store.machines.get(liar)
     assert record.status is Status.QUARANTINED and "shard 1" in record.quarantine
     assert store.machines.get(m1).agreed == 3 and store.machines.get(m3).agreed == 1
+    # A sweep it ran alone before (unverified): its shards are marked on their job.
+    assert not done.tainted
+
+
+def test_the_shards_a_liar_answered_alone_are_marked_on_their_job(store: Store):
+    liar, m2, m3 = (add_machine(store, n) for n in ("liar", "m2", "m3"))
+    sweep = submit(store, command=["python3", "w.py"], shards=[{"payload": i} for i in range(3)])
+    assert len(work_through(store, liar)) == 3
+    job = submit(store, verify={"replicas": 2})
+    run(store, m2)
+    run(store, liar, result="41", digest=WRONG)
+    run(store, m3)
+    assert store.machines.get(liar).status is Status.QUARANTINED
+    tainted = store.get(sweep.id).tainted
+    assert tainted is not None and tainted.startswith("shard(s) 0, 1, 2 were answered by machine")
+    assert store.get(job.id).tainted is None
 
 
 def test_an_adaptive_sweep_copies_only_what_an_untrusted_machine_answered(

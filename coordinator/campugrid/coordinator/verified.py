@@ -17,11 +17,18 @@ from sqlalchemy import Connection, delete, insert, select, update
 from sqlalchemy.orm import Session
 
 from campugrid.coordinator.machines import Status, bump_epoch, end_leases
-from campugrid.coordinator.models import GpuReservation, Job, JobEvent, Machine, ReplicaMachine
+from campugrid.coordinator.models import (
+    GpuReservation,
+    Job,
+    JobEvent,
+    Machine,
+    ReplicaMachine,
+    Shard,
+)
 from campugrid.coordinator.moves import move_job
 from campugrid.coordinator.quorum import Answer, Decision, answer_key, decide, shares_host
 from campugrid.coordinator.views import stored_spec
-from campugrid.protocol.states import JobKind, JobState
+from campugrid.protocol.states import JobKind, JobState, ShardState
 
 
 def make_replicas(s: Session, parent: Job, n: int, now: dt.datetime) -> list[str]:
@@ -180,8 +187,9 @@ def quarantine(s: Session, machine_id: str, now: dt.datetime, why: str) -> None:
         m.status, m.quarantine = Status.QUARANTINED.value, why[:4000]
     bump_epoch(s)
     end_leases(s, machine_id)
-    taint = (f"made by machine {machine_id[:8]}, quarantined {now:%Y-%m-%d %H:%M} UTC after "
-             f"it answered against a quorum; run it again with `campugrid rerun`")
+    by = (f"machine {machine_id[:8]}, quarantined {now:%Y-%m-%d %H:%M} UTC after it answered "
+          f"against a quorum; run the job again with `campugrid rerun`")
+    taint = f"its result was made by {by}"
     q = (update(Job).where(Job.machine_id == machine_id, Job.replica_of.is_(None),
                            Job.state.in_([JobState.SUCCEEDED.value, JobState.FAILED.value]),
                            Job.tainted.is_(None))
@@ -189,6 +197,22 @@ def quarantine(s: Session, machine_id: str, now: dt.datetime, why: str) -> None:
     if since is not None:
         q = q.where(Job.updated_at > since)
     s.execute(q)
+    # Sharded jobs: the shards it answered (taken unchecked, or from it alone) since then.
+    shards = (select(Shard.job_id, Shard.idx).where(
+        Shard.machine_id == machine_id, Shard.copy_of.is_(None),
+        Shard.state.in_([ShardState.SUCCEEDED.value, ShardState.FAILED.value]))
+        .order_by(Shard.job_id, Shard.idx))
+    if since is not None:
+        shards = shards.where(Shard.finished_at > since)
+    by_job: dict[str, list[int]] = {}
+    for job_id, idx in s.execute(shards):
+        by_job.setdefault(job_id, []).append(int(idx))
+    for job_id, idxs in by_job.items():
+        named = ", ".join(map(str, idxs[:20])) + (f" and {len(idxs) - 20} more"
+                                                   if len(idxs) > 20 else "")
+        s.execute(update(Job).where(Job.id == job_id, Job.tainted.is_(None))
+                  .values(tainted=f"shard(s) {named} were answered by {by}")
+                  .execution_options(synchronize_session=False))
 
 
 _SAMPLER = random.SystemRandom()
