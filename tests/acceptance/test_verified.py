@@ -4,11 +4,13 @@ runsc and Buildah), one of them dishonest (tests/support/liar.py: it changes a b
 answer, the liar is quarantined with the evidence, gets no more work, and the result it made
 earlier for an unverified job is marked tainted; `rerun` runs that job again. Reinstated, it
 lies about shards: an adaptive sweep ends with every shard's honest result, and it is
-quarantined again."""
+quarantined again. A liar that poisons checkpoints is caught by their checks, and the
+training job it ran resumes elsewhere from the last checked one."""
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import shutil
@@ -29,6 +31,7 @@ from tests.support.console import CLI, browser_page, signed_in_admin
 
 pytestmark = pytest.mark.acceptance
 LIAR = Path(__file__).resolve().parents[1] / "support" / "liar.py"
+TRAIN = Path(__file__).resolve().parents[2] / "examples" / "train"
 # The answer is in the output file: a liar that changes /output but reports the honest result
 # line is caught only by the coordinator's own reading of the archives.
 COMMAND = ["sh", "-c", "mkdir -p /output/model && echo 42 > /output/model/answer.txt && echo 42"]
@@ -139,3 +142,47 @@ def test_a_liar_is_outvoted_quarantined_and_its_earlier_result_tainted(grid, req
     again = next(m for m in api.machines() if m["id"] == liar.machine_id())
     assert again["status"] == "quarantined" and f"of job {sweep}" in again["quarantine"], again
     assert done["state"] == "succeeded"
+
+
+def test_a_poisoned_checkpoint_is_caught_and_the_job_resumes_from_a_checked_one(grid, request):
+    p, api, _ = grid
+    liar = p.start_agent("liar", program=(str(LIAR), "--lie", "checkpoints"))
+    # Every checkpoint is recomputed on another machine from the one before. Long enough that
+    # the liar is caught before it could finish (it lies from epoch 1 on).
+    job = api.submit(tar_folder(TRAIN), JobSpec.from_dict({
+        "env": {"EPOCHS": "20", "EPOCH_SECONDS": "1.5"}, "verify": {"checkpoints": 1}}))["id"]
+    wait_for("the liar to take the job", lambda: api.job(job)["machine_id"] == liar.machine_id())
+    for name in ("honest-a", "honest-b"):
+        p.start_agent(name)
+    final = api.wait(job, timeout_s=300, poll_s=0.5)
+    assert final["state"] == "succeeded", final
+    assert json.loads(final["result"])["epochs"] == 20
+    assert final["machine_id"] != liar.machine_id()
+
+    record = next(m for m in api.machines() if m["id"] == liar.machine_id())
+    assert record["status"] == "quarantined" and "epoch 1 of job" in record["quarantine"], record
+    kinds = [e["kind"] for e in final["events"]]
+    assert "rejected" in kinds and "checked" in kinds
+    # It went back to epoch 0, the checkpoint a check agreed with, and never past a lie.
+    by_epoch: dict[int, list[dict]] = {}
+    for c in final["checkpoints"]:
+        by_epoch.setdefault(c["epoch"], []).append(c)
+    assert any(c["verdict"] == "agreed" and c["machine_id"] == liar.machine_id()
+               for c in by_epoch[0])
+    resumed = [c for c in final["checkpoints"] if c["machine_id"] != liar.machine_id()]
+    assert resumed and all(c["resumed_from"] == 0 for c in resumed), resumed
+    assert all(c["verdict"] == "rejected" for c in final["checkpoints"]
+               if c["machine_id"] == liar.machine_id() and c["epoch"] >= 1)
+    logs = "".join(chunk["text"] for chunk in api.logs(job)["chunks"])
+    assert "resumed from the checkpoint of epoch 0" in logs
+
+    shown = subprocess.run([*CLI, "status", job], capture_output=True, text=True, timeout=60,
+                           env=p.cli_env(), check=True).stdout
+    assert "checked: REJECTED" in shown and "checked: agreed" in shown, shown
+    with browser_page(request) as page:
+        from playwright.sync_api import expect
+
+        signed_in_admin(page, p.cli_env())
+        page.goto(f"{p.url}/console/jobs/{job}")
+        expect(page.locator("#checkpoints tr.ckpt.rejected").first).to_contain_text(
+            "never resumed from")

@@ -192,7 +192,12 @@ def test_admin_commands_and_login_print_json(coord, env, tmp_path):
     [listed] = [m for m in cli_json(env, "machines") if m["id"] == joined["machine_id"]]
     assert (listed["online"], listed["busy"]) == (False, "")  # pending: never online
     assert "pending" in cli(env, "machines")
-    assert cli_json(env, "machines", "approve", joined["machine_id"])["status"] == "approved"
+    approved = cli_json(env, "machines", "approve", joined["machine_id"], "--owner", "dana")
+    assert (approved["status"], approved["owner"]) == ("approved", "dana")
+    assert "owner dana" in cli(env, "machines")
+    bad = subprocess.run([*CLI, "machines", "approve", "box", "--owner", "a\tb"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "printable" in bad.stderr, bad.stderr
     assert cli_json(env, "machines", "revoke", "box")["status"] == "revoked"
 
 

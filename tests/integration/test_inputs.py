@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from campugrid.agent.messages import Dataset, DatasetFile, Lease
-from campugrid.agent.task import _fetch_datasets
+from campugrid.agent.transfers import fetch_datasets
 from campugrid.protocol.errors import InvalidInput
 
 pytestmark = pytest.mark.integration
@@ -26,7 +26,7 @@ def lease_for(s3, path: str, key: str, data: bytes) -> Lease:
 def test_an_unchanged_input_is_fetched(s3, tmp_path):
     s3.put_bytes("in/a.csv", b"1,2\n")
     with httpx.Client() as http:
-        _fetch_datasets(http, lease_for(s3, "sub/a.csv", "in/a.csv", b"1,2\n"), tmp_path)
+        fetch_datasets(http, lease_for(s3, "sub/a.csv", "in/a.csv", b"1,2\n"), tmp_path)
     assert (tmp_path / "d" / "sub" / "a.csv").read_bytes() == b"1,2\n"
 
 
@@ -40,6 +40,6 @@ def test_an_input_changed_after_submit_fails_the_job_with_that_reason(s3, tmp_pa
     lease = lease_for(s3, "a.csv", "in/a.csv", b"1,2\n")
     s3.put_bytes("in/a.csv", now)  # changed between submit and the agent's fetch
     with httpx.Client() as http, pytest.raises(InvalidInput) as err:
-        _fetch_datasets(http, lease, tmp_path)
+        fetch_datasets(http, lease, tmp_path)
     assert "d: a.csv is not the file the job names" in str(err.value)
     assert says in str(err.value) and "changed after the job was submitted" in str(err.value)

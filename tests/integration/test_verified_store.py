@@ -134,6 +134,33 @@ def test_machines_behind_one_address_count_as_one_host_but_loopback_does_not(sto
     assert len({r.machine_id for r in store.replicas(job.id)}) == 2
 
 
+def test_machines_an_admin_said_share_an_owner_count_as_one_party(store: Store):
+    job = submit(store, verify={"replicas": 2})
+    a, b, c = (add_machine(store, n, approve=False) for n in ("desk", "laptop", "other"))
+    store.machines.set_status(a, Status.APPROVED, owner="alice")
+    store.machines.set_status(b, Status.APPROVED, owner="alice")
+    store.machines.set_status(c, Status.APPROVED, owner="bob")
+    assert store.machines.get(b).owner == "alice"
+    assert store.claim_next(a, lease_s=30) is not None
+    assert store.claim_next(b, lease_s=30) is None  # alice answered already
+    assert store.claim_next(c, lease_s=30) is not None
+    assert {r.machine_id for r in store.replicas(job.id)} == {a, c}
+    store.machines.set_status(b, Status.APPROVED)  # reinstated without saying: still alice's
+    assert store.machines.get(b).owner == "alice"
+    # A shard's copies and a checkpoint's checks are kept apart the same way.
+    sweep = submit(store, verify={"replicas": 2}, command="x",
+                   shards=[{"payload": 1}])
+    assert work_through(store, a) == [0]
+    assert work_through(store, b) == []
+    assert work_through(store, c) == [0] and store.get(sweep.id).state is JobState.SUCCEEDED
+    checked = submit(store, verify={"checkpoints": 1})
+    held = store.claim_next(a, lease_s=30)
+    assert held is not None and held.id == checked.id
+    store.record_checkpoint(attempt(checked.id, held.attempt, a), epoch=0, key="k", size=1,
+                            sha256="0" * 64, keep=3, content_digest="sha256:x")
+    assert store.claim(b, 30) is None and store.claim(c, 30) is not None
+
+
 def test_cancelling_a_verified_job_cancels_its_replicas_and_a_replica_is_not_cancelled_alone(
         store: Store):
     job = submit(store, verify={"replicas": 2})

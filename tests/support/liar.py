@@ -5,8 +5,10 @@ chosen way. Run as a program in place of `python -m campugrid.cli`:
 
 The lies (what a provider who owns its machine can make its agent do), one or several
 (`--lie output,shards`; a wrong result line is the store tests' case):
-    output  one byte of the job's /output is changed before the archive is packed
-    shards  each shard's result it reports is another value (a number plus one)
+    output       one byte of the job's /output is changed before the archive is packed
+    shards       each shard's result it reports is another value (a number plus one)
+    checkpoints  from epoch 1 on, one byte of each checkpoint is changed, and its manifest
+                 rewritten to match (epoch 0 stays honest: the job has one to go back to)
 
 Nothing here is reachable from an installed agent: the switch is this file's argument, and
 the file lives in tests/.
@@ -19,14 +21,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-LIES = ("output", "shards")
+LIES = ("output", "shards", "checkpoints")
 
 
 def lie_about(lie: str) -> None:
-    from campugrid.agent import client, task
+    from campugrid.agent import client, transfers
 
     if lie == "output":
-        honest_upload = task._upload_output
+        honest_upload = transfers.upload_output
 
         def upload(url: str, output_dir: Path, tarball: Path):  # type: ignore[no-untyped-def]
             with tempfile.TemporaryDirectory() as tmp:
@@ -38,7 +40,7 @@ def lie_about(lie: str) -> None:
                 first.write_bytes(bytes(data))
                 return honest_upload(url, forged, tarball)
 
-        task._upload_output = upload
+        transfers.upload_output = upload
     elif lie == "shards":
         honest_next = client.CoordinatorApi.next_shard
 
@@ -52,6 +54,27 @@ def lie_about(lie: str) -> None:
             return honest_next(self, hold, done)
 
         client.CoordinatorApi.next_shard = next_shard  # type: ignore[method-assign]
+    elif lie == "checkpoints":
+        from campugrid import hooks
+        from campugrid.agent import checkpoints
+
+        honest_checkpoint = checkpoints.CheckpointUploader._upload
+
+        def upload_checkpoint(self, epoch: int, path: Path):  # type: ignore[no-untyped-def]
+            if epoch >= 1:  # `path` is the agent's own copy, checked against its manifest
+                import json
+                manifest = json.loads((path / hooks.MANIFEST).read_text())
+                name = sorted(manifest["files"])[0]
+                data = bytearray((path / name).read_bytes() or b"\0")
+                data[-1] ^= 1
+                (path / name).write_bytes(bytes(data))
+                manifest["files"][name] = {"size": len(data),
+                                           "sha256": hooks.sha256_file(path / name)}
+                (path / hooks.MANIFEST).write_text(json.dumps(manifest, indent=1,
+                                                              sort_keys=True))
+            return honest_checkpoint(self, epoch, path)
+
+        checkpoints.CheckpointUploader._upload = upload_checkpoint  # type: ignore[method-assign]
 
 
 def main(argv: list[str]) -> None:

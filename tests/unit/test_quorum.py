@@ -11,6 +11,7 @@ import io
 import itertools
 import random
 import tarfile
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,7 @@ from campugrid.coordinator.quorum import (
     TRUSTED_AFTER,
     Answer,
     check_probability,
+    checkpoint_digest,
     decide,
     output_digest,
     shares_host,
@@ -85,7 +87,7 @@ def test_which_addresses_make_machines_one_host(address: str, one_host: bool):
 
 def archive(members: list[tuple[str, bytes]], *, mtime: int = 0, level: int = 9,
             kind: bytes = tarfile.REGTYPE, form: int = tarfile.PAX_FORMAT) -> list[bytes]:
-    """An archive as the agent packs /output (task._upload_output: PAX, plain files)."""
+    """An archive as the agent packs /output (transfers.upload_output: PAX, plain files)."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=level, format=form) as tar:
         for name, data in members:
@@ -185,6 +187,33 @@ def bad_checksum() -> list[bytes]:
 ], ids=["sparse", "gnu-longname", "hardlink", "after-the-end", "checksum"])
 def test_what_tar_tools_read_differently_is_malformed(chunks: list[bytes]):
     assert output_digest(chunks).startswith(MALFORMED)
+
+
+def agent_checkpoint(files: list[tuple[str, bytes]], root: Path) -> bytes:
+    """A checkpoint archive as the agent packs one (checkpoints.CheckpointUploader._upload)."""
+    for name, data in files:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    with tarfile.open(root.parent / "checkpoint.tar", "w") as tar:
+        for name, _ in files:
+            tar.add(root / name, arcname=name, recursive=False)
+    return (root.parent / "checkpoint.tar").read_bytes()
+
+
+def test_a_checkpoint_digest_is_what_its_files_hold_and_reads_plain_archives_strictly(
+        tmp_path: Path):
+    files = [*FILES, ("MANIFEST.json", b"{}")]
+    made = agent_checkpoint(files, tmp_path / "a")
+    again = agent_checkpoint(files[::-1], tmp_path / "b")
+    limit = len(made)
+    d = checkpoint_digest([made[i:i + 1000] for i in range(0, len(made), 1000)], limit)
+    assert d.startswith("sha256:") and checkpoint_digest([again], limit) == d
+    assert d == library_digest(gz(made))  # the library's reading of the same files
+    assert checkpoint_digest([made.replace(b"\x01" * 10, b"\x02" * 10, 1)], limit) != d
+    assert checkpoint_digest([made + raw_tar([("hidden", b"x")])], limit).startswith(MALFORMED)
+    assert checkpoint_digest([made[:-2048 * 5]], limit).startswith(MALFORMED)  # cut short
+    assert checkpoint_digest([made], limit // 2).startswith(MALFORMED)  # past its size
+    assert checkpoint_digest(gz(made), limit).startswith(MALFORMED)  # not what agents send
 
 
 def test_a_bomb_is_not_inflated_past_the_limit():

@@ -155,6 +155,9 @@ def test_a_spec_takes_plain_values_as_json_has_them_and_checks_them_alike():
     ({"replica": 2}, "did you mean 'replicas'"),
     ("always", 'verify: must be "adaptive" or an object'),
     ({"adaptive": True, "replicas": 3}, 'give "adaptive" alone'),
+    ({"checkpoints": 1.5}, "verify.checkpoints: must be a number from 0.0 to 1.0"),
+    ({"checkpoints": "all"}, "verify.checkpoints: must be a number"),
+    ({"checkpoints": 0.5, "replicas": 1, "quorum": 2}, "one replica has no quorum"),
 ])
 def test_verify_is_checked_field_by_field(verify, message):
     with pytest.raises(InvalidInput, match=re.escape(message)):
@@ -170,3 +173,18 @@ def test_a_verified_spec_round_trips_and_runs_a_verified_image_unless_it_says_ot
     first = JobSpec.from_dict({"verify": {"replicas": 2}, "image": {"reuse": "first"}})
     assert JobSpec.from_json(first.to_json()).image.reuse == "first"
     assert JobSpec.from_dict({}).verify is None and "verify" not in JobSpec().to_dict()
+
+
+def test_checkpoints_alone_run_the_job_once_and_round_trip():
+    alone = JobSpec.from_dict({"verify": {"checkpoints": 0.25}})
+    assert alone.verify is not None and not alone.verify.replicated
+    assert (alone.verify.replicas, alone.verify.quorum, alone.verify.checkpoints) == (1, 1, 0.25)
+    both = JobSpec.from_dict({"verify": {"replicas": 3, "checkpoints": 1}})
+    assert both.verify is not None and both.verify.replicated and both.verify.quorum == 2
+    for spec in (alone, both):
+        assert JobSpec.from_json(spec.to_json()) == spec
+    off = JobSpec.from_dict({"verify": {"replicas": 2, "checkpoints": 0}})
+    assert off.verify is not None and off.verify.checkpoints == 0 and off.verify.replicated
+    with pytest.raises(InvalidInput, match="a sharded job keeps no checkpoints"):
+        JobSpec.from_dict({"verify": {"checkpoints": 0.5}, "shards": [{"payload": 1}],
+                           "command": "x"})

@@ -387,11 +387,14 @@ def machines_invite(server: Server = DEFAULT_SERVER, as_json: Json = False) -> N
 
 
 @machines_app.command("approve")
-def machines_approve(machine: str, server: Server = DEFAULT_SERVER, as_json: Json = False) -> None:
+def machines_approve(machine: str, owner: Annotated[str | None, typer.Option(
+                         help="Whose machine it is: a verified job never takes two answers "
+                              "from machines of one owner.")] = None,
+                     server: Server = DEFAULT_SERVER, as_json: Json = False) -> None:
     """Approve a pending MACHINE (id, id prefix, name or fingerprint) once its fingerprint
-    matches the one its agent printed."""
+    matches the one its agent printed; or reinstate a quarantined one."""
     try:
-        m = _api(server).approve_machine(machine)
+        m = _api(server).approve_machine(machine, owner)
     except CampugridError as e:
         fail(str(e))
     emit(as_json, m, f"approved {m['id']} ({m['name']}, {m['fingerprint']})")

@@ -43,6 +43,13 @@ def job_text(job: dict[str, Any]) -> str:
         verdict = {True: "agreed", False: "DISAGREED", None: ""}[r["agreed"]]
         lines.append(f"replica  {r['id'][:8]} on {(r['machine_id'] or '-')[:8]:<8} "
                      f"{r['state']:<9} {said}  {verdict}".rstrip())
+    for c in job.get("checkpoints") or []:
+        check = {"agreed": "checked: agreed", "rejected": "checked: REJECTED",
+                 "disputed": "checked: DISPUTED", "checking": "checking"}.get(c["verdict"], "")
+        start = f"epoch {c['resumed_from']}" if c["resumed_from"] is not None else "the start"
+        lines.append(f"ckpt     epoch {c['epoch']:<5} #{c['attempt']:<3} on "
+                     f"{(c['machine_id'] or '-')[:8]:<8} from {start:<11} "
+                     f"{size_text(c['size']):>9}  {check}".rstrip())
     for ref, digest in (job.get("bases") or {}).items():
         lines.append(f"base     {ref}@{digest}")
     for limit, how in (job.get("limits") or {}).items():
@@ -62,7 +69,8 @@ def machine_line(m: dict[str, Any]) -> str:
     size = (f"{m['cpus']} CPUs, {size_text(m['memory_mb'] * 2**20)} memory, "
             f"{size_text(m['disk_mb'] * 2**20)} disk" if m.get("cpus") else "size not reported")
     return (f"{m['id']}  {m['status']:<11} {now:<22} {m['name']}  {size}\n"
-            f"    {m['fingerprint']}  (from {m['address'] or '?'}, seen {m['last_seen_at'][:19]})"
+            f"    {m['fingerprint']}  (from {m['address'] or '?'}, seen {m['last_seen_at'][:19]}"
+            + (f", owner {m['owner']}" if m.get("owner") else "") + ")"
             + (f"\n    held by its owner: {m['held']}" if m.get("held") else "")
             + (f"\n    answered against quorums {m['disagreed']} time(s), agreed {m['agreed']}; "
                f"quarantined: {m['quarantine']}\n    reinstate: campugrid machines approve "

@@ -442,8 +442,10 @@ class Api:
     def join_command(self) -> dict[str, Any]:
         return dict(self._check(self._send("GET", "/v1/machines/join")))
 
-    def approve_machine(self, ref: str) -> dict[str, Any]:
-        return dict(self._check(self._send("POST", f"/v1/machines/{ref}/approve")))
+    def approve_machine(self, ref: str, owner: str | None = None) -> dict[str, Any]:
+        params = {"owner": owner} if owner is not None else None
+        return dict(self._check(self._send("POST", f"/v1/machines/{ref}/approve",
+                                           params=params)))
 
     def revoke_machine(self, ref: str) -> dict[str, Any]:
         return dict(self._check(self._send("POST", f"/v1/machines/{ref}/revoke")))

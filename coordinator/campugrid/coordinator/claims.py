@@ -30,7 +30,7 @@ from campugrid.coordinator.models import (
 )
 from campugrid.coordinator.scheduler import MachineView, place
 from campugrid.coordinator.sharding import open_session
-from campugrid.coordinator.verified import leased_replica
+from campugrid.coordinator.verified import kept_apart, leased_replica
 from campugrid.coordinator.views import CheckpointView, Claim, JobView, stored_spec, utcnow
 from campugrid.protocol.states import JobState, sources_of
 
@@ -158,6 +158,8 @@ class Claimer:
                 {"job_id": job_id, "attempt": attempt, "machine_id": machine_id,
                  "gpu_uuid": uuid, "memory_mb": gpu_mb} for uuid in gpus])
         detail = f"machine {machine_id}" + (f", GPUs {', '.join(gpus)}" if gpus else "")
+        if row.apart is not None:
+            kept_apart(conn, row.apart, job_id, machine_id)
         if row.replica_of is not None:
             leased_replica(conn, row.replica_of, job_id, machine_id, now, events)
         events.append({"job_id": job_id, "at": now, "attempt": attempt, "kind": "leased",
@@ -165,7 +167,10 @@ class Claimer:
         # Only an attempt records checkpoints: a job leased for the first time has none.
         # A replica resumes only from its own machine's checkpoints: another machine's could
         # be poisoned, and the machine resuming it would answer for it.
-        resume = (None if attempt <= 1 else
+        # A check resumes from the checkpoint before the one it recomputes, every attempt.
+        resume = (conn.execute(_CHECK_FROM, {"id": row.check_from}).first()
+                  if row.check_from is not None else None if row.check_of is not None
+                  or attempt <= 1 else
                   conn.execute(_LATEST_CHECKPOINT, {"job_id": job_id}).first()
                   if row.replica_of is None else
                   conn.execute(_LATEST_OWN_CHECKPOINT, {"job_id": job_id,
@@ -216,9 +221,10 @@ _SUITS_LIMITS = ((_JOBS.c.limits_needed.op("&")(bindparam("lacks")) == 0)
                                    _REFUSALS.c.machine_id == bindparam("machine_id"),
                                    _REFUSALS.c.at > bindparam("refused_since"))
                  # A verified job is never leased (its replicas are), and a machine that took
-                 # one of its replicas (or shares an address with one that did) takes no other.
+                 # one of its replicas (or shares an address with one that did) takes no other;
+                 # the same for the checks of a checkpoint, and its maker (coordinator/checks.py).
                  & (_JOBS.c.replicas == 0)
-                 & ~exists().where(_REPLICA_MACHINES.c.job_id == _JOBS.c.replica_of,
+                 & ~exists().where(_REPLICA_MACHINES.c.job_id == _JOBS.c.apart,
                                    _REPLICA_MACHINES.c.machine_id == bindparam("machine_id"),
                                    _REPLICA_MACHINES.c.replica_id != _JOBS.c.id))
 _UNSAID = 2**31 - 1  # a size the machine did not say (an older agent): no bound
@@ -260,14 +266,17 @@ _TAKE_JOB = (update(_JOBS)
                     _JOBS.c.attempt == bindparam("seen_attempt"))
              .values(**_LEASE_VALUES).returning(*_JOBS.c))
 _ADD_EVENT = insert(JobEvent)
-# A job resumes from its newest checkpoint made by a machine in good standing: not from one a
-# quarantined or revoked machine made (which could be poisoned), nor from any made after it.
-RESUMABLE = (_CHECKPOINTS.c.machine_id.is_(None)
-             | _CHECKPOINTS.c.machine_id.in_(select(Machine.id).where(
-                 Machine.status == MachineStatus.APPROVED.value)))
+# A job resumes from its newest checkpoint that a check agreed with, or that a machine in good
+# standing made: not from one a quarantined or revoked machine made (which could be poisoned),
+# and never from one a check rejected (nor any made after it: checks.py rejects those too).
+RESUMABLE = (_CHECKPOINTS.c.verdict.is_distinct_from("rejected")
+             & ((_CHECKPOINTS.c.verdict == "agreed") | _CHECKPOINTS.c.machine_id.is_(None)
+                | _CHECKPOINTS.c.machine_id.in_(select(Machine.id).where(
+                    Machine.status == MachineStatus.APPROVED.value))))
 _LATEST_CHECKPOINT = (select(*_CHECKPOINTS.c).where(_CHECKPOINTS.c.job_id == bindparam("job_id"),
                                                     RESUMABLE)
                       .order_by(_CHECKPOINTS.c.epoch.desc(), _CHECKPOINTS.c.id.desc()).limit(1))
+_CHECK_FROM = select(*_CHECKPOINTS.c).where(_CHECKPOINTS.c.id == bindparam("id"))
 _LATEST_OWN_CHECKPOINT = _LATEST_CHECKPOINT.where(
     _CHECKPOINTS.c.machine_id == bindparam("machine_id"))
 

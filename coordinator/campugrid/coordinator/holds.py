@@ -61,7 +61,7 @@ class Hold(Protocol):
     def checkpoint_allowed(self) -> None: ...
 
     def checkpoint(self, *, epoch: int, key: str, size: int, sha256: str,
-                   keep: int) -> list[str]: ...
+                   keep: int, content_digest: str | None = None) -> list[str]: ...
 
     def finish(self, *, succeeded: bool, exit_code: int | None = None,
                reason: str | None = None, result: str | None = None,
@@ -95,9 +95,10 @@ class AttemptHold:
         pass
 
     def checkpoint(self, *, epoch: int, key: str, size: int, sha256: str,
-                   keep: int) -> list[str]:
+                   keep: int, content_digest: str | None = None) -> list[str]:
         return self.store.record_checkpoint(self.ref, epoch=epoch, key=key, size=size,
-                                            sha256=sha256, keep=keep)
+                                            sha256=sha256, keep=keep,
+                                            content_digest=content_digest)
 
     def finish(self, *, succeeded: bool, exit_code: int | None = None,
                reason: str | None = None, result: str | None = None,
@@ -137,7 +138,7 @@ class SessionHold:
         raise InvalidInput("shards do not checkpoint: a lost shard runs again from its start")
 
     def checkpoint(self, *, epoch: int, key: str, size: int, sha256: str,
-                   keep: int) -> list[str]:
+                   keep: int, content_digest: str | None = None) -> list[str]:
         self.checkpoint_allowed()
         return []
 

@@ -60,6 +60,7 @@ class MachineRecord:
     disagreed: int = 0
     streak: int = 0
     quarantine: str = ""
+    owner: str = ""  # whose machine it is, as the admin who approved it said
 
     @classmethod
     def from_row(cls, m: Machine) -> MachineRecord:
@@ -69,7 +70,7 @@ class MachineRecord:
                    m.registered_at, m.last_seen_at, str(caps.get("held") or ""),
                    int(caps.get("cpus") or 0), int(caps.get("memory_mb") or 0),
                    int(caps.get("disk_mb") or 0), m.agreed or 0, m.disagreed or 0,
-                   m.streak or 0, m.quarantine or "")
+                   m.streak or 0, m.quarantine or "", m.owner or "")
 
 
 class Machines:
@@ -120,7 +121,9 @@ class Machines:
             return [MachineRecord.from_row(m)
                     for m in s.scalars(select(Machine).order_by(Machine.registered_at))]
 
-    def set_status(self, machine_id: str, status: Status) -> MachineRecord:
+    def set_status(self, machine_id: str, status: Status,
+                   owner: str | None = None) -> MachineRecord:
+        """Approve (with whose machine it is, if `owner` is said), reinstate or revoke."""
         with self.db.tx() as s:
             m = s.get(Machine, machine_id)
             if m is None:
@@ -129,6 +132,8 @@ class Machines:
                 raise Forbidden(f"machine {machine_id} was revoked; it can only join again "
                                 "with a new key")
             m.status = status.value
+            if owner is not None:
+                m.owner = owner
             if status is Status.APPROVED:
                 m.quarantine = None  # reinstated: it earns trust again from nothing
             bump_epoch(s)

@@ -94,6 +94,13 @@ class Job(Base):
     # made so far (0 on every other job, which is what the claim's filter reads).
     replicas: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     replica_of: Mapped[str | None] = mapped_column(String(36), index=True)
+    # Jobs whose machines are kept apart (replica_machines): a replica's verified job, or
+    # "ckpt-<id>" for the checks of one checkpoint. NULL: any machine may take the job.
+    apart: Mapped[str | None] = mapped_column(String(36))
+    # A check (coordinator/checks.py): the job recomputes checkpoint `check_of` (of another
+    # job) from checkpoint `check_from` (NULL: from the start) and ends when it has saved it.
+    check_of: Mapped[int | None] = mapped_column(Integer, index=True)
+    check_from: Mapped[int | None] = mapped_column(Integer)
     # A replica's /output as the coordinator read it (quorum.output_digest), to compare.
     output_digest: Mapped[str | None] = mapped_column(String(80))
     # Why the job's result cannot be trusted: it came from a machine quarantined since.
@@ -176,6 +183,9 @@ class Machine(Base):
     fingerprint: Mapped[str] = mapped_column(String(64))
     status: Mapped[str] = mapped_column(String(16), index=True)  # pending, approved, revoked
     address: Mapped[str] = mapped_column(String(100), default="", server_default="")
+    # Whose machine it is, as the admin who approved it said ("": not said): a verified job's
+    # replicas (and a checkpoint's checks) never run on two machines of one owner.
+    owner: Mapped[str] = mapped_column(String(200), default="", server_default="")
     capabilities_json: Mapped[str] = mapped_column(Text, default="{}")
     gpus_json: Mapped[str] = mapped_column(Text, default="[]", server_default="[]")
     registered_at: Mapped[dt.datetime] = mapped_column()
@@ -195,7 +205,8 @@ class Machine(Base):
 class ReplicaMachine(Base):
     """A machine that took a replica of a verified job (with every machine at its address):
     it is never given another replica of that job (the same one again, after a drain, it
-    may be)."""
+    may be). The same for the checks of a checkpoint (job_id "ckpt-<id>"), where the machine
+    that made the checkpoint is entered first."""
 
     __tablename__ = "replica_machines"
 
@@ -343,6 +354,11 @@ class Checkpoint(Base):
     machine_id: Mapped[str | None] = mapped_column(String(36))  # the machine that made it
     # The epoch its attempt resumed from (None: it started from nothing).
     resumed_from: Mapped[int | None] = mapped_column(BigInteger)
+    # Its files and bytes as the coordinator read them (quorum.output_digest), for checks.
+    content_digest: Mapped[str | None] = mapped_column(String(80))
+    # A check's verdict (coordinator/checks.py): "agreed", "rejected" (never resumed from),
+    # "disputed" (no two recomputations agreed); None: not checked (or not yet).
+    verdict: Mapped[str | None] = mapped_column(String(16))
 
 
 class GpuReservation(Base):

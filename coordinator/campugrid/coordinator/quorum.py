@@ -77,6 +77,15 @@ def check_probability(streak: int) -> float:
     return max(SAMPLE_FLOOR, TRUSTED_AFTER / streak)
 
 
+def checkpoint_probability(verify: Verify, streak: int) -> float:
+    """How likely a checkpoint that a machine with this streak made is recomputed elsewhere
+    (coordinator/checks.py): the fraction the job asked for, or under adaptive as likely as
+    its answer would be checked."""
+    if verify.checkpoints is not None:
+        return verify.checkpoints
+    return check_probability(streak) if verify.adaptive else 0.0
+
+
 def decide(verify: Verify, answers: Sequence[Answer], pending: int, made: int,
            streak: dict[str, int], draw: float) -> Decision:
     """What to do once a replica has ended. `answers`: the ended replicas, in the order they
@@ -138,8 +147,14 @@ def output_digest(chunks: Iterable[bytes], limit: int = MAX_OUTPUT_BYTES) -> str
     return read_output(chunks, limit)[0]
 
 
-def read_output(chunks: Iterable[bytes],
-                limit: int = MAX_OUTPUT_BYTES) -> tuple[str, list[tuple[str, int]]]:
+def checkpoint_digest(chunks: Iterable[bytes], limit: int) -> str:
+    """The digest of a checkpoint's archive (the agent's plain tar), as read_output's of an
+    /output: what checks compare (coordinator/checks.py)."""
+    return read_output(chunks, limit, gzipped=False)[0]
+
+
+def read_output(chunks: Iterable[bytes], limit: int = MAX_OUTPUT_BYTES,
+                gzipped: bool = True) -> tuple[str, list[tuple[str, int]]]:
     """(digest, [(path, size), ...] of its files, as read here; none if malformed). The digest
     is of what an /output archive (the agent's tar.gz) holds, independent of its
     order, timestamps, owners and compression: sha256 over each regular file's path and
@@ -150,7 +165,9 @@ def read_output(chunks: Iterable[bytes],
     MALFORMED plus a digest of its bytes, which never agrees with an honest archive. So no
     tar tool can be shown files other than the ones compared."""
     raw = _Raw(iter(chunks))
-    stream = _Inflated(raw, limit + limit // 16 + 1024 * 1024)
+    # A compressed archive inflates to its files plus headers; a plain one is read as it is.
+    stream = (_Inflated(raw, limit + limit // 16 + 1024 * 1024) if gzipped
+              else _Plain(raw, limit))
     try:
         files = _read_tar(stream)
         stream.finish()
@@ -303,6 +320,28 @@ class _Inflated:
                 break
         if self._gz.unused_data or self._pending or next(self._raw, None) is not None:
             raise _Malformed("more after the gzip stream")
+
+
+class _Plain(_Inflated):
+    """An archive that is not compressed (a checkpoint's), read the same way."""
+
+    def _more(self) -> bool:
+        for chunk in self._raw:
+            if chunk:
+                self._total += len(chunk)
+                if self._total > self._cap:
+                    raise _Malformed("it is larger than its limit")
+                self._buf, self._at = chunk, 0
+                return True
+        return False
+
+    def finish(self) -> None:
+        while True:
+            if any(self._buf[self._at:]):
+                raise _Malformed("data after the end of the archive")
+            self._at = len(self._buf)
+            if not self._more():
+                return
 
 
 @dataclasses.dataclass(frozen=True)

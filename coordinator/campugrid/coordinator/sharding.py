@@ -45,7 +45,7 @@ from campugrid.coordinator.models import (
     clean,
 )
 from campugrid.coordinator.moves import move_job, move_shards
-from campugrid.coordinator.quorum import Answer, answer_key, decide, shares_host
+from campugrid.coordinator.quorum import Answer, answer_key, decide
 from campugrid.coordinator.views import HoldRef, ShardResult, ShardTask, ShardView, stored_spec
 from campugrid.protocol.errors import IllegalTransition, StaleAttempt
 from campugrid.protocol.spec import JobSpec, Verify
@@ -118,10 +118,9 @@ def _hand_out(s: Session, job_id: str, sid: int, machine_id: str,
          .where(Shard.job_id == job_id, Shard.state == ShardState.QUEUED.value)
          .order_by(*order).limit(1))
     if _verify_of(s, job_id) is not None:
-        # Never two copies of a shard on one machine, nor on two behind one address.
-        address = s.scalar(select(Machine.address).where(Machine.id == machine_id)) or ""
-        host = ({machine_id} | set(s.scalars(select(Machine.id).where(Machine.address == address)))
-                if shares_host(address) else {machine_id})
+        # Never two copies of a shard on one machine, nor on two behind one address or of one
+        # owner.
+        host = verified.one_party(s, machine_id)
         other = aliased(Shard)
         q = q.where(Shard.copy_of.is_not(None), ~exists().where(
             other.job_id == job_id, other.copy_of == Shard.copy_of,

@@ -18,7 +18,7 @@ from sqlalchemy import Engine, delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from campugrid.coordinator import verified
+from campugrid.coordinator import checks, verified
 from campugrid.coordinator.apps import Apps, Nonces
 from campugrid.coordinator.claims import REFUSAL_TTL_S, RESUMABLE, Claimer
 from campugrid.coordinator.db import Database, job_row, side_database
@@ -125,7 +125,8 @@ class Store:
                     row.shards_queued = insert_shards(s, row.id, spec)
                 s.add(JobEvent(job_id=row.id, at=now, attempt=0, kind="submitted",
                                detail=f"{len(spec.shards)} shards" if spec.shards else ""))
-                if spec.verify is not None and not spec.shards:  # shards: copies of each
+                if spec.verify is not None and spec.verify.replicated and not spec.shards:
+                    # (a sharded job's shards are copied instead)
                     verified.make_replicas(s, row, spec.verify.replicas, now)
             return JobView.from_row(row), True
         except IntegrityError:
@@ -198,7 +199,8 @@ class Store:
 
     def list_jobs(self, state: JobState | None = None, limit: int = 100,
                   owner: str | None = None) -> list[JobView]:
-        q = (select(Job).where(Job.replica_of.is_(None))  # replicas are shown on their job
+        q = (select(Job).where(Job.replica_of.is_(None),  # replicas and checks are shown
+                               Job.check_of.is_(None))  # on their job
              .order_by(Job.created_at.desc(), Job.id).limit(limit))
         if owner is not None:
             q = q.where(Job.owner_id == owner)
@@ -218,11 +220,15 @@ class Store:
             row = _owned(job_row(s, job_id), owner)
             if JobState(row.state).final:
                 raise IllegalTransition(f"job {job_id} is already {row.state}")
-            if row.replica_of is not None:
-                raise InvalidInput(f"job {job_id} is a replica of the verified job "
-                                   f"{row.replica_of}: cancel that job instead")
+            if row.replica_of is not None or row.check_of is not None:
+                raise InvalidInput(f"job {job_id} checks the job {self._checked_job(s, row)}: "
+                                   "cancel that job instead")
             family = [row] + (list(s.scalars(select(Job).where(Job.replica_of == row.id)))
                               if row.replicas else [])
+            family += list(s.scalars(select(Job).where(  # checks of their checkpoints
+                Job.check_of.in_(select(Checkpoint.id).where(
+                    Checkpoint.job_id.in_([one.id for one in family])).scalar_subquery()),
+                Job.state.in_([x.value for x in JobState if not x.final]))))
             for one in family:
                 if one is not row and JobState(one.state).final:
                     continue
@@ -388,11 +394,15 @@ class Store:
         return JobView.from_row(row)
 
     def record_checkpoint(self, ref: HoldRef, *, epoch: int, key: str, size: int, sha256: str,
-                          keep: int) -> list[str]:
-        """Record a verified checkpoint of the current attempt; return the keys that retention
-        (the newest `keep` per job) dropped, for the caller to delete from storage."""
+                          keep: int, content_digest: str | None = None) -> list[str]:
+        """Record a verified checkpoint of the current attempt (with its `content_digest` as
+        the coordinator read it, where checks.wants_digest); a check's answer is compared, and
+        a checked job's checkpoint may be sent for a check (checks.recorded). Return the keys
+        that retention (the newest `keep` per job, and those checks need) dropped, for the
+        caller to delete from storage."""
         job_id, token = ref.job_id, ref.token
         with self.tx() as s:
+            verified.lock_parent(s, job_id)
             row = job_row(s, job_id)
             if not attempt_held(row, ref):
                 refused = self._refusal(s, row, token, f"checkpoint of epoch {epoch}")
@@ -400,24 +410,37 @@ class Store:
                 refused = None
                 now = utcnow()
                 # What this attempt resumed from: the newest of earlier attempts' (its lease
-                # gave it that one; no other attempt records checkpoints meanwhile).
-                resumed_from = s.scalar(select(Checkpoint.epoch).where(
-                    Checkpoint.job_id == job_id, Checkpoint.attempt < token, RESUMABLE)
-                    .order_by(Checkpoint.epoch.desc(), Checkpoint.id.desc()).limit(1))
-                s.add(Checkpoint(job_id=job_id, attempt=token, epoch=epoch, key=key, size=size,
-                                 sha256=sha256, created_at=now, machine_id=ref.machine_id,
-                                 resumed_from=resumed_from))
+                # gave it that one; no other attempt records checkpoints meanwhile); a check's,
+                # the one it recomputes from.
+                resumed_from = (s.scalar(select(Checkpoint.epoch).where(
+                    Checkpoint.id == row.check_from)) if row.check_of is not None else
+                    s.scalar(select(Checkpoint.epoch).where(
+                        Checkpoint.job_id == job_id, Checkpoint.attempt < token, RESUMABLE)
+                        .order_by(Checkpoint.epoch.desc(), Checkpoint.id.desc()).limit(1)))
+                ckpt = Checkpoint(job_id=job_id, attempt=token, epoch=epoch, key=key, size=size,
+                                  sha256=sha256, created_at=now, machine_id=ref.machine_id,
+                                  resumed_from=resumed_from, content_digest=content_digest)
+                s.add(ckpt)
                 s.add(JobEvent(job_id=job_id, at=now, attempt=token, kind="checkpoint",
                                detail=f"epoch {epoch}, {size} bytes"))
                 s.flush()
+                checks.recorded(s, row, ckpt, now)
+                s.flush()
                 rows = list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
                                       .order_by(Checkpoint.epoch.desc(), Checkpoint.id.desc())))
-                dropped = rows[keep:]
+                needed = checks.protected(s, job_id)
+                kept = rows[:keep] + [r for r in rows[keep:] if r.id in needed]
+                dropped = [r for r in rows[keep:] if r.id not in needed]
                 for old in dropped:
                     s.delete(old)
         if refused is not None:
             raise refused
-        return [old.key for old in dropped if old.key not in {r.key for r in rows[:keep]}]
+        return [old.key for old in dropped if old.key not in {r.key for r in kept}]
+
+    def checks_checkpoints(self, job_id: str) -> bool:
+        """Must the coordinator read this job's checkpoints to compare them (checks.py)?"""
+        with self.read() as s:
+            return checks.wants_digest(s, job_row(s, job_id))
 
     def latest_checkpoint(self, job_id: str) -> CheckpointView | None:
         with self.read() as s:
@@ -427,9 +450,12 @@ class Store:
 
     def checkpoints(self, job_id: str) -> list[CheckpointView]:
         with self.read() as s:
-            rows = s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
-                             .order_by(Checkpoint.epoch, Checkpoint.id))
-            return [CheckpointView.from_row(r) for r in rows]
+            rows = list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
+                                  .order_by(Checkpoint.epoch, Checkpoint.id)))
+            checking = checks.protected(s, job_id, only_checked=True)
+            return [dataclasses.replace(CheckpointView.from_row(r), verdict="checking")
+                    if r.verdict is None and r.id in checking else CheckpointView.from_row(r)
+                    for r in rows]
 
     def release(self, ref: HoldRef, reason: str, failed: bool = False,
                 cannot_run_here: bool = False) -> JobView:
@@ -496,9 +522,10 @@ class Store:
             shards = list(s.scalars(select(Shard).where(Shard.job_id == job_id,
                                                         Shard.copy_of.is_(None))
                                     .order_by(Shard.idx))) if row.shards_total else []
-        if row.replica_of is not None:
-            raise InvalidInput(f"job {job_id} is a replica of the verified job "
-                               f"{row.replica_of}: run that job again instead")
+        if row.replica_of is not None or row.check_of is not None:
+            with self.read() as s:
+                raise InvalidInput(f"job {job_id} checks the job {self._checked_job(s, row)}: "
+                                   "run that job again instead")
         spec = stored_spec(row.spec_json)
         if any(ds.ticket for ds in spec.datasets):
             raise InvalidInput(f"job {job_id} read uploaded files, which were deleted when it "
@@ -519,10 +546,21 @@ class Store:
 
     @staticmethod
     def _ended(s: Session, job_id: str) -> None:
-        """A job ended: if it is a replica, its verified job is decided on, if it can be."""
+        """A job ended: if it is a replica, its verified job is decided on, if it can be; if it
+        is a check, the checkpoint it checks."""
         row = job_row(s, job_id)
         if row.replica_of is not None:
             verified.settle(s, row.replica_of, utcnow())
+        if row.check_of is not None and (target := s.get(Checkpoint, row.check_of)) is not None:
+            checks.settle(s, target, utcnow())
+
+    @staticmethod
+    def _checked_job(s: Session, row: Job) -> str:
+        """The job a replica or a check is part of."""
+        if row.replica_of is not None:
+            return f"{row.replica_of} (it is a replica)"
+        subject = checks.subject_of(s, row.check_of) if row.check_of is not None else None
+        return f"{subject or '?'} (it recomputes one of its checkpoints)"
 
     @staticmethod
     def _free_gpus(s: Session, job_id: str) -> None:

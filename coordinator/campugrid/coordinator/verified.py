@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 
 from campugrid.coordinator.machines import Status, bump_epoch, end_leases
 from campugrid.coordinator.models import (
+    Checkpoint,
     GpuReservation,
     Job,
     JobEvent,
@@ -47,7 +48,8 @@ def make_replicas(s: Session, parent: Job, n: int, now: dt.datetime) -> list[str
             cpus_needed=parent.cpus_needed, memory_needed_mb=parent.memory_needed_mb,
             disk_needed_mb=parent.disk_needed_mb, share=parent.share, shards_total=0,
             shards_queued=0, shards_done=0, shards_failed=0, bases_json=parent.bases_json,
-            replica_of=parent.id, created_at=parent.created_at, updated_at=now)
+            replica_of=parent.id, apart=parent.id, created_at=parent.created_at,
+            updated_at=now)
         s.add(row)
         made.append(row.id)
         s.add(JobEvent(job_id=parent.id, at=now, attempt=0, kind="replica",
@@ -56,20 +58,37 @@ def make_replicas(s: Session, parent: Job, n: int, now: dt.datetime) -> list[str
     return made
 
 
+def one_party(conn: Connection | Session, machine_id: str) -> set[str]:
+    """The machines that count as one party with this one, for replicas, copies and checks:
+    itself, those that registered from its address (quorum.shares_host), and those an admin
+    said have its owner."""
+    found = conn.execute(select(Machine.address, Machine.owner)
+                         .where(Machine.id == machine_id)).first()
+    address, owner = (found[0] or "", found[1] or "") if found is not None else ("", "")
+    same = {machine_id}
+    if shares_host(address):
+        same |= set(conn.scalars(select(Machine.id).where(Machine.address == address)))
+    if owner:
+        same |= set(conn.scalars(select(Machine.id).where(Machine.owner == owner)))
+    return same
+
+
+def kept_apart(conn: Connection | Session, group: str, job_id: str, machine_id: str) -> None:
+    """Job `job_id` of the group `group` (a verified job's replicas, a checkpoint's checks)
+    was just leased to this machine (in the claim's transaction): neither it nor any machine
+    at its address is given another job of the group."""
+    same = one_party(conn, machine_id)
+    have = set(conn.scalars(select(ReplicaMachine.machine_id).where(
+        ReplicaMachine.job_id == group, ReplicaMachine.machine_id.in_(sorted(same)))))
+    if same - have:
+        conn.execute(insert(ReplicaMachine), [{"job_id": group, "machine_id": m,
+                                               "replica_id": job_id}
+                                              for m in sorted(same - have)])
+
+
 def leased_replica(conn: Connection, parent_id: str, replica_id: str, machine_id: str,
                    now: dt.datetime, events: list[dict[str, Any]]) -> None:
-    """A replica of `parent_id` was just leased to this machine (in the claim's transaction):
-    neither it nor any machine at its address is given another replica of that job, and the
-    verified job is running."""
-    address = conn.scalar(select(Machine.address).where(Machine.id == machine_id)) or ""
-    same = ({machine_id} | set(conn.scalars(select(Machine.id).where(Machine.address == address)))
-            if shares_host(address) else {machine_id})
-    have = set(conn.scalars(select(ReplicaMachine.machine_id).where(
-        ReplicaMachine.job_id == parent_id, ReplicaMachine.machine_id.in_(sorted(same)))))
-    if same - have:
-        conn.execute(insert(ReplicaMachine), [{"job_id": parent_id, "machine_id": m,
-                                               "replica_id": replica_id}
-                                              for m in sorted(same - have)])
+    """A replica of `parent_id` was just leased to this machine: the verified job is running."""
     # The replica's row is locked here, and a decision locks the verified job before its
     # replicas: so the verified job is moved only if no one holds it (else settle does it).
     free = (select(Job.id).where(Job.id == parent_id, Job.state == JobState.QUEUED.value)
@@ -117,8 +136,15 @@ def settle(s: Session, parent_id: str, now: dt.datetime, sample: float | None = 
 def lock_parent(s: Session, job_id: str) -> None:
     """Before a replica's row is written: lock its verified job (if it is a replica), so that
     every path takes the two in one order (a decision holds the verified job and writes its
-    replicas)."""
-    parent = s.scalar(select(Job.replica_of).where(Job.id == job_id))
+    replicas). Before a check's: the job it checks (and that one's verified job)."""
+    found = s.execute(select(Job.replica_of, Job.check_of).where(Job.id == job_id)).first()
+    if found is None:
+        return
+    parent, check_of = found
+    if check_of is not None:
+        parent = s.scalar(select(Checkpoint.job_id).where(Checkpoint.id == check_of))
+        if parent is not None:
+            lock_parent(s, parent)
     if parent is not None:
         s.execute(select(Job.id).where(Job.id == parent).with_for_update())
 

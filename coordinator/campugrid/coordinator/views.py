@@ -179,11 +179,15 @@ class CheckpointView:
     created_at: dt.datetime
     machine_id: str | None = None  # the machine that made it (None: made before this was kept)
     resumed_from: int | None = None  # the epoch its attempt resumed from (None: from nothing)
+    # Its check (coordinator/checks.py): "agreed", "rejected", "disputed", "checking" (a check
+    # runs); None: not checked.
+    verdict: str | None = None
 
     @classmethod
     def from_row(cls, r: Checkpoint | Row[Any]) -> CheckpointView:
         return cls(r.job_id, r.attempt, r.epoch, r.key, r.size, r.sha256, r.created_at,
-                   getattr(r, "machine_id", None), getattr(r, "resumed_from", None))
+                   getattr(r, "machine_id", None), getattr(r, "resumed_from", None),
+                   getattr(r, "verdict", None))
 
 
 @dataclasses.dataclass(frozen=True)

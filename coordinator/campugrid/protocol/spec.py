@@ -149,12 +149,24 @@ class Verify:
     at first, on different machines; `quorum` of them must agree (the same exit code, result
     line and /output content); on disagreement more run, up to `max_replicas` in all. With
     `adaptive`, one runs where its machine has earned trust, and a second only when the
-    machine has not (or is sampled), as BOINC does."""
+    machine has not (or is sampled), as BOINC does.
+
+    `checkpoints`: the fraction of the job's checkpoints recomputed on another machine from the
+    one before and compared (coordinator/checks.py); None: none, or under `adaptive` as many
+    as the machine's record asks. A job that checks only its checkpoints runs once
+    (replicas = quorum = 1): `{"checkpoints": 0.1}`."""
 
     replicas: int = 2
     quorum: int = 2
     max_replicas: int = 4
     adaptive: bool = False
+    checkpoints: float | None = None
+
+    @property
+    def replicated(self) -> bool:
+        """Is the result taken from a quorum of replicas (else the job runs once, and only
+        its checkpoints are checked)?"""
+        return self.quorum > 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,7 +339,11 @@ class JobSpec:
         # A verified job runs an image two machines built alike, unless it says otherwise.
         reuse = image.get("reuse", "verified" if verify is not None else "first")
         _require(reuse in IMAGE_REUSE, "image.reuse", f"must be one of {', '.join(IMAGE_REUSE)}")
-
+        # A sharded job's shards keep no checkpoints: its results are what copies compare.
+        _require(not (shards and verify is not None
+                      and (verify.checkpoints or not verify.replicated)), "verify",
+                 "a sharded job keeps no checkpoints to check: verify its shards with "
+                 '"replicas" or "adaptive"')
         return cls(
             build=_build(data.get("build")),
             command=command,
@@ -394,7 +410,8 @@ class JobSpec:
             out["image"] = dataclasses.asdict(self.image)  # reuse is always said: not implied)
         if self.verify is not None:
             out["verify"] = ("adaptive" if self.verify == ADAPTIVE
-                             else dataclasses.asdict(self.verify))
+                             else {k: v for k, v in dataclasses.asdict(self.verify).items()
+                                   if v is not None})
         if self.build != BuildOptions():
             out["build"] = {k: list(v) if isinstance(v, tuple) else v
                             for k, v in dataclasses.asdict(self.build).items() if v}
@@ -478,7 +495,7 @@ ADAPTIVE = Verify(replicas=1, quorum=2, max_replicas=4, adaptive=True)
 
 def _verify(value: Any) -> Verify | None:
     """The spec's verify: absent or null (off), "adaptive", or {replicas, quorum,
-    max_replicas}."""
+    max_replicas, checkpoints}."""
     if value is None:
         return None
     if value == "adaptive":
@@ -490,10 +507,18 @@ def _verify(value: Any) -> Verify | None:
         _require(set(value) == {"adaptive"}, "verify", 'adaptive sets replicas and quorum '
                  'itself: give "adaptive" alone')
         return ADAPTIVE
-    replicas = _integer(value, "replicas", 2, 2, MAX_REPLICAS, "verify")
+    checkpoints = (None if value.get("checkpoints") is None
+                   else _number(value, "checkpoints", 0.0, 0.0, 1.0, "verify"))
+    # Checkpoints alone: the job runs once, and its checkpoints are what is checked.
+    replicas = _integer(value, "replicas", 1 if checkpoints and "quorum" not in value else 2,
+                        1 if checkpoints else 2, MAX_REPLICAS, "verify")
+    if replicas == 1:
+        _require(value.get("quorum", 1) == 1 and value.get("max_replicas", 1) == 1, "verify",
+                 "one replica has no quorum: give replicas 2 or more to compare results")
+        return Verify(replicas=1, quorum=1, max_replicas=1, checkpoints=checkpoints)
     quorum = _integer(value, "quorum", min(2, replicas), 2, replicas, "verify")
     bound = _integer(value, "max_replicas", max(4, replicas), replicas, MAX_REPLICAS, "verify")
-    return Verify(replicas=replicas, quorum=quorum, max_replicas=bound)
+    return Verify(replicas=replicas, quorum=quorum, max_replicas=bound, checkpoints=checkpoints)
 
 
 def limits_mask(names: Iterable[str]) -> int:

@@ -15,6 +15,7 @@ import stat
 import tarfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -78,8 +79,11 @@ class CheckpointUploader:
     """Polls the folder while the job runs; `flush()` does a last pass after it stopped."""
 
     def __init__(self, client: CoordinatorApi, hold: Hold, folder: Path, scratch: Path,
-                 every_s: float = 1.0) -> None:
+                 every_s: float = 1.0, on_recorded: Callable[[], None] = lambda: None) -> None:
         self.client, self.hold = client, hold
+        # After each checkpoint is recorded: a task that recomputes one to check it ends once
+        # it is recorded, and the renewal this calls hears so at once.
+        self.on_recorded = on_recorded
         self.folder, self.scratch, self.every_s = folder, scratch, every_s
         self.done: set[str] = set()  # uploaded, or damaged and given up on
         self.uploaded: list[int] = []
@@ -166,6 +170,7 @@ class CheckpointUploader:
         METRICS.checkpoint_bytes.inc(size)
         self.uploaded.append(epoch)
         log.info("%s: checkpoint of epoch %d uploaded (%d bytes)", self.hold.job_id, epoch, size)
+        self.on_recorded()
 
     def _prune_local(self, keep: str) -> None:
         """Uploaded epochs older than the newest are only taking the provider's disk."""

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from campugrid.coordinator.rest.deps import Caller, Coord, owner_of
 from campugrid.coordinator.rest.models import (
+    CheckpointOut,
     EventOut,
     JobOut,
     LogChunkOut,
@@ -65,7 +66,8 @@ def get_job(job_id: str, who: Caller, coord: Coord) -> JobOut:
     [why] = coord.jobs.waiting_reasons([job])
     replicas = ([ReplicaOut.of(r, agreed) for r, agreed in coord.jobs.replicas(job)]
                 if job.replicas else None)
-    return JobOut.of(job, events, why, replicas)
+    checkpoints = [CheckpointOut.of(c) for c in coord.jobs.checkpoints(job.id, owner_of(who))]
+    return JobOut.of(job, events, why, replicas, checkpoints)
 
 
 @router.get("/jobs/{job_id}/shards", response_model=list[ShardOut])

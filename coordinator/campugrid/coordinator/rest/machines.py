@@ -3,7 +3,9 @@ approved ones online share."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
+
+from fastapi import APIRouter, Query
 
 from campugrid.coordinator.rest.deps import Admin, Caller, Coord, SiteDep
 from campugrid.coordinator.rest.models import JoinOut, MachineOut, SharedFileOut, ShareOut
@@ -34,8 +36,10 @@ def join(_: Admin, site: SiteDep) -> JoinOut:
 
 
 @router.post("/machines/{ref}/approve", response_model=MachineOut)
-def approve(ref: str, _: Admin, coord: Coord) -> MachineOut:
-    return MachineOut.of(coord.machines.approve(ref))
+def approve(ref: str, _: Admin, coord: Coord,
+            owner: Annotated[str | None, Query(max_length=200)] = None) -> MachineOut:
+    """Approve (or reinstate) a machine; `owner`: whose machine it is (kept if not said)."""
+    return MachineOut.of(coord.machines.approve(ref, owner))
 
 
 @router.post("/machines/{ref}/revoke", response_model=MachineOut)

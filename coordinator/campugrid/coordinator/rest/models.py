@@ -12,7 +12,7 @@ from campugrid.coordinator.machines import MachineRecord
 from campugrid.coordinator.metrics import TokenView
 from campugrid.coordinator.scheduler import MachineView
 from campugrid.coordinator.users import UserView
-from campugrid.coordinator.views import JobView
+from campugrid.coordinator.views import CheckpointView, JobView
 from campugrid.protocol.states import JobState
 
 
@@ -64,6 +64,26 @@ class ReplicaOut(BaseModel):
                    output_digest=job.output_digest, agreed=agreed)
 
 
+class CheckpointOut(BaseModel):
+    """One checkpoint kept in storage: who made it, from what, and what its check found."""
+
+    epoch: int
+    attempt: int
+    machine_id: str | None
+    resumed_from: int | None  # the epoch its attempt resumed from (None: the start)
+    size: int
+    sha256: str
+    created_at: dt.datetime
+    # agreed, rejected (never resumed from), disputed, checking; None: not checked
+    verdict: str | None = None
+
+    @classmethod
+    def of(cls, c: CheckpointView) -> CheckpointOut:
+        return cls(epoch=c.epoch, attempt=c.attempt, machine_id=c.machine_id,
+                   resumed_from=c.resumed_from, size=c.size, sha256=c.sha256,
+                   created_at=c.created_at, verdict=c.verdict)
+
+
 class JobOut(BaseModel):
     id: str
     client_job_id: str | None
@@ -88,11 +108,13 @@ class JobOut(BaseModel):
     tainted: str | None = None  # why its result cannot be trusted (its machine was caught)
     replica_of: str | None = None  # a replica: the verified job it is one of
     replicas: list[ReplicaOut] | None = None  # a verified job's, in a single job's answer
+    checkpoints: list[CheckpointOut] | None = None  # in a single job's answer
 
     @classmethod
     def of(cls, job: JobView, events: list[EventOut] | None = None,
            waiting_reason: str | None = None,
-           replicas: list[ReplicaOut] | None = None) -> JobOut:
+           replicas: list[ReplicaOut] | None = None,
+           checkpoints: list[CheckpointOut] | None = None) -> JobOut:
         return cls(
             id=job.id, client_job_id=job.client_job_id, name=job.name, state=job.state,
             attempt=job.attempt, max_attempts=job.max_attempts, machine_id=job.machine_id,
@@ -108,6 +130,7 @@ class JobOut(BaseModel):
                 running=job.shards_total - job.shards_waiting - job.shards_done)
             if job.shards_total else None,
             tainted=job.tainted, replica_of=job.replica_of, replicas=replicas,
+            checkpoints=checkpoints,
         )
 
 
@@ -171,6 +194,7 @@ class MachineOut(BaseModel):
     disagreed: int = 0
     streak: int = 0
     quarantine: str = ""
+    owner: str = ""  # whose machine it is, as the admin who approved it said
 
     @classmethod
     def of(cls, m: MachineRecord, online: MachineView | None = None) -> MachineOut:
@@ -179,7 +203,8 @@ class MachineOut(BaseModel):
                    held=m.held, online=online is not None,
                    busy=online.busy if online is not None else "", cpus=m.cpus,
                    memory_mb=m.memory_mb, disk_mb=m.disk_mb, agreed=m.agreed,
-                   disagreed=m.disagreed, streak=m.streak, quarantine=m.quarantine)
+                   disagreed=m.disagreed, streak=m.streak, quarantine=m.quarantine,
+                   owner=m.owner)
 
 
 class JoinOut(BaseModel):

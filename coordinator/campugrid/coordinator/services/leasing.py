@@ -13,7 +13,7 @@ from campugrid.coordinator.config import Settings
 from campugrid.coordinator.holds import Holds
 from campugrid.coordinator.machines import Status as MachineStatus
 from campugrid.coordinator.objects import ObjectStore
-from campugrid.coordinator.quorum import read_output
+from campugrid.coordinator.quorum import checkpoint_digest, read_output
 from campugrid.coordinator.scheduler import MachineView, fast_from
 from campugrid.coordinator.services.inputs import InputService
 from campugrid.coordinator.services.machines import MachineService
@@ -205,8 +205,11 @@ class LeaseService:
             self.objects.delete(key)
             raise InvalidInput(f"checkpoint of epoch {epoch} arrived damaged: {got_size} bytes, "
                                f"sha256 {got_sha[:12]}…, expected {size} bytes, {sha256[:12]}…")
+        # Read here, where checks compare it (checks.py): never what the machine says it holds.
+        digest = (checkpoint_digest(self.objects.stream(key), limit=size)
+                  if self.store.checks_checkpoints(ref.job_id) else None)
         for old in hold.checkpoint(epoch=epoch, key=key, size=size, sha256=sha256,
-                                   keep=self.settings.keep_checkpoints):
+                                   keep=self.settings.keep_checkpoints, content_digest=digest):
             self.objects.delete(old)
 
     # --- leases that end without their machine -------------------------------------------

@@ -60,9 +60,16 @@ class MachineService:
     def shared(self) -> dict[str, dict[tuple[str, int, str], int]]:
         return self.store.machines.shared()
 
-    def approve(self, ref: str) -> MachineRecord:
+    def approve(self, ref: str, owner: str | None = None) -> MachineRecord:
+        """Approve (or reinstate) a machine; `owner` says whose it is: a verified job never
+        takes two answers from machines of one owner."""
+        if owner is not None:
+            owner = owner.strip()
+            if len(owner) > 200 or not owner.isprintable():
+                raise InvalidInput("owner: at most 200 printable characters (whose machine "
+                                   "it is, e.g. a name or an email address)")
         m = self.store.machines.set_status(self.store.machines.find(ref).id,
-                                           MachineStatus.APPROVED)
+                                           MachineStatus.APPROVED, owner)
         self._records.forget(m.id)
         log.info("machine %s (%s, %s) approved", m.id, m.name, m.fingerprint)
         return m

@@ -1,0 +1,219 @@
+"""Checkpoints checked by recomputation, in the store, on SQLite and on a real PostgreSQL
+(coordinator/checks.py): a check recomputes a checkpoint on another machine from the one
+before; agreement marks it checked, a liar's checkpoint is outvoted, rejected with what was
+made from it, its machine quarantined, and the job resumes from a checked one."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import select
+
+from campugrid.coordinator.machines import Status
+from campugrid.coordinator.models import Checkpoint, Job
+from campugrid.coordinator.store import Store
+from campugrid.coordinator.views import JobView
+from campugrid.protocol.errors import IllegalTransition, InvalidInput, StaleAttempt
+from campugrid.protocol.spec import JobSpec
+from campugrid.protocol.states import JobState
+from tests.support.holds import attempt
+from tests.support.machines import add_machine
+
+pytestmark = pytest.mark.integration
+
+
+def digest(epoch: int, lie: bool = False) -> str:
+    """What an honest machine's checkpoint of this epoch holds (the same on every machine)."""
+    return f"sha256:{'bad' if lie else 'good'}-{epoch}"
+
+
+def submit(store: Store, **spec: object) -> JobView:
+    return store.submit(JobSpec.from_dict(dict(spec)), "contexts/x.tar", "ab" * 32)[0]
+
+
+def save(store: Store, job: JobView, machine: str, epoch: int, *, lie: bool = False,
+         keep: int = 10) -> list[str]:
+    return store.record_checkpoint(attempt(job.id, job.attempt, machine), epoch=epoch,
+                                   key=f"checkpoints/{job.id}/{job.attempt}-{epoch}-{machine}",
+                                   size=1, sha256="0" * 64, keep=keep,
+                                   content_digest=digest(epoch, lie))
+
+
+def checks_of(store: Store, job_id: str) -> list[JobView]:
+    """The checks of the job's checkpoints, oldest first."""
+    with store.read() as s:
+        ids = list(s.scalars(select(Job.id).where(Job.check_of.in_(
+            select(Checkpoint.id).where(Checkpoint.job_id == job_id).scalar_subquery()))
+            .order_by(Job.created_at, Job.id)))
+    return [store.get(i) for i in ids]
+
+
+def answer(store: Store, machine: str, *, lie: bool = False) -> tuple[JobView, int]:
+    """The machine takes the next check it may and answers it: it saves the epoch it
+    recomputes (honestly, or not). Returns the check and that epoch."""
+    claim = store.claim(machine, 30)
+    assert claim is not None, f"machine {machine} was given nothing"
+    with store.read() as s:
+        epoch = s.scalar(select(Checkpoint.epoch).where(Checkpoint.id == Job.check_of,
+                                                        Job.id == claim.job.id))
+    assert epoch is not None, "it was given a job, not a check"
+    save(store, claim.job, machine, epoch, lie=lie)
+    return claim.job, epoch
+
+
+def verdicts(store: Store, job_id: str) -> dict[int, str | None]:
+    return {c.epoch: c.verdict for c in store.checkpoints(job_id)}
+
+
+def test_a_checkpoint_is_recomputed_elsewhere_from_the_one_before_and_agreed(store: Store):
+    job = submit(store, verify={"checkpoints": 1})
+    assert job.replicas == 0 and job.spec.verify is not None and store.checks_checkpoints(job.id)
+    maker, checker = add_machine(store, "maker"), add_machine(store, "checker")
+    held = store.claim_next(maker, lease_s=30)
+    assert held is not None and held.id == job.id  # checkpoints alone: the job runs once
+    save(store, held, maker, 0)
+    save(store, held, maker, 1)
+    first, second = checks_of(store, job.id)
+    assert [j.id for j in store.list_jobs()] == [job.id]  # checks show on their job only
+    assert verdicts(store, job.id) == {0: "checking", 1: "checking"}
+    assert store.claim(maker, 30) is None  # its maker checks none of its checkpoints
+    claim = store.claim(checker, 30)
+    assert claim is not None and claim.job.id == first.id and claim.resume is None  # epoch 0
+    assert claim.job.spec.verify is None and store.checks_checkpoints(first.id)
+    save(store, claim.job, checker, 0)
+    assert store.get(first.id).state is JobState.SUCCEEDED  # it answered: it ends
+    with pytest.raises((StaleAttempt, IllegalTransition)):  # its agent hears so, and stops
+        store.renew_lease(attempt(first.id, claim.job.attempt, checker), JobState.RUNNING, 30)
+    claim = store.claim(checker, 30)
+    assert claim is not None and claim.job.id == second.id
+    assert claim.resume is not None and claim.resume.epoch == 0  # from the one before
+    save(store, claim.job, checker, 1)
+    assert verdicts(store, job.id) == {0: "agreed", 1: "agreed"}
+    assert [c.resumed_from for c in store.checkpoints(second.id)] == [0]
+    for m in (maker, checker):
+        assert store.machines.get(m).streak == 2
+    kinds = [e.kind for e in store.events(job.id)]
+    assert kinds.count("check") == 2 and kinds.count("checked") == 2
+    assert store.get(job.id).state is JobState.BUILDING  # the job itself ran on
+
+
+def test_a_poisoned_checkpoint_is_outvoted_and_the_job_resumes_from_a_checked_one(
+        store: Store):
+    job = submit(store, verify={"checkpoints": 1})
+    liar, a, b = (add_machine(store, n) for n in ("liar", "a", "b"))
+    held = store.claim_next(liar, lease_s=30)
+    assert held is not None
+    save(store, held, liar, 0)
+    save(store, held, liar, 1, lie=True)
+    assert [answer(store, a)[1] for _ in range(2)] == [0, 1]
+    assert verdicts(store, job.id) == {0: "agreed", 1: "checking"}  # a disagreed with it
+    save(store, held, liar, 2, lie=True)  # made from its lie, and checked in turn
+    seen = []
+    while verdicts(store, job.id)[1] == "checking":
+        seen.append(answer(store, b)[1])
+    assert 1 in seen
+    assert verdicts(store, job.id) == {0: "agreed", 1: "rejected", 2: "rejected"}
+    record = store.machines.get(liar)
+    assert record.status is Status.QUARANTINED and "epoch 1" in record.quarantine
+    assert store.machines.get(a).status is Status.APPROVED
+    assert store.machines.get(b).status is Status.APPROVED
+    # The job went back to the queue at once, without costing an attempt, and every check
+    # of what the liar made from its lie is called off.
+    again = store.get(job.id)
+    assert again.state is JobState.QUEUED and "rejected" in (again.reason or "")
+    assert all(c.state.final for c in checks_of(store, job.id))
+    resumed = store.claim(a, 30)
+    assert resumed is not None and resumed.job.id == job.id and resumed.resume.epoch == 0
+    assert store.latest_checkpoint(job.id).epoch == 0
+
+
+def test_a_check_that_lies_is_the_one_quarantined(store: Store):
+    job = submit(store, verify={"checkpoints": 1})
+    maker, liar, third = (add_machine(store, n) for n in ("maker", "liar", "third"))
+    held = store.claim_next(maker, lease_s=30)
+    assert held is not None
+    save(store, held, maker, 0)
+    answer(store, liar, lie=True)
+    answer(store, third)
+    assert verdicts(store, job.id) == {0: "agreed"}
+    assert store.machines.get(liar).status is Status.QUARANTINED
+    assert store.machines.get(maker).status is Status.APPROVED
+    assert store.get(job.id).state is JobState.BUILDING  # the job's own attempt goes on
+
+
+def test_checkpoints_that_no_two_machines_compute_alike_fail_the_job(store: Store):
+    job = submit(store, verify={"checkpoints": 1})
+    ms = [add_machine(store, f"m{i}") for i in range(3)]
+    held = store.claim_next(ms[0], lease_s=30)
+    assert held is not None
+    store.record_checkpoint(attempt(job.id, 1, ms[0]), epoch=0, key="k0", size=1,
+                            sha256="0" * 64, keep=5, content_digest="sha256:0")
+    for i in (1, 2):
+        claim = store.claim(ms[i], 30)
+        assert claim is not None
+        store.record_checkpoint(attempt(claim.job.id, claim.job.attempt, ms[i]), epoch=0,
+                                key=f"k{i}", size=1, sha256="0" * 64, keep=5,
+                                content_digest=f"sha256:{i}")
+    done = store.get(job.id)
+    assert done.state is JobState.FAILED and "checkpoints disagree" in (done.reason or "")
+    assert verdicts(store, job.id) == {0: "disputed"}
+    assert all(store.machines.get(m).status is Status.APPROVED for m in ms)  # no one blamed
+
+
+def test_a_check_that_ends_without_answering_is_replaced(store: Store):
+    job = submit(store, verify={"checkpoints": 1}, max_attempts=1)
+    maker, a, b = (add_machine(store, n) for n in ("maker", "a", "b"))
+    held = store.claim_next(maker, lease_s=30)
+    assert held is not None
+    save(store, held, maker, 0)
+    claim = store.claim(a, 30)
+    assert claim is not None
+    store.finish(attempt(claim.job.id, 1, a), succeeded=False, exit_code=1, reason="crashed",
+                 result=None, output_key=None, limits={})
+    assert len(checks_of(store, job.id)) == 2  # another machine tries
+    answer(store, b)
+    assert verdicts(store, job.id) == {0: "agreed"}
+
+
+def test_retention_keeps_what_a_check_needs_and_the_newest_checked_one(store: Store):
+    job = submit(store, verify={"checkpoints": 1})
+    maker, checker = add_machine(store, "maker"), add_machine(store, "checker")
+    held = store.claim_next(maker, lease_s=30)
+    assert held is not None
+    save(store, held, maker, 0, keep=1)
+    answer(store, checker)  # epoch 0 is checked
+    dropped = []
+    for e in (1, 2, 3):
+        dropped += save(store, held, maker, e, keep=1)
+    # 0 is the newest checked one; 1..3 wait for their checks (and each starts from the one
+    # before): nothing is dropped.
+    assert verdicts(store, job.id) == {0: "agreed", 1: "checking", 2: "checking",
+                                       3: "checking"} and dropped == []
+    assert sorted(answer(store, checker)[1] for _ in range(3)) == [1, 2, 3]
+    dropped = save(store, held, maker, 4, keep=1)  # 3 is checked now: the older ones go
+    assert {c.epoch for c in store.checkpoints(job.id)} == {3, 4}
+    assert len(dropped) == 3
+
+
+def test_without_a_fraction_nothing_is_checked_or_read(store: Store):
+    plain, off = submit(store), submit(store, verify={"checkpoints": 0, "replicas": 2})
+    assert not store.checks_checkpoints(plain.id) and not store.checks_checkpoints(off.id)
+    m = add_machine(store, "m")
+    held = store.claim_next(m, lease_s=30)
+    assert held is not None and held.id == plain.id
+    save(store, held, m, 0)
+    assert checks_of(store, plain.id) == [] and verdicts(store, plain.id) == {0: None}
+
+
+def test_cancelling_a_job_cancels_its_checks_and_a_check_is_not_cancelled_alone(store: Store):
+    job = submit(store, verify={"checkpoints": 1})
+    maker = add_machine(store, "maker")
+    held = store.claim_next(maker, lease_s=30)
+    assert held is not None
+    save(store, held, maker, 0)
+    (check,) = checks_of(store, job.id)
+    with pytest.raises(InvalidInput, match="cancel that job instead"):
+        store.cancel(check.id)
+    with pytest.raises(InvalidInput, match="run that job again instead"):
+        store.rerun(check.id)
+    store.cancel(job.id)
+    assert store.get(check.id).state is JobState.CANCELLED
