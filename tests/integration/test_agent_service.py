@@ -137,7 +137,15 @@ def test_checkpoints_are_verified_before_they_are_recorded(coordinator, tmp_path
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "arrived damaged" in err.value.details()
     assert running.coord.store.checkpoints(job["id"]) == []
+    damaged_key = begin.key
     begin = c.begin_checkpoint(hold_from_pb(lease), 0, len(data))
+    assert begin.key != damaged_key  # each upload its own key: nothing recorded is rewritten
+    forged = damaged_key.rsplit("-", 1)[0] + "-../x.tar"
+    with pytest.raises(grpc.RpcError) as err:
+        c.record_checkpoint(pb.RecordCheckpointRequest(
+            **hold_fields(hold_from_pb(lease)), epoch=0, key=forged, upload_id=begin.upload_id,
+            etags=["x"], size=len(data), sha256=digest))
+    assert "does not belong to this attempt" in err.value.details()
     reply = c.record_checkpoint(pb.RecordCheckpointRequest(
         **hold_fields(hold_from_pb(lease)), epoch=0, key=begin.key,
         upload_id=begin.upload_id, etags=upload(begin, data), size=len(data), sha256=digest))

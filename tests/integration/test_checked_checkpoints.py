@@ -6,12 +6,13 @@ made from it, its machine quarantined, and the job resumes from a checked one.""
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 
+from campugrid.coordinator import verified
 from campugrid.coordinator.machines import Status
 from campugrid.coordinator.models import Checkpoint, Job
 from campugrid.coordinator.store import Store
-from campugrid.coordinator.views import JobView
+from campugrid.coordinator.views import JobView, utcnow
 from campugrid.protocol.errors import IllegalTransition, InvalidInput, StaleAttempt
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobState
@@ -31,11 +32,14 @@ def submit(store: Store, **spec: object) -> JobView:
 
 
 def save(store: Store, job: JobView, machine: str, epoch: int, *, lie: bool = False,
-         keep: int = 10) -> list[str]:
+         keep: int = 10, sampled: bool = True, answer: str | None = None) -> list[str]:
+    """The machine records a checkpoint of this epoch; `sampled`: the coordinator drew it for
+    a check and read it (services/leasing.py does both), so it holds what `lie` says."""
     return store.record_checkpoint(attempt(job.id, job.attempt, machine), epoch=epoch,
                                    key=f"checkpoints/{job.id}/{job.attempt}-{epoch}-{machine}",
                                    size=1, sha256="0" * 64, keep=keep,
-                                   content_digest=digest(epoch, lie))
+                                   content_digest=answer or digest(epoch, lie) if sampled
+                                   else None)
 
 
 def checks_of(store: Store, job_id: str) -> list[JobView]:
@@ -66,8 +70,8 @@ def verdicts(store: Store, job_id: str) -> dict[int, str | None]:
 
 def test_a_checkpoint_is_recomputed_elsewhere_from_the_one_before_and_agreed(store: Store):
     job = submit(store, verify={"checkpoints": 1})
-    assert job.replicas == 0 and job.spec.verify is not None and store.checks_checkpoints(job.id)
     maker, checker = add_machine(store, "maker"), add_machine(store, "checker")
+    assert job.replicas == 0 and store.checkpoint_probability(job.id, maker) == 1
     held = store.claim_next(maker, lease_s=30)
     assert held is not None and held.id == job.id  # checkpoints alone: the job runs once
     save(store, held, maker, 0)
@@ -78,7 +82,8 @@ def test_a_checkpoint_is_recomputed_elsewhere_from_the_one_before_and_agreed(sto
     assert store.claim(maker, 30) is None  # its maker checks none of its checkpoints
     claim = store.claim(checker, 30)
     assert claim is not None and claim.job.id == first.id and claim.resume is None  # epoch 0
-    assert claim.job.spec.verify is None and store.checks_checkpoints(first.id)
+    assert claim.job.spec.verify is None  # a check is never checked; its answer always read
+    assert store.checkpoint_probability(first.id, checker) == 1
     save(store, claim.job, checker, 0)
     assert store.get(first.id).state is JobState.SUCCEEDED  # it answered: it ends
     with pytest.raises((StaleAttempt, IllegalTransition)):  # its agent hears so, and stops
@@ -89,8 +94,9 @@ def test_a_checkpoint_is_recomputed_elsewhere_from_the_one_before_and_agreed(sto
     save(store, claim.job, checker, 1)
     assert verdicts(store, job.id) == {0: "agreed", 1: "agreed"}
     assert [c.resumed_from for c in store.checkpoints(second.id)] == [0]
-    for m in (maker, checker):
-        assert store.machines.get(m).streak == 2
+    for m in (maker, checker):  # agreements, but no adaptive trust: checks are cheap to pass
+        record = store.machines.get(m)
+        assert (record.agreed, record.streak) == (2, 0)
     kinds = [e.kind for e in store.events(job.id)]
     assert kinds.count("check") == 2 and kinds.count("checked") == 2
     assert store.get(job.id).state is JobState.BUILDING  # the job itself ran on
@@ -116,6 +122,7 @@ def test_a_poisoned_checkpoint_is_outvoted_and_the_job_resumes_from_a_checked_on
     assert record.status is Status.QUARANTINED and "epoch 1" in record.quarantine
     assert store.machines.get(a).status is Status.APPROVED
     assert store.machines.get(b).status is Status.APPROVED
+    assert store.machines.get(b).agreed == 1
     # The job went back to the queue at once, without costing an attempt, and every check
     # of what the liar made from its lie is called off.
     again = store.get(job.id)
@@ -196,12 +203,144 @@ def test_retention_keeps_what_a_check_needs_and_the_newest_checked_one(store: St
 
 def test_without_a_fraction_nothing_is_checked_or_read(store: Store):
     plain, off = submit(store), submit(store, verify={"checkpoints": 0, "replicas": 2})
-    assert not store.checks_checkpoints(plain.id) and not store.checks_checkpoints(off.id)
     m = add_machine(store, "m")
+    assert store.checkpoint_probability(plain.id, m) == 0
+    assert store.checkpoint_probability(off.id, m) == 0
+    adaptive = submit(store, verify="adaptive")  # by the machine's record: untrusted, always
+    replica = store.replicas(adaptive.id)[0]
+    assert store.checkpoint_probability(replica.id, m) == 1
     held = store.claim_next(m, lease_s=30)
     assert held is not None and held.id == plain.id
-    save(store, held, m, 0)
+    save(store, held, m, 0)  # even if read, a job that asks nothing is not checked
     assert checks_of(store, plain.id) == [] and verdicts(store, plain.id) == {0: None}
+
+
+def test_a_check_resumes_from_what_the_checkpoint_was_made_from(store: Store):
+    """Not from another attempt's checkpoint of an earlier epoch: an honest machine that
+    started over is checked against its own chain, never a liar's."""
+    job = submit(store, verify={"checkpoints": 1})
+    liar, honest, a, b = (add_machine(store, n) for n in ("liar", "honest", "a", "b"))
+    held = store.claim_next(liar, lease_s=30)
+    assert held is not None
+    save(store, held, liar, 1, lie=True, sampled=False)  # not drawn: no check
+    store.release(attempt(job.id, held.attempt, liar), "drained", failed=False)
+    with store.tx() as s:  # the liar's epoch 1 is set aside some other way (an admin)
+        s.execute(update(Checkpoint).where(Checkpoint.job_id == job.id)
+                  .values(verdict="untrusted"))
+    again = store.claim(honest, 30)
+    assert again is not None and again.job.id == job.id and again.resume is None
+    save(store, again.job, honest, 2)
+    claim = store.claim(a, 30)
+    assert claim is not None and claim.resume is None  # from the start, as its maker did
+    save(store, claim.job, a, 2)
+    assert verdicts(store, job.id)[2] == "agreed"
+    assert store.machines.get(honest).status is Status.APPROVED
+    assert store.claim(b, 30) is None
+
+
+def test_an_agreed_step_from_a_quarantined_machines_checkpoint_is_not_resumed_from(
+        store: Store):
+    job = submit(store, verify={"checkpoints": 1})
+    liar, a, b = (add_machine(store, n) for n in ("liar", "a", "b"))
+    held = store.claim_next(liar, lease_s=30)
+    assert held is not None
+    save(store, held, liar, 1, lie=True, sampled=False)  # not drawn
+    save(store, held, liar, 2)  # drawn: an honest step, from its own poisoned epoch 1
+    assert answer(store, a)[1] == 2 and verdicts(store, job.id) == {1: None, 2: "agreed"}
+    store.release(attempt(job.id, held.attempt, liar), "drained", failed=False)
+    with store.tx() as s:  # caught elsewhere
+        verified.quarantine(s, liar, utcnow(), "it lied elsewhere")
+    assert verdicts(store, job.id) == {1: "untrusted", 2: "untrusted"}
+    claim = store.claim(b, 30)
+    assert claim is not None and claim.job.id == job.id and claim.resume is None
+
+
+def test_a_job_that_ended_from_a_rejected_checkpoint_is_tainted(store: Store):
+    job = submit(store, verify={"checkpoints": 1})
+    liar, h, a, b = (add_machine(store, n) for n in ("liar", "h", "a", "b"))
+    held = store.claim_next(liar, lease_s=30)
+    assert held is not None
+    save(store, held, liar, 1, lie=True)
+    store.release(attempt(job.id, held.attempt, liar), "drained", failed=False)
+    resumed = store.claim(h, 30)  # before the check: from the liar's epoch 1
+    assert resumed is not None and resumed.job.id == job.id and resumed.resume.epoch == 1
+    answer(store, a)  # it disagrees with the liar: a tie-breaker is queued
+    store.finish(attempt(job.id, resumed.job.attempt, h), succeeded=True, exit_code=0,
+                 reason=None, result="done", output_key=None, limits={})
+    assert not store.get(job.id).tainted
+    answer(store, b)  # a disagreement is settled even after the job ended
+    done = store.get(job.id)
+    assert done.state is JobState.SUCCEEDED and "rejected" in (done.tainted or "")
+    assert store.machines.get(liar).status is Status.QUARANTINED
+
+
+def test_a_checkpoint_no_recomputation_can_reach_is_unverifiable_and_not_resumed_from(
+        store: Store):
+    """A liar's made-up epoch between the job's own (or an honest drain's off its cadence):
+    the check saves the next epoch instead; no one is blamed, and no one resumes from it."""
+    job = submit(store, verify={"checkpoints": 1})
+    maker, a = add_machine(store, "maker"), add_machine(store, "a")
+    held = store.claim_next(maker, lease_s=30)
+    assert held is not None
+    save(store, held, maker, 2, sampled=False)
+    save(store, held, maker, 3)  # the job saves even epochs only
+    claim = store.claim(a, 30)
+    assert claim is not None and claim.resume.epoch == 2
+    save(store, claim.job, a, 4)
+    assert store.get(claim.job.id).state is JobState.FAILED
+    assert verdicts(store, job.id) == {2: None, 3: "unverifiable"}
+    assert len(checks_of(store, job.id)) == 1  # another check would skip it too
+    assert store.machines.get(maker).status is Status.APPROVED
+    # Its attempt made it: the job went back to the queue, and resumes from a good one.
+    assert store.get(job.id).state is JobState.QUEUED
+    again = store.claim(a, 30)
+    assert again is not None and again.resume.epoch == 2
+
+
+def test_a_tie_breaker_that_ends_without_answering_is_replaced_not_a_failure(store: Store):
+    job = submit(store, verify={"checkpoints": 1})
+    maker, liar, flaky, d = (add_machine(store, n) for n in ("maker", "liar", "flaky", "d"))
+    held = store.claim_next(maker, lease_s=30)
+    assert held is not None
+    save(store, held, maker, 0)
+    answer(store, liar, lie=True)
+    claim = store.claim(flaky, 30)
+    assert claim is not None
+    store.finish(attempt(claim.job.id, 1, flaky), succeeded=False, exit_code=-1,
+                 reason="the sandbox could not start", result=None, output_key=None, limits={})
+    assert store.get(job.id).state is JobState.BUILDING
+    answer(store, d)
+    assert verdicts(store, job.id) == {0: "agreed"}
+    assert store.machines.get(liar).status is Status.QUARANTINED
+
+
+def test_a_replica_failed_by_disputed_checkpoints_lets_its_verified_job_decide(store: Store):
+    job = submit(store, verify={"replicas": 2, "checkpoints": 1})
+    ms = [add_machine(store, f"m{i}") for i in range(4)]
+    first = store.claim_next(ms[0], lease_s=30)
+    second = store.claim_next(ms[1], lease_s=30)
+    assert first is not None and second is not None
+    store.finish(attempt(second.id, 1, ms[1]), succeeded=True, exit_code=0, reason=None,
+                 result="42", output_key=None, limits={}, output_digest="sha256:o")
+    save(store, first, ms[0], 0, answer="sha256:0")
+    for i in (2, 3):
+        claim = store.claim(ms[i], 30)
+        assert claim is not None and "check of epoch 0" in (claim.job.name or "")
+        save(store, claim.job, ms[i], 0, answer=f"sha256:{i}")
+    assert store.get(first.id).state is JobState.FAILED
+    parent = store.get(job.id)
+    assert parent.replicas == 3 and parent.state is JobState.RUNNING  # a third replica runs
+
+
+def test_queued_checks_of_a_job_that_ended_are_cancelled_but_not_tie_breakers(store: Store):
+    job = submit(store, verify={"checkpoints": 1})
+    maker = add_machine(store, "maker")
+    held = store.claim_next(maker, lease_s=30)
+    assert held is not None
+    save(store, held, maker, 0)
+    store.finish(attempt(job.id, held.attempt, maker), succeeded=True, exit_code=0,
+                 reason=None, result="done", output_key=None, limits={})
+    assert [c.state for c in checks_of(store, job.id)] == [JobState.CANCELLED]
 
 
 def test_cancelling_a_job_cancels_its_checks_and_a_check_is_not_cancelled_alone(store: Store):

@@ -149,7 +149,9 @@ def test_a_spec_takes_plain_values_as_json_has_them_and_checks_them_alike():
 
 
 @pytest.mark.parametrize(("verify", "message"), [
-    ({"replicas": 1}, "verify.replicas: must be an integer from 2 to 16"),
+    ({"replicas": 1}, "one replica and no checkpoints checked verify nothing"),
+    ({"checkpoints": 0}, "one replica and no checkpoints checked verify nothing"),
+    ({"replicas": 17}, "verify.replicas: must be an integer from 1 to 16"),
     ({"replicas": 2, "quorum": 3}, "verify.quorum: must be an integer from 2 to 2"),
     ({"replicas": 3, "max_replicas": 2}, "verify.max_replicas: must be an integer from 3 to 16"),
     ({"replica": 2}, "did you mean 'replicas'"),

@@ -30,7 +30,7 @@ from campugrid.coordinator.models import (
 )
 from campugrid.coordinator.scheduler import MachineView, place
 from campugrid.coordinator.sharding import open_session
-from campugrid.coordinator.verified import kept_apart, leased_replica
+from campugrid.coordinator.verified import AGREED, NOT_RESUMED, kept_apart, leased_replica
 from campugrid.coordinator.views import CheckpointView, Claim, JobView, stored_spec, utcnow
 from campugrid.protocol.states import JobState, sources_of
 
@@ -175,6 +175,8 @@ class Claimer:
                   if row.replica_of is None else
                   conn.execute(_LATEST_OWN_CHECKPOINT, {"job_id": job_id,
                                                         "machine_id": machine_id}).first())
+        if resume is not None:  # what its checkpoints are computed from (checks.py)
+            conn.execute(update(_JOBS).where(_JOBS.c.id == job_id).values(resume_id=resume.id))
         return Claim(JobView.from_row(row), gpus,
                      CheckpointView.from_row(resume) if resume is not None else None)
 
@@ -253,7 +255,7 @@ def _next_share_job(shares: frozenset[str], postgres: bool) -> Any:
     return q.with_for_update(skip_locked=True) if postgres else q
 _LEASE_VALUES = {"state": JobState.BUILDING.value, "attempt": _JOBS.c.attempt + 1,
                  "machine_id": bindparam("machine_id"), "lease_expires_at": bindparam("expires"),
-                 "reason": None, "updated_at": bindparam("now")}
+                 "reason": None, "updated_at": bindparam("now"), "resume_id": None}
 _TAKE_NEXT, _TAKE_NEXT_PG = (
     update(_JOBS).where(_JOBS.c.id == head.with_only_columns(_JOBS.c.id).scalar_subquery(),
                         _JOBS.c.state == _CLAIMABLE.value, _JOBS.c.shards_total == 0)
@@ -268,9 +270,10 @@ _TAKE_JOB = (update(_JOBS)
 _ADD_EVENT = insert(JobEvent)
 # A job resumes from its newest checkpoint that a check agreed with, or that a machine in good
 # standing made: not from one a quarantined or revoked machine made (which could be poisoned),
-# and never from one a check rejected (nor any made after it: checks.py rejects those too).
-RESUMABLE = (_CHECKPOINTS.c.verdict.is_distinct_from("rejected")
-             & ((_CHECKPOINTS.c.verdict == "agreed") | _CHECKPOINTS.c.machine_id.is_(None)
+# and never from one a check rejected or could not check, nor one made from those (checks.py
+# marks them all).
+RESUMABLE = ((_CHECKPOINTS.c.verdict.is_(None) | _CHECKPOINTS.c.verdict.notin_(NOT_RESUMED))
+             & ((_CHECKPOINTS.c.verdict == AGREED) | _CHECKPOINTS.c.machine_id.is_(None)
                 | _CHECKPOINTS.c.machine_id.in_(select(Machine.id).where(
                     Machine.status == MachineStatus.APPROVED.value))))
 _LATEST_CHECKPOINT = (select(*_CHECKPOINTS.c).where(_CHECKPOINTS.c.job_id == bindparam("job_id"),

@@ -101,6 +101,8 @@ class Job(Base):
     # job) from checkpoint `check_from` (NULL: from the start) and ends when it has saved it.
     check_of: Mapped[int | None] = mapped_column(Integer, index=True)
     check_from: Mapped[int | None] = mapped_column(Integer)
+    # The checkpoint the current attempt resumed from (None: from the start), set at its lease.
+    resume_id: Mapped[int | None] = mapped_column(Integer)
     # A replica's /output as the coordinator read it (quorum.output_digest), to compare.
     output_digest: Mapped[str | None] = mapped_column(String(80))
     # Why the job's result cannot be trusted: it came from a machine quarantined since.
@@ -354,10 +356,16 @@ class Checkpoint(Base):
     machine_id: Mapped[str | None] = mapped_column(String(36))  # the machine that made it
     # The epoch its attempt resumed from (None: it started from nothing).
     resumed_from: Mapped[int | None] = mapped_column(BigInteger)
+    # The checkpoint it was computed from: its attempt's previous one, or the one its attempt
+    # resumed from (None: the start). Checks start there; a rejection follows these links.
+    parent_id: Mapped[int | None] = mapped_column(Integer)
     # Its files and bytes as the coordinator read them (quorum.output_digest), for checks.
     content_digest: Mapped[str | None] = mapped_column(String(80))
-    # A check's verdict (coordinator/checks.py): "agreed", "rejected" (never resumed from),
-    # "disputed" (no two recomputations agreed); None: not checked (or not yet).
+    # A check's verdict (coordinator/checks.py): "agreed"; never resumed from: "rejected" (a
+    # check outvoted it, or it was made from one that was), "untrusted" (its machine was
+    # quarantined and no check agreed with it, or it was made from such a one),
+    # "unverifiable" (sampled, but no check could recompute it), "disputed" (no two
+    # recomputations agreed); None: not checked (or not yet).
     verdict: Mapped[str | None] = mapped_column(String(16))
 
 

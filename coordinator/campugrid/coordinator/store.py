@@ -396,10 +396,10 @@ class Store:
     def record_checkpoint(self, ref: HoldRef, *, epoch: int, key: str, size: int, sha256: str,
                           keep: int, content_digest: str | None = None) -> list[str]:
         """Record a verified checkpoint of the current attempt (with its `content_digest` as
-        the coordinator read it, where checks.wants_digest); a check's answer is compared, and
-        a checked job's checkpoint may be sent for a check (checks.recorded). Return the keys
-        that retention (the newest `keep` per job, and those checks need) dropped, for the
-        caller to delete from storage."""
+        the coordinator read it where it was sampled: checkpoint_probability); a check's answer
+        is compared, a sampled checkpoint is sent for a check (checks.recorded). Return the
+        keys that retention (the newest `keep` good ones per job, and those checks need)
+        dropped, for the caller to delete from storage."""
         job_id, token = ref.job_id, ref.token
         with self.tx() as s:
             verified.lock_parent(s, job_id)
@@ -417,9 +417,15 @@ class Store:
                     s.scalar(select(Checkpoint.epoch).where(
                         Checkpoint.job_id == job_id, Checkpoint.attempt < token, RESUMABLE)
                         .order_by(Checkpoint.epoch.desc(), Checkpoint.id.desc()).limit(1)))
+                # What it was computed from: its attempt's previous checkpoint, or the one its
+                # attempt resumed from.
+                parent = s.scalar(select(Checkpoint.id).where(
+                    Checkpoint.job_id == job_id, Checkpoint.attempt == token)
+                    .order_by(Checkpoint.id.desc()).limit(1))
                 ckpt = Checkpoint(job_id=job_id, attempt=token, epoch=epoch, key=key, size=size,
                                   sha256=sha256, created_at=now, machine_id=ref.machine_id,
-                                  resumed_from=resumed_from, content_digest=content_digest)
+                                  resumed_from=resumed_from, content_digest=content_digest,
+                                  parent_id=parent if parent is not None else row.resume_id)
                 s.add(ckpt)
                 s.add(JobEvent(job_id=job_id, at=now, attempt=token, kind="checkpoint",
                                detail=f"epoch {epoch}, {size} bytes"))
@@ -429,18 +435,20 @@ class Store:
                 rows = list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
                                       .order_by(Checkpoint.epoch.desc(), Checkpoint.id.desc())))
                 needed = checks.protected(s, job_id)
-                kept = rows[:keep] + [r for r in rows[keep:] if r.id in needed]
-                dropped = [r for r in rows[keep:] if r.id not in needed]
+                good = [r for r in rows if r.verdict not in verified.NOT_RESUMED]
+                kept = [r for r in rows if r in good[:keep] or r.id in needed]
+                dropped = [r for r in rows if r not in kept]
                 for old in dropped:
                     s.delete(old)
         if refused is not None:
             raise refused
         return [old.key for old in dropped if old.key not in {r.key for r in kept}]
 
-    def checks_checkpoints(self, job_id: str) -> bool:
-        """Must the coordinator read this job's checkpoints to compare them (checks.py)?"""
+    def checkpoint_probability(self, job_id: str, machine_id: str) -> float:
+        """How likely a checkpoint this machine just made for the job is checked (and so read
+        by the coordinator): checks.probability."""
         with self.read() as s:
-            return checks.wants_digest(s, job_row(s, job_id))
+            return checks.probability(s, job_row(s, job_id), machine_id)
 
     def latest_checkpoint(self, job_id: str) -> CheckpointView | None:
         with self.read() as s:
@@ -553,6 +561,8 @@ class Store:
             verified.settle(s, row.replica_of, utcnow())
         if row.check_of is not None and (target := s.get(Checkpoint, row.check_of)) is not None:
             checks.settle(s, target, utcnow())
+        elif JobState(row.state).final:
+            verified.cancel_queued_checks(s, job_id, utcnow())
 
     @staticmethod
     def _checked_job(s: Session, row: Job) -> str:

@@ -31,6 +31,12 @@ from campugrid.coordinator.quorum import Answer, Decision, answer_key, decide, s
 from campugrid.coordinator.views import stored_spec
 from campugrid.protocol.states import JobKind, JobState, ShardState
 
+# A checkpoint's verdict (Checkpoint.verdict; checks.py). Those in NOT_RESUMED are never resumed
+# from (claims.RESUMABLE).
+AGREED, REJECTED, UNTRUSTED = "agreed", "rejected", "untrusted"
+UNVERIFIABLE, DISPUTED = "unverifiable", "disputed"
+NOT_RESUMED = (REJECTED, UNTRUSTED, UNVERIFIABLE, DISPUTED)
+
 
 def make_replicas(s: Session, parent: Job, n: int, now: dt.datetime) -> list[str]:
     """`n` more replicas of the verified job `parent` (a row of this session), queued: each a
@@ -134,9 +140,10 @@ def settle(s: Session, parent_id: str, now: dt.datetime, sample: float | None = 
 
 
 def lock_parent(s: Session, job_id: str) -> None:
-    """Before a replica's row is written: lock its verified job (if it is a replica), so that
+    """Before a job's row is written: lock its verified job (if it is a replica), so that
     every path takes the two in one order (a decision holds the verified job and writes its
-    replicas). Before a check's: the job it checks (and that one's verified job)."""
+    replicas); before a check's, the job it checks (and that one's verified job); then the
+    job itself (a check's decision reads its checkpoints, which its own attempt writes)."""
     found = s.execute(select(Job.replica_of, Job.check_of).where(Job.id == job_id)).first()
     if found is None:
         return
@@ -147,6 +154,7 @@ def lock_parent(s: Session, job_id: str) -> None:
             lock_parent(s, parent)
     if parent is not None:
         s.execute(select(Job.id).where(Job.id == parent).with_for_update())
+    s.execute(select(Job.id).where(Job.id == job_id).with_for_update())
 
 
 def _accept(s: Session, parent: Job, decision: Decision, replicas: list[Job],
@@ -167,24 +175,30 @@ def _accept(s: Session, parent: Job, decision: Decision, replicas: list[Job],
     judge(s, decision, now, f"job {parent.id}")
 
 
-def judge(s: Session, decision: Decision, now: dt.datetime, on: str) -> None:
-    """An accepted, checked decision: the machines that agreed earn trust; those that
-    answered against it are quarantined, with the evidence."""
+def judge(s: Session, decision: Decision, now: dt.datetime, on: str,
+          trust: bool = True) -> None:
+    """An accepted, checked decision: the machines that agreed earn trust (with `trust`; a
+    checkpoint check only counts an agreement); those that answered against it are
+    quarantined, with the evidence."""
     if not decision.checked or not decision.accept:
         return
     agreed_by = [a.machine_id for a in decision.accept]
-    agreed(s, agreed_by, now)
+    agreed(s, agreed_by, now, trust)
     said = decision.accept[0].says()
     for a in decision.against:
         quarantine(s, a.machine_id, now, f"on {on} it answered {a.says()}, where "
                    f"{len(agreed_by)} other machines agreed on {said}")
 
 
-def agreed(s: Session, machines: list[str], now: dt.datetime) -> None:
-    """These machines' answers agreed with a quorum: their records say so."""
-    s.execute(update(Machine).where(Machine.id.in_(sorted(set(machines)))).values(
-        agreed=Machine.agreed + 1, streak=Machine.streak + 1, last_agreed_at=now)
-        .execution_options(synchronize_session=False))
+def agreed(s: Session, machines: list[str], now: dt.datetime, trust: bool = True) -> None:
+    """These machines' answers agreed with a quorum: their records say so. Only results earn
+    adaptive trust (`trust`: the streak, and the time since which what they make would be
+    tainted); a checkpoint check is cheap to pass, and counts as an agreement only."""
+    values: dict[str, Any] = {"agreed": Machine.agreed + 1}
+    if trust:
+        values |= {"streak": Machine.streak + 1, "last_agreed_at": now}
+    s.execute(update(Machine).where(Machine.id.in_(sorted(set(machines)))).values(**values)
+              .execution_options(synchronize_session=False))
 
 
 def _cancel_rest(s: Session, parent: Job, replicas: list[Job], now: dt.datetime,
@@ -197,6 +211,7 @@ def _cancel_rest(s: Session, parent: Job, replicas: list[Job], now: dt.datetime,
             s.add(JobEvent(job_id=r.id, at=now, attempt=r.attempt, kind="cancelled",
                            detail="not needed: the verified job was decided"))
             s.execute(delete(GpuReservation).where(GpuReservation.job_id == r.id))
+            cancel_queued_checks(s, r.id, now)
 
 
 def quarantine(s: Session, machine_id: str, now: dt.datetime, why: str) -> None:
@@ -213,6 +228,12 @@ def quarantine(s: Session, machine_id: str, now: dt.datetime, why: str) -> None:
         m.status, m.quarantine = Status.QUARANTINED.value, why[:4000]
     bump_epoch(s)
     end_leases(s, machine_id)
+    # Its checkpoints that no check agreed with, and all made from them, are not resumed from.
+    suspect = set(s.scalars(select(Checkpoint.id).where(
+        Checkpoint.machine_id == machine_id,
+        Checkpoint.verdict.is_(None) | (Checkpoint.verdict != AGREED))))
+    distrust(s, suspect, UNTRUSTED, now, f"made by machine {machine_id[:8]} (quarantined) or "
+             "from a checkpoint it made")
     by = (f"machine {machine_id[:8]}, quarantined {now:%Y-%m-%d %H:%M} UTC after it answered "
           f"against a quorum; run the job again with `campugrid rerun`")
     taint = f"its result was made by {by}"
@@ -239,6 +260,65 @@ def quarantine(s: Session, machine_id: str, now: dt.datetime, why: str) -> None:
         s.execute(update(Job).where(Job.id == job_id, Job.tainted.is_(None))
                   .values(tainted=f"shard(s) {named} were answered by {by}")
                   .execution_options(synchronize_session=False))
+
+
+def distrust(s: Session, roots: set[int], verdict: str, now: dt.datetime, why: str) -> set[int]:
+    """These checkpoints, and every checkpoint made from them (parent links), get `verdict`:
+    never resumed from. A job whose current attempt resumed from one or made one goes back to
+    the queue (without costing an attempt) to resume from a good one; a job that ended so is
+    marked tainted. Returns what was marked."""
+    if not roots:
+        return set()
+    jobs = set(s.scalars(select(Checkpoint.job_id).where(Checkpoint.id.in_(sorted(roots)))))
+    rows = list(s.execute(select(Checkpoint.id, Checkpoint.parent_id, Checkpoint.job_id,
+                                 Checkpoint.attempt).where(Checkpoint.job_id.in_(sorted(jobs)))))
+    children: dict[int, list[int]] = {}
+    for cid, parent, _, _ in rows:
+        if parent is not None:
+            children.setdefault(parent, []).append(cid)
+    marked, todo = set(), list(roots)
+    while todo:
+        one = todo.pop()
+        if one not in marked:
+            marked.add(one)
+            todo += children.get(one, [])
+    if verdict == UNTRUSTED:  # a rejection found by a check stays one
+        keep = REJECTED
+        s.execute(update(Checkpoint).where(Checkpoint.id.in_(sorted(marked)),
+                                           Checkpoint.verdict.is_(None) | (Checkpoint.verdict != keep))
+                  .values(verdict=verdict).execution_options(synchronize_session=False))
+    else:
+        s.execute(update(Checkpoint).where(Checkpoint.id.in_(sorted(marked)))
+                  .values(verdict=verdict).execution_options(synchronize_session=False))
+    made_in = {(job_id, attempt) for cid, _, job_id, attempt in rows if cid in marked}
+    for job in s.scalars(select(Job).where(Job.id.in_(sorted(jobs)))):
+        if not ((job.id, job.attempt) in made_in or job.resume_id in marked):
+            continue  # its current attempt (or its end) was not computed from them
+        if JobState(job.state).active:
+            move_job(s, job.id, JobState.QUEUED, machine_id=None, lease_expires_at=None,
+                     drained=Job.drained + 1, updated_at=now,
+                     reason=f"a checkpoint it was computing from is {verdict} ({why}): it "
+                            "resumes from a good one")
+            s.execute(delete(GpuReservation).where(GpuReservation.job_id == job.id))
+            _event(s, job, now, "requeued", f"its checkpoints are {verdict}: {why}")
+        elif job.state in (JobState.SUCCEEDED.value, JobState.FAILED.value) and not job.tainted:
+            job.tainted = (f"its result was computed from a checkpoint that is {verdict} "
+                           f"({why}); run the job again with `campugrid rerun`")
+    return marked
+
+
+def cancel_queued_checks(s: Session, job_id: str, now: dt.datetime) -> None:
+    """The job ended: checks of its checkpoints that no machine has taken are not needed, but
+    for a tie-breaker (a check already disagreed with the maker: someone lied, and must be
+    found). Those running finish, and count for their machines' records."""
+    mine = select(Checkpoint.id).where(Checkpoint.job_id == job_id).scalar_subquery()
+    answered = set(s.scalars(select(Job.check_of).where(
+        Job.check_of.in_(mine), Job.state == JobState.SUCCEEDED.value)))
+    for check in s.scalars(select(Job).where(Job.check_of.in_(mine),
+                                             Job.state == JobState.QUEUED.value)):
+        if check.check_of not in answered:
+            move_job(s, check.id, JobState.CANCELLED, updated_at=now,
+                     reason="not needed: the job it checks ended")
 
 
 _SAMPLER = random.SystemRandom()

@@ -510,9 +510,11 @@ def _verify(value: Any) -> Verify | None:
     checkpoints = (None if value.get("checkpoints") is None
                    else _number(value, "checkpoints", 0.0, 0.0, 1.0, "verify"))
     # Checkpoints alone: the job runs once, and its checkpoints are what is checked.
-    replicas = _integer(value, "replicas", 1 if checkpoints and "quorum" not in value else 2,
-                        1 if checkpoints else 2, MAX_REPLICAS, "verify")
+    replicas = _integer(value, "replicas", 1 if checkpoints is not None and "quorum" not in value
+                        else 2, 1, MAX_REPLICAS, "verify")
     if replicas == 1:
+        _require(bool(checkpoints), "verify", "one replica and no checkpoints checked verify "
+                 "nothing: give replicas 2 or more, or checkpoints above 0")
         _require(value.get("quorum", 1) == 1 and value.get("max_replicas", 1) == 1, "verify",
                  "one replica has no quorum: give replicas 2 or more to compare results")
         return Verify(replicas=1, quorum=1, max_replicas=1, checkpoints=checkpoints)

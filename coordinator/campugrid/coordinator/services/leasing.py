@@ -6,6 +6,8 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import re
+import secrets
 import time
 from collections.abc import Callable, Sequence
 
@@ -18,6 +20,7 @@ from campugrid.coordinator.scheduler import MachineView, fast_from
 from campugrid.coordinator.services.inputs import InputService
 from campugrid.coordinator.services.machines import MachineService
 from campugrid.coordinator.store import Store
+from campugrid.coordinator.verified import draw
 from campugrid.coordinator.views import (
     CheckpointUpload,
     Claim,
@@ -179,7 +182,8 @@ class LeaseService:
         if not 0 < size <= self.settings.max_checkpoint_bytes or epoch < 0:
             raise InvalidInput(f"checkpoint of epoch {epoch}: size {size} is out of bounds "
                                f"(at most {self.settings.max_checkpoint_bytes} bytes)")
-        key = _checkpoint_key(ref, epoch)
+        # A key of its own per upload: what was recorded (and compared) is never overwritten.
+        key = f"{_checkpoint_key(ref, epoch)}{secrets.token_hex(8)}.tar"
         part = self.settings.checkpoint_part_bytes
         upload_id = self.objects.begin_multipart(key)
         ttl = dt.timedelta(seconds=self.settings.presign_seconds)
@@ -192,7 +196,8 @@ class LeaseService:
         """Complete the upload, check what arrived, and only then record it."""
         hold = self.holds.of(ref)
         hold.checkpoint_allowed()
-        if key != _checkpoint_key(ref, epoch):
+        prefix = _checkpoint_key(ref, epoch)
+        if not (key.startswith(prefix) and re.fullmatch(r"[0-9a-f]{16}\.tar", key[len(prefix):])):
             raise InvalidInput(f"checkpoint key {key!r} does not belong to this attempt")
         hold.check(f"checkpoint of epoch {epoch}")
         try:
@@ -205,9 +210,11 @@ class LeaseService:
             self.objects.delete(key)
             raise InvalidInput(f"checkpoint of epoch {epoch} arrived damaged: {got_size} bytes, "
                                f"sha256 {got_sha[:12]}…, expected {size} bytes, {sha256[:12]}…")
-        # Read here, where checks compare it (checks.py): never what the machine says it holds.
+        # Sampled now (the machine cannot know in advance), then read here, where checks
+        # compare it (checks.py): never what the machine says it holds.
+        chance = self.store.checkpoint_probability(ref.job_id, ref.machine_id)
         digest = (checkpoint_digest(self.objects.stream(key), limit=size)
-                  if self.store.checks_checkpoints(ref.job_id) else None)
+                  if chance > 0 and draw() < chance else None)
         for old in hold.checkpoint(epoch=epoch, key=key, size=size, sha256=sha256,
                                    keep=self.settings.keep_checkpoints, content_digest=digest):
             self.objects.delete(old)
@@ -301,7 +308,8 @@ def _how_inputs_move(job: JobView, lease: Lease) -> str:
 
 
 def _checkpoint_key(ref: HoldRef, epoch: int) -> str:
-    return f"checkpoints/{ref.job_id}/epoch-{epoch:08d}-attempt-{ref.token}.tar"
+    """Where this attempt's checkpoints of `epoch` go: each upload adds its own suffix."""
+    return f"checkpoints/{ref.job_id}/epoch-{epoch:08d}-attempt-{ref.token}-"
 
 
 def _printable(text: str) -> str:

@@ -26,6 +26,7 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column("apart", sa.String(36), nullable=True))
         batch_op.add_column(sa.Column("check_of", sa.Integer(), nullable=True))
         batch_op.add_column(sa.Column("check_from", sa.Integer(), nullable=True))
+        batch_op.add_column(sa.Column("resume_id", sa.Integer(), nullable=True))
         batch_op.create_index("ix_jobs_replica_of", ["replica_of"], unique=False)
         batch_op.create_index("ix_jobs_check_of", ["check_of"], unique=False)
     with op.batch_alter_table("machines", schema=None) as batch_op:
@@ -41,6 +42,7 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column("resumed_from", sa.BigInteger(), nullable=True))
         batch_op.add_column(sa.Column("content_digest", sa.String(80), nullable=True))
         batch_op.add_column(sa.Column("verdict", sa.String(16), nullable=True))
+        batch_op.add_column(sa.Column("parent_id", sa.Integer(), nullable=True))
     with op.batch_alter_table("shards", schema=None) as batch_op:
         batch_op.add_column(sa.Column("copy_of", sa.Integer(), nullable=True))
     op.create_table(
@@ -57,6 +59,7 @@ def downgrade() -> None:
     with op.batch_alter_table("shards", schema=None) as batch_op:
         batch_op.drop_column("copy_of")
     with op.batch_alter_table("checkpoints", schema=None) as batch_op:
+        batch_op.drop_column("parent_id")
         batch_op.drop_column("verdict")
         batch_op.drop_column("content_digest")
         batch_op.drop_column("resumed_from")
@@ -67,6 +70,6 @@ def downgrade() -> None:
     with op.batch_alter_table("jobs", schema=None) as batch_op:
         batch_op.drop_index("ix_jobs_check_of")
         batch_op.drop_index("ix_jobs_replica_of")
-        for name in ("check_from", "check_of", "apart", "tainted", "output_digest", "replica_of",
+        for name in ("resume_id", "check_from", "check_of", "apart", "tainted", "output_digest", "replica_of",
                      "replicas"):
             batch_op.drop_column(name)
