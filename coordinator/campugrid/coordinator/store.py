@@ -409,23 +409,20 @@ class Store:
             else:
                 refused = None
                 now = utcnow()
-                # What this attempt resumed from: the newest of earlier attempts' (its lease
-                # gave it that one; no other attempt records checkpoints meanwhile); a check's,
-                # the one it recomputes from.
-                resumed_from = (s.scalar(select(Checkpoint.epoch).where(
-                    Checkpoint.id == row.check_from)) if row.check_of is not None else
-                    s.scalar(select(Checkpoint.epoch).where(
-                        Checkpoint.job_id == job_id, Checkpoint.attempt < token, RESUMABLE)
-                        .order_by(Checkpoint.epoch.desc(), Checkpoint.id.desc()).limit(1)))
                 # What it was computed from: its attempt's previous checkpoint, or the one its
-                # attempt resumed from.
-                parent = s.scalar(select(Checkpoint.id).where(
+                # attempt resumed from (its lease's: Job.resume_id); and that one's epoch.
+                prev = s.scalars(select(Checkpoint).where(
                     Checkpoint.job_id == job_id, Checkpoint.attempt == token)
-                    .order_by(Checkpoint.id.desc()).limit(1))
+                    .order_by(Checkpoint.id.desc()).limit(1)).first()
+                parent = prev.id if prev is not None else row.resume_id
+                resumed_from = (prev.resumed_from if prev is not None else
+                                s.scalar(select(Checkpoint.epoch).where(
+                                    Checkpoint.id == row.resume_id))
+                                if row.resume_id is not None else None)
                 ckpt = Checkpoint(job_id=job_id, attempt=token, epoch=epoch, key=key, size=size,
                                   sha256=sha256, created_at=now, machine_id=ref.machine_id,
                                   resumed_from=resumed_from, content_digest=content_digest,
-                                  parent_id=parent if parent is not None else row.resume_id)
+                                  parent_id=parent)
                 s.add(ckpt)
                 s.add(JobEvent(job_id=job_id, at=now, attempt=token, kind="checkpoint",
                                detail=f"epoch {epoch}, {size} bytes"))
