@@ -175,3 +175,20 @@ def test_up_starts_its_agent_again_when_it_dies(where):
         code = up.end(signal.SIGINT)
     assert code == 0, up.output[-3000:]
     assert left_after(root, 10) == {}, "outlived a stopped `campugrid up`"
+
+
+def test_the_rest_port_is_held_before_anything_else_starts(tmp_path: Path):
+    """A port taken by someone else is said at once, before S3 or a registry start; the port
+    a platform was given is its own from the first moment (no other service it starts can be
+    handed it)."""
+    import socket
+
+    from campugrid.cli.platform import Platform
+    from campugrid.protocol.errors import CampugridError
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        p = Platform(tmp_path / "state", http_port=port)
+        with pytest.raises(CampugridError, match=f"cannot listen on 127.0.0.1:{port}"):
+            p.start()
+        assert p.s3 is None and not (tmp_path / "state").exists()

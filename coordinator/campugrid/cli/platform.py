@@ -21,6 +21,7 @@ import pwd
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -207,6 +208,7 @@ class Platform:
     running: server.Running | None = None
     agents: list[AgentHandle] = dataclasses.field(default_factory=list)
     _http_thread: threading.Thread | None = None
+    _http_socket: socket.socket | None = None  # the REST port, held from the start
     _supervisor: threading.Thread | None = None
     _stopping: threading.Event = dataclasses.field(default_factory=threading.Event)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -240,6 +242,13 @@ class Platform:
                 "CAMPUGRID_IDENTITY": str(self.identity_path)}
 
     def start(self) -> Platform:
+        # The REST port is held from the first moment: no port taken below (S3, registries,
+        # egress, gRPC: free_port) can turn out to be it.
+        try:
+            self._http_socket = socket.create_server(("127.0.0.1", self.http_port))
+        except OSError as e:
+            raise CampugridError(f"cannot listen on 127.0.0.1:{self.http_port} for the REST "
+                                 f"API: {e.strerror}; choose another port") from e
         self.state_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.state_dir, 0o711)  # noqa: S103 - the agent user must traverse it
         # The S3 secret lives only in memory and SeaweedFS's 0600 config, new at every start.
@@ -289,8 +298,11 @@ class Platform:
         if self.registry is not None:
             threading.Thread(target=self._collect_registry, daemon=True,
                              name="registry-gc").start()
+        held = ([self._http_socket] if settings.http_host == "127.0.0.1" else None)
+        if held is None:  # served elsewhere (CAMPUGRID_HTTP_HOST): uvicorn binds it itself
+            self._http_socket.close()
         self._http_thread = threading.Thread(target=self.running.http.run, daemon=True,
-                                             name="http")
+                                             name="http", kwargs={"sockets": held})
         self._http_thread.start()
         deadline = time.monotonic() + 30
         while not self.running.http.started:
@@ -429,6 +441,8 @@ class Platform:
             self.running.stop()
             if self._http_thread is not None:
                 self._http_thread.join(timeout=10)
+        if self._http_socket is not None:
+            self._http_socket.close()
         for service in (self.registry, self.mirror, self.apt_cache):
             if service is not None:
                 service.stop()
