@@ -23,7 +23,8 @@ NUMBERS = {"cpus": float, "memory_mb": int, "gpus": int, "gpu_memory_mb": int,
 TEXT_FIELDS = ("name", "command", "dockerfile", "datasets", "shards", "client_job_id",
                "image_reuse", "verify", *NUMBERS)
 # The submit form's choices of spec.verify.
-VERIFY = {"": None, "2": {"replicas": 2}, "3": {"replicas": 3, "quorum": 2}, "adaptive": "adaptive"}
+VERIFY = {"": None, "2": {"replicas": 2}, "3": {"replicas": 3, "quorum": 2}, "adaptive": "adaptive",
+          "checkpoints": {"checkpoints": 0.1}}
 MAX_FILES = 1000  # each is a spooled file, with a file handle past 1 MiB
 SPOOL_BYTES = 8 * 1024**2  # a folder's tarball is on disk past this
 
