@@ -11,22 +11,18 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import re
-import shutil
 import subprocess
 import tarfile
-import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from campugrid.cli.platform import Platform
-from campugrid.cli.seaweed import free_port
 from campugrid.client import Api, tar_folder
 from campugrid.protocol.spec import JobSpec
+from tests.acceptance.test_resilience import platform_with, wait_for
 from tests.support.console import CLI, browser_page, signed_in_admin
 
 pytestmark = pytest.mark.acceptance
@@ -38,31 +34,14 @@ COMMAND = ["sh", "-c", "mkdir -p /output/model && echo 42 > /output/model/answer
 
 
 @pytest.fixture
-def grid() -> Iterator[tuple[Platform, Api, Path]]:
-    root = Path(tempfile.mkdtemp(prefix="campugrid-verify-"))
-    os.chmod(root, 0o711)
-    context = root / "job"
+def grid(tmp_path: Path) -> Iterator[tuple[Platform, Api, Path]]:
+    """A platform of its own, with no agent yet (each test starts its own), and a job's
+    context (the base image alone)."""
+    context = tmp_path / "job"
     context.mkdir()
     (context / "Dockerfile").write_text("FROM localhost/campugrid/python:bookworm\n")
-    p = Platform(root / "state", http_port=free_port(), lease_seconds=4.0,
-                 admin_identity=root / "admin.json").start()
-    try:
-        with p.api() as api:
-            yield p, api, context
-    finally:
-        p.stop()
-        for a in p.agents:
-            log = a.state_dir.with_suffix(".log")
-            if log.exists():
-                print(f"--- {a.name} ---\n" + "\n".join(log.read_text().splitlines()[-25:]))
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def wait_for(what: str, check, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
+    with platform_with({}) as (p, api):
+        yield p, api, context
 
 
 def answer_in(api: Api, job_id: str) -> bytes:

@@ -42,6 +42,16 @@ def save(store: Store, job: JobView, machine: str, epoch: int, *, lie: bool = Fa
                                    else None)
 
 
+def started(store: Store, *machines: str, **spec: object) -> tuple[JobView, JobView, list[str]]:
+    """A job whose every checkpoint is drawn for a check, leased to the first of these new
+    machines: (the job, its attempt, the machines)."""
+    job = submit(store, verify={"checkpoints": 1}, **spec)
+    ms = [add_machine(store, n) for n in machines]
+    held = store.claim_next(ms[0], lease_s=30)
+    assert held is not None and held.id == job.id
+    return job, held, ms
+
+
 def checks_of(store: Store, job_id: str) -> list[JobView]:
     """The checks of the job's checkpoints, oldest first."""
     with store.read() as s:
@@ -104,10 +114,7 @@ def test_a_checkpoint_is_recomputed_elsewhere_from_the_one_before_and_agreed(sto
 
 def test_a_poisoned_checkpoint_is_outvoted_and_the_job_resumes_from_a_checked_one(
         store: Store):
-    job = submit(store, verify={"checkpoints": 1})
-    liar, a, b = (add_machine(store, n) for n in ("liar", "a", "b"))
-    held = store.claim_next(liar, lease_s=30)
-    assert held is not None
+    job, held, (liar, a, b) = started(store, "liar", "a", "b")
     save(store, held, liar, 0)
     save(store, held, liar, 1, lie=True)
     assert [answer(store, a)[1] for _ in range(2)] == [0, 1]
@@ -134,10 +141,7 @@ def test_a_poisoned_checkpoint_is_outvoted_and_the_job_resumes_from_a_checked_on
 
 
 def test_a_check_that_lies_is_the_one_quarantined(store: Store):
-    job = submit(store, verify={"checkpoints": 1})
-    maker, liar, third = (add_machine(store, n) for n in ("maker", "liar", "third"))
-    held = store.claim_next(maker, lease_s=30)
-    assert held is not None
+    job, held, (maker, liar, third) = started(store, "maker", "liar", "third")
     save(store, held, maker, 0)
     answer(store, liar, lie=True)
     answer(store, third)
@@ -167,10 +171,7 @@ def test_checkpoints_that_no_two_machines_compute_alike_fail_the_job(store: Stor
 
 
 def test_a_check_that_ends_without_answering_is_replaced(store: Store):
-    job = submit(store, verify={"checkpoints": 1}, max_attempts=1)
-    maker, a, b = (add_machine(store, n) for n in ("maker", "a", "b"))
-    held = store.claim_next(maker, lease_s=30)
-    assert held is not None
+    job, held, (maker, a, b) = started(store, "maker", "a", "b", max_attempts=1)
     save(store, held, maker, 0)
     claim = store.claim(a, 30)
     assert claim is not None
@@ -218,10 +219,7 @@ def test_without_a_fraction_nothing_is_checked_or_read(store: Store):
 def test_a_check_resumes_from_what_the_checkpoint_was_made_from(store: Store):
     """Not from another attempt's checkpoint of an earlier epoch: an honest machine that
     started over is checked against its own chain, never a liar's."""
-    job = submit(store, verify={"checkpoints": 1})
-    liar, honest, a, b = (add_machine(store, n) for n in ("liar", "honest", "a", "b"))
-    held = store.claim_next(liar, lease_s=30)
-    assert held is not None
+    job, held, (liar, honest, a, b) = started(store, "liar", "honest", "a", "b")
     save(store, held, liar, 1, lie=True, sampled=False)  # not drawn: no check
     store.release(attempt(job.id, held.attempt, liar), "drained", failed=False)
     with store.tx() as s:  # the liar's epoch 1 is set aside some other way (an admin)
@@ -240,10 +238,7 @@ def test_a_check_resumes_from_what_the_checkpoint_was_made_from(store: Store):
 
 def test_an_agreed_step_from_a_quarantined_machines_checkpoint_is_not_resumed_from(
         store: Store):
-    job = submit(store, verify={"checkpoints": 1})
-    liar, a, b = (add_machine(store, n) for n in ("liar", "a", "b"))
-    held = store.claim_next(liar, lease_s=30)
-    assert held is not None
+    job, held, (liar, a, b) = started(store, "liar", "a", "b")
     save(store, held, liar, 1, lie=True, sampled=False)  # not drawn
     save(store, held, liar, 2)  # drawn: an honest step, from its own poisoned epoch 1
     assert answer(store, a)[1] == 2 and verdicts(store, job.id) == {1: None, 2: "agreed"}
@@ -256,10 +251,7 @@ def test_an_agreed_step_from_a_quarantined_machines_checkpoint_is_not_resumed_fr
 
 
 def test_a_job_that_ended_from_a_rejected_checkpoint_is_tainted(store: Store):
-    job = submit(store, verify={"checkpoints": 1})
-    liar, h, a, b = (add_machine(store, n) for n in ("liar", "h", "a", "b"))
-    held = store.claim_next(liar, lease_s=30)
-    assert held is not None
+    job, held, (liar, h, a, b) = started(store, "liar", "h", "a", "b")
     save(store, held, liar, 1, lie=True)
     store.release(attempt(job.id, held.attempt, liar), "drained", failed=False)
     resumed = store.claim(h, 30)  # before the check: from the liar's epoch 1
@@ -298,10 +290,7 @@ def test_a_checkpoint_no_recomputation_can_reach_is_unverifiable_and_not_resumed
 
 
 def test_a_tie_breaker_that_ends_without_answering_is_replaced_not_a_failure(store: Store):
-    job = submit(store, verify={"checkpoints": 1})
-    maker, liar, flaky, d = (add_machine(store, n) for n in ("maker", "liar", "flaky", "d"))
-    held = store.claim_next(maker, lease_s=30)
-    assert held is not None
+    job, held, (maker, liar, flaky, d) = started(store, "maker", "liar", "flaky", "d")
     save(store, held, maker, 0)
     answer(store, liar, lie=True)
     claim = store.claim(flaky, 30)

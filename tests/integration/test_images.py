@@ -97,6 +97,30 @@ def test_builds_of_a_quarantined_or_revoked_machine_are_withdrawn(store: Store):
     assert len(images.builds(CONTEXT)) == 2  # kept for the garbage collector
 
 
+def test_jobs_that_ran_an_image_only_a_quarantined_machine_built_are_tainted(store: Store):
+    images = Images(store.db)
+    a, b, c, d = (add_machine(store, n) for n in "abcd")
+    (ja, ta), (jb, tb) = leased(store, a), leased(store, b)
+    key = build_key(CONTEXT, INPUTS)
+    assert images.resolve(key=key, reuse="first", ref=attempt(ja, ta, a)).push
+    images.record(key=key, context_sha256=CONTEXT, digest="sha256:" + "d" * 64,
+                  ref=attempt(ja, ta, a))
+    assert images.resolve(key=key, reuse="first", ref=attempt(jb, tb, b)).action == "pull"
+    # A verified pull (two machines built the same digest) names no single maker.
+    (jc, tc), (jd, td) = leased(store, c, "verified"), leased(store, d, "verified")
+    for job, token, m in ((jc, tc, c), (jd, td, d)):
+        assert images.resolve(key=key, reuse="verified", ref=attempt(job, token, m)).push
+        images.record(key=key, context_sha256=CONTEXT, digest="sha256:" + "e" * 64,
+                      ref=attempt(job, token, m))
+    (je, te) = leased(store, b, "verified")
+    assert images.resolve(key=key, reuse="verified", ref=attempt(je, te, b)).action == "pull"
+    with store.tx() as s:
+        quarantine(s, c, utcnow(), "it lied")  # one of two agreeing builders: nothing tainted
+        quarantine(s, a, utcnow(), "it lied")
+    assert "image built by machine" in (store.get(jb).tainted or "")
+    assert store.get(je).tainted is None and store.get(jd).tainted is None
+
+
 def test_a_lone_job_builds_without_pushing_and_keeps_no_one_waiting(store: Store):
     """Pushing costs the builder seconds (every layer, compressed): only when another task
     could use the image now, i.e. another live job of the same context or more shards."""

@@ -29,7 +29,15 @@ from sqlalchemy.orm import Session
 from campugrid.coordinator.db import Database
 from campugrid.coordinator.fence import live
 from campugrid.coordinator.machines import Status as MachineStatus
-from campugrid.coordinator.models import ImageBuild, ImageClaim, Job, JobEvent, Machine, ShardSession
+from campugrid.coordinator.models import (
+    ImageBuild,
+    ImageClaim,
+    ImagePull,
+    Job,
+    JobEvent,
+    Machine,
+    ShardSession,
+)
 from campugrid.coordinator.registry import RegistryTokens
 from campugrid.coordinator.views import HoldKind, HoldRef, stored_spec, utcnow
 from campugrid.protocol.errors import InvalidInput, StaleAttempt
@@ -187,6 +195,9 @@ class Images:
         for b in builders:
             b.used_at = now
         by = ", ".join(sorted({b.machine_id for b in builders}))
+        makers = {b.machine_id for b in builders}
+        s.add(ImagePull(job_id=ref.job_id, digest=digest, at=now,
+                        builder=next(iter(makers)) if len(makers) == 1 else None))
         _event(s, ref, f"machine {ref.machine_id} pulls image {digest} built by machine {by} "
                        f"(key {key[:16]}…)")
         return Decision("pull", key, digest=digest, built_by=by)

@@ -464,6 +464,20 @@ class ImageBuild(Base):
     __table_args__ = (UniqueConstraint("build_key", "machine_id", name="uq_image_builds_key_machine"),)
 
 
+class ImagePull(Base):
+    """A task was sent to pull a build of its image: when the build's only maker is later
+    quarantined, the job that ran it is marked tainted (verified.quarantine). A build two
+    machines agree on ("verified" reuse) names no single maker."""
+
+    __tablename__ = "image_pulls"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(String(36))
+    digest: Mapped[str] = mapped_column(String(80))
+    builder: Mapped[str | None] = mapped_column(String(36), index=True)  # its only maker
+    at: Mapped[dt.datetime] = mapped_column()
+
+
 class ImageClaim(Base):
     """The one machine building an image for others to pull ("first" reuse), while the hold
     that claimed it (a job's attempt or a shard session: its kind and fencing token) is live."""

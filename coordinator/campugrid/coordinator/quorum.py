@@ -312,14 +312,17 @@ class _Inflated:
 
     def finish(self) -> None:
         """After the tar's end: zeros only, then the end of one gzip stream and no more."""
+        self._zeros_to_the_end()
+        if self._gz.unused_data or self._pending or next(self._raw, None) is not None:
+            raise _Malformed("more after the gzip stream")
+
+    def _zeros_to_the_end(self) -> None:
         while True:
             if any(self._buf[self._at:]):
                 raise _Malformed("data after the end of the archive")
             self._at = len(self._buf)
             if not self._more():
-                break
-        if self._gz.unused_data or self._pending or next(self._raw, None) is not None:
-            raise _Malformed("more after the gzip stream")
+                return
 
 
 class _Plain(_Inflated):
@@ -336,12 +339,7 @@ class _Plain(_Inflated):
         return False
 
     def finish(self) -> None:
-        while True:
-            if any(self._buf[self._at:]):
-                raise _Malformed("data after the end of the archive")
-            self._at = len(self._buf)
-            if not self._more():
-                return
+        self._zeros_to_the_end()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,7 @@ from campugrid.coordinator.machines import Status, bump_epoch, end_leases
 from campugrid.coordinator.models import (
     Checkpoint,
     GpuReservation,
+    ImagePull,
     Job,
     JobEvent,
     Machine,
@@ -244,6 +245,16 @@ def quarantine(s: Session, machine_id: str, now: dt.datetime, why: str) -> None:
     if since is not None:
         q = q.where(Job.updated_at > since)
     s.execute(q)
+    # Jobs (a replica's: its verified job) that ran an image it alone built, since then.
+    pulls = select(ImagePull.job_id).where(ImagePull.builder == machine_id)
+    if since is not None:
+        pulls = pulls.where(ImagePull.at > since)
+    ran = set(s.scalars(pulls.distinct()))
+    for job_id, parent in s.execute(select(Job.id, Job.replica_of).where(
+            Job.id.in_(sorted(ran)))):
+        s.execute(update(Job).where(Job.id == (parent or job_id), Job.tainted.is_(None))
+                  .values(tainted=f"it ran an image built by {by}")
+                  .execution_options(synchronize_session=False))
     # Sharded jobs: the shards it answered (taken unchecked, or from it alone) since then.
     shards = (select(Shard.job_id, Shard.idx).where(
         Shard.machine_id == machine_id, Shard.copy_of.is_(None),

@@ -46,6 +46,16 @@ def upgrade() -> None:
     with op.batch_alter_table("shards", schema=None) as batch_op:
         batch_op.add_column(sa.Column("copy_of", sa.Integer(), nullable=True))
     op.create_table(
+        "image_pulls",
+        sa.Column("id", sa.Integer(), autoincrement=True, nullable=False),
+        sa.Column("job_id", sa.String(36), nullable=False),
+        sa.Column("digest", sa.String(80), nullable=False),
+        sa.Column("builder", sa.String(36), nullable=True),
+        sa.Column("at", sa.DateTime(timezone=True), nullable=False),
+        sa.PrimaryKeyConstraint("id"),
+    )
+    op.create_index("ix_image_pulls_builder", "image_pulls", ["builder"], unique=False)
+    op.create_table(
         "replica_machines",
         sa.Column("job_id", sa.String(36), nullable=False),
         sa.Column("machine_id", sa.String(36), nullable=False),
@@ -56,6 +66,8 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.drop_table("replica_machines")
+    op.drop_index("ix_image_pulls_builder", table_name="image_pulls")
+    op.drop_table("image_pulls")
     with op.batch_alter_table("shards", schema=None) as batch_op:
         batch_op.drop_column("copy_of")
     with op.batch_alter_table("checkpoints", schema=None) as batch_op:
