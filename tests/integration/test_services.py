@@ -73,3 +73,26 @@ def test_a_replicas_output_is_read_where_its_upload_url_cannot_change_it(store: 
     objects.accept(leases[0].output_url, b"swapped after the vote")  # its URL still works...
     _, stream = coord.jobs.open_output(job.id)
     assert b"".join(stream) == b"".join(honest)  # ...but not on what was compared
+
+
+def test_a_checkpoint_downloaded_by_epoch_is_never_one_a_check_set_aside(store: Store, tmp_path):
+    from sqlalchemy import update
+
+    from campugrid.coordinator.models import Checkpoint
+    from tests.support.holds import attempt
+
+    coord, objects = coordinator(store, tmp_path)
+    job, _ = store.submit(JobSpec(), "contexts/x.tar", "ab" * 32)
+    machine = add_machine(store, "m")
+    for token, data in ((1, b"good"), (2, b"poisoned")):
+        held = store.claim_next(machine, lease_s=30)
+        assert held is not None and held.attempt == token
+        key = f"checkpoints/{job.id}/{token}"
+        objects.put_bytes(key, data)
+        store.record_checkpoint(attempt(job.id, token, machine), epoch=3, key=key, size=1,
+                                sha256="0" * 64, keep=5)
+        store.release(attempt(job.id, token, machine), "drained")
+    with store.tx() as s:  # the second attempt's epoch 3 lost its check
+        s.execute(update(Checkpoint).where(Checkpoint.attempt == 2).values(verdict="rejected"))
+    shown, stream = coord.jobs.open_checkpoint(job.id, 3)
+    assert shown.attempt == 1 and b"".join(stream) == b"good"
