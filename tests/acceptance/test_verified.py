@@ -163,3 +163,35 @@ def test_a_poisoned_checkpoint_is_caught_and_the_job_resumes_from_a_checked_one(
         signed_in_admin(page, p.cli_env())
         page.goto(f"{p.url}/console/jobs/{job}")
         expect(page.locator("#checkpoints tr.ckpt.agreed").first).to_contain_text("agreed")
+
+
+COMPARE = '''import sys, tarfile
+def answer(path):
+    with tarfile.open(path) as tar:
+        return tar.extractfile("answer.txt").read()
+sys.exit(0 if answer("/data/a/output.tar.gz") == answer("/data/b/output.tar.gz") else 1)
+'''
+
+
+def test_a_jobs_own_compare_command_accepts_outputs_that_differ_only_where_it_allows(grid):
+    """Honest runs that differ bit for bit (a timestamp in /output): equality would fail them;
+    the job's compare command, run in a sandbox on a third machine, says they agree."""
+    p, api, context = grid
+    (context / "cmp.py").write_text(COMPARE)
+    (context / "Dockerfile").write_text("FROM localhost/campugrid/python:bookworm\n"
+                                        "COPY cmp.py /cmp.py\n")
+    for name in ("a", "b", "judge"):
+        p.start_agent(name)
+    job = api.submit(tar_folder(context), JobSpec.from_dict({
+        "command": ["sh", "-c", "mkdir -p /output && echo 42 > /output/answer.txt && "
+                                "date +%s%N > /output/when.txt && echo 42"],
+        "verify": {"replicas": 2, "compare": ["python3", "/cmp.py"]}}))["id"]
+    final = api.wait(job, timeout_s=300, poll_s=0.3)
+    assert final["state"] == "succeeded" and final["result"] == "42", final
+    with tarfile.open(fileobj=io.BytesIO(api.output(job)), mode="r:gz") as tar:
+        assert (tar.extractfile("answer.txt") or io.BytesIO()).read() == b"42\n"
+    replicas = final["replicas"]
+    assert len(replicas) == 2 and all(r["agreed"] for r in replicas), replicas
+    assert replicas[0]["output_digest"] != replicas[1]["output_digest"]
+    compared = [e for e in final["events"] if e["kind"] == "compare"]
+    assert len(compared) == 1, final["events"]

@@ -96,3 +96,35 @@ def test_a_checkpoint_downloaded_by_epoch_is_never_one_a_check_set_aside(store: 
         s.execute(update(Checkpoint).where(Checkpoint.attempt == 2).values(verdict="rejected"))
     shown, stream = coord.jobs.open_checkpoint(job.id, 3)
     assert shown.attempt == 1 and b"".join(stream) == b"good"
+
+
+def test_a_comparison_is_leased_with_the_two_outputs_as_the_coordinator_kept_them(
+        store: Store, tmp_path):
+    import hashlib
+    import urllib.parse
+
+    from tests.unit.test_quorum import archive
+
+    coord, objects = coordinator(store, tmp_path)
+    parent, _ = store.submit(JobSpec.from_dict({"verify": {"replicas": 2, "compare": "./cmp"}}),
+                             "contexts/x.tar", "ab" * 32)
+    kept = {}
+    for name, stamp in (("a", b"12:00"), ("b", b"12:01")):
+        lease = coord.leasing.lease(add_machine(store, name))
+        assert lease is not None
+        data = b"".join(archive([("answer.txt", b"42\n"), ("when.txt", stamp)]))
+        objects.accept(lease.output_url, data)
+        coord.leasing.complete(lease.hold, succeeded=True, exit_code=0, reason=None,
+                               result="42", output_uploaded=True, limits={})
+        kept[lease.job.id] = data
+    judging = coord.leasing.lease(add_machine(store, "judge"))
+    assert judging is not None and judging.job.compare_pair is not None
+    assert coord.jobs.get(parent.id).state is JobState.RUNNING  # until the command says
+    assert judging.job.spec.command == ("sh", "-c", "./cmp") and judging.output_url
+    for name, replica in zip("ab", judging.job.compare_pair, strict=True):
+        [f] = judging.datasets[name]
+        assert f.path == "output.tar.gz" and f.size == len(kept[replica])
+        assert f.sha256 == hashlib.sha256(kept[replica]).hexdigest()
+        key = urllib.parse.unquote(urllib.parse.urlsplit(f.url).path.lstrip("/"))
+        assert key == store.get(replica).output_key and "method=GET" in f.url
+        assert objects.get_bytes(key) == kept[replica]

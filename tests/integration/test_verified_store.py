@@ -161,6 +161,59 @@ def test_machines_an_admin_said_share_an_owner_count_as_one_party(store: Store):
     assert store.claim(b, 30) is None and store.claim(c, 30) is not None
 
 
+def compare(store: Store, machine: str, exit_code: int) -> JobView:
+    """The machine takes the next job, a comparison, and its command exits so."""
+    claim = store.claim(machine, 30)
+    assert claim is not None and claim.job.compare_pair is not None, claim
+    store.finish(attempt(claim.job.id, claim.job.attempt, machine), succeeded=exit_code == 0,
+                 exit_code=exit_code, reason=None, result=None, output_key=None, limits={})
+    return claim.job
+
+
+def test_a_compare_command_judges_replicas_that_exited_alike_with_other_outputs(store: Store):
+    job = submit(store, verify={"replicas": 2, "compare": ["python3", "cmp.py"]})
+    m1, m2, m3, m4 = (add_machine(store, f"m{i}") for i in range(1, 5))
+    run(store, m1, digest="sha256:1", result="loss 0.1")
+    run(store, m2, digest="sha256:2", result="loss 0.1000001")
+    assert store.get(job.id).state is JobState.RUNNING
+    assert [j.id for j in store.list_jobs()] == [job.id]
+    # Not on a machine that ran a replica: a party to the comparison would judge itself.
+    assert store.claim(m1, 30) is None and store.claim(m2, 30) is None
+    judged = compare(store, m3, 0)
+    assert judged.spec.command == ("python3", "cmp.py") and judged.spec.verify is None
+    env = dict(judged.spec.env)
+    assert {env["COMPARE_RESULT_A"], env["COMPARE_RESULT_B"]} == {"loss 0.1", "loss 0.1000001"}
+    assert set(judged.compare_pair or ()) == {r.id for r in store.replicas(job.id)}
+    done = store.get(job.id)
+    assert done.state is JobState.SUCCEEDED and store.machines.get(m1).agreed == 1
+    assert store.machines.get(m2).agreed == 1 and store.claim(m4, 30) is None
+
+
+def test_replicas_the_compare_command_calls_unlike_bring_another_that_settles_it(store: Store):
+    job = submit(store, verify={"replicas": 2, "compare": "./cmp"})
+    m1, liar, m3 = (add_machine(store, n) for n in ("m1", "liar", "m3"))
+    run(store, m1, digest="sha256:1")
+    run(store, liar, digest="sha256:lie")
+    compare(store, add_machine(store, "judge-0"), 1)  # unlike: a third replica runs
+    assert store.get(job.id).replicas == 3
+    run(store, m3, digest="sha256:3")
+    # The third is compared with each of the others (a judge judges one pair of a job).
+    for i in (1, 2):
+        if JobState(store.get(job.id).state).final:
+            break
+        judge = add_machine(store, f"judge-{i}")
+        claim = store.claim(judge, 30)
+        assert claim is not None and claim.job.compare_pair is not None
+        said_by = {store.get(r).machine_id for r in claim.job.compare_pair}
+        code = 1 if liar in said_by else 0
+        store.finish(attempt(claim.job.id, 1, judge), succeeded=code == 0, exit_code=code,
+                     reason=None, result=None, output_key=None, limits={})
+    done = store.get(job.id)
+    assert done.state is JobState.SUCCEEDED and done.machine_id in (m1, m3)
+    assert store.machines.get(liar).status is Status.QUARANTINED
+    assert all(j.state.final for j in store.list_jobs()) and len(store.list_jobs()) == 1
+
+
 def test_cancelling_a_verified_job_cancels_its_replicas_and_a_replica_is_not_cancelled_alone(
         store: Store):
     job = submit(store, verify={"replicas": 2})

@@ -50,6 +50,29 @@ def test_disagreement_runs_more_replicas_up_to_the_bound_then_fails_with_every_a
     assert not d.accept
 
 
+def test_a_compare_command_judges_what_equality_cannot_and_a_quorum_must_all_agree():
+    def out(machine: str, digest: str, code: int = 0) -> Answer:
+        return Answer(f"r-{machine}", machine, (code, "done", digest))
+
+    a, b, c, failed = out("a", "sha256:1"), out("b", "sha256:2"), out("c", "sha256:3"), \
+        out("d", "sha256:4", code=1)
+    with_compare = Verify(replicas=2, quorum=2, max_replicas=4, compare=("cmp",))
+    assert decide(with_compare, [a, b], 0, 2, {}, 0.5, verdicts={}).compare == (("r-a", "r-b"),)
+    alike = decide(with_compare, [a, b], 0, 2, {}, 0.5, verdicts={frozenset(("r-a", "r-b")): True})
+    assert alike.accept == (a, b) and not alike.against
+    unlike = decide(with_compare, [a, b], 0, 2, {}, 0.5,
+                    verdicts={frozenset(("r-a", "r-b")): False})
+    assert unlike.more == 1 and not unlike.accept
+    # Exit codes that differ are never compared; without a command nothing is.
+    assert not decide(with_compare, [a, failed], 0, 2, {}, 0.5, verdicts={}).compare
+    assert decide(TWO, [a, b], 0, 2, {}, 0.5).more == 1
+    # b is like a and like c, but a and c differ: no quorum of three (no "likeness by way of").
+    three = Verify(replicas=3, quorum=3, max_replicas=3, compare=("cmp",))
+    chain = {frozenset(("r-a", "r-b")): True, frozenset(("r-b", "r-c")): True,
+             frozenset(("r-a", "r-c")): False}
+    assert decide(three, [a, b, c], 0, 3, {}, 0.5, verdicts=chain).fail
+
+
 def test_replicas_still_running_are_waited_for_and_lost_ones_replaced():
     assert decide(TWO, [said("a", "1")], 1, 2, {}, 0.5) == decide(TWO, [], 2, 2, {}, 0.5)
     assert not decide(TWO, [said("a", "1")], 1, 2, {}, 0.5).more  # the other may agree

@@ -187,6 +187,18 @@ def test_checkpoints_alone_run_the_job_once_and_round_trip():
         assert JobSpec.from_json(spec.to_json()) == spec
     off = JobSpec.from_dict({"verify": {"replicas": 2, "checkpoints": 0}})
     assert off.verify is not None and off.verify.checkpoints == 0 and off.verify.replicated
+    compared = JobSpec.from_dict({"verify": {"replicas": 2, "compare": "python3 cmp.py"}})
+    assert compared.verify is not None
+    assert compared.verify.compare == ("sh", "-c", "python3 cmp.py")
+    assert JobSpec.from_json(compared.to_json()) == compared
+    for bad, message in (({"replicas": 2, "compare": []}, "verify.compare: must be a string"),
+                         ({"checkpoints": 0.5, "compare": "x"}, "one replica has no quorum"),
+                         ({"adaptive": True, "compare": "x"}, 'give "adaptive" alone')):
+        with pytest.raises(InvalidInput, match=re.escape(message)):
+            JobSpec.from_dict({"verify": bad})
+    with pytest.raises(InvalidInput, match="compare is for a job's replicas"):
+        JobSpec.from_dict({"verify": {"replicas": 2, "compare": "x"}, "shards": [{"payload": 1}],
+                           "command": "x"})
     with pytest.raises(InvalidInput, match="a sharded job keeps no checkpoints"):
         JobSpec.from_dict({"verify": {"checkpoints": 0.5}, "shards": [{"payload": 1}],
                            "command": "x"})

@@ -101,6 +101,10 @@ class Job(Base):
     # job) from checkpoint `check_from` (NULL: from the start) and ends when it has saved it.
     check_of: Mapped[int | None] = mapped_column(Integer, index=True)
     check_from: Mapped[int | None] = mapped_column(Integer)
+    # A comparison (spec.verify.compare): the job runs the verified job `compare_of`'s compare
+    # command on the outputs of its replicas `compare_pair` ("<id>,<id>"); exit 0: alike.
+    compare_of: Mapped[str | None] = mapped_column(String(36), index=True)
+    compare_pair: Mapped[str | None] = mapped_column(String(80))
     # The checkpoint the current attempt resumed from (None: from the start), set at its lease.
     resume_id: Mapped[int | None] = mapped_column(Integer)
     # A replica's /output as the coordinator read it (quorum.output_digest), to compare.

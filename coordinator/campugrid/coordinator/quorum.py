@@ -21,7 +21,7 @@ import dataclasses
 import hashlib
 import ipaddress
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from campugrid.protocol.spec import MAX_OUTPUT_BYTES, Verify
 
@@ -66,6 +66,8 @@ class Decision:
     more: int = 0
     fail: str = ""
     checked: bool = True  # False: one trusted machine's word, taken unchecked (adaptive)
+    # Pairs of replicas (ids) whose outputs the job's compare command must judge first.
+    compare: tuple[tuple[str, str], ...] = ()
 
 
 def check_probability(streak: int) -> float:
@@ -87,23 +89,44 @@ def checkpoint_probability(verify: Verify, streak: int) -> float:
 
 
 def decide(verify: Verify, answers: Sequence[Answer], pending: int, made: int,
-           streak: dict[str, int], draw: float) -> Decision:
+           streak: dict[str, int], draw: float,
+           verdicts: Mapping[frozenset[str], bool] | None = None) -> Decision:
     """What to do once a replica has ended. `answers`: the ended replicas, in the order they
     were made; `pending`: replicas not ended; `made`: all made so far; `streak`: the agreeing
     answers in a row of the machines that answered; `draw`: a uniform number in [0, 1), the
-    adaptive check's sample."""
+    adaptive check's sample. `verdicts`: for a job with its own compare command, what it said
+    of pairs of replicas (by id) that exited alike with other outputs or result lines: equal
+    answers agree, and so do those it judged alike; a quorum is answers that all agree with
+    each other."""
     got = [a for a in answers if a.key is not None]
-    groups: dict[tuple[int | None, str, str], list[Answer]] = {}
+
+    def alike(a: Answer, b: Answer) -> bool:
+        if a.key == b.key:
+            return True
+        return (verdicts is not None and a.key is not None and b.key is not None
+                and a.key[0] == b.key[0] and verdicts.get(frozenset((a.replica, b.replica))) is True)
+
+    best: list[Answer] = []
     for a in got:
-        assert a.key is not None
-        groups.setdefault(a.key, []).append(a)
-    best = max(groups.values(), key=len, default=[])
+        clique = [a]
+        for b in got:
+            if b is not a and all(alike(b, c) for c in clique):
+                clique.append(b)
+        if len(clique) > len(best):
+            best = clique
     if verify.adaptive and len(got) == 1 and pending == 0 and len(answers) == 1:
         only = got[0]
         if draw >= check_probability(streak.get(only.machine_id, 0)):
             return Decision(accept=(only,), checked=False)
     if len(best) >= verify.quorum:
-        return Decision(accept=tuple(best), against=tuple(a for a in got if a.key != best[0].key))
+        return Decision(accept=tuple(best), against=tuple(a for a in got if a not in best))
+    if verdicts is not None:  # the job's compare command judges what equality cannot
+        unjudged = tuple((a.replica, b.replica) for i, a in enumerate(got) for b in got[i + 1:]
+                         if a.key is not None and b.key is not None and a.key != b.key
+                         and a.key[0] == b.key[0]
+                         and frozenset((a.replica, b.replica)) not in verdicts)
+        if unjudged:
+            return Decision(compare=unjudged)
     needed = verify.quorum - len(best)
     more = min(needed - pending, verify.max_replicas - made)
     if more > 0:

@@ -199,8 +199,9 @@ class Store:
 
     def list_jobs(self, state: JobState | None = None, limit: int = 100,
                   owner: str | None = None) -> list[JobView]:
-        q = (select(Job).where(Job.replica_of.is_(None),  # replicas and checks are shown
-                               Job.check_of.is_(None))  # on their job
+        q = (select(Job).where(Job.replica_of.is_(None),  # replicas, checks and comparisons
+                               Job.check_of.is_(None), Job.compare_of.is_(None))  # show on
+             # their job
              .order_by(Job.created_at.desc(), Job.id).limit(limit))
         if owner is not None:
             q = q.where(Job.owner_id == owner)
@@ -220,11 +221,11 @@ class Store:
             row = _owned(job_row(s, job_id), owner)
             if JobState(row.state).final:
                 raise IllegalTransition(f"job {job_id} is already {row.state}")
-            if row.replica_of is not None or row.check_of is not None:
+            if row.replica_of or row.check_of is not None or row.compare_of:
                 raise InvalidInput(f"job {job_id} checks the job {self._checked_job(s, row)}: "
                                    "cancel that job instead")
-            family = [row] + (list(s.scalars(select(Job).where(Job.replica_of == row.id)))
-                              if row.replicas else [])
+            family = [row] + (list(s.scalars(select(Job).where(
+                (Job.replica_of == row.id) | (Job.compare_of == row.id)))) if row.replicas else [])
             family += list(s.scalars(select(Job).where(  # checks of their checkpoints
                 Job.check_of.in_(select(Checkpoint.id).where(
                     Checkpoint.job_id.in_([one.id for one in family])).scalar_subquery()),
@@ -527,7 +528,7 @@ class Store:
             shards = list(s.scalars(select(Shard).where(Shard.job_id == job_id,
                                                         Shard.copy_of.is_(None))
                                     .order_by(Shard.idx))) if row.shards_total else []
-        if row.replica_of is not None or row.check_of is not None:
+        if row.replica_of or row.check_of is not None or row.compare_of:
             with self.read() as s:
                 raise InvalidInput(f"job {job_id} checks the job {self._checked_job(s, row)}: "
                                    "run that job again instead")
@@ -554,8 +555,8 @@ class Store:
         """A job ended: if it is a replica, its verified job is decided on, if it can be; if it
         is a check, the checkpoint it checks."""
         row = job_row(s, job_id)
-        if row.replica_of is not None:
-            verified.settle(s, row.replica_of, utcnow())
+        if (parent := row.replica_of or row.compare_of) is not None:
+            verified.settle(s, parent, utcnow())
         if row.check_of is not None and (target := s.get(Checkpoint, row.check_of)) is not None:
             checks.settle(s, target, utcnow())
         elif JobState(row.state).final:
@@ -566,6 +567,8 @@ class Store:
         """The job a replica or a check is part of."""
         if row.replica_of is not None:
             return f"{row.replica_of} (it is a replica)"
+        if row.compare_of is not None:
+            return f"{row.compare_of} (it compares two of its replicas)"
         subject = checks.subject_of(s, row.check_of) if row.check_of is not None else None
         return f"{subject or '?'} (it recomputes one of its checkpoints)"
 

@@ -8,6 +8,7 @@ claim), so a decision and the replica end that caused it commit together.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import random
 import uuid
@@ -30,6 +31,7 @@ from campugrid.coordinator.models import (
 from campugrid.coordinator.moves import move_job
 from campugrid.coordinator.quorum import Answer, Decision, answer_key, decide, shares_host
 from campugrid.coordinator.views import stored_spec
+from campugrid.protocol.spec import MAX_ENV, MAX_ENV_VALUE
 from campugrid.protocol.states import JobKind, JobState, ShardState
 
 # A checkpoint's verdict (Checkpoint.verdict; checks.py). Those in NOT_RESUMED are never resumed
@@ -121,9 +123,20 @@ def settle(s: Session, parent_id: str, now: dt.datetime, sample: float | None = 
     machines = {a.machine_id for a in answers if a.machine_id}
     streak = {m.id: m.streak for m in s.scalars(select(Machine).where(
         Machine.id.in_(sorted(machines))))}
+    compares = (list(s.scalars(select(Job).where(Job.compare_of == parent_id)
+                               .order_by(Job.created_at, Job.id)))
+                if verify.compare is not None else [])
+    verdicts = _verdicts(compares) if verify.compare is not None else None
     decision = decide(verify, answers, pending=len(replicas) - len(ended), made=parent.replicas,
-                      streak=streak, draw=draw() if sample is None else sample)
-    if decision.more:
+                      streak=streak, draw=draw() if sample is None else sample,
+                      verdicts=verdicts)
+    if decision.compare:
+        running = {c.compare_pair for c in compares if not JobState(c.state).final}
+        by_id = {r.id: r for r in replicas}
+        for a, b in decision.compare:
+            if f"{a},{b}" not in running:
+                _make_compare(s, parent, by_id[a], by_id[b], now)
+    elif decision.more:
         made = make_replicas(s, parent, decision.more, now)
         _event(s, parent, now, "disagreed" if len({a.key for a in answers if a.key}) > 1
                else "replicated", f"{len(made)} more replica(s): "
@@ -140,15 +153,69 @@ def settle(s: Session, parent_id: str, now: dt.datetime, sample: float | None = 
     return decision
 
 
+# A pair whose comparisons ended this many times without its command's answer counts as unlike.
+COMPARE_TRIES = 2
+
+
+def _verdicts(compares: list[Job]) -> dict[frozenset[str], bool]:
+    """What the job's compare command said of each pair: exit 0 alike, another exit code of
+    its own unlike; comparisons that ended without one (the machine failed) are tried again,
+    COMPARE_TRIES times."""
+    said: dict[frozenset[str], bool] = {}
+    tries: dict[frozenset[str], int] = {}
+    for c in compares:
+        pair = frozenset((c.compare_pair or "").split(","))
+        if not JobState(c.state).final:
+            continue
+        if c.exit_code is not None and c.exit_code >= 0 and c.state != JobState.CANCELLED.value:
+            said[pair] = said.get(pair, False) or c.exit_code == 0
+        else:
+            tries[pair] = tries.get(pair, 0) + 1
+            if tries[pair] >= COMPARE_TRIES:
+                said.setdefault(pair, False)
+    return said
+
+
+def _make_compare(s: Session, parent: Job, a: Job, b: Job, now: dt.datetime) -> None:
+    """A comparison of replicas a and b, by the job's own compare command: a job of its own, on
+    a machine that ran no replica of it (kept apart like them)."""
+    verify = stored_spec(parent.spec_json).verify
+    assert verify is not None and verify.compare is not None
+    base = stored_spec(parent.spec_json).as_replica()
+    env = dict(base.env)
+    if len(env) + 2 <= MAX_ENV:  # the result lines too, where the spec leaves room
+        env |= {"COMPARE_RESULT_A": (a.result or "")[:MAX_ENV_VALUE],
+                "COMPARE_RESULT_B": (b.result or "")[:MAX_ENV_VALUE]}
+    spec = dataclasses.replace(base, command=verify.compare, datasets=(),
+                               env=tuple(sorted(env.items())))
+    row = Job(
+        id=str(uuid.uuid4()), owner_id=parent.owner_id, client_job_id=None,
+        name=f"{parent.name or 'job ' + parent.id[:8]}: compare replicas {a.id[:8]} and "
+             f"{b.id[:8]}",
+        state=JobState.QUEUED.value, spec_json=spec.to_json(), context_key=parent.context_key,
+        context_sha256=parent.context_sha256, attempt=0, max_attempts=parent.max_attempts,
+        gpus_needed=parent.gpus_needed, limits_needed=parent.limits_needed,
+        cpus_needed=parent.cpus_needed, memory_needed_mb=parent.memory_needed_mb,
+        disk_needed_mb=parent.disk_needed_mb, share=None, shards_total=0, shards_queued=0,
+        shards_done=0, shards_failed=0, bases_json=parent.bases_json, apart=parent.id,
+        compare_of=parent.id, compare_pair=f"{a.id},{b.id}", created_at=parent.created_at,
+        updated_at=now)
+    s.add(row)
+    _event(s, parent, now, "compare", f"replicas {a.id[:8]} and {b.id[:8]} exited alike with "
+           f"other outputs: job {row.id} runs the job's compare command on them")
+
+
 def lock_parent(s: Session, job_id: str) -> None:
     """Before a job's row is written: lock its verified job (if it is a replica), so that
     every path takes the two in one order (a decision holds the verified job and writes its
     replicas); before a check's, the job it checks (and that one's verified job); then the
     job itself (a check's decision reads its checkpoints, which its own attempt writes)."""
-    found = s.execute(select(Job.replica_of, Job.check_of).where(Job.id == job_id)).first()
+    found = s.execute(select(Job.replica_of, Job.check_of, Job.compare_of)
+                      .where(Job.id == job_id)).first()
     if found is None:
         return
-    parent, check_of = found
+    parent, check_of, compare_of = found
+    parent = parent or compare_of
     if check_of is not None:
         parent = s.scalar(select(Checkpoint.job_id).where(Checkpoint.id == check_of))
         if parent is not None:
@@ -213,6 +280,11 @@ def _cancel_rest(s: Session, parent: Job, replicas: list[Job], now: dt.datetime,
                            detail="not needed: the verified job was decided"))
             s.execute(delete(GpuReservation).where(GpuReservation.job_id == r.id))
             cancel_queued_checks(s, r.id, now)
+    for c in s.scalars(select(Job).where(Job.compare_of == parent.id)):
+        if not JobState(c.state).final:
+            move_job(s, c.id, JobState.CANCELLED, machine_id=None, lease_expires_at=None,
+                     reason=f"not needed: job {parent.id} was decided ({why})", updated_at=now)
+            s.execute(delete(GpuReservation).where(GpuReservation.job_id == c.id))
 
 
 def quarantine(s: Session, machine_id: str, now: dt.datetime, why: str) -> None:

@@ -108,6 +108,8 @@ class JobView:
     replica_of: str | None = None  # a replica's verified job
     output_digest: str | None = None  # a replica's /output, as quorum.output_digest read it
     tainted: str | None = None  # why its result cannot be trusted any more
+    # A comparison's two replicas (verified.py): their outputs are its inputs a and b.
+    compare_pair: tuple[str, ...] | None = None
 
     @property
     def shards_waiting(self) -> int:
@@ -134,6 +136,8 @@ class JobView:
             replicas=getattr(row, "replicas", 0) or 0, replica_of=getattr(row, "replica_of", None),
             output_digest=getattr(row, "output_digest", None),
             tainted=getattr(row, "tainted", None),
+            compare_pair=(tuple(str(row.compare_pair).split(","))
+                          if getattr(row, "compare_pair", None) else None),
         )
 
 

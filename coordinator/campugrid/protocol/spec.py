@@ -161,6 +161,12 @@ class Verify:
     max_replicas: int = 4
     adaptive: bool = False
     checkpoints: float | None = None
+    # The job's own comparison, for results that differ bit for bit between honest machines:
+    # run like the job (its image, in a sandbox), on another machine, with two replicas'
+    # /output archives at /data/a/output.tar.gz and /data/b/output.tar.gz (read-only) and
+    # their result lines in $CAMPUGRID_RESULT_A and $CAMPUGRID_RESULT_B; exit 0 says they
+    # agree. Only replicas that exited alike are compared.
+    compare: tuple[str, ...] | None = None
 
     @property
     def replicated(self) -> bool:
@@ -244,22 +250,7 @@ class JobSpec:
     def from_dict(cls, data: Any) -> JobSpec:
         _require(isinstance(data, Mapping), "spec", "must be a JSON object")
         _no_unknown(data, cls, "spec")
-        command = data.get("command")
-        if command is not None:
-            if isinstance(command, str):
-                command = ["sh", "-c", command]
-            _require(
-                isinstance(command, list) and 0 < len(command) <= MAX_COMMAND_ARGS,
-                "command",
-                f"must be a string or a list of 1 to {MAX_COMMAND_ARGS} strings",
-            )
-            for i, arg in enumerate(command):
-                _require(
-                    isinstance(arg, str) and len(arg) <= MAX_ARG_LEN and "\x00" not in arg,
-                    f"command[{i}]",
-                    f"must be a string of at most {MAX_ARG_LEN} characters without NUL",
-                )
-            command = tuple(command)
+        command = _command(data.get("command"), "command")
 
         env = data.get("env") or {}
         _require(isinstance(env, Mapping) and len(env) <= MAX_ENV, "env",
@@ -344,6 +335,9 @@ class JobSpec:
                       and (verify.checkpoints or not verify.replicated)), "verify",
                  "a sharded job keeps no checkpoints to check: verify its shards with "
                  '"replicas" or "adaptive"')
+        _require(not (shards and verify is not None and verify.compare), "verify.compare",
+                 "a sharded job's copies are compared by their results; compare is for "
+                 "a job's replicas")
         return cls(
             build=_build(data.get("build")),
             command=command,
@@ -410,7 +404,8 @@ class JobSpec:
             out["image"] = dataclasses.asdict(self.image)  # reuse is always said: not implied)
         if self.verify is not None:
             out["verify"] = ("adaptive" if self.verify == ADAPTIVE
-                             else {k: v for k, v in dataclasses.asdict(self.verify).items()
+                             else {k: list(v) if isinstance(v, tuple) else v
+                                   for k, v in dataclasses.asdict(self.verify).items()
                                    if v is not None})
         if self.build != BuildOptions():
             out["build"] = {k: list(v) if isinstance(v, tuple) else v
@@ -493,6 +488,21 @@ MAX_REPLICAS = 16
 ADAPTIVE = Verify(replicas=1, quorum=2, max_replicas=4, adaptive=True)
 
 
+def _command(command: Any, field: str) -> tuple[str, ...] | None:
+    """A command as a spec gives it: a string (run by sh -c) or a list of arguments."""
+    if command is None:
+        return None
+    if isinstance(command, str):
+        command = ["sh", "-c", command]
+    _require(isinstance(command, (list, tuple)) and 0 < len(command) <= MAX_COMMAND_ARGS,
+             field, f"must be a string or a list of 1 to {MAX_COMMAND_ARGS} strings")
+    for i, arg in enumerate(command):
+        _require(isinstance(arg, str) and len(arg) <= MAX_ARG_LEN and "\x00" not in arg,
+                 f"{field}[{i}]",
+                 f"must be a string of at most {MAX_ARG_LEN} characters without NUL")
+    return tuple(command)
+
+
 def _verify(value: Any) -> Verify | None:
     """The spec's verify: absent or null (off), "adaptive", or {replicas, quorum,
     max_replicas, checkpoints}."""
@@ -515,12 +525,14 @@ def _verify(value: Any) -> Verify | None:
     if replicas == 1:
         _require(bool(checkpoints), "verify", "one replica and no checkpoints checked verify "
                  "nothing: give replicas 2 or more, or checkpoints above 0")
-        _require(value.get("quorum", 1) == 1 and value.get("max_replicas", 1) == 1, "verify",
+        _require(value.get("quorum", 1) == 1 and value.get("max_replicas", 1) == 1
+                 and value.get("compare") is None, "verify",
                  "one replica has no quorum: give replicas 2 or more to compare results")
         return Verify(replicas=1, quorum=1, max_replicas=1, checkpoints=checkpoints)
     quorum = _integer(value, "quorum", min(2, replicas), 2, replicas, "verify")
     bound = _integer(value, "max_replicas", max(4, replicas), replicas, MAX_REPLICAS, "verify")
-    return Verify(replicas=replicas, quorum=quorum, max_replicas=bound, checkpoints=checkpoints)
+    return Verify(replicas=replicas, quorum=quorum, max_replicas=bound, checkpoints=checkpoints,
+                  compare=_command(value.get("compare"), "verify.compare"))
 
 
 def limits_mask(names: Iterable[str]) -> int:

@@ -261,7 +261,7 @@ class LeaseService:
             lease_seconds=self.settings.lease_seconds,
             context_url=self._context_url(job.context_key),
             output_url=output_url,
-            datasets={
+            datasets=self._compared(job.compare_pair, ttl) if job.compare_pair else {
                 ds.name: [DatasetFile(path, self.objects.presign_get(key, ttl, bucket) if key else "",
                                       size, sha)
                           for path, key, size, sha, bucket in self.inputs.files(ds)]
@@ -274,6 +274,20 @@ class LeaseService:
             shard=claim.shard,
             shares={ds.name: ds.share for ds in job.spec.datasets if ds.share},
         )
+
+    def _compared(self, pair: tuple[str, ...], ttl: dt.timedelta) -> dict[str, list[DatasetFile]]:
+        """A comparison's inputs: each replica's /output archive as the coordinator kept and
+        read it (checked by size and sha256 where it arrives), at /data/a and /data/b."""
+        inputs: dict[str, list[DatasetFile]] = {}
+        for name, replica in zip("ab", pair, strict=True):
+            key = self.store.get(replica).output_key
+            files = []
+            if key and self.objects.exists(key):
+                size, sha = self.objects.digest(key)
+                files.append(DatasetFile("output.tar.gz", self.objects.presign_get(key, ttl),
+                                         size, sha))
+            inputs[name] = files
+        return inputs
 
     def _context_url(self, key: str) -> str:
         """Contexts are shared by digest (a sweep's jobs all have one): a presigned GET is

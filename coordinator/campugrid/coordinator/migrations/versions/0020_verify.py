@@ -27,6 +27,9 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column("check_of", sa.Integer(), nullable=True))
         batch_op.add_column(sa.Column("check_from", sa.Integer(), nullable=True))
         batch_op.add_column(sa.Column("resume_id", sa.Integer(), nullable=True))
+        batch_op.add_column(sa.Column("compare_of", sa.String(36), nullable=True))
+        batch_op.add_column(sa.Column("compare_pair", sa.String(80), nullable=True))
+        batch_op.create_index("ix_jobs_compare_of", ["compare_of"], unique=False)
         batch_op.create_index("ix_jobs_replica_of", ["replica_of"], unique=False)
         batch_op.create_index("ix_jobs_check_of", ["check_of"], unique=False)
     with op.batch_alter_table("machines", schema=None) as batch_op:
@@ -80,8 +83,9 @@ def downgrade() -> None:
         for name in ("owner", "quarantine", "last_agreed_at", "streak", "disagreed", "agreed"):
             batch_op.drop_column(name)
     with op.batch_alter_table("jobs", schema=None) as batch_op:
+        batch_op.drop_index("ix_jobs_compare_of")
         batch_op.drop_index("ix_jobs_check_of")
         batch_op.drop_index("ix_jobs_replica_of")
-        for name in ("resume_id", "check_from", "check_of", "apart", "tainted", "output_digest", "replica_of",
-                     "replicas"):
+        for name in ("compare_pair", "compare_of", "resume_id", "check_from", "check_of",
+                     "apart", "tainted", "output_digest", "replica_of", "replicas"):
             batch_op.drop_column(name)
