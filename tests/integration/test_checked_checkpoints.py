@@ -45,7 +45,7 @@ def save(store: Store, job: JobView, machine: str, epoch: int, *, lie: bool = Fa
 def started(store: Store, *machines: str, **spec: object) -> tuple[JobView, JobView, list[str]]:
     """A job whose every checkpoint is drawn for a check, leased to the first of these new
     machines: (the job, its attempt, the machines)."""
-    job = submit(store, verify={"checkpoints": 1}, **spec)
+    job = submit(store, **{"verify": {"checkpoints": 1}, **spec})
     ms = [add_machine(store, n) for n in machines]
     held = store.claim_next(ms[0], lease_s=30)
     assert held is not None and held.id == job.id
@@ -345,3 +345,39 @@ def test_cancelling_a_job_cancels_its_checks_and_a_check_is_not_cancelled_alone(
         store.rerun(check.id)
     store.cancel(job.id)
     assert store.get(check.id).state is JobState.CANCELLED
+
+
+def test_a_compare_command_judges_checkpoints_that_differ_bit_for_bit(store: Store):
+    """Honest recomputations that differ (floating point): the job's compare command, on a
+    machine that made neither, says whether they agree; unlike ones bring a tie-breaker."""
+    job, held, (maker, checker, judge, third, judge2) = started(
+        store, "maker", "checker", "judge", "third", "judge-2", verify={"checkpoints": 1,
+                                                                    "compare": "./cmp"})
+    save(store, held, maker, 0, answer="sha256:maker")
+    answer(store, checker, lie=True)  # another digest: not equal, perhaps alike
+    assert verdicts(store, job.id) == {0: "checking"}
+    assert store.claim(maker, 30) is None and store.claim(checker, 30) is None
+    claim = store.claim(judge, 30)
+    assert claim is not None and claim.job.compare_pair is not None
+    assert all(p.startswith("ckpt:") for p in claim.job.compare_pair)
+    assert claim.job.spec.command == ("sh", "-c", "./cmp")
+    store.finish(attempt(claim.job.id, 1, judge), succeeded=False, exit_code=1, reason=None,
+                 result=None, output_key=None, limits={})  # unlike: a third machine recomputes
+    answer(store, third)  # its digest differs from both too
+    said = []
+    judges = iter([judge2, add_machine(store, "judge-3")])  # a judge judges one pair
+    while (claim := store.claim(next(judges), 30)) is not None:  # each pair with the third
+        pair = claim.job.compare_pair or ()
+        with store.read() as s:
+            makers = {s.scalar(select(Checkpoint.machine_id).where(
+                Checkpoint.id == int(p[5:]))) for p in pair}
+        code = 1 if checker in makers else 0  # the maker and the third are alike
+        said.append(code)
+        store.finish(attempt(claim.job.id, 1, claim.job.machine_id or ""),
+                     succeeded=code == 0, exit_code=code, reason=None, result=None,
+                     output_key=None, limits={})
+        if verdicts(store, job.id)[0] != "checking":
+            break
+    assert verdicts(store, job.id) == {0: "agreed"}
+    assert store.machines.get(checker).status is Status.QUARANTINED
+    assert store.machines.get(maker).status is Status.APPROVED

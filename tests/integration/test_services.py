@@ -4,6 +4,7 @@ output is checked against what storage holds before a researcher is pointed at i
 
 from __future__ import annotations
 
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -101,7 +102,6 @@ def test_a_checkpoint_downloaded_by_epoch_is_never_one_a_check_set_aside(store: 
 def test_a_comparison_is_leased_with_the_two_outputs_as_the_coordinator_kept_them(
         store: Store, tmp_path):
     import hashlib
-    import urllib.parse
 
     from tests.unit.test_quorum import archive
 
@@ -128,3 +128,31 @@ def test_a_comparison_is_leased_with_the_two_outputs_as_the_coordinator_kept_the
         key = urllib.parse.unquote(urllib.parse.urlsplit(f.url).path.lstrip("/"))
         assert key == store.get(replica).output_key and "method=GET" in f.url
         assert objects.get_bytes(key) == kept[replica]
+
+
+def test_a_checkpoint_comparison_is_leased_with_both_checkpoints_as_uploaded(store: Store,
+                                                                             tmp_path):
+    from tests.support.holds import attempt
+
+    coord, objects = coordinator(store, tmp_path)
+    spec = JobSpec.from_dict({"verify": {"checkpoints": 1, "compare": "./cmp"}})
+    store.submit(spec, "contexts/x.tar", "ab" * 32)
+    uploaded = {}
+    for name in ("maker", "checker"):
+        lease = coord.leasing.lease(add_machine(store, name))
+        assert lease is not None
+        key, data = f"checkpoints/{lease.job.id}/{name}.tar", f"{name}'s epoch 0".encode()
+        objects.put_bytes(key, data)
+        store.record_checkpoint(attempt(lease.job.id, 1, lease.hold.machine_id), epoch=0,
+                                key=key, size=len(data), sha256="0" * 64, keep=3,
+                                content_digest=f"sha256:{name}")
+        uploaded[key] = data
+    judging = coord.leasing.lease(add_machine(store, "judge"))
+    assert judging is not None and judging.job.compare_pair is not None
+    got = {}
+    for name in "ab":
+        [f] = judging.datasets[name]
+        assert f.path == "checkpoint.tar"
+        key = urllib.parse.unquote(urllib.parse.urlsplit(f.url).path.lstrip("/"))
+        got[key] = objects.get_bytes(key)
+    assert got == uploaded

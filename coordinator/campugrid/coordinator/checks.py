@@ -34,7 +34,13 @@ from sqlalchemy.orm import Session
 from campugrid.coordinator import verified
 from campugrid.coordinator.models import Checkpoint, GpuReservation, Job, JobEvent, Machine
 from campugrid.coordinator.moves import move_job
-from campugrid.coordinator.quorum import Answer, Decision, checkpoint_probability
+from campugrid.coordinator.quorum import (
+    Answer,
+    Decision,
+    alike_group,
+    checkpoint_probability,
+    unjudged,
+)
 from campugrid.coordinator.verified import AGREED, DISPUTED, REJECTED, UNVERIFIABLE
 from campugrid.coordinator.views import stored_spec
 from campugrid.protocol.spec import Verify
@@ -138,21 +144,38 @@ def settle(s: Session, target: Checkpoint, now: dt.datetime) -> None:
     checks = list(s.scalars(select(Job).where(Job.check_of == target.id)
                             .order_by(Job.created_at, Job.updated_at, Job.id)))
     ended = [c for c in checks if JobState(c.state).final]
-    maker = Answer(target.job_id, target.machine_id or "", (0, "", target.content_digest or ""))
-    answers = [maker] + [Answer(c.id, c.machine_id or "", (0, "", c.output_digest))
-                         for c in ended if c.state == JobState.SUCCEEDED.value and c.output_digest]
-    skipped = any(c.output_digest == SKIPPED for c in ended)
-    groups: dict[object, list[Answer]] = {}
-    for a in answers:
-        groups.setdefault(a.key, []).append(a)
-    best = max(groups.values(), key=len)
     job = s.get(Job, target.job_id, populate_existing=True)
     if job is None:
         return
+    # Each answer by the checkpoint that gave it ("ckpt:<id>": what a comparison names).
+    maker = Answer(f"ckpt:{target.id}", target.machine_id or "",
+                   (0, "", target.content_digest or ""))
+    answers = [maker]
+    for c in ended:
+        if c.state == JobState.SUCCEEDED.value and c.output_digest not in (None, SKIPPED):
+            mine = s.scalar(select(Checkpoint.id).where(
+                Checkpoint.job_id == c.id, Checkpoint.epoch == target.epoch)
+                .order_by(Checkpoint.id.desc()).limit(1))
+            answers.append(Answer(f"ckpt:{mine}", c.machine_id or "", (0, "", c.output_digest)))
+    skipped = any(c.output_digest == SKIPPED for c in ended)
+    verify = governing(s, job)
+    command = verify.compare if verify is not None else None
+    compares = [c for c in s.scalars(select(Job).where(Job.compare_of == job.id))
+                if maker.replica in (c.compare_pair or "").split(",")] if command else []
+    verdicts = verified.verdicts_of(compares) if command else None
+    best = alike_group(answers, verdicts)
     what = f"the checkpoint of epoch {target.epoch} of job {job.id}"
+    if len(best) < 2 and command and verdicts is not None:
+        running = {c.compare_pair for c in compares if not JobState(c.state).final}
+        pairs = unjudged(answers, verdicts)
+        for a, b in pairs:  # the job's compare command judges what equality cannot
+            if f"{a},{b}" not in running:
+                verified.make_compare(s, job, command, (a, b), ("", ""), group(target.id), now)
+        if pairs or running:
+            return
     if len(best) >= 2:
         decision = Decision(accept=tuple(best), against=tuple(a for a in answers
-                                                              if a.key != best[0].key))
+                                                              if a not in best))
         if maker in decision.accept:
             target.verdict = AGREED
             _event(s, job.id, now, "checked", f"{what[4:]} agreed with {len(best) - 1} "
@@ -210,6 +233,9 @@ def protected(s: Session, job_id: str, only_checked: bool = False) -> set[int]:
         Checkpoint.job_id == job_id, Checkpoint.verdict == AGREED)
         .order_by(Checkpoint.epoch.desc(), Checkpoint.id.desc()).limit(1)))
     mine = select(Checkpoint.id).where(Checkpoint.job_id == job_id).scalar_subquery()
+    for (pair,) in s.execute(select(Job.compare_pair).where(  # what a comparison reads
+            Job.compare_of == job_id, Job.state.in_([x.value for x in JobState if not x.final]))):
+        keep |= {int(p[5:]) for p in (pair or "").split(",") if p.startswith("ckpt:")}
     for of, frm in s.execute(select(Job.check_of, Job.check_from).where(
             Job.check_of.in_(mine), Job.state.in_([x.value for x in JobState if not x.final]))):
         if of is not None:

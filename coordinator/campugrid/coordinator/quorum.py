@@ -99,7 +99,33 @@ def decide(verify: Verify, answers: Sequence[Answer], pending: int, made: int,
     answers agree, and so do those it judged alike; a quorum is answers that all agree with
     each other."""
     got = [a for a in answers if a.key is not None]
+    best = alike_group(got, verdicts)
+    if verify.adaptive and len(got) == 1 and pending == 0 and len(answers) == 1:
+        only = got[0]
+        if draw >= check_probability(streak.get(only.machine_id, 0)):
+            return Decision(accept=(only,), checked=False)
+    if len(best) >= verify.quorum:
+        return Decision(accept=tuple(best), against=tuple(a for a in got if a not in best))
+    if verdicts is not None and (pairs := unjudged(got, verdicts)):
+        return Decision(compare=pairs)  # the job's compare command judges what equality cannot
+    needed = verify.quorum - len(best)
+    more = min(needed - pending, verify.max_replicas - made)
+    if more > 0:
+        return Decision(more=more)
+    if pending and needed <= pending + verify.max_replicas - made:
+        return Decision()  # those still running may yet agree
+    said = "; ".join(f"machine {a.machine_id[:8]}: {a.says()}" for a in answers)
+    if not got:
+        return Decision(fail=f"no replica answered: each of the {made} ended without an exit "
+                             f"code of its job's ({said})")
+    return Decision(fail=f"results disagree: no {verify.quorum} of {made} replicas agreed "
+                         f"({said})")
 
+
+def alike_group(got: Sequence[Answer],
+                verdicts: Mapping[frozenset[str], bool] | None) -> list[Answer]:
+    """The largest group of answers that all agree with each other, pair by pair: equal, or
+    (with `verdicts`, a compare command's) exited alike and judged alike."""
     def alike(a: Answer, b: Answer) -> bool:
         if a.key == b.key:
             return True
@@ -114,31 +140,15 @@ def decide(verify: Verify, answers: Sequence[Answer], pending: int, made: int,
                 clique.append(b)
         if len(clique) > len(best):
             best = clique
-    if verify.adaptive and len(got) == 1 and pending == 0 and len(answers) == 1:
-        only = got[0]
-        if draw >= check_probability(streak.get(only.machine_id, 0)):
-            return Decision(accept=(only,), checked=False)
-    if len(best) >= verify.quorum:
-        return Decision(accept=tuple(best), against=tuple(a for a in got if a not in best))
-    if verdicts is not None:  # the job's compare command judges what equality cannot
-        unjudged = tuple((a.replica, b.replica) for i, a in enumerate(got) for b in got[i + 1:]
-                         if a.key is not None and b.key is not None and a.key != b.key
-                         and a.key[0] == b.key[0]
-                         and frozenset((a.replica, b.replica)) not in verdicts)
-        if unjudged:
-            return Decision(compare=unjudged)
-    needed = verify.quorum - len(best)
-    more = min(needed - pending, verify.max_replicas - made)
-    if more > 0:
-        return Decision(more=more)
-    if pending and needed <= pending + verify.max_replicas - made:
-        return Decision()  # those still running may yet agree
-    said = "; ".join(f"machine {a.machine_id[:8]}: {a.says()}" for a in answers)
-    if not got:
-        return Decision(fail=f"no replica answered: each of the {made} ended without an exit "
-                             f"code of its job's ({said})")
-    return Decision(fail=f"results disagree: no {verify.quorum} of {made} replicas agreed "
-                         f"({said})")
+    return best
+
+
+def unjudged(got: Sequence[Answer],
+             verdicts: Mapping[frozenset[str], bool]) -> tuple[tuple[str, str], ...]:
+    """Pairs that exited alike with other outputs, which the compare command has not judged."""
+    return tuple((a.replica, b.replica) for i, a in enumerate(got) for b in got[i + 1:]
+                 if a.key is not None and b.key is not None and a.key != b.key
+                 and a.key[0] == b.key[0] and frozenset((a.replica, b.replica)) not in verdicts)
 
 
 def shares_host(address: str) -> bool:

@@ -224,8 +224,11 @@ class Store:
             if row.replica_of or row.check_of is not None or row.compare_of:
                 raise InvalidInput(f"job {job_id} checks the job {self._checked_job(s, row)}: "
                                    "cancel that job instead")
-            family = [row] + (list(s.scalars(select(Job).where(
-                (Job.replica_of == row.id) | (Job.compare_of == row.id)))) if row.replicas else [])
+            family = [row] + (list(s.scalars(select(Job).where(Job.replica_of == row.id)))
+                              if row.replicas else [])
+            family += list(s.scalars(select(Job).where(  # comparisons of their answers
+                Job.compare_of.in_([one.id for one in family]),
+                Job.state.in_([x.value for x in JobState if not x.final]))))
             family += list(s.scalars(select(Job).where(  # checks of their checkpoints
                 Job.check_of.in_(select(Checkpoint.id).where(
                     Checkpoint.job_id.in_([one.id for one in family])).scalar_subquery()),
@@ -442,6 +445,11 @@ class Store:
             raise refused
         return [old.key for old in dropped if old.key not in {r.key for r in kept}]
 
+    def checkpoint_key(self, checkpoint_id: int) -> str | None:
+        """Where a recorded checkpoint is in storage (None: retention dropped it)."""
+        with self.read() as s:
+            return s.scalar(select(Checkpoint.key).where(Checkpoint.id == checkpoint_id))
+
     def checkpoint_probability(self, job_id: str, machine_id: str) -> float:
         """How likely a checkpoint this machine just made for the job is checked (and so read
         by the coordinator): checks.probability."""
@@ -555,7 +563,11 @@ class Store:
         """A job ended: if it is a replica, its verified job is decided on, if it can be; if it
         is a check, the checkpoint it checks."""
         row = job_row(s, job_id)
-        if (parent := row.replica_of or row.compare_of) is not None:
+        compared = (row.compare_pair or "").split(",")[0]
+        if compared.startswith("ckpt:"):  # a comparison of a check's answer
+            if (checked := s.get(Checkpoint, int(compared[5:]))) is not None:
+                checks.settle(s, checked, utcnow())
+        elif (parent := row.replica_of or row.compare_of) is not None:
             verified.settle(s, parent, utcnow())
         if row.check_of is not None and (target := s.get(Checkpoint, row.check_of)) is not None:
             checks.settle(s, target, utcnow())

@@ -126,7 +126,7 @@ def settle(s: Session, parent_id: str, now: dt.datetime, sample: float | None = 
     compares = (list(s.scalars(select(Job).where(Job.compare_of == parent_id)
                                .order_by(Job.created_at, Job.id)))
                 if verify.compare is not None else [])
-    verdicts = _verdicts(compares) if verify.compare is not None else None
+    verdicts = verdicts_of(compares) if verify.compare is not None else None
     decision = decide(verify, answers, pending=len(replicas) - len(ended), made=parent.replicas,
                       streak=streak, draw=draw() if sample is None else sample,
                       verdicts=verdicts)
@@ -135,7 +135,8 @@ def settle(s: Session, parent_id: str, now: dt.datetime, sample: float | None = 
         by_id = {r.id: r for r in replicas}
         for a, b in decision.compare:
             if f"{a},{b}" not in running:
-                _make_compare(s, parent, by_id[a], by_id[b], now)
+                make_compare(s, parent, verify.compare or (), (a, b),
+                             (by_id[a].result or "", by_id[b].result or ""), parent.id, now)
     elif decision.more:
         made = make_replicas(s, parent, decision.more, now)
         _event(s, parent, now, "disagreed" if len({a.key for a in answers if a.key}) > 1
@@ -157,7 +158,7 @@ def settle(s: Session, parent_id: str, now: dt.datetime, sample: float | None = 
 COMPARE_TRIES = 2
 
 
-def _verdicts(compares: list[Job]) -> dict[frozenset[str], bool]:
+def verdicts_of(compares: list[Job]) -> dict[frozenset[str], bool]:
     """What the job's compare command said of each pair: exit 0 alike, another exit code of
     its own unlike; comparisons that ended without one (the machine failed) are tried again,
     COMPARE_TRIES times."""
@@ -176,33 +177,32 @@ def _verdicts(compares: list[Job]) -> dict[frozenset[str], bool]:
     return said
 
 
-def _make_compare(s: Session, parent: Job, a: Job, b: Job, now: dt.datetime) -> None:
-    """A comparison of replicas a and b, by the job's own compare command: a job of its own, on
-    a machine that ran no replica of it (kept apart like them)."""
-    verify = stored_spec(parent.spec_json).verify
-    assert verify is not None and verify.compare is not None
-    base = stored_spec(parent.spec_json).as_replica()
+def make_compare(s: Session, job: Job, command: tuple[str, ...], pair: tuple[str, str],
+                 results: tuple[str, str], apart: str, now: dt.datetime) -> None:
+    """A comparison of a pair (two replicas of `job`, by id; or two checkpoints, "ckpt:<id>")
+    by the job's own compare command: a job of its own, kept apart (under `apart`) from the
+    machines whose work it judges."""
+    base = stored_spec(job.spec_json).as_replica()
     env = dict(base.env)
     if len(env) + 2 <= MAX_ENV:  # the result lines too, where the spec leaves room
-        env |= {"COMPARE_RESULT_A": (a.result or "")[:MAX_ENV_VALUE],
-                "COMPARE_RESULT_B": (b.result or "")[:MAX_ENV_VALUE]}
-    spec = dataclasses.replace(base, command=verify.compare, datasets=(),
-                               env=tuple(sorted(env.items())))
+        env |= {"COMPARE_RESULT_A": results[0][:MAX_ENV_VALUE],
+                "COMPARE_RESULT_B": results[1][:MAX_ENV_VALUE]}
+    spec = dataclasses.replace(base, command=command, datasets=(), env=tuple(sorted(env.items())))
+    what = " and ".join(p[:13] for p in pair)
     row = Job(
-        id=str(uuid.uuid4()), owner_id=parent.owner_id, client_job_id=None,
-        name=f"{parent.name or 'job ' + parent.id[:8]}: compare replicas {a.id[:8]} and "
-             f"{b.id[:8]}",
-        state=JobState.QUEUED.value, spec_json=spec.to_json(), context_key=parent.context_key,
-        context_sha256=parent.context_sha256, attempt=0, max_attempts=parent.max_attempts,
-        gpus_needed=parent.gpus_needed, limits_needed=parent.limits_needed,
-        cpus_needed=parent.cpus_needed, memory_needed_mb=parent.memory_needed_mb,
-        disk_needed_mb=parent.disk_needed_mb, share=None, shards_total=0, shards_queued=0,
-        shards_done=0, shards_failed=0, bases_json=parent.bases_json, apart=parent.id,
-        compare_of=parent.id, compare_pair=f"{a.id},{b.id}", created_at=parent.created_at,
+        id=str(uuid.uuid4()), owner_id=job.owner_id, client_job_id=None,
+        name=f"{job.name or 'job ' + job.id[:8]}: compare {what}",
+        state=JobState.QUEUED.value, spec_json=spec.to_json(), context_key=job.context_key,
+        context_sha256=job.context_sha256, attempt=0, max_attempts=job.max_attempts,
+        gpus_needed=job.gpus_needed, limits_needed=job.limits_needed,
+        cpus_needed=job.cpus_needed, memory_needed_mb=job.memory_needed_mb,
+        disk_needed_mb=job.disk_needed_mb, share=None, shards_total=0, shards_queued=0,
+        shards_done=0, shards_failed=0, bases_json=job.bases_json, apart=apart,
+        compare_of=job.id, compare_pair=",".join(pair), created_at=job.created_at,
         updated_at=now)
     s.add(row)
-    _event(s, parent, now, "compare", f"replicas {a.id[:8]} and {b.id[:8]} exited alike with "
-           f"other outputs: job {row.id} runs the job's compare command on them")
+    _event(s, job, now, "compare", f"{what} differ: job {row.id} runs the job's compare "
+           "command on them")
 
 
 def lock_parent(s: Session, job_id: str) -> None:

@@ -161,11 +161,12 @@ class Verify:
     max_replicas: int = 4
     adaptive: bool = False
     checkpoints: float | None = None
-    # The job's own comparison, for results that differ bit for bit between honest machines:
-    # run like the job (its image, in a sandbox), on another machine, with two replicas'
-    # /output archives at /data/a/output.tar.gz and /data/b/output.tar.gz (read-only) and
-    # their result lines in $CAMPUGRID_RESULT_A and $CAMPUGRID_RESULT_B; exit 0 says they
-    # agree. Only replicas that exited alike are compared.
+    # The job's own comparison, for results and checkpoints that differ bit for bit between
+    # honest machines: run like the job (its image, in a sandbox) on another machine, with two
+    # replicas' /output archives at /data/a/output.tar.gz and /data/b/output.tar.gz (their
+    # result lines in $COMPARE_RESULT_A and _B), or two checkpoints at /data/a/checkpoint.tar
+    # and /data/b/checkpoint.tar, read-only; exit 0 says they agree. Only replicas that exited
+    # alike are compared.
     compare: tuple[str, ...] | None = None
 
     @property
@@ -525,10 +526,10 @@ def _verify(value: Any) -> Verify | None:
     if replicas == 1:
         _require(bool(checkpoints), "verify", "one replica and no checkpoints checked verify "
                  "nothing: give replicas 2 or more, or checkpoints above 0")
-        _require(value.get("quorum", 1) == 1 and value.get("max_replicas", 1) == 1
-                 and value.get("compare") is None, "verify",
+        _require(value.get("quorum", 1) == 1 and value.get("max_replicas", 1) == 1, "verify",
                  "one replica has no quorum: give replicas 2 or more to compare results")
-        return Verify(replicas=1, quorum=1, max_replicas=1, checkpoints=checkpoints)
+        return Verify(replicas=1, quorum=1, max_replicas=1, checkpoints=checkpoints,
+                      compare=_command(value.get("compare"), "verify.compare"))
     quorum = _integer(value, "quorum", min(2, replicas), 2, replicas, "verify")
     bound = _integer(value, "max_replicas", max(4, replicas), replicas, MAX_REPLICAS, "verify")
     return Verify(replicas=replicas, quorum=quorum, max_replicas=bound, checkpoints=checkpoints,

@@ -279,13 +279,15 @@ class LeaseService:
         """A comparison's inputs: each replica's /output archive as the coordinator kept and
         read it (checked by size and sha256 where it arrives), at /data/a and /data/b."""
         inputs: dict[str, list[DatasetFile]] = {}
-        for name, replica in zip("ab", pair, strict=True):
-            key = self.store.get(replica).output_key
+        for name, which in zip("ab", pair, strict=True):
+            # A checkpoint ("ckpt:<id>") as its machine uploaded it, or a replica's /output.
+            key, as_file = ((self.store.checkpoint_key(int(which[5:])), "checkpoint.tar")
+                            if which.startswith("ckpt:") else
+                            (self.store.get(which).output_key, "output.tar.gz"))
             files = []
             if key and self.objects.exists(key):
                 size, sha = self.objects.digest(key)
-                files.append(DatasetFile("output.tar.gz", self.objects.presign_get(key, ttl),
-                                         size, sha))
+                files.append(DatasetFile(as_file, self.objects.presign_get(key, ttl), size, sha))
             inputs[name] = files
         return inputs
 
