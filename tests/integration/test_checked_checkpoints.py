@@ -381,3 +381,32 @@ def test_a_compare_command_judges_checkpoints_that_differ_bit_for_bit(store: Sto
     assert verdicts(store, job.id) == {0: "agreed"}
     assert store.machines.get(checker).status is Status.QUARANTINED
     assert store.machines.get(maker).status is Status.APPROVED
+
+
+def test_a_compare_command_outvotes_a_maker_whose_checkpoint_is_unlike_both_recomputations(
+        store: Store):
+    job, held, (liar, c1, c2) = started(store, "liar", "c1", "c2",
+                                        verify={"checkpoints": 1, "compare": "./cmp"})
+    save(store, held, liar, 0, answer="sha256:poisoned")
+    answer(store, c1)
+    makers: dict[str, str] = {}
+
+    def judge_next() -> bool:
+        claim = store.claim(add_machine(store, f"judge-{len(makers)}"), 30)
+        if claim is None:
+            return False
+        with store.read() as s:
+            pair = {s.scalar(select(Checkpoint.machine_id).where(Checkpoint.id == int(p[5:])))
+                    for p in claim.job.compare_pair or ()}
+        makers[claim.job.id] = ",".join(sorted(pair))
+        code = 1 if liar in pair else 0  # the two honest recomputations are alike
+        store.finish(attempt(claim.job.id, 1, claim.job.machine_id or ""), succeeded=code == 0,
+                     exit_code=code, reason=None, result=None, output_key=None, limits={})
+        return True
+
+    assert judge_next()  # the liar and c1: unlike, so c2 recomputes it
+    answer(store, c2)
+    while verdicts(store, job.id)[0] == "checking" and judge_next():
+        pass
+    assert verdicts(store, job.id) == {0: "rejected"}, makers
+    assert store.machines.get(liar).status is Status.QUARANTINED

@@ -145,7 +145,7 @@ def settle(s: Session, target: Checkpoint, now: dt.datetime) -> None:
                             .order_by(Job.created_at, Job.updated_at, Job.id)))
     ended = [c for c in checks if JobState(c.state).final]
     job = s.get(Job, target.job_id, populate_existing=True)
-    if job is None:
+    if job is None or job.check_of is not None:  # a check's own checkpoints are not checked
         return
     # Each answer by the checkpoint that gave it ("ckpt:<id>": what a comparison names).
     maker = Answer(f"ckpt:{target.id}", target.machine_id or "",
@@ -160,8 +160,9 @@ def settle(s: Session, target: Checkpoint, now: dt.datetime) -> None:
     skipped = any(c.output_digest == SKIPPED for c in ended)
     verify = governing(s, job)
     command = verify.compare if verify is not None else None
+    named = {a.replica for a in answers}  # this checkpoint's answers' comparisons
     compares = [c for c in s.scalars(select(Job).where(Job.compare_of == job.id))
-                if maker.replica in (c.compare_pair or "").split(",")] if command else []
+                if set((c.compare_pair or "").split(",")) <= named] if command else []
     verdicts = verified.verdicts_of(compares) if command else None
     best = alike_group(answers, verdicts)
     what = f"the checkpoint of epoch {target.epoch} of job {job.id}"

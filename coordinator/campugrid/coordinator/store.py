@@ -563,9 +563,12 @@ class Store:
         """A job ended: if it is a replica, its verified job is decided on, if it can be; if it
         is a check, the checkpoint it checks."""
         row = job_row(s, job_id)
-        compared = (row.compare_pair or "").split(",")[0]
-        if compared.startswith("ckpt:"):  # a comparison of a check's answer
-            if (checked := s.get(Checkpoint, int(compared[5:]))) is not None:
+        compared = [int(p[5:]) for p in (row.compare_pair or "").split(",")
+                    if p.startswith("ckpt:")]
+        if compared:  # a comparison of a check's answer: the checked one is the job's own
+            checked = s.scalars(select(Checkpoint).where(Checkpoint.id.in_(compared),
+                                                         Checkpoint.job_id == row.compare_of)).first()
+            if checked is not None:
                 checks.settle(s, checked, utcnow())
         elif (parent := row.replica_of or row.compare_of) is not None:
             verified.settle(s, parent, utcnow())
