@@ -365,7 +365,7 @@ def test_a_compare_command_judges_checkpoints_that_differ_bit_for_bit(store: Sto
                  result=None, output_key=None, limits={})  # unlike: a third machine recomputes
     answer(store, third)  # its digest differs from both too
     said = []
-    judges = iter([judge2, add_machine(store, "judge-3")])  # a judge judges one pair
+    judges = iter([judge2, *(add_machine(store, f"judge-{i}") for i in range(3, 8))])
     while (claim := store.claim(next(judges), 30)) is not None:  # each pair with the third
         pair = claim.job.compare_pair or ()
         with store.read() as s:

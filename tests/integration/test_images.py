@@ -191,6 +191,22 @@ def test_verified_reuse_needs_two_machines_with_the_same_digest(store: Store):
     assert ask(3) == ("pull", False, good)
 
 
+def test_verified_reuse_counts_one_owners_machines_as_one_vote(store: Store):
+    images = Images(store.db)
+    ms = [add_machine(store, n, approve=False) for n in ("desk", "laptop", "other")]
+    for m, owner in zip(ms, ("alice", "alice", "bob"), strict=True):
+        store.machines.set_status(m, Status.APPROVED, owner=owner)
+    tasks = [leased(store, m, "verified") for m in ms]
+    key, digest = build_key(CONTEXT, INPUTS), "sha256:" + "e" * 64
+    for i in (0, 1):  # alice's two machines build the same digest
+        assert images.resolve(key=key, reuse="verified",
+                              ref=attempt(tasks[i][0], tasks[i][1], ms[i])).push
+        images.record(key=key, context_sha256=CONTEXT, digest=digest,
+                      ref=attempt(tasks[i][0], tasks[i][1], ms[i]))
+    third = images.resolve(key=key, reuse="verified", ref=attempt(tasks[2][0], tasks[2][1], ms[2]))
+    assert third.action == "build"  # one owner's word, not two parties'
+
+
 def test_never_reuse_builds_everywhere_and_records_nothing(store: Store):
     images = Images(store.db)
     a = add_machine(store, "a")

@@ -184,9 +184,42 @@ def test_a_compare_command_judges_replicas_that_exited_alike_with_other_outputs(
     env = dict(judged.spec.env)
     assert {env["COMPARE_RESULT_A"], env["COMPARE_RESULT_B"]} == {"loss 0.1", "loss 0.1000001"}
     assert set(judged.compare_pair or ()) == {r.id for r in store.replicas(job.id)}
+    # "Alike" takes two judges' word: one dishonest judge cannot make a lie pass alone.
+    assert store.get(job.id).state is JobState.RUNNING and store.claim(m3, 30) is None
+    compare(store, m4, 0)
     done = store.get(job.id)
     assert done.state is JobState.SUCCEEDED and store.machines.get(m1).agreed == 1
-    assert store.machines.get(m2).agreed == 1 and store.claim(m4, 30) is None
+    assert store.machines.get(m2).agreed == 1
+    assert store.claim(add_machine(store, "m5"), 30) is None
+
+
+def test_a_comparison_that_never_answers_blames_no_one_and_an_unjudged_replica_is_not_against(
+        store: Store):
+    job = submit(store, verify={"replicas": 3, "quorum": 2, "compare": "./cmp"})
+    a, b, c = (add_machine(store, n) for n in "abc")
+    held = {m: store.claim_next(m, lease_s=30) for m in (c, a, b)}  # all three run
+    for m, digest in ((c, "sha256:3"), (a, "sha256:1"), (b, "sha256:1")):
+        replica = held[m]
+        assert replica is not None and replica.replica_of == job.id
+        store.finish(attempt(replica.id, 1, m), succeeded=True, exit_code=0, reason=None,
+                     result="42", output_key=None, limits={}, output_digest=digest)
+        # (c and a are to be compared; then b equals a)
+    # a and b: a quorum; c, whose comparison never ended, is neither credited nor blamed.
+    assert store.get(job.id).state is JobState.SUCCEEDED
+    assert store.machines.get(c).status is Status.APPROVED and store.machines.get(c).agreed == 0
+    other = submit(store, verify={"replicas": 2, "compare": "./cmp"})
+    d, e = add_machine(store, "d"), add_machine(store, "e")
+    run(store, d, digest="sha256:4")
+    run(store, e, digest="sha256:5")
+    for i in range(4):  # killed (exit 137) or failed by its machine, again and again
+        claim = store.claim(add_machine(store, f"judge-{i}"), 30)
+        assert claim is not None and claim.job.compare_pair is not None
+        store.finish(attempt(claim.job.id, 1, claim.job.machine_id or ""), succeeded=False,
+                     exit_code=137 if i % 2 else -1, reason="killed", result=None,
+                     output_key=None, limits={})
+    # Cannot be judged: not alike, so a third replica runs; no one is blamed.
+    assert store.get(other.id).replicas == 3
+    assert all(store.machines.get(m).status is Status.APPROVED for m in (d, e))
 
 
 def test_replicas_the_compare_command_calls_unlike_bring_another_that_settles_it(store: Store):
@@ -197,8 +230,8 @@ def test_replicas_the_compare_command_calls_unlike_bring_another_that_settles_it
     compare(store, add_machine(store, "judge-0"), 1)  # unlike: a third replica runs
     assert store.get(job.id).replicas == 3
     run(store, m3, digest="sha256:3")
-    # The third is compared with each of the others (a judge judges one pair of a job).
-    for i in (1, 2):
+    # The third is compared with each of the others, by two judges where they are alike.
+    for i in range(1, 6):
         if JobState(store.get(job.id).state).final:
             break
         judge = add_machine(store, f"judge-{i}")

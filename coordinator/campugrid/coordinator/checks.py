@@ -37,6 +37,7 @@ from campugrid.coordinator.moves import move_job
 from campugrid.coordinator.quorum import (
     Answer,
     Decision,
+    against,
     alike_group,
     checkpoint_probability,
     unjudged,
@@ -164,19 +165,24 @@ def settle(s: Session, target: Checkpoint, now: dt.datetime) -> None:
     compares = [c for c in s.scalars(select(Job).where(Job.compare_of == job.id))
                 if set((c.compare_pair or "").split(",")) <= named] if command else []
     verdicts = verified.verdicts_of(compares) if command else None
+    if verdicts:
+        verified.cancel_judged(s, compares, verdicts, now)
     best = alike_group(answers, verdicts)
     what = f"the checkpoint of epoch {target.epoch} of job {job.id}"
-    if len(best) < 2 and command and verdicts is not None:
-        running = {c.compare_pair for c in compares if not JobState(c.state).final}
+    if command and verdicts is not None:
+        # The job's compare command judges what equality cannot, before anything is decided:
+        # and about the maker above all (a quorum without it says nothing of its checkpoint).
         pairs = unjudged(answers, verdicts)
-        for a, b in pairs:  # the job's compare command judges what equality cannot
-            if f"{a},{b}" not in running:
-                verified.make_compare(s, job, command, (a, b), ("", ""), group(target.id), now)
-        if pairs or running:
+        undecided = len(best) < 2 or (maker not in best
+                                      and maker not in against(answers, best, verdicts))
+        if undecided and pairs:
+            for a, b in pairs:
+                for _ in range(verified.judges_wanted(compares, (a, b))):
+                    verified.make_compare(s, job, command, (a, b), ("", ""), group(target.id),
+                                          now)
             return
     if len(best) >= 2:
-        decision = Decision(accept=tuple(best), against=tuple(a for a in answers
-                                                              if a not in best))
+        decision = Decision(accept=tuple(best), against=against(answers, best, verdicts))
         if maker in decision.accept:
             target.verdict = AGREED
             _event(s, job.id, now, "checked", f"{what[4:]} agreed with {len(best) - 1} "

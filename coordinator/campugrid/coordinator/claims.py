@@ -160,6 +160,9 @@ class Claimer:
         detail = f"machine {machine_id}" + (f", GPUs {', '.join(gpus)}" if gpus else "")
         if row.apart is not None:
             kept_apart(conn, row.apart, job_id, machine_id)
+        if row.compare_pair:  # a judge does none of the work it may judge, from now on
+            kept_apart(conn, _party_of(conn, row.compare_of, row.compare_pair), job_id,
+                       machine_id)
         if row.replica_of is not None:
             leased_replica(conn, row.replica_of, job_id, machine_id, now, events)
         events.append({"job_id": job_id, "at": now, "attempt": attempt, "kind": "leased",
@@ -229,6 +232,17 @@ _SUITS_LIMITS = ((_JOBS.c.limits_needed.op("&")(bindparam("lacks")) == 0)
                  & ~exists().where(_REPLICA_MACHINES.c.job_id == _JOBS.c.apart,
                                    _REPLICA_MACHINES.c.machine_id == bindparam("machine_id"),
                                    _REPLICA_MACHINES.c.replica_id != _JOBS.c.id))
+def _party_of(conn: Connection, job_id: str, pair: str) -> str:
+    """Whose work a comparison judges: a verified job's replicas (its id), or a checkpoint's
+    maker and checks (checks.group of the job's own checkpoint in the pair)."""
+    ids = [int(p[5:]) for p in pair.split(",") if p.startswith("ckpt:")]
+    if not ids:
+        return job_id
+    own = conn.scalar(select(_CHECKPOINTS.c.id).where(_CHECKPOINTS.c.id.in_(ids),
+                                                      _CHECKPOINTS.c.job_id == job_id))
+    return f"ckpt-{own}"
+
+
 _UNSAID = 2**31 - 1  # a size the machine did not say (an older agent): no bound
 
 

@@ -237,7 +237,11 @@ class Images:
     def _verified(self, s: Session, key: str, ref: HoldRef) -> Decision:
         builds = s.scalars(select(ImageBuild).where(ImageBuild.build_key == key, _IN_GOOD_STANDING)
                            .order_by(ImageBuild.created_at, ImageBuild.id)).all()
-        votes = Counter(b.digest for b in builds)  # one per machine: (key, machine) is unique
+        # One vote per party: a machine, or all the machines an admin said one owner has.
+        owners = dict(s.execute(select(Machine.id, Machine.owner).where(
+            Machine.id.in_(sorted({b.machine_id for b in builds})))).all())
+        votes = Counter(d for d, _ in {(b.digest, owners.get(b.machine_id) or b.machine_id)
+                                       for b in builds})
         agreed = [d for d, n in votes.most_common() if n >= 2]
         if agreed:
             return self._pull(s, key, agreed[0], [b for b in builds if b.digest == agreed[0]],

@@ -90,7 +90,7 @@ def checkpoint_probability(verify: Verify, streak: int) -> float:
 
 def decide(verify: Verify, answers: Sequence[Answer], pending: int, made: int,
            streak: dict[str, int], draw: float,
-           verdicts: Mapping[frozenset[str], bool] | None = None) -> Decision:
+           verdicts: Mapping[frozenset[str], bool | None] | None = None) -> Decision:
     """What to do once a replica has ended. `answers`: the ended replicas, in the order they
     were made; `pending`: replicas not ended; `made`: all made so far; `streak`: the agreeing
     answers in a row of the machines that answered; `draw`: a uniform number in [0, 1), the
@@ -105,7 +105,7 @@ def decide(verify: Verify, answers: Sequence[Answer], pending: int, made: int,
         if draw >= check_probability(streak.get(only.machine_id, 0)):
             return Decision(accept=(only,), checked=False)
     if len(best) >= verify.quorum:
-        return Decision(accept=tuple(best), against=tuple(a for a in got if a not in best))
+        return Decision(accept=tuple(best), against=against(got, best, verdicts))
     if verdicts is not None and (pairs := unjudged(got, verdicts)):
         return Decision(compare=pairs)  # the job's compare command judges what equality cannot
     needed = verify.quorum - len(best)
@@ -123,14 +123,14 @@ def decide(verify: Verify, answers: Sequence[Answer], pending: int, made: int,
 
 
 def alike_group(got: Sequence[Answer],
-                verdicts: Mapping[frozenset[str], bool] | None) -> list[Answer]:
+                verdicts: Mapping[frozenset[str], bool | None] | None) -> list[Answer]:
     """The largest group of answers that all agree with each other, pair by pair: equal, or
     (with `verdicts`, a compare command's) exited alike and judged alike."""
     def alike(a: Answer, b: Answer) -> bool:
         if a.key == b.key:
             return True
-        return (verdicts is not None and a.key is not None and b.key is not None
-                and a.key[0] == b.key[0] and verdicts.get(frozenset((a.replica, b.replica))) is True)
+        return (verdicts is not None and comparable(a, b)
+                and verdicts.get(frozenset((a.replica, b.replica))) is True)
 
     best: list[Answer] = []
     for a in got:
@@ -143,12 +143,31 @@ def alike_group(got: Sequence[Answer],
     return best
 
 
+def comparable(a: Answer, b: Answer) -> bool:
+    """May a compare command call these two answers alike: they exited alike, and neither is
+    an archive an honest agent cannot make (never alike with anything, never shown to it)?"""
+    return (a.key is not None and b.key is not None and a.key[0] == b.key[0]
+            and not a.key[2].startswith(MALFORMED) and not b.key[2].startswith(MALFORMED))
+
+
 def unjudged(got: Sequence[Answer],
-             verdicts: Mapping[frozenset[str], bool]) -> tuple[tuple[str, str], ...]:
+             verdicts: Mapping[frozenset[str], bool | None]) -> tuple[tuple[str, str], ...]:
     """Pairs that exited alike with other outputs, which the compare command has not judged."""
     return tuple((a.replica, b.replica) for i, a in enumerate(got) for b in got[i + 1:]
-                 if a.key is not None and b.key is not None and a.key != b.key
-                 and a.key[0] == b.key[0] and frozenset((a.replica, b.replica)) not in verdicts)
+                 if a.key != b.key and comparable(a, b)
+                 and frozenset((a.replica, b.replica)) not in verdicts)
+
+
+def against(got: Sequence[Answer], best: Sequence[Answer],
+            verdicts: Mapping[frozenset[str], bool | None] | None) -> tuple[Answer, ...]:
+    """The answers that disagreed with an accepted quorum. With a compare command, only those
+    shown to: another exit code, an archive no honest agent makes, or judged unlike one of the
+    quorum; one never compared is neither credited nor blamed."""
+    if verdicts is None:
+        return tuple(a for a in got if a not in best)
+    return tuple(a for a in got if a not in best and any(
+        not comparable(a, b) or verdicts.get(frozenset((a.replica, b.replica))) is False
+        for b in best))
 
 
 def shares_host(address: str) -> bool:

@@ -556,6 +556,13 @@ class Store:
         with self.read() as s:
             return s.scalar(select(Job.replica_of).where(Job.id == job_id)) is not None
 
+    def judges_work(self, job_id: str) -> bool:
+        """Is this job a replica, a check or a comparison: does its end decide something?"""
+        with self.read() as s:
+            row = s.execute(select(Job.replica_of, Job.check_of, Job.compare_of)
+                            .where(Job.id == job_id)).first()
+            return row is not None and any(v is not None for v in row)
+
     # --- helpers ----------------------------------------------------------------------------
 
     @staticmethod

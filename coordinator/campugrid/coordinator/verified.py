@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import hashlib
 import random
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from sqlalchemy import Connection, delete, insert, select, update
@@ -127,14 +129,15 @@ def settle(s: Session, parent_id: str, now: dt.datetime, sample: float | None = 
                                .order_by(Job.created_at, Job.id)))
                 if verify.compare is not None else [])
     verdicts = verdicts_of(compares) if verify.compare is not None else None
+    if verdicts:
+        cancel_judged(s, compares, verdicts, now)
     decision = decide(verify, answers, pending=len(replicas) - len(ended), made=parent.replicas,
                       streak=streak, draw=draw() if sample is None else sample,
                       verdicts=verdicts)
     if decision.compare:
-        running = {c.compare_pair for c in compares if not JobState(c.state).final}
         by_id = {r.id: r for r in replicas}
         for a, b in decision.compare:
-            if f"{a},{b}" not in running:
+            for _ in range(judges_wanted(compares, (a, b))):
                 make_compare(s, parent, verify.compare or (), (a, b),
                              (by_id[a].result or "", by_id[b].result or ""), parent.id, now)
     elif decision.more:
@@ -154,34 +157,76 @@ def settle(s: Session, parent_id: str, now: dt.datetime, sample: float | None = 
     return decision
 
 
-# A pair whose comparisons ended this many times without its command's answer counts as unlike.
-COMPARE_TRIES = 2
+# "Alike" takes this many judges' word (each a machine of its own); "unlike" one's. A pair whose
+# comparisons ended this many times without an answer cannot be judged: not alike, no one blamed.
+JUDGES = 2
+COMPARE_TRIES = 4
 
 
-def verdicts_of(compares: list[Job]) -> dict[frozenset[str], bool]:
-    """What the job's compare command said of each pair: exit 0 alike, another exit code of
-    its own unlike; comparisons that ended without one (the machine failed) are tried again,
-    COMPARE_TRIES times."""
-    said: dict[frozenset[str], bool] = {}
-    tries: dict[frozenset[str], int] = {}
+def verdicts_of(compares: list[Job]) -> dict[frozenset[str], bool | None]:
+    """What the job's compare command said of each pair, by the comparisons that ended: exit
+    0 from JUDGES judges alike (True), another exit code of its own from any unlike (False);
+    None: it could not be judged (its comparisons kept ending without an answer: killed,
+    their machines failing). Pairs still being judged are absent."""
+    alike: dict[frozenset[str], int] = {}
+    failed: dict[frozenset[str], int] = {}
+    said: dict[frozenset[str], bool | None] = {}
     for c in compares:
-        pair = frozenset((c.compare_pair or "").split(","))
         if not JobState(c.state).final:
             continue
-        if c.exit_code is not None and c.exit_code >= 0 and c.state != JobState.CANCELLED.value:
-            said[pair] = said.get(pair, False) or c.exit_code == 0
+        pair = frozenset((c.compare_pair or "").split(","))
+        code = c.exit_code
+        if c.state == JobState.CANCELLED.value or code is None or not 0 <= code < 128:
+            failed[pair] = failed.get(pair, 0) + 1  # no answer of the command's own
+        elif code == 0:
+            alike[pair] = alike.get(pair, 0) + 1
         else:
-            tries[pair] = tries.get(pair, 0) + 1
-            if tries[pair] >= COMPARE_TRIES:
-                said.setdefault(pair, False)
+            said[pair] = False
+    for pair, n in alike.items():
+        if pair not in said and n >= JUDGES:
+            said[pair] = True
+    for pair, n in failed.items():
+        if pair not in said and n >= COMPARE_TRIES:
+            said[pair] = None
     return said
 
 
+def cancel_judged(s: Session, compares: list[Job], said: Mapping[frozenset[str], object],
+                  now: dt.datetime) -> None:
+    """Comparisons still queued or running for a pair already judged are not needed."""
+    for c in compares:
+        if not JobState(c.state).final and frozenset((c.compare_pair or "").split(",")) in said:
+            move_job(s, c.id, JobState.CANCELLED, machine_id=None, lease_expires_at=None,
+                     reason="not needed: the pair was judged", updated_at=now)
+            s.execute(delete(GpuReservation).where(GpuReservation.job_id == c.id))
+
+
+def judges_wanted(compares: list[Job], pair: tuple[str, str]) -> int:
+    """How many more comparisons of an unjudged pair to queue: JUDGES, less those that said
+    alike and those still running."""
+    mine = [c for c in compares if set((c.compare_pair or "").split(",")) == set(pair)]
+    busy = sum(1 for c in mine if not JobState(c.state).final
+               or (c.state != JobState.CANCELLED.value and c.exit_code == 0))
+    return max(0, JUDGES - busy)
+
+
+def pair_group(pair: tuple[str, str]) -> str:
+    """The name under which one pair's judges are kept apart (and from the work they judge)."""
+    return "cmp-" + hashlib.sha256(",".join(sorted(pair)).encode()).hexdigest()[:32]
+
+
 def make_compare(s: Session, job: Job, command: tuple[str, ...], pair: tuple[str, str],
-                 results: tuple[str, str], apart: str, now: dt.datetime) -> None:
+                 results: tuple[str, str], party: str, now: dt.datetime) -> None:
     """A comparison of a pair (two replicas of `job`, by id; or two checkpoints, "ckpt:<id>")
-    by the job's own compare command: a job of its own, kept apart (under `apart`) from the
-    machines whose work it judges."""
+    by the job's own compare command: a job of its own, on a machine that did none of the work
+    of `party` (a verified job's replicas, a checkpoint's maker and checks) nor judged the pair
+    before; once it judges, it does none of that work either (claims: kept_apart)."""
+    group = pair_group(pair)
+    for machine in s.scalars(select(ReplicaMachine.machine_id).where(
+            ReplicaMachine.job_id == party)):
+        if s.get(ReplicaMachine, (group, machine)) is None:
+            s.add(ReplicaMachine(job_id=group, machine_id=machine, replica_id=party))
+    s.flush()
     base = stored_spec(job.spec_json).as_replica()
     env = dict(base.env)
     if len(env) + 2 <= MAX_ENV:  # the result lines too, where the spec leaves room
@@ -197,7 +242,7 @@ def make_compare(s: Session, job: Job, command: tuple[str, ...], pair: tuple[str
         gpus_needed=job.gpus_needed, limits_needed=job.limits_needed,
         cpus_needed=job.cpus_needed, memory_needed_mb=job.memory_needed_mb,
         disk_needed_mb=job.disk_needed_mb, share=None, shards_total=0, shards_queued=0,
-        shards_done=0, shards_failed=0, bases_json=job.bases_json, apart=apart,
+        shards_done=0, shards_failed=0, bases_json=job.bases_json, apart=group,
         compare_of=job.id, compare_pair=",".join(pair), created_at=job.created_at,
         updated_at=now)
     s.add(row)
@@ -322,9 +367,13 @@ def quarantine(s: Session, machine_id: str, now: dt.datetime, why: str) -> None:
     if since is not None:
         pulls = pulls.where(ImagePull.at > since)
     ran = set(s.scalars(pulls.distinct()))
-    for job_id, parent in s.execute(select(Job.id, Job.replica_of).where(
-            Job.id.in_(sorted(ran)))):
-        s.execute(update(Job).where(Job.id == (parent or job_id), Job.tainted.is_(None))
+    for job_id, parent, check_of, compare_of in s.execute(
+            select(Job.id, Job.replica_of, Job.check_of, Job.compare_of)
+            .where(Job.id.in_(sorted(ran)))):
+        # A replica's, a comparison's: the verified job; a check's: the job it checked.
+        served = parent or compare_of or (s.scalar(select(Checkpoint.job_id).where(
+            Checkpoint.id == check_of)) if check_of is not None else None) or job_id
+        s.execute(update(Job).where(Job.id == served, Job.tainted.is_(None))
                   .values(tainted=f"it ran an image built by {by}")
                   .execution_options(synchronize_session=False))
     # Sharded jobs: the shards it answered (taken unchecked, or from it alone) since then.

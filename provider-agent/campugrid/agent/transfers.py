@@ -38,6 +38,7 @@ def fetch_datasets(http: httpx.Client, lease: Lease, data_dir: Path,
         moved: dict[str, int] = {}
         total = 0
         root = (data_dir / ds.name).resolve()
+        root.mkdir(parents=True, exist_ok=True)  # there, even when it holds no file
         for f in ds.files:
             target = (root / f.path).resolve()
             if not target.is_relative_to(root):

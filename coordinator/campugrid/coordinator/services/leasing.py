@@ -160,7 +160,9 @@ class LeaseService:
             output_key=key, limits=limits, output_digest=digest,
             output_files=[(_printable(p)[:MAX_OUTPUT_PATH], max(0, int(n)))
                           for p, n in output_files[:MAX_OUTPUT_FILES]])
-        if replica:  # its job may have been decided: a liar quarantined, more replicas made
+        if replica or self.store.judges_work(ref.job_id):
+            # Something may have been decided: a liar quarantined, more replicas, checks or
+            # comparisons queued.
             self.machines.recheck()
             self.work.notify()
         log.info("%s %d of job %s ended (%s)", ref.kind.value, ref.token, ref.job_id,
@@ -218,6 +220,9 @@ class LeaseService:
         for old in hold.checkpoint(epoch=epoch, key=key, size=size, sha256=sha256,
                                    keep=self.settings.keep_checkpoints, content_digest=digest):
             self.objects.delete(old)
+        if digest is not None:  # a check queued, or a checkpoint decided (a liar quarantined)
+            self.machines.recheck()
+            self.work.notify()
 
     # --- leases that end without their machine -------------------------------------------
 
