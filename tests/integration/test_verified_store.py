@@ -321,6 +321,27 @@ def test_each_shard_of_a_verified_sweep_is_decided_by_copies_on_different_machin
     assert not done.tainted
 
 
+def test_a_machine_that_found_only_its_own_shards_copies_takes_a_copy_that_appears_later(
+        store: Store):
+    """It was not offered the sweep while every waiting copy was of a shard it answered; a
+    copy of another shard that waits later is offered to it again (not an hour later)."""
+    sweep = submit(store, verify="adaptive", command="x",
+                   shards=[{"payload": 0}, {"payload": 1}])
+    a, b = add_machine(store, "a"), add_machine(store, "b")
+    first, second = store.claim(a, 30), store.claim(b, 30)
+    assert first is not None and second is not None and first.shard and second.shard
+    done = ShardResult(first.shard.index, True, 0, "0", None)
+    assert store.shards.next_shard(first.hold(a), done, heavy_first=True) is None
+    assert store.claim(a, 30) is None  # only its own shard's copy waits
+    done = ShardResult(second.shard.index, True, 0, str(second.shard.index * 10), None)
+    nxt = store.shards.next_shard(second.hold(b), done, heavy_first=True)
+    assert nxt is not None and nxt.index == first.shard.index  # b checks a's shard
+    again = store.claim(a, 30)  # and a, b's (a copy that waits now)
+    assert again is not None and again.shard is not None
+    assert again.shard.index == second.shard.index
+    assert store.get(sweep.id).state is JobState.RUNNING
+
+
 def test_the_shards_a_liar_answered_alone_are_marked_on_their_job(store: Store):
     liar, m2, m3 = (add_machine(store, n) for n in ("liar", "m2", "m3"))
     sweep = submit(store, command=["python3", "w.py"], shards=[{"payload": i} for i in range(3)])

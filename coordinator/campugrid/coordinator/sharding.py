@@ -83,8 +83,7 @@ def open_session(s: Session, job_id: str, machine_id: str, lease_s: float, *,
     task = _hand_out(s, job_id, sid, machine_id, heavy_first)
     if task is None:  # every copy waiting is of a shard this machine answered already
         s.execute(delete(ShardSession).where(ShardSession.id == sid))
-        s.merge(JobRefusal(job_id=job_id, machine_id=machine_id, at=now,
-                           reason="it ran another copy of every shard still waiting"))
+        s.merge(JobRefusal(job_id=job_id, machine_id=machine_id, at=now, reason=RAN_EVERY_COPY))
         return None
     for uuid in gpus:
         s.add(GpuReservation(job_id=job_id, attempt=sid, machine_id=machine_id, gpu_uuid=uuid,
@@ -94,6 +93,16 @@ def open_session(s: Session, job_id: str, machine_id: str, lease_s: float, *,
                           + (f", GPUs {', '.join(gpus)}" if gpus else "")))
     _settle(s, job_id)
     return sid, task
+
+
+# Why a machine was not offered a verified sweep: until a copy waits again (more copies made,
+# or one handed back), which may be of a shard it did not answer (_copies_wait_again).
+RAN_EVERY_COPY = "it ran another copy of every shard still waiting"
+
+
+def _copies_wait_again(s: Session, job_id: str) -> None:
+    s.execute(delete(JobRefusal).where(JobRefusal.job_id == job_id,
+                                       JobRefusal.reason == RAN_EVERY_COPY))
 
 
 def _take_one(s: Session, job_id: str) -> bool:
@@ -181,6 +190,7 @@ def _decide(s: Session, job_id: str, shard: int, verify: Verify, now: dt.datetim
             for i in range(decision.more)])
         s.execute(update(Job).where(Job.id == job_id).values(
             shards_queued=Job.shards_queued + decision.more))
+        _copies_wait_again(s, job_id)
         s.add(JobEvent(job_id=job_id, at=now, attempt=0, kind="replicated", detail=(
             f"shard {shard}: {decision.more} more cop(ies): " + "; ".join(
                 f"machine {a.machine_id[:8]}: {a.says()}" for a in answers))[:4000]))
@@ -408,6 +418,8 @@ class ShardStore:
             s.execute(update(Job).where(Job.id == job_id).values(
                 shards_queued=Job.shards_queued + requeued, shards_done=Job.shards_done + failed,
                 shards_failed=Job.shards_failed + failed))
+            if requeued:
+                _copies_wait_again(s, job_id)
         verify = _verify_of(s, job_id) if undecided else None
         for shard in undecided:
             assert verify is not None
