@@ -556,6 +556,12 @@ class Store:
         with self.read() as s:
             return s.scalar(select(Job.replica_of).where(Job.id == job_id)) is not None
 
+    def judged(self, job_id: str) -> dict[frozenset[str], bool | None]:
+        """What the compare command of a verified job said of pairs of its replicas."""
+        with self.read() as s:
+            return verified.verdicts_of(list(s.scalars(select(Job).where(
+                Job.compare_of == job_id))))
+
     def judges_work(self, job_id: str) -> bool:
         """Is this job a replica, a check or a comparison: does its end decide something?"""
         with self.read() as s:

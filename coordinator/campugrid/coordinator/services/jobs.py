@@ -123,8 +123,17 @@ class JobService:
         chosen = next((r for r in replicas if job.state.final and r.machine_id == job.machine_id
                        and answer_of(r) is not None), None)
         taken = answer_of(chosen) if chosen is not None else None
-        return [(r, None if taken is None or answer_of(r) is None else answer_of(r) == taken)
-                for r in replicas]
+        # With a compare command, one judged alike agreed; one never compared, no one knows.
+        judged = self.store.judged(job.id) if job.spec.verify and job.spec.verify.compare else None
+
+        def agreed(r: JobView) -> bool | None:
+            if taken is None or chosen is None or answer_of(r) is None:
+                return None
+            if answer_of(r) == taken or judged is None:
+                return answer_of(r) == taken
+            return judged.get(frozenset((r.id, chosen.id)))
+
+        return [(r, agreed(r)) for r in replicas]
 
     def open_output(self, job_id: str, owner: str | None = None) -> tuple[JobView, Iterator[bytes]]:
         """The job and its output archive, streamed from storage; NotFound where it has none
