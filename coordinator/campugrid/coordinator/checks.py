@@ -25,7 +25,6 @@ reaper), which holds the checked job's row first (verified.lock_parent).
 from __future__ import annotations
 
 import datetime as dt
-import uuid
 from typing import Any
 
 from sqlalchemy import delete, select
@@ -96,17 +95,9 @@ def _make_check(s: Session, job: Job, ckpt: Checkpoint, now: dt.datetime,
     """A check of `ckpt`, queued now (or at `queued_at`: a tie-breaker keeps the place of the
     first check, ahead of the checks queued since, so that a disagreement is settled first)."""
     spec = stored_spec(job.spec_json).as_replica()
-    row = Job(
-        id=str(uuid.uuid4()), owner_id=job.owner_id, client_job_id=None,
-        name=f"{job.name or 'job ' + job.id[:8]}: check of epoch {ckpt.epoch}",
-        state=JobState.QUEUED.value, spec_json=spec.to_json(), context_key=job.context_key,
-        context_sha256=job.context_sha256, attempt=0, max_attempts=job.max_attempts,
-        gpus_needed=job.gpus_needed, limits_needed=job.limits_needed,
-        cpus_needed=job.cpus_needed, memory_needed_mb=job.memory_needed_mb,
-        disk_needed_mb=job.disk_needed_mb, share=job.share, shards_total=0, shards_queued=0,
-        shards_done=0, shards_failed=0, bases_json=job.bases_json, apart=group(ckpt.id),
-        check_of=ckpt.id, check_from=ckpt.parent_id, created_at=queued_at or now,
-        updated_at=now)
+    row = verified.work_of(job, spec.to_json(), f"check of epoch {ckpt.epoch}", now,
+                           apart=group(ckpt.id), check_of=ckpt.id, check_from=ckpt.parent_id,
+                           created_at=queued_at or now)
     s.add(row)
     start = (f"from its checkpoint {ckpt.parent_id}" if ckpt.parent_id is not None
              else "from the start")

@@ -43,6 +43,23 @@ UNVERIFIABLE, DISPUTED = "unverifiable", "disputed"
 NOT_RESUMED = (REJECTED, UNTRUSTED, UNVERIFIABLE, DISPUTED)
 
 
+def work_of(job: Job, spec_json: str, what: str, now: dt.datetime, **fields: Any) -> Job:
+    """A queued job doing part of `job`'s verifying (a replica, a check, a comparison): its
+    files, bases, owner and sizes, and `spec_json`; named "<job>: <what>"; `fields` set the
+    rest (what it is part of, whom it is kept apart from, its place in the queue)."""
+    values: dict[str, Any] = {
+        "share": job.share, "created_at": job.created_at, **fields}
+    return Job(
+        id=str(uuid.uuid4()), owner_id=job.owner_id, client_job_id=None,
+        name=f"{job.name or 'job ' + job.id[:8]}: {what}", state=JobState.QUEUED.value,
+        spec_json=spec_json, context_key=job.context_key, context_sha256=job.context_sha256,
+        attempt=0, max_attempts=job.max_attempts, gpus_needed=job.gpus_needed,
+        limits_needed=job.limits_needed, cpus_needed=job.cpus_needed,
+        memory_needed_mb=job.memory_needed_mb, disk_needed_mb=job.disk_needed_mb,
+        shards_total=0, shards_queued=0, shards_done=0, shards_failed=0,
+        bases_json=job.bases_json, updated_at=now, **values)
+
+
 def make_replicas(s: Session, parent: Job, n: int, now: dt.datetime) -> list[str]:
     """`n` more replicas of the verified job `parent` (a row of this session), queued: each a
     plain job with the parent's spec but for verify, its files, bases and owner. They keep
@@ -50,17 +67,8 @@ def make_replicas(s: Session, parent: Job, n: int, now: dt.datetime) -> list[str
     spec = stored_spec(parent.spec_json).as_replica()
     text, made = spec.to_json(), []
     for i in range(parent.replicas, parent.replicas + n):
-        row = Job(
-            id=str(uuid.uuid4()), owner_id=parent.owner_id, client_job_id=None,
-            name=f"{parent.name or 'job ' + parent.id[:8]}: replica {i + 1}",
-            state=JobState.QUEUED.value, spec_json=text, context_key=parent.context_key,
-            context_sha256=parent.context_sha256, attempt=0, max_attempts=parent.max_attempts,
-            gpus_needed=parent.gpus_needed, limits_needed=parent.limits_needed,
-            cpus_needed=parent.cpus_needed, memory_needed_mb=parent.memory_needed_mb,
-            disk_needed_mb=parent.disk_needed_mb, share=parent.share, shards_total=0,
-            shards_queued=0, shards_done=0, shards_failed=0, bases_json=parent.bases_json,
-            replica_of=parent.id, apart=parent.id, created_at=parent.created_at,
-            updated_at=now)
+        row = work_of(parent, text, f"replica {i + 1}", now, replica_of=parent.id,
+                      apart=parent.id)
         s.add(row)
         made.append(row.id)
         s.add(JobEvent(job_id=parent.id, at=now, attempt=0, kind="replica",
@@ -234,17 +242,8 @@ def make_compare(s: Session, job: Job, command: tuple[str, ...], pair: tuple[str
                 "COMPARE_RESULT_B": results[1][:MAX_ENV_VALUE]}
     spec = dataclasses.replace(base, command=command, datasets=(), env=tuple(sorted(env.items())))
     what = " and ".join(p[:13] for p in pair)
-    row = Job(
-        id=str(uuid.uuid4()), owner_id=job.owner_id, client_job_id=None,
-        name=f"{job.name or 'job ' + job.id[:8]}: compare {what}",
-        state=JobState.QUEUED.value, spec_json=spec.to_json(), context_key=job.context_key,
-        context_sha256=job.context_sha256, attempt=0, max_attempts=job.max_attempts,
-        gpus_needed=job.gpus_needed, limits_needed=job.limits_needed,
-        cpus_needed=job.cpus_needed, memory_needed_mb=job.memory_needed_mb,
-        disk_needed_mb=job.disk_needed_mb, share=None, shards_total=0, shards_queued=0,
-        shards_done=0, shards_failed=0, bases_json=job.bases_json, apart=group,
-        compare_of=job.id, compare_pair=",".join(pair), created_at=job.created_at,
-        updated_at=now)
+    row = work_of(job, spec.to_json(), f"compare {what}", now, share=None, apart=group,
+                  compare_of=job.id, compare_pair=",".join(pair))
     s.add(row)
     _event(s, job, now, "compare", f"{what} differ: job {row.id} runs the job's compare "
            "command on them")
