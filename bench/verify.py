@@ -30,7 +30,8 @@ from campugrid.cli.platform import Platform
 from campugrid.cli.seaweed import free_port
 from campugrid.client import Api, tar_folder
 from campugrid.coordinator.quorum import simulate
-from campugrid.protocol.spec import ADAPTIVE, JobSpec, Verify
+from campugrid.protocol.spec import JobSpec
+from campugrid.protocol.verify import ADAPTIVE, Verify
 
 MODES: dict[str, Any] = {"off": None, "replicas 2": {"replicas": 2}, "adaptive": "adaptive"}
 

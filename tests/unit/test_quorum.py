@@ -28,7 +28,7 @@ from campugrid.coordinator.quorum import (
     shares_host,
     simulate,
 )
-from campugrid.protocol.spec import ADAPTIVE, Verify
+from campugrid.protocol.verify import ADAPTIVE, Verify
 
 TWO = Verify(replicas=2, quorum=2, max_replicas=4)
 

@@ -43,8 +43,8 @@ from campugrid.coordinator.quorum import (
 )
 from campugrid.coordinator.verified import AGREED, DISPUTED, REJECTED, UNVERIFIABLE
 from campugrid.coordinator.views import stored_spec
-from campugrid.protocol.spec import Verify
 from campugrid.protocol.states import JobState
+from campugrid.protocol.verify import Verify
 
 MAX_CHECKS = 4  # checks of one checkpoint in all (those that end without answering included)
 # A check's output_digest when it saved a later epoch without the one it recomputes: an honest

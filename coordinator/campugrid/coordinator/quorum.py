@@ -23,7 +23,8 @@ import ipaddress
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
-from campugrid.protocol.spec import MAX_OUTPUT_BYTES, Verify
+from campugrid.protocol.spec import MAX_OUTPUT_BYTES
+from campugrid.protocol.verify import Verify
 
 TRUSTED_AFTER = 10  # agreeing answers in a row before adaptive takes a machine's word alone
 SAMPLE_FLOOR = 0.05  # the least fraction of a trusted machine's answers still checked

@@ -48,8 +48,9 @@ from campugrid.coordinator.moves import move_job, move_shards
 from campugrid.coordinator.quorum import Answer, answer_key, decide
 from campugrid.coordinator.views import HoldRef, ShardResult, ShardTask, ShardView, stored_spec
 from campugrid.protocol.errors import IllegalTransition, StaleAttempt
-from campugrid.protocol.spec import JobSpec, Verify
+from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobKind, JobState, ShardState
+from campugrid.protocol.verify import Verify
 
 
 def insert_shards(s: Session, job_id: str, spec: JobSpec) -> int:

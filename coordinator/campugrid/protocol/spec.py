@@ -14,6 +14,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from campugrid.protocol.errors import InvalidInput
+from campugrid.protocol.fields import integer, no_unknown, number, parse_command, require
+from campugrid.protocol.verify import ADAPTIVE, Verify
+from campugrid.protocol.verify import parse as parse_verify
 
 CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
@@ -21,8 +24,6 @@ DATASET_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 # S3 bucket naming rules (lower-case, 3-63 chars); keys: printable, no "..", no leading "/".
 S3_URI_RE = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])/(?P<key>[^\x00-\x1f]*)$")
 
-MAX_COMMAND_ARGS = 256
-MAX_ARG_LEN = 8192
 MAX_ENV = 128
 MAX_ENV_VALUE = 32768
 MAX_DATASETS = 16
@@ -144,39 +145,6 @@ class ImageOptions:
 
 
 @dataclasses.dataclass(frozen=True)
-class Verify:
-    """Results checked by agreement between machines (coordinator/quorum.py): `replicas` run
-    at first, on different machines; `quorum` of them must agree (the same exit code, result
-    line and /output content); on disagreement more run, up to `max_replicas` in all. With
-    `adaptive`, one runs where its machine has earned trust, and a second only when the
-    machine has not (or is sampled), as BOINC does.
-
-    `checkpoints`: the fraction of the job's checkpoints recomputed on another machine from the
-    one before and compared (coordinator/checks.py); None: none, or under `adaptive` as many
-    as the machine's record asks. A job that checks only its checkpoints runs once
-    (replicas = quorum = 1): `{"checkpoints": 0.1}`."""
-
-    replicas: int = 2
-    quorum: int = 2
-    max_replicas: int = 4
-    adaptive: bool = False
-    checkpoints: float | None = None
-    # The job's own comparison, for results and checkpoints that differ bit for bit between
-    # honest machines: run like the job (its image, in a sandbox) on another machine, with two
-    # replicas' /output archives at /data/a/output.tar.gz and /data/b/output.tar.gz (their
-    # result lines in $COMPARE_RESULT_A and _B), or two checkpoints at /data/a/checkpoint.tar
-    # and /data/b/checkpoint.tar, read-only; exit 0 says they agree. Only replicas that exited
-    # alike are compared.
-    compare: tuple[str, ...] | None = None
-
-    @property
-    def replicated(self) -> bool:
-        """Is the result taken from a quorum of replicas (else the job runs once, and only
-        its checkpoints are checked)?"""
-        return self.quorum > 1
-
-
-@dataclasses.dataclass(frozen=True)
 class BuildOptions:
     """How the image is built: `network` "default" lets RUN steps (and ADD <url>) reach
     package registries through the platform's egress proxy; "none" builds offline, from the
@@ -249,34 +217,34 @@ class JobSpec:
 
     @classmethod
     def from_dict(cls, data: Any) -> JobSpec:
-        _require(isinstance(data, Mapping), "spec", "must be a JSON object")
-        _no_unknown(data, cls, "spec")
-        command = _command(data.get("command"), "command")
+        require(isinstance(data, Mapping), "spec", "must be a JSON object")
+        no_unknown(data, cls, "spec")
+        command = parse_command(data.get("command"), "command")
 
         env = data.get("env") or {}
-        _require(isinstance(env, Mapping) and len(env) <= MAX_ENV, "env",
-                 f"must be an object of at most {MAX_ENV} NAME: value pairs")
+        require(isinstance(env, Mapping) and len(env) <= MAX_ENV, "env",
+                f"must be an object of at most {MAX_ENV} NAME: value pairs")
         for k, v in env.items():
-            _require(bool(ENV_NAME_RE.match(k)), f"env.{k}",
-                     "names are letters, digits and _, not starting with a digit")
-            _require(not k.upper().startswith("CAMPUGRID_"), f"env.{k}",
-                     "names starting with CAMPUGRID_ are reserved for the platform")
-            _require(isinstance(v, str) and len(v) <= MAX_ENV_VALUE and "\x00" not in v,
-                     f"env.{k}", f"must be a string of at most {MAX_ENV_VALUE} characters")
+            require(bool(ENV_NAME_RE.match(k)), f"env.{k}",
+                    "names are letters, digits and _, not starting with a digit")
+            require(not k.upper().startswith("CAMPUGRID_"), f"env.{k}",
+                    "names starting with CAMPUGRID_ are reserved for the platform")
+            require(isinstance(v, str) and len(v) <= MAX_ENV_VALUE and "\x00" not in v,
+                    f"env.{k}", f"must be a string of at most {MAX_ENV_VALUE} characters")
 
         res = data.get("resources") or {}
-        _require(isinstance(res, Mapping), "resources", "must be an object")
-        _no_unknown(res, Resources, "resources")
+        require(isinstance(res, Mapping), "resources", "must be an object")
+        no_unknown(res, Resources, "resources")
         resources = Resources(
-            cpus=_number(res, "cpus", 1.0, 0.1, 256, "resources"),
-            memory_mb=_integer(res, "memory_mb", 1024, 64, 4 * 1024 * 1024, "resources"),
-            disk_mb=_integer(res, "disk_mb", 256, 1, 1024 * 1024, "resources"),
+            cpus=number(res, "cpus", 1.0, 0.1, 256, "resources"),
+            memory_mb=integer(res, "memory_mb", 1024, 64, 4 * 1024 * 1024, "resources"),
+            disk_mb=integer(res, "disk_mb", 256, 1, 1024 * 1024, "resources"),
             build_mb=None if res.get("build_mb") is None else
-            _integer(res, "build_mb", BUILD_MB, 64, 16 * 1024 * 1024, "resources"),
-            output_mb=_integer(res, "output_mb", 4096, 1, 1024 * 1024, "resources"),
-            gpus=_integer(res, "gpus", 0, 0, 16, "resources"),
-            gpu_memory_mb=_integer(res, "gpu_memory_mb", 0, 0, 1024 * 1024, "resources"),
-            wall_time_s=_integer(res, "wall_time_s", 3600, 1, 14 * 86400, "resources"),
+            integer(res, "build_mb", BUILD_MB, 64, 16 * 1024 * 1024, "resources"),
+            output_mb=integer(res, "output_mb", 4096, 1, 1024 * 1024, "resources"),
+            gpus=integer(res, "gpus", 0, 0, 16, "resources"),
+            gpu_memory_mb=integer(res, "gpu_memory_mb", 0, 0, 1024 * 1024, "resources"),
+            wall_time_s=integer(res, "wall_time_s", 3600, 1, 14 * 86400, "resources"),
             min_compute_capability=_cc(res.get("min_compute_capability")),
             gpu_kinds=_kinds(res.get("gpu_kinds", ["nvidia"])),
             require_limits=_limit_names(res.get("require_limits", [])),
@@ -288,64 +256,64 @@ class JobSpec:
             raise InvalidInput("resources.gpus: gpu_memory_mb is set but gpus is 0")
 
         raw_ds = data.get("datasets") or []
-        _require(isinstance(raw_ds, list) and len(raw_ds) <= MAX_DATASETS, "datasets",
-                 f"must be a list of at most {MAX_DATASETS} {{name, uri}} objects")
+        require(isinstance(raw_ds, list) and len(raw_ds) <= MAX_DATASETS, "datasets",
+                f"must be a list of at most {MAX_DATASETS} {{name, uri}} objects")
         datasets = []
         seen: set[str] = set()
         for i, d in enumerate(raw_ds):
             where = f"datasets[{i}]"
-            _require(isinstance(d, Mapping), where, "must be an object {name, uri, sha256} "
+            require(isinstance(d, Mapping), where, "must be an object {name, uri, sha256} "
                                                     "or {name, ticket}")
-            _no_unknown(d, DatasetRef, where)
+            no_unknown(d, DatasetRef, where)
             name = d.get("name")
-            _require(isinstance(name, str) and bool(DATASET_NAME_RE.match(name)), f"{where}.name",
-                     "must be 1-64 of a-z 0-9 _ . - (it becomes /data/<name>)")
-            _require(name not in seen, f"{where}.name", f"'{name}' is used twice")
+            require(isinstance(name, str) and bool(DATASET_NAME_RE.match(name)), f"{where}.name",
+                    "must be 1-64 of a-z 0-9 _ . - (it becomes /data/<name>)")
+            require(name not in seen, f"{where}.name", f"'{name}' is used twice")
             seen.add(name)
             datasets.append(_dataset(d, where))
         shares = {ds.share for ds in datasets if ds.share}
-        _require(len(shares) <= 1, "datasets", "files of one share only: a job runs on one "
-                 f"machine, and each machine shares its own folders (got {sorted(shares)})")
+        require(len(shares) <= 1, "datasets", "files of one share only: a job runs on one "
+                f"machine, and each machine shares its own folders (got {sorted(shares)})")
 
         client_job_id = data.get("client_job_id")
         if client_job_id is not None:
-            _require(isinstance(client_job_id, str) and bool(CLIENT_ID_RE.match(client_job_id)),
-                     "client_job_id", "must be 1-128 of A-Z a-z 0-9 . _ : - (starting alphanumeric)")
+            require(isinstance(client_job_id, str) and bool(CLIENT_ID_RE.match(client_job_id)),
+                    "client_job_id", "must be 1-128 of A-Z a-z 0-9 . _ : - (starting alphanumeric)")
         name = data.get("name")
         if name is not None:
-            _require(isinstance(name, str) and 0 < len(name) <= 200 and name.isprintable(),
-                     "name", "must be a printable string of at most 200 characters")
+            require(isinstance(name, str) and 0 < len(name) <= 200 and name.isprintable(),
+                    "name", "must be a printable string of at most 200 characters")
 
         shards = _shards(data.get("shards"))
         shard_mode = data.get("shard_mode", "process")
-        _require(shard_mode in SHARD_MODES, "shard_mode",
-                 f"must be one of {', '.join(SHARD_MODES)}")
+        require(shard_mode in SHARD_MODES, "shard_mode",
+                f"must be one of {', '.join(SHARD_MODES)}")
         if shards and command is None:
             raise InvalidInput("command: a sharded job needs a command (it runs once per shard, "
                                "or once per sandbox with shard_mode \"serve\")")
 
         image = data.get("image") or {}
-        _require(isinstance(image, Mapping), "image", 'must be an object, e.g. {"reuse": "verified"}')
-        _no_unknown(image, ImageOptions, "image")
-        verify = _verify(data.get("verify"))
+        require(isinstance(image, Mapping), "image", 'must be an object, e.g. {"reuse": "verified"}')
+        no_unknown(image, ImageOptions, "image")
+        verify = parse_verify(data.get("verify"))
         # A verified job runs an image two machines built alike, unless it says otherwise.
         reuse = image.get("reuse", "verified" if verify is not None else "first")
-        _require(reuse in IMAGE_REUSE, "image.reuse", f"must be one of {', '.join(IMAGE_REUSE)}")
+        require(reuse in IMAGE_REUSE, "image.reuse", f"must be one of {', '.join(IMAGE_REUSE)}")
         # A sharded job's shards keep no checkpoints: its results are what copies compare.
-        _require(not (shards and verify is not None
+        require(not (shards and verify is not None
                       and (verify.checkpoints or not verify.replicated)), "verify",
                  "a sharded job keeps no checkpoints to check: verify its shards with "
                  '"replicas" or "adaptive"')
-        _require(not (shards and verify is not None and verify.compare), "verify.compare",
-                 "a sharded job's copies are compared by their results; compare is for "
-                 "a job's replicas")
+        require(not (shards and verify is not None and verify.compare), "verify.compare",
+                "a sharded job's copies are compared by their results; compare is for "
+                "a job's replicas")
         return cls(
             build=_build(data.get("build")),
             command=command,
             env=tuple(sorted(env.items())),
             resources=resources,
             datasets=tuple(datasets),
-            max_attempts=_integer(data, "max_attempts", 3, 1, 50, "spec"),
+            max_attempts=integer(data, "max_attempts", 3, 1, 50, "spec"),
             client_job_id=client_job_id,
             name=name,
             shards=shards,
@@ -423,12 +391,12 @@ GPU_KINDS = ("nvidia", "apple")
 def _build(value: Any) -> BuildOptions:
     if value is None:
         return BuildOptions()
-    _require(isinstance(value, Mapping), "build", 'must be an object, e.g. {"network": "none"}')
-    _no_unknown({k: v for k, v in value.items() if k not in BUILD_FORMER}, BuildOptions, "build")
+    require(isinstance(value, Mapping), "build", 'must be an object, e.g. {"network": "none"}')
+    no_unknown({k: v for k, v in value.items() if k not in BUILD_FORMER}, BuildOptions, "build")
     network = value.get("network", "default")
-    _require(network in BUILD_NETWORKS, "build.network",
-             '"default" (package registries, through the platform\'s egress proxy) or "none" '
-             "(offline: the context is the build's only input)")
+    require(network in BUILD_NETWORKS, "build.network",
+            '"default" (package registries, through the platform\'s egress proxy) or "none" '
+            "(offline: the context is the build's only input)")
     return BuildOptions(network=str(network))
 
 
@@ -436,19 +404,19 @@ def _build(value: Any) -> BuildOptions:
 def _shards(value: Any) -> tuple[Shard, ...]:
     if value is None:
         return ()
-    _require(isinstance(value, list) and 0 < len(value) <= MAX_SHARDS, "shards",
-             f"must be a list of 1 to {MAX_SHARDS} objects {{payload, cost}}")
+    require(isinstance(value, list) and 0 < len(value) <= MAX_SHARDS, "shards",
+            f"must be a list of 1 to {MAX_SHARDS} objects {{payload, cost}}")
     out = []
     for i, item in enumerate(value):
         where = f"shards[{i}]"
-        _require(isinstance(item, Mapping) and "payload" in item, where,
-                 "must be an object with a payload (any JSON) and an optional cost")
-        _no_unknown(item, _ShardFields, where)
+        require(isinstance(item, Mapping) and "payload" in item, where,
+                "must be an object with a payload (any JSON) and an optional cost")
+        no_unknown(item, _ShardFields, where)
         payload = json.dumps(item["payload"], sort_keys=True, separators=(",", ":"),
                              ensure_ascii=False)
-        _require(len(payload.encode()) <= MAX_SHARD_PAYLOAD, f"{where}.payload",
-                 f"at most {MAX_SHARD_PAYLOAD // 1024} KiB of JSON (put bulk data in a dataset)")
-        cost = _number(item, "cost", 1.0, 1e-9, 1e12, where)
+        require(len(payload.encode()) <= MAX_SHARD_PAYLOAD, f"{where}.payload",
+                f"at most {MAX_SHARD_PAYLOAD // 1024} KiB of JSON (put bulk data in a dataset)")
+        cost = number(item, "cost", 1.0, 1e-9, 1e12, where)
         out.append(Shard(payload_json=payload, cost=cost))
     return tuple(out)
 
@@ -462,21 +430,21 @@ class _ShardFields:  # the fields a shard may have, for unknown-field suggestion
 def _cc(value: Any) -> str | None:
     if value is None:
         return None
-    _require(isinstance(value, str) and bool(re.match(r"^\d{1,2}\.\d{1,2}$", value)),
-             "resources.min_compute_capability", 'must be a string like "8.0"')
+    require(isinstance(value, str) and bool(re.match(r"^\d{1,2}\.\d{1,2}$", value)),
+            "resources.min_compute_capability", 'must be a string like "8.0"')
     return str(value)
 
 
 def _kinds(value: Any) -> tuple[str, ...]:
-    _require(isinstance(value, list) and 0 < len(value) <= len(GPU_KINDS)
-             and all(v in GPU_KINDS for v in value) and len(set(value)) == len(value),
-             "resources.gpu_kinds", f"must be a non-empty list drawn from {', '.join(GPU_KINDS)}")
+    require(isinstance(value, list) and 0 < len(value) <= len(GPU_KINDS)
+            and all(v in GPU_KINDS for v in value) and len(set(value)) == len(value),
+            "resources.gpu_kinds", f"must be a non-empty list drawn from {', '.join(GPU_KINDS)}")
     return tuple(value)
 
 
 def _limit_names(value: Any) -> tuple[str, ...]:
-    _require(isinstance(value, list) and all(isinstance(v, str) for v in value),
-             "resources.require_limits", f"must be a list of limit names ({', '.join(LIMITS)})")
+    require(isinstance(value, list) and all(isinstance(v, str) for v in value),
+            "resources.require_limits", f"must be a list of limit names ({', '.join(LIMITS)})")
     for v in value:
         if v not in LIMITS:
             close = difflib.get_close_matches(v, LIMITS, n=1)
@@ -485,65 +453,9 @@ def _limit_names(value: Any) -> tuple[str, ...]:
     return tuple(sorted(set(value), key=LIMITS.index))
 
 
-MAX_REPLICAS = 16
-ADAPTIVE = Verify(replicas=1, quorum=2, max_replicas=4, adaptive=True)
-
-
-def _command(command: Any, field: str) -> tuple[str, ...] | None:
-    """A command as a spec gives it: a string (run by sh -c) or a list of arguments."""
-    if command is None:
-        return None
-    if isinstance(command, str):
-        command = ["sh", "-c", command]
-    _require(isinstance(command, (list, tuple)) and 0 < len(command) <= MAX_COMMAND_ARGS,
-             field, f"must be a string or a list of 1 to {MAX_COMMAND_ARGS} strings")
-    for i, arg in enumerate(command):
-        _require(isinstance(arg, str) and len(arg) <= MAX_ARG_LEN and "\x00" not in arg,
-                 f"{field}[{i}]",
-                 f"must be a string of at most {MAX_ARG_LEN} characters without NUL")
-    return tuple(command)
-
-
-def _verify(value: Any) -> Verify | None:
-    """The spec's verify: absent or null (off), "adaptive", or {replicas, quorum,
-    max_replicas, checkpoints}."""
-    if value is None:
-        return None
-    if value == "adaptive":
-        return ADAPTIVE
-    _require(isinstance(value, Mapping), "verify",
-             'must be "adaptive" or an object such as {"replicas": 2, "quorum": 2}')
-    _no_unknown(value, Verify, "verify")
-    if value.get("adaptive"):
-        _require(set(value) == {"adaptive"}, "verify", 'adaptive sets replicas and quorum '
-                 'itself: give "adaptive" alone')
-        return ADAPTIVE
-    checkpoints = (None if value.get("checkpoints") is None
-                   else _number(value, "checkpoints", 0.0, 0.0, 1.0, "verify"))
-    # Checkpoints alone: the job runs once, and its checkpoints are what is checked.
-    replicas = _integer(value, "replicas", 1 if checkpoints is not None and "quorum" not in value
-                        else 2, 1, MAX_REPLICAS, "verify")
-    if replicas == 1:
-        _require(bool(checkpoints), "verify", "one replica and no checkpoints checked verify "
-                 "nothing: give replicas 2 or more, or checkpoints above 0")
-        _require(value.get("quorum", 1) == 1 and value.get("max_replicas", 1) == 1, "verify",
-                 "one replica has no quorum: give replicas 2 or more to compare results")
-        return Verify(replicas=1, quorum=1, max_replicas=1, checkpoints=checkpoints,
-                      compare=_command(value.get("compare"), "verify.compare"))
-    quorum = _integer(value, "quorum", min(2, replicas), 2, replicas, "verify")
-    bound = _integer(value, "max_replicas", max(4, replicas), replicas, MAX_REPLICAS, "verify")
-    return Verify(replicas=replicas, quorum=quorum, max_replicas=bound, checkpoints=checkpoints,
-                  compare=_command(value.get("compare"), "verify.compare"))
-
-
 def limits_mask(names: Iterable[str]) -> int:
     """The bit mask of these limit names over LIMITS (unknown names are not counted)."""
     return sum(1 << i for i, name in enumerate(LIMITS) if name in set(names))
-
-
-def _require(ok: bool, field: str, what: str) -> None:
-    if not ok:
-        raise InvalidInput(f"{field}: {what}")
 
 
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -552,15 +464,15 @@ MAX_DATASET_FILES = 1000
 
 
 def _files(digest: Any, where: str, what: str) -> tuple[tuple[str, str], ...]:
-    _require(isinstance(digest, Mapping) and 0 < len(digest) <= MAX_DATASET_FILES,
-             f"{where}.sha256", f"for a {what}: an object {{path: sha256}} of 1 to "
-             f"{MAX_DATASET_FILES} files")
+    require(isinstance(digest, Mapping) and 0 < len(digest) <= MAX_DATASET_FILES,
+            f"{where}.sha256", f"for a {what}: an object {{path: sha256}} of 1 to "
+            f"{MAX_DATASET_FILES} files")
     for path, value in digest.items():
-        _require(isinstance(path, str) and _safe_path(path), f"{where}.sha256",
-                 f"{str(path)[:80]!r} is not a path under the {what} (no /, .., or empty "
-                 "parts)")
-        _require(isinstance(value, str) and bool(SHA256_RE.match(value)),
-                 f"{where}.sha256[{path!r}]", "must be 64 lowercase hex digits")
+        require(isinstance(path, str) and _safe_path(path), f"{where}.sha256",
+                f"{str(path)[:80]!r} is not a path under the {what} (no /, .., or empty "
+                "parts)")
+        require(isinstance(value, str) and bool(SHA256_RE.match(value)),
+                f"{where}.sha256[{path!r}]", "must be 64 lowercase hex digits")
     return tuple(sorted(digest.items()))
 
 
@@ -568,30 +480,30 @@ def _dataset(d: Mapping[str, Any], where: str) -> DatasetRef:
     name, uri, ticket, digest = d["name"], d.get("uri"), d.get("ticket"), d.get("sha256")
     share = d.get("share")
     if share is not None:
-        _require(uri is None and ticket is None, where, "give a share or a uri or a ticket")
-        _require(isinstance(share, str) and bool(DATASET_NAME_RE.match(share)), f"{where}.share",
-                 "must be the name of a provider's shared folder (1-64 of a-z 0-9 _ . -; "
-                 "see GET /v1/shares)")
+        require(uri is None and ticket is None, where, "give a share or a uri or a ticket")
+        require(isinstance(share, str) and bool(DATASET_NAME_RE.match(share)), f"{where}.share",
+                "must be the name of a provider's shared folder (1-64 of a-z 0-9 _ . -; "
+                "see GET /v1/shares)")
         return DatasetRef(name=name, share=share, sha256=_files(digest, where, "share"))
     if ticket is not None:
-        _require(uri is None and digest is None, where,
-                 "give a ticket alone: it names its file's size and sha256 itself")
-        _require(isinstance(ticket, str) and bool(TICKET_RE.match(ticket)), f"{where}.ticket",
-                 "must be an upload ticket (upl_..., from POST /v1/uploads or `submit --upload`)")
+        require(uri is None and digest is None, where,
+                "give a ticket alone: it names its file's size and sha256 itself")
+        require(isinstance(ticket, str) and bool(TICKET_RE.match(ticket)), f"{where}.ticket",
+                "must be an upload ticket (upl_..., from POST /v1/uploads or `submit --upload`)")
         return DatasetRef(name=name, ticket=ticket)
     m = S3_URI_RE.match(uri) if isinstance(uri, str) else None
-    _require(m is not None, f"{where}.uri",
-             "must be s3://bucket/key or s3://bucket/prefix/ (bucket: 3-63 of a-z 0-9 . -)")
+    require(m is not None, f"{where}.uri",
+            "must be s3://bucket/key or s3://bucket/prefix/ (bucket: 3-63 of a-z 0-9 . -)")
     assert m is not None and isinstance(uri, str)
-    _require(_safe_path(m["key"].rstrip("/"), empty_ok=True), f"{where}.uri",
-             "the key may not start with / or contain a .. segment")
+    require(_safe_path(m["key"].rstrip("/"), empty_ok=True), f"{where}.uri",
+            "the key may not start with / or contain a .. segment")
     pinned: str | tuple[tuple[str, str], ...] = ""
     if uri.endswith("/"):
         if digest is not None:
             pinned = _files(digest, where, "prefix")
     elif digest is not None:
-        _require(isinstance(digest, str) and bool(SHA256_RE.match(digest)), f"{where}.sha256",
-                 "must be the object's sha256: 64 lowercase hex digits")
+        require(isinstance(digest, str) and bool(SHA256_RE.match(digest)), f"{where}.sha256",
+                "must be the object's sha256: 64 lowercase hex digits")
         pinned = str(digest)
     return DatasetRef(name=name, uri=uri, sha256=pinned)
 
@@ -602,26 +514,3 @@ def _safe_path(path: str, empty_ok: bool = False) -> bool:
     parts = path.split("/")
     return not path.startswith("/") and all(p not in ("", ".", "..") for p in parts) \
         and "\x00" not in path and "\\" not in path
-
-
-def _no_unknown(data: Mapping[str, Any], cls: type, where: str) -> None:
-    known = {f.name for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(sorted(known))})"
-            raise InvalidInput(f"{where}: unknown field '{key}'{hint}")
-
-
-def _integer(d: Mapping[str, Any], key: str, default: int, lo: int, hi: int, where: str) -> int:
-    v = d.get(key, default)
-    _require(isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi,
-             f"{where}.{key}" if where != "spec" else key, f"must be an integer from {lo} to {hi}")
-    return int(v)
-
-
-def _number(d: Mapping[str, Any], key: str, default: float, lo: float, hi: float, where: str) -> float:
-    v = d.get(key, default)
-    _require(isinstance(v, (int, float)) and not isinstance(v, bool) and lo <= v <= hi,
-             f"{where}.{key}", f"must be a number from {lo} to {hi}")
-    return float(v)
