@@ -210,7 +210,7 @@ def test_links_a_job_plants_never_make_the_agent_read_host_files(api, platform):
     with tarfile.open(fileobj=io.BytesIO(api.output(job["id"]))) as tar:
         assert tar.getnames() == ["real.txt"]
     store = platform.running.coord.store
-    recorded = store.checkpoints(job["id"])
+    recorded = store.checkpoints.of(job["id"])
     assert [c.epoch for c in recorded] == [2]
     blob = platform.running.coord.objects.get_bytes(recorded[0].key)
     with tarfile.open(fileobj=io.BytesIO(blob)) as tar:

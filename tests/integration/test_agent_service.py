@@ -136,7 +136,7 @@ def test_checkpoints_are_verified_before_they_are_recorded(coordinator, tmp_path
             upload_id=begin.upload_id, etags=etags, size=len(data), sha256=digest))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "arrived damaged" in err.value.details()
-    assert running.coord.store.checkpoints(job["id"]) == []
+    assert running.coord.store.checkpoints.of(job["id"]) == []
     damaged_key = begin.key
     begin = c.begin_checkpoint(hold_from_pb(lease), 0, len(data))
     assert begin.key != damaged_key  # each upload its own key: nothing recorded is rewritten
@@ -150,7 +150,7 @@ def test_checkpoints_are_verified_before_they_are_recorded(coordinator, tmp_path
         **hold_fields(hold_from_pb(lease)), epoch=0, key=begin.key,
         upload_id=begin.upload_id, etags=upload(begin, data), size=len(data), sha256=digest))
     assert reply.accepted
-    assert [c.sha256 for c in running.coord.store.checkpoints(job["id"])] == [digest]
+    assert [c.sha256 for c in running.coord.store.checkpoints.of(job["id"])] == [digest]
     # the next attempt is told where to resume from
     time.sleep(2.5)  # lease_seconds=1: the reaper requeues it
     other = client(running, tmp_path, "other")

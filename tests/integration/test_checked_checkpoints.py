@@ -35,7 +35,7 @@ def save(store: Store, job: JobView, machine: str, epoch: int, *, lie: bool = Fa
          keep: int = 10, sampled: bool = True, answer: str | None = None) -> list[str]:
     """The machine records a checkpoint of this epoch; `sampled`: the coordinator drew it for
     a check and read it (services/leasing.py does both), so it holds what `lie` says."""
-    return store.record_checkpoint(attempt(job.id, job.attempt, machine), epoch=epoch,
+    return store.checkpoints.record(attempt(job.id, job.attempt, machine), epoch=epoch,
                                    key=f"checkpoints/{job.id}/{job.attempt}-{epoch}-{machine}",
                                    size=1, sha256="0" * 64, keep=keep,
                                    content_digest=answer or digest(epoch, lie) if sampled
@@ -75,13 +75,13 @@ def answer(store: Store, machine: str, *, lie: bool = False) -> tuple[JobView, i
 
 
 def verdicts(store: Store, job_id: str) -> dict[int, str | None]:
-    return {c.epoch: c.verdict for c in store.checkpoints(job_id)}
+    return {c.epoch: c.verdict for c in store.checkpoints.of(job_id)}
 
 
 def test_a_checkpoint_is_recomputed_elsewhere_from_the_one_before_and_agreed(store: Store):
     job = submit(store, verify={"checkpoints": 1})
     maker, checker = add_machine(store, "maker"), add_machine(store, "checker")
-    assert job.replicas == 0 and store.checkpoint_probability(job.id, maker) == 1
+    assert job.replicas == 0 and store.checkpoints.probability(job.id, maker) == 1
     held = store.claim_next(maker, lease_s=30)
     assert held is not None and held.id == job.id  # checkpoints alone: the job runs once
     save(store, held, maker, 0)
@@ -93,7 +93,7 @@ def test_a_checkpoint_is_recomputed_elsewhere_from_the_one_before_and_agreed(sto
     claim = store.claim(checker, 30)
     assert claim is not None and claim.job.id == first.id and claim.resume is None  # epoch 0
     assert claim.job.spec.verify is None  # a check is never checked; its answer always read
-    assert store.checkpoint_probability(first.id, checker) == 1
+    assert store.checkpoints.probability(first.id, checker) == 1
     save(store, claim.job, checker, 0)
     assert store.get(first.id).state is JobState.SUCCEEDED  # it answered: it ends
     with pytest.raises((StaleAttempt, IllegalTransition)):  # its agent hears so, and stops
@@ -103,7 +103,7 @@ def test_a_checkpoint_is_recomputed_elsewhere_from_the_one_before_and_agreed(sto
     assert claim.resume is not None and claim.resume.epoch == 0  # from the one before
     save(store, claim.job, checker, 1)
     assert verdicts(store, job.id) == {0: "agreed", 1: "agreed"}
-    assert [c.resumed_from for c in store.checkpoints(second.id)] == [0]
+    assert [c.resumed_from for c in store.checkpoints.of(second.id)] == [0]
     for m in (maker, checker):  # agreements, but no adaptive trust: checks are cheap to pass
         record = store.machines.get(m)
         assert (record.agreed, record.streak) == (2, 0)
@@ -137,7 +137,7 @@ def test_a_poisoned_checkpoint_is_outvoted_and_the_job_resumes_from_a_checked_on
     assert all(c.state.final for c in checks_of(store, job.id))
     resumed = store.claim(a, 30)
     assert resumed is not None and resumed.job.id == job.id and resumed.resume.epoch == 0
-    assert store.latest_checkpoint(job.id).epoch == 0
+    assert store.checkpoints.latest(job.id).epoch == 0
 
 
 def test_a_check_that_lies_is_the_one_quarantined(store: Store):
@@ -156,12 +156,12 @@ def test_checkpoints_that_no_two_machines_compute_alike_fail_the_job(store: Stor
     ms = [add_machine(store, f"m{i}") for i in range(3)]
     held = store.claim_next(ms[0], lease_s=30)
     assert held is not None
-    store.record_checkpoint(attempt(job.id, 1, ms[0]), epoch=0, key="k0", size=1,
+    store.checkpoints.record(attempt(job.id, 1, ms[0]), epoch=0, key="k0", size=1,
                             sha256="0" * 64, keep=5, content_digest="sha256:0")
     for i in (1, 2):
         claim = store.claim(ms[i], 30)
         assert claim is not None
-        store.record_checkpoint(attempt(claim.job.id, claim.job.attempt, ms[i]), epoch=0,
+        store.checkpoints.record(attempt(claim.job.id, claim.job.attempt, ms[i]), epoch=0,
                                 key=f"k{i}", size=1, sha256="0" * 64, keep=5,
                                 content_digest=f"sha256:{i}")
     done = store.get(job.id)
@@ -198,18 +198,18 @@ def test_retention_keeps_what_a_check_needs_and_the_newest_checked_one(store: St
                                        3: "checking"} and dropped == []
     assert sorted(answer(store, checker)[1] for _ in range(3)) == [1, 2, 3]
     dropped = save(store, held, maker, 4, keep=1)  # 3 is checked now: the older ones go
-    assert {c.epoch for c in store.checkpoints(job.id)} == {3, 4}
+    assert {c.epoch for c in store.checkpoints.of(job.id)} == {3, 4}
     assert len(dropped) == 3
 
 
 def test_without_a_fraction_nothing_is_checked_or_read(store: Store):
     plain, off = submit(store), submit(store, verify={"checkpoints": 0, "replicas": 2})
     m = add_machine(store, "m")
-    assert store.checkpoint_probability(plain.id, m) == 0
-    assert store.checkpoint_probability(off.id, m) == 0
+    assert store.checkpoints.probability(plain.id, m) == 0
+    assert store.checkpoints.probability(off.id, m) == 0
     adaptive = submit(store, verify="adaptive")  # by the machine's record: untrusted, always
     replica = store.replicas(adaptive.id)[0]
-    assert store.checkpoint_probability(replica.id, m) == 1
+    assert store.checkpoints.probability(replica.id, m) == 1
     held = store.claim_next(m, lease_s=30)
     assert held is not None and held.id == plain.id
     save(store, held, m, 0)  # even if read, a job that asks nothing is not checked

@@ -234,7 +234,7 @@ def drive(coord: server.Running, machine_id: str, client_id: str, output: bytes,
         until(building)
         store.renew_lease(attempt(job.id, job.attempt, machine_id), JobState.RUNNING, 30)
         store.append_logs(attempt(job.id, job.attempt, machine_id), "run", 0, "epoch 1 loss 0.5\n")
-        store.record_checkpoint(attempt(job.id, job.attempt, machine_id), epoch=1,
+        store.checkpoints.record(attempt(job.id, job.attempt, machine_id), epoch=1,
                                 key=f"checkpoints/{job.id}/1", size=3 * 1024 * 1024,
                                 sha256="0" * 64, keep=3)
         until(saved)  # the follower looks at the job's events every 2 s

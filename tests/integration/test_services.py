@@ -90,7 +90,7 @@ def test_a_checkpoint_downloaded_by_epoch_is_never_one_a_check_set_aside(store: 
         assert held is not None and held.attempt == token
         key = f"checkpoints/{job.id}/{token}"
         objects.put_bytes(key, data)
-        store.record_checkpoint(attempt(job.id, token, machine), epoch=3, key=key, size=1,
+        store.checkpoints.record(attempt(job.id, token, machine), epoch=3, key=key, size=1,
                                 sha256="0" * 64, keep=5)
         store.release(attempt(job.id, token, machine), "drained")
     with store.tx() as s:  # the second attempt's epoch 3 lost its check
@@ -143,7 +143,7 @@ def test_a_checkpoint_comparison_is_leased_with_both_checkpoints_as_uploaded(sto
         assert lease is not None
         key, data = f"checkpoints/{lease.job.id}/{name}.tar", f"{name}'s epoch 0".encode()
         objects.put_bytes(key, data)
-        store.record_checkpoint(attempt(lease.job.id, 1, lease.hold.machine_id), epoch=0,
+        store.checkpoints.record(attempt(lease.job.id, 1, lease.hold.machine_id), epoch=0,
                                 key=key, size=len(data), sha256="0" * 64, keep=3,
                                 content_digest=f"sha256:{name}")
         uploaded[key] = data

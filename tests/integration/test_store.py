@@ -272,18 +272,18 @@ def test_checkpoints_are_recorded_for_the_current_attempt_only_and_pruned(store:
     store.claim_next(m, lease_s=30)
     dropped = []
     for epoch in range(5):
-        dropped += store.record_checkpoint(attempt(job.id, 1, m), epoch=epoch, key=f"k{epoch}", size=10,
+        dropped += store.checkpoints.record(attempt(job.id, 1, m), epoch=epoch, key=f"k{epoch}", size=10,
                                            sha256="00" * 32, keep=2)
     assert dropped == ["k0", "k1", "k2"]
-    assert [c.epoch for c in store.checkpoints(job.id)] == [3, 4]
-    assert store.latest_checkpoint(job.id).key == "k4"
+    assert [c.epoch for c in store.checkpoints.of(job.id)] == [3, 4]
+    assert store.checkpoints.latest(job.id).key == "k4"
     store.requeue_expired(utcnow() + dt.timedelta(seconds=60))
     with pytest.raises(IllegalTransition):  # queued again: nobody may add checkpoints
-        store.record_checkpoint(attempt(job.id, 1, m), epoch=9, key="late", size=1, sha256="00" * 32, keep=2)
+        store.checkpoints.record(attempt(job.id, 1, m), epoch=9, key="late", size=1, sha256="00" * 32, keep=2)
     store.claim_next(m, lease_s=30)
     with pytest.raises(StaleAttempt):
-        store.record_checkpoint(attempt(job.id, 1, m), epoch=9, key="late", size=1, sha256="00" * 32, keep=2)
-    assert store.latest_checkpoint(job.id).epoch == 4
+        store.checkpoints.record(attempt(job.id, 1, m), epoch=9, key="late", size=1, sha256="00" * 32, keep=2)
+    assert store.checkpoints.latest(job.id).epoch == 4
 
 
 def test_a_drained_attempt_does_not_count_against_max_attempts(store: Store):

@@ -156,7 +156,7 @@ def test_machines_an_admin_said_share_an_owner_count_as_one_party(store: Store):
     checked = submit(store, verify={"checkpoints": 1})
     held = store.claim_next(a, lease_s=30)
     assert held is not None and held.id == checked.id
-    store.record_checkpoint(attempt(checked.id, held.attempt, a), epoch=0, key="k", size=1,
+    store.checkpoints.record(attempt(checked.id, held.attempt, a), epoch=0, key="k", size=1,
                             sha256="0" * 64, keep=3, content_digest="sha256:x")
     assert store.claim(b, 30) is None and store.claim(c, 30) is not None
 
@@ -388,7 +388,7 @@ def test_a_job_never_resumes_from_a_checkpoint_a_quarantined_machine_made(store:
         held = store.claim_next(machine, lease_s=30)
         assert held is not None and held.id == job.id
         for e in epochs:
-            store.record_checkpoint(attempt(job.id, held.attempt, machine), epoch=e,
+            store.checkpoints.record(attempt(job.id, held.attempt, machine), epoch=e,
                                     key=f"checkpoints/{job.id}/{held.attempt}-{e}", size=1,
                                     sha256="0" * 64, keep=10)
         store.release(attempt(job.id, held.attempt, machine), "drained", failed=False)
@@ -396,14 +396,14 @@ def test_a_job_never_resumes_from_a_checkpoint_a_quarantined_machine_made(store:
 
     attempt_on(honest, [1, 2])
     attempt_on(liar, [3, 4])
-    by_epoch = {c.epoch: c for c in store.checkpoints(job.id)}
+    by_epoch = {c.epoch: c for c in store.checkpoints.of(job.id)}
     assert (by_epoch[2].machine_id, by_epoch[2].resumed_from) == (honest, None)
     assert (by_epoch[4].machine_id, by_epoch[4].resumed_from) == (liar, 2)
     with store.tx() as s:
         verified.quarantine(s, liar, utcnow(), "it lied elsewhere")
     claim = store.claim(third, 30)
     assert claim is not None and claim.resume is not None and claim.resume.epoch == 2
-    assert store.latest_checkpoint(job.id).epoch == 2
+    assert store.checkpoints.latest(job.id).epoch == 2
 
 
 def test_a_replica_resumes_only_from_its_own_machines_checkpoints(store: Store):
@@ -411,7 +411,7 @@ def test_a_replica_resumes_only_from_its_own_machines_checkpoints(store: Store):
     a, b = add_machine(store, "a"), add_machine(store, "b")
     first = store.claim_next(a, lease_s=30)
     assert first is not None and first.replica_of == job.id
-    store.record_checkpoint(attempt(first.id, 1, a), epoch=5, key="checkpoints/x", size=1,
+    store.checkpoints.record(attempt(first.id, 1, a), epoch=5, key="checkpoints/x", size=1,
                             sha256="0" * 64, keep=3)
     store.release(attempt(first.id, 1, a), "drained", failed=False)
     taken = store.claim(b, 30)  # either replica: never from a's checkpoint

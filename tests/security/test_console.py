@@ -295,7 +295,7 @@ def test_a_jobs_checkpoint_downloads_for_its_owner_only_and_its_machine_shows_by
     assert store.claim_next(m, 30).id == job_id
     data = b"a checkpoint's bytes"
     coord.coord.objects.put_bytes(f"checkpoints/{job_id}/1-2.tar.gz", data)
-    store.record_checkpoint(attempt(job_id, 1, m), epoch=2, key=f"checkpoints/{job_id}/1-2.tar.gz",
+    store.checkpoints.record(attempt(job_id, 1, m), epoch=2, key=f"checkpoints/{job_id}/1-2.tar.gz",
                             size=len(data), sha256=hashlib.sha256(data).hexdigest(), keep=3)
     shown = bea.http.get(f"/console/jobs/{job_id[:8]}").text  # an id's start works here too
     assert f'href="/console/jobs/{job_id}/checkpoints/2"' in shown

@@ -443,7 +443,7 @@ def test_links_in_checkpoints_are_not_followed(api, guard, platform, canaries, c
                                                          "SHAPES": json.dumps(shapes)}})
     assert job["state"] == "succeeded" and job["result"] == "planted", brief(job)
     coord = platform.running.coord
-    recorded = coord.store.checkpoints(job["id"])
+    recorded = coord.store.checkpoints.of(job["id"])
     assert recorded, "not even the genuine checkpoint of epoch 1 was kept"
     for ckpt in recorded:
         blob = coord.objects.get_bytes(ckpt.key)

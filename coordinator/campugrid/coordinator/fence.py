@@ -9,9 +9,9 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from campugrid.coordinator.models import Job, ShardSession
-from campugrid.coordinator.views import HoldKind, HoldRef
-from campugrid.protocol.errors import StaleAttempt
+from campugrid.coordinator.models import Job, JobEvent, ShardSession
+from campugrid.coordinator.views import HoldKind, HoldRef, utcnow
+from campugrid.protocol.errors import IllegalTransition, StaleAttempt
 from campugrid.protocol.states import ACTIVE, JobState
 
 
@@ -52,3 +52,15 @@ def live(s: Session, ref: HoldRef) -> bool:
     return job is not None and attempt_held(job, ref)
 
 
+def refusal(s: Session, row: Job, token: int, what: str,
+            record: bool = True) -> StaleAttempt | IllegalTransition:
+    """Record a refused call in the job's history (unless not `record`); the caller raises
+    after committing."""
+    if row.attempt != token:
+        detail = f"{what} from attempt {token} refused: the current attempt is {row.attempt}"
+    else:
+        detail = f"{what} from attempt {token} refused: the job is {row.state}"
+    if record:
+        s.add(JobEvent(job_id=row.id, at=utcnow(), attempt=token, kind="refused",
+                       detail=detail))
+    return StaleAttempt(detail) if row.attempt != token else IllegalTransition(detail)

@@ -96,7 +96,7 @@ class AttemptHold:
 
     def checkpoint(self, *, epoch: int, key: str, size: int, sha256: str,
                    keep: int, content_digest: str | None = None) -> list[str]:
-        return self.store.record_checkpoint(self.ref, epoch=epoch, key=key, size=size,
+        return self.store.checkpoints.record(self.ref, epoch=epoch, key=key, size=size,
                                             sha256=sha256, keep=keep,
                                             content_digest=content_digest)
 

@@ -20,9 +20,10 @@ from sqlalchemy.orm import Session
 
 from campugrid.coordinator import checks, verified
 from campugrid.coordinator.apps import Apps, Nonces
-from campugrid.coordinator.claims import REFUSAL_TTL_S, RESUMABLE, Claimer
+from campugrid.coordinator.checkpoint_records import CheckpointRecords
+from campugrid.coordinator.claims import REFUSAL_TTL_S, Claimer
 from campugrid.coordinator.db import Database, job_row, side_database
-from campugrid.coordinator.fence import attempt_guard, attempt_held
+from campugrid.coordinator.fence import attempt_guard, attempt_held, refusal
 from campugrid.coordinator.gpu_history import GpuHistories
 from campugrid.coordinator.machines import Machines
 from campugrid.coordinator.models import (
@@ -45,7 +46,6 @@ from campugrid.coordinator.sharding import ShardStore, cancel_shards, insert_sha
 from campugrid.coordinator.uploads import Uploads
 from campugrid.coordinator.uploads import take as take_uploads
 from campugrid.coordinator.views import (
-    CheckpointView,
     Claim,
     EventView,
     HoldRef,
@@ -67,7 +67,8 @@ from campugrid.protocol.states import ACTIVE, JobState
 
 
 class Store:
-    """Plain jobs; `shards` and `machines` are the sharded jobs' and the machines' stores,
+    """Plain jobs; `shards`, `checkpoints` and `machines` are the sharded jobs', the
+    checkpoints' and the machines' stores,
     on the same database, and claims go through `claim`."""
 
     def __init__(self, engine: Engine) -> None:
@@ -75,6 +76,7 @@ class Store:
         self.db = Database(engine)
         self.tx, self.read = self.db.tx, self.db.read
         self.shards = ShardStore(self.db)
+        self.checkpoints = CheckpointRecords(self.db)
         self.machines = Machines(self.db)
         self.apps = Apps(self.db)
         self.uploads = Uploads(self.db)
@@ -300,7 +302,7 @@ class Store:
                 # A renewal that crossed its own attempt's last call is no one's concern: it is
                 # refused without a line in the job's history.
                 ended = row.attempt == token and row.state not in {x.value for x in ACTIVE}
-                refused = self._refusal(s, row, token, "renew", record=not ended)
+                refused = refusal(s, row, token, "renew", record=not ended)
             row = job_row(s, job_id)
         if refused is not None:
             raise refused
@@ -312,7 +314,7 @@ class Store:
             with self.tx() as s:
                 row = job_row(s, job_id)
                 if not attempt_held(row, ref):
-                    refused = self._refusal(s, row, token, "logs")
+                    refused = refusal(s, row, token, "logs")
                 else:
                     refused = None
                     exists = s.scalar(select(LogChunk.id).where(
@@ -346,7 +348,7 @@ class Store:
                          if output_key and output_files else None,
                          output_digest=output_digest, lease_expires_at=None)
             except IllegalTransition:
-                refused = self._refusal(s, job_row(s, job_id), token, "complete")
+                refused = refusal(s, job_row(s, job_id), token, "complete")
             else:
                 s.add(JobEvent(job_id=job_id, at=utcnow(), attempt=token, kind=target.value,
                                detail=clean(reason) or ""))
@@ -392,84 +394,10 @@ class Store:
         """The job, if `ref` is its current attempt, held by this machine; else refused."""
         with self.tx() as s:
             row = job_row(s, ref.job_id)
-            refused = None if attempt_held(row, ref) else self._refusal(s, row, ref.token, what)
+            refused = None if attempt_held(row, ref) else refusal(s, row, ref.token, what)
         if refused is not None:
             raise refused
         return JobView.from_row(row)
-
-    def record_checkpoint(self, ref: HoldRef, *, epoch: int, key: str, size: int, sha256: str,
-                          keep: int, content_digest: str | None = None) -> list[str]:
-        """Record a verified checkpoint of the current attempt (with its `content_digest` as
-        the coordinator read it where it was sampled: checkpoint_probability); a check's answer
-        is compared, a sampled checkpoint is sent for a check (checks.recorded). Return the
-        keys that retention (the newest `keep` good ones per job, and those checks need)
-        dropped, for the caller to delete from storage."""
-        job_id, token = ref.job_id, ref.token
-        with self.tx() as s:
-            verified.lock_parent(s, job_id)
-            row = job_row(s, job_id)
-            if not attempt_held(row, ref):
-                refused = self._refusal(s, row, token, f"checkpoint of epoch {epoch}")
-            else:
-                refused = None
-                now = utcnow()
-                # What it was computed from: its attempt's previous checkpoint, or the one its
-                # attempt resumed from (its lease's: Job.resume_id); and that one's epoch.
-                prev = s.scalars(select(Checkpoint).where(
-                    Checkpoint.job_id == job_id, Checkpoint.attempt == token)
-                    .order_by(Checkpoint.id.desc()).limit(1)).first()
-                parent = prev.id if prev is not None else row.resume_id
-                resumed_from = (prev.resumed_from if prev is not None else
-                                s.scalar(select(Checkpoint.epoch).where(
-                                    Checkpoint.id == row.resume_id))
-                                if row.resume_id is not None else None)
-                ckpt = Checkpoint(job_id=job_id, attempt=token, epoch=epoch, key=key, size=size,
-                                  sha256=sha256, created_at=now, machine_id=ref.machine_id,
-                                  resumed_from=resumed_from, content_digest=content_digest,
-                                  parent_id=parent)
-                s.add(ckpt)
-                s.add(JobEvent(job_id=job_id, at=now, attempt=token, kind="checkpoint",
-                               detail=f"epoch {epoch}, {size} bytes"))
-                s.flush()
-                checks.recorded(s, row, ckpt, now)
-                s.flush()
-                rows = list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
-                                      .order_by(Checkpoint.epoch.desc(), Checkpoint.id.desc())))
-                needed = checks.protected(s, job_id)
-                good = [r for r in rows if r.verdict not in verified.NOT_RESUMED]
-                kept = [r for r in rows if r in good[:keep] or r.id in needed]
-                dropped = [r for r in rows if r not in kept]
-                for old in dropped:
-                    s.delete(old)
-        if refused is not None:
-            raise refused
-        return [old.key for old in dropped if old.key not in {r.key for r in kept}]
-
-    def checkpoint_key(self, checkpoint_id: int) -> str | None:
-        """Where a recorded checkpoint is in storage (None: retention dropped it)."""
-        with self.read() as s:
-            return s.scalar(select(Checkpoint.key).where(Checkpoint.id == checkpoint_id))
-
-    def checkpoint_probability(self, job_id: str, machine_id: str) -> float:
-        """How likely a checkpoint this machine just made for the job is checked (and so read
-        by the coordinator): checks.probability."""
-        with self.read() as s:
-            return checks.probability(s, job_row(s, job_id), machine_id)
-
-    def latest_checkpoint(self, job_id: str) -> CheckpointView | None:
-        with self.read() as s:
-            row = s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id, RESUMABLE)
-                            .order_by(Checkpoint.epoch.desc(), Checkpoint.id.desc()).limit(1)).first()
-            return CheckpointView.from_row(row) if row is not None else None
-
-    def checkpoints(self, job_id: str) -> list[CheckpointView]:
-        with self.read() as s:
-            rows = list(s.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id)
-                                  .order_by(Checkpoint.epoch, Checkpoint.id)))
-            checking = checks.protected(s, job_id, only_checked=True)
-            return [dataclasses.replace(CheckpointView.from_row(r), verdict="checking")
-                    if r.verdict is None and r.id in checking else CheckpointView.from_row(r)
-                    for r in rows]
 
     def release(self, ref: HoldRef, reason: str, failed: bool = False,
                 cannot_run_here: bool = False) -> JobView:
@@ -497,7 +425,7 @@ class Store:
                          drained=Job.drained + (0 if failed else 1), machine_id=None,
                          lease_expires_at=None, reason=clean(why), updated_at=now)
             except IllegalTransition:
-                refused = self._refusal(s, row, token, "release")
+                refused = refusal(s, row, token, "release")
             else:
                 s.add(JobEvent(job_id=job_id, at=now, attempt=token,
                                kind="handed_back" if failed or cannot_run_here else "drained",
@@ -605,19 +533,6 @@ class Store:
         """A job holds reservations only while an attempt is active: drop them all."""
         s.execute(delete(GpuReservation).where(GpuReservation.job_id == job_id))
 
-    @staticmethod
-    def _refusal(s: Session, row: Job, token: int, what: str,
-                 record: bool = True) -> StaleAttempt | IllegalTransition:
-        """Record a refused call in the job's history (unless not `record`); the caller raises
-        after committing."""
-        if row.attempt != token:
-            detail = f"{what} from attempt {token} refused: the current attempt is {row.attempt}"
-        else:
-            detail = f"{what} from attempt {token} refused: the job is {row.state}"
-        if record:
-            s.add(JobEvent(job_id=row.id, at=utcnow(), attempt=token, kind="refused",
-                           detail=detail))
-        return StaleAttempt(detail) if row.attempt != token else IllegalTransition(detail)
 
 
 def _refuse(s: Session, job_id: str, machine_id: str, reason: str, now: dt.datetime) -> None:

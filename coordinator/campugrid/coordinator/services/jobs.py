@@ -146,7 +146,7 @@ class JobService:
     def checkpoints(self, job_id: str, owner: str | None = None) -> list[CheckpointView]:
         """The job's checkpoints kept in storage (the last few epochs), oldest first."""
         self.store.get(job_id, owner)
-        return self.store.checkpoints(job_id)
+        return self.store.checkpoints.of(job_id)
 
     def open_checkpoint(self, job_id: str, epoch: int,
                         owner: str | None = None) -> tuple[CheckpointView, Iterator[bytes]]:

@@ -214,7 +214,7 @@ class LeaseService:
                                f"sha256 {got_sha[:12]}…, expected {size} bytes, {sha256[:12]}…")
         # Sampled now (the machine cannot know in advance), then read here, where checks
         # compare it (checks.py): never what the machine says it holds.
-        chance = self.store.checkpoint_probability(ref.job_id, ref.machine_id)
+        chance = self.store.checkpoints.probability(ref.job_id, ref.machine_id)
         digest = (checkpoint_digest(self.objects.stream(key), limit=size)
                   if chance > 0 and draw() < chance else None)
         for old in hold.checkpoint(epoch=epoch, key=key, size=size, sha256=sha256,
@@ -286,7 +286,7 @@ class LeaseService:
         inputs: dict[str, list[DatasetFile]] = {}
         for name, which in zip("ab", pair, strict=True):
             # A checkpoint ("ckpt:<id>") as its machine uploaded it, or a replica's /output.
-            key, as_file = ((self.store.checkpoint_key(int(which[5:])), "checkpoint.tar")
+            key, as_file = ((self.store.checkpoints.key(int(which[5:])), "checkpoint.tar")
                             if which.startswith("ckpt:") else
                             (self.store.get(which).output_key, "output.tar.gz"))
             files = []
