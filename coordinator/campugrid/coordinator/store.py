@@ -480,22 +480,20 @@ class Store:
         self.note(row.id, row.attempt, "rerun", f"run again as job {new.id}")
         return new
 
-    def is_replica(self, job_id: str) -> bool:
-        with self.read() as s:
-            return s.scalar(select(Job.replica_of).where(Job.id == job_id)) is not None
-
     def judged(self, job_id: str) -> dict[frozenset[str], bool | None]:
         """What the compare command of a verified job said of pairs of its replicas."""
         with self.read() as s:
             return verified.verdicts_of(list(s.scalars(select(Job).where(
                 Job.compare_of == job_id))))
 
-    def judges_work(self, job_id: str) -> bool:
-        """Is this job a replica, a check or a comparison: does its end decide something?"""
+    def part_of(self, job_id: str) -> tuple[bool, bool]:
+        """(Is this job a replica, is it a replica, a check or a comparison): is its output
+        compared, and may its end decide something?"""
         with self.read() as s:
             row = s.execute(select(Job.replica_of, Job.check_of, Job.compare_of)
                             .where(Job.id == job_id)).first()
-            return row is not None and any(v is not None for v in row)
+        return (row is not None and row[0] is not None,
+                row is not None and any(v is not None for v in row))
 
     # --- helpers ----------------------------------------------------------------------------
 

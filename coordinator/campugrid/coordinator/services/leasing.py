@@ -147,7 +147,8 @@ class LeaseService:
         hold = self.holds.of(ref)
         key = (self.output_key(ref.job_id, ref.token)
                if output_uploaded and hold.takes_output else None)
-        replica = hold.takes_output and self.store.is_replica(ref.job_id)
+        # A session's end (shards) is neither; an attempt's may be a replica's, a check's...
+        replica, decides = self.store.part_of(ref.job_id) if hold.takes_output else (False, False)
         digest = None
         if replica:
             hold.check("complete")  # a stale call costs no reading
@@ -160,7 +161,7 @@ class LeaseService:
             output_key=key, limits=limits, output_digest=digest,
             output_files=[(_printable(p)[:MAX_OUTPUT_PATH], max(0, int(n)))
                           for p, n in output_files[:MAX_OUTPUT_FILES]])
-        if replica or self.store.judges_work(ref.job_id):
+        if decides:
             # Something may have been decided: a liar quarantined, more replicas, checks or
             # comparisons queued.
             self.machines.recheck()
