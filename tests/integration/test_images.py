@@ -91,10 +91,34 @@ def test_builds_of_a_quarantined_or_revoked_machine_are_withdrawn(store: Store):
     again = images.resolve(key=key, reuse="first", ref=attempt(jc, tc, c))
     assert (again.action, again.push) == ("build", True)  # not a's: built anew, for the others
     images.record(key=key, context_sha256=CONTEXT, digest="sha256:" + "c" * 64, ref=attempt(jc, tc, c))
+    # Reinstated, a is trusted with new work, not with what it pushed before.
+    store.machines.set_status(a, Status.APPROVED)
+    assert images.resolve(key=key, reuse="first", ref=attempt(jb, tb, b)).digest == "sha256:" + "c" * 64
+    # The collector drops a's build at once, though jobs of its context are live; c's stays.
+    assert images.unneeded(dt.timedelta(days=1)) == [(key, "sha256:" + "d" * 64)]
     store.machines.set_status(c, Status.REVOKED)
     jd, td = leased(store, d)
     assert images.resolve(key=key, reuse="first", ref=attempt(jd, td, d)).action == "build"
     assert len(images.builds(CONTEXT)) == 2  # kept for the garbage collector
+
+
+def test_a_withdrawn_build_that_others_built_alike_stays_in_the_registry(store: Store):
+    """Under "verified" reuse a quarantined machine's build may be the same digest as honest
+    ones: that manifest is theirs too, and is not dropped from the registry."""
+    images = Images(store.db)
+    a, b, c = (add_machine(store, n) for n in "abc")
+    key = build_key(CONTEXT, INPUTS)
+    for m in (a, b):
+        job, token = leased(store, m, "verified")
+        images.record(key=key, context_sha256=CONTEXT, digest="sha256:" + "e" * 64,
+                      ref=attempt(job, token, m))
+    with store.tx() as s:
+        quarantine(s, a, utcnow(), "it lied")
+    assert images.unneeded(dt.timedelta(days=1)) == []
+    jc, tc = leased(store, c, "verified")
+    # One good vote is left: c builds (and pushes) rather than pull a's half of the quorum.
+    again = images.resolve(key=key, reuse="verified", ref=attempt(jc, tc, c))
+    assert (again.action, again.push) == ("build", True)
 
 
 def test_jobs_that_ran_an_image_only_a_quarantined_machine_built_are_tainted(store: Store):

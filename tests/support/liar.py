@@ -9,6 +9,9 @@ The lies (what a provider who owns its machine can make its agent do), one or se
     shards       each shard's result it reports is another value (a number plus one)
     checkpoints  from epoch 1 on, one byte of each checkpoint is changed, and its manifest
                  rewritten to match (epoch 0 stays honest: the job has one to go back to)
+    image        the image it pushes for other machines under a build's key is not its build:
+                 it adds /answer.txt saying 43 (the tests' jobs answer with that file); its
+                 own tasks run its honest build
 
 Nothing here is reachable from an installed agent: the switch is this file's argument, and
 the file lives in tests/.
@@ -21,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-LIES = ("output", "shards", "checkpoints")
+LIES = ("output", "shards", "checkpoints", "image")
 
 
 def lie_about(lie: str) -> None:
@@ -75,6 +78,26 @@ def lie_about(lie: str) -> None:
             return honest_checkpoint(self, epoch, path)
 
         checkpoints.CheckpointUploader._upload = upload_checkpoint  # type: ignore[method-assign]
+    elif lie == "image":
+        import subprocess
+
+        from campugrid.agent import images
+
+        honest_push = images.ImageCache.push
+
+        def push(self, image, registry, repository, tag, token, work, *, cancel):  # type: ignore[no-untyped-def]
+            # COPY only: nothing of the job runs outside its sandbox to make the forgery.
+            (work / "lie").mkdir(exist_ok=True)
+            (work / "lie" / "answer.txt").write_text("43\n")
+            forged = f"{image}-forged"
+            subprocess.run(["podman", "build", "--pull=never", "--timestamp", "0", "-t", forged,
+                            "-f", "-", str(work / "lie")],
+                           input=f"FROM {image}\nCOPY answer.txt /answer.txt\n", text=True,
+                           capture_output=True, check=True, timeout=300)
+            return honest_push(self, forged, registry, repository, tag, token, work,
+                               cancel=cancel)
+
+        images.ImageCache.push = push  # type: ignore[method-assign]
 
 
 def main(argv: list[str]) -> None:

@@ -22,9 +22,9 @@ import re
 from collections import Counter
 from typing import Any
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, exists, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from campugrid.coordinator.db import Database
 from campugrid.coordinator.fence import live
@@ -72,9 +72,10 @@ class ImageAnswer:
     built_by: str = ""
 
 
-# Only builds of approved machines are pulled: a quarantined or revoked machine's pushes are
-# withdrawn (kept for the garbage collector, which drops them from the registry in time).
-_IN_GOOD_STANDING = ImageBuild.machine_id.in_(
+# Only builds of approved machines are pulled: a revoked machine's pushes are not, and a
+# quarantined machine's are withdrawn for good (verified.quarantine; reinstating it does not
+# bring them back). The garbage collector drops them from the registry.
+_IN_GOOD_STANDING = ImageBuild.withdrawn_at.is_(None) & ImageBuild.machine_id.in_(
     select(Machine.id).where(Machine.status == MachineStatus.APPROVED.value))
 
 
@@ -283,6 +284,7 @@ class Images:
                                  used_at=now))
             else:
                 row.digest, row.job_id, row.created_at, row.used_at = digest, job_id, now, now
+                row.withdrawn_at = None
             _event(s, ref, f"machine {machine_id} built and pushed image {digest} "
                            f"(key {key[:16]}…)")
 
@@ -296,13 +298,18 @@ class Images:
 
     def unneeded(self, idle_for: dt.timedelta) -> list[tuple[str, str]]:
         """(key, digest) of the builds no queued or running job can use (no such job has
-        their context) and that nobody pulled for `idle_for`: what the registry may drop."""
+        their context) and that nobody pulled for `idle_for`, and the withdrawn ones: what
+        the registry may drop."""
         live = [s.value for s in JobState if not s.final]
+        kept = aliased(ImageBuild)  # the same digest built by a machine in good standing
         with self.db.read() as s:
             needed = select(Job.context_sha256).where(Job.state.in_(live))
             rows = s.execute(select(ImageBuild.build_key, ImageBuild.digest).where(
-                ImageBuild.context_sha256.not_in(needed),
-                ImageBuild.used_at < utcnow() - idle_for)).all()
+                (ImageBuild.withdrawn_at.is_not(None) & ~exists().where(
+                    kept.build_key == ImageBuild.build_key, kept.digest == ImageBuild.digest,
+                    kept.withdrawn_at.is_(None)))
+                | (ImageBuild.context_sha256.not_in(needed)
+                   & (ImageBuild.used_at < utcnow() - idle_for))).distinct()).all()
         return [(k, d) for k, d in rows]
 
     def collect(self, idle_for: dt.timedelta) -> int:

@@ -464,6 +464,8 @@ class ImageBuild(Base):
     job_id: Mapped[str] = mapped_column(String(36))  # the job whose task built it
     created_at: Mapped[dt.datetime] = mapped_column()
     used_at: Mapped[dt.datetime] = mapped_column()  # last handed out to pull
+    # Its machine was quarantined: never handed out again, even if an admin reinstates it.
+    withdrawn_at: Mapped[dt.datetime | None] = mapped_column()
 
     __table_args__ = (UniqueConstraint("build_key", "machine_id", name="uq_image_builds_key_machine"),)
 

@@ -23,6 +23,7 @@ from campugrid.coordinator.machines import Status, bump_epoch, end_leases
 from campugrid.coordinator.models import (
     Checkpoint,
     GpuReservation,
+    ImageBuild,
     ImagePull,
     Job,
     JobEvent,
@@ -361,7 +362,11 @@ def quarantine(s: Session, machine_id: str, now: dt.datetime, why: str) -> None:
     if since is not None:
         q = q.where(Job.updated_at > since)
     s.execute(q)
-    # Jobs (a replica's: its verified job) that ran an image it alone built, since then.
+    # Its image builds are handed out no more, and the jobs (a replica's: its verified job)
+    # that ran an image it alone built since then are tainted.
+    s.execute(update(ImageBuild).where(ImageBuild.machine_id == machine_id,
+                                       ImageBuild.withdrawn_at.is_(None))
+              .values(withdrawn_at=now).execution_options(synchronize_session=False))
     pulls = select(ImagePull.job_id).where(ImagePull.builder == machine_id)
     if since is not None:
         pulls = pulls.where(ImagePull.at > since)
