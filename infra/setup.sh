@@ -144,4 +144,7 @@ if [ "$(id -u)" = 0 ]; then
 fi
 
 "$repo/infra/base-image.sh" "$(if [ "$(id -u)" = 0 ]; then echo "$user"; else id -un; fi)"
+if [ "${CAMPUGRID_TEST_TOOLS:-}" = 1 ]; then  # the frameworks the checkpoint hooks are tested on
+  "$repo/infra/frameworks-image.sh" "$(if [ "$(id -u)" = 0 ]; then echo "$user"; else id -un; fi)"
+fi
 say "ready"

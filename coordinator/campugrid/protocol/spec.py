@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import posixpath
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -153,6 +154,42 @@ class BuildOptions:
     network: str = "default"
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckpointsFrom:
+    """Where the job's own code (a framework, a plain loop) writes its checkpoints, when that
+    is not a framework's default the hooks see: each entry of `dir` whose name matches `match`
+    and holds a step number is taken as a checkpoint once written (hooks/autosave.py)."""
+
+    dir: str
+    match: str = "*"
+
+
+# Where a job's checkpoint folder may not be: the platform's own mounts, and the kernel's.
+CHECKPOINTS_NOT_UNDER = ("/output", "/checkpoints", "/data", "/opt/campugrid", "/proc", "/sys",
+                         "/dev")
+
+
+def _checkpoints(value: Any) -> CheckpointsFrom | None:
+    if value is None:
+        return None
+    require(isinstance(value, Mapping), "checkpoints",
+            'must be an object, e.g. {"dir": "/app/outputs", "match": "checkpoint-*"}')
+    no_unknown(value, CheckpointsFrom, "checkpoints")
+    folder, match = value.get("dir"), value.get("match", "*")
+    require(isinstance(folder, str) and folder.startswith("/") and 1 < len(folder) <= 512
+            and folder.isprintable(), "checkpoints.dir",
+            "must be an absolute path inside the job's image, e.g. /app/outputs")
+    assert isinstance(folder, str)
+    norm = posixpath.normpath(folder)
+    require(not any(norm == r or norm.startswith(r + "/") for r in CHECKPOINTS_NOT_UNDER),
+            "checkpoints.dir", f"{norm} is the platform's; choose a folder of the job's own "
+            f"(not under {', '.join(CHECKPOINTS_NOT_UNDER)})")
+    require(isinstance(match, str) and 0 < len(match) <= 128 and "/" not in match
+            and match.isprintable(), "checkpoints.match",
+            'must be a file name pattern (e.g. "checkpoint-*", "*.pt"), without "/"')
+    return CheckpointsFrom(dir=norm, match=str(match))
+
+
 def _is_plain(name: str, value: Any) -> bool:
     if name == "verify":
         return isinstance(value, (str, Mapping))
@@ -186,10 +223,12 @@ class JobSpec:
     image: ImageOptions = ImageOptions()
     build: BuildOptions = BuildOptions()
     verify: Verify | None = None  # None: one machine's word is taken (the default)
+    checkpoints: CheckpointsFrom | None = None  # None: the frameworks' own places, campugrid.hooks
 
     # Fields that may be given as plain values too, as JSON has them: JobSpec(resources=
     # {"memory_mb": 4096}, env={"SEED": "1"}, command="python3 train.py").
-    _PLAIN = ("command", "env", "resources", "datasets", "image", "build", "verify")
+    _PLAIN = ("command", "env", "resources", "datasets", "image", "build", "verify",
+              "checkpoints")
 
     def __post_init__(self) -> None:
         """Plain values (dicts, lists, a command string) are read and checked as from_dict
@@ -307,8 +346,12 @@ class JobSpec:
         require(not (shards and verify is not None and verify.compare), "verify.compare",
                 "a sharded job's copies are compared by their results; compare is for "
                 "a job's replicas")
+        checkpoints = _checkpoints(data.get("checkpoints"))
+        require(not (shards and checkpoints), "checkpoints",
+                "a sharded job keeps no checkpoints (each shard is a task of its own)")
         return cls(
             build=_build(data.get("build")),
+            checkpoints=checkpoints,
             command=command,
             env=tuple(sorted(env.items())),
             resources=resources,
@@ -376,6 +419,8 @@ class JobSpec:
                              else {k: list(v) if isinstance(v, tuple) else v
                                    for k, v in dataclasses.asdict(self.verify).items()
                                    if v is not None})
+        if self.checkpoints is not None:
+            out["checkpoints"] = dataclasses.asdict(self.checkpoints)
         if self.build != BuildOptions():
             out["build"] = {k: list(v) if isinstance(v, tuple) else v
                             for k, v in dataclasses.asdict(self.build).items() if v}

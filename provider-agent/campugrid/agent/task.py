@@ -56,6 +56,7 @@ from campugrid.agent.shares import Shares
 from campugrid.builders.base import Builder
 from campugrid.buildpolicy.dockerfiles import BaseUse, allowed_bases, pin_bases
 from campugrid.buildpolicy.tarballs import extract_context_file
+from campugrid.hooks import autosave
 from campugrid.protocol import logs
 from campugrid.protocol.errors import (
     BuildFailed,
@@ -157,6 +158,9 @@ class Task:
                 log.warning("task %s: the output slot cannot be used (%s); /output is only "
                             "checked every %.2f s", lease.job_id, e, DISK_POLL_S)
         self.output_dir, self.ckpt_dir = self.files / "output", self.files / "checkpoints"
+        # The folder the job's own code writes its checkpoints to (spec.checkpoints.dir), made
+        # writable in the read-only image, in the same bounded room as /output.
+        self.own_dir = self.files / "job-checkpoints"
         self.name = f"campugrid-{lease.job_id}-{lease.fencing_token}"
         # What a build here is tagged; the image that runs may be a cached or pulled one.
         self.tag = f"{job_image_prefix(sandbox.scope)}{lease.job_id}:{lease.fencing_token}"
@@ -171,6 +175,7 @@ class Task:
         # hand-over: a drain (the owner, a shutdown), or its GPU filled up before the start.
         self.handover = ""
         self.disk_exceeded = False  # the disk watchdog stopped the job
+        self.resumed: int | None = None  # the epoch put in /checkpoints to resume from
         self.ended = "running"  # how it ended, in words (for the owner's provider status)
         self.gpu_policy = gpu_policy
         self.renewer = Renewer(client, lease, on_lost=self._on_lost)
@@ -206,7 +211,8 @@ class Task:
         timer.start()
 
     def _watch_disk(self, folders: tuple[Path, ...]) -> None:
-        """Stop the job once /output and /checkpoints hold more than output_mb. In an output
+        """Stop the job once /output and /checkpoints (and the job's own checkpoint folder)
+        hold more than output_mb. In an output
         slot the kernel refuses the bytes past it, and this stops the job that hit the wall;
         without one, this is the bound (a single file cannot pass the limit: RLIMIT_FSIZE,
         see run_request). Apparent sizes count too: sparse files would inflate the output
@@ -310,6 +316,7 @@ class Task:
         output_dir, ckpt_dir = self.output_dir, self.ckpt_dir
         output_dir.mkdir()
         ckpt_dir.mkdir()
+        self.own_dir.mkdir()
         archive = (work / "context.tar").resolve()
         leased = time.monotonic()
         with httpx.Client(timeout=60) as http:
@@ -332,6 +339,7 @@ class Task:
             try:
                 checkpoints.restore(lease.resume, ckpt_dir, work)
                 self.uploader.done.add(hooks.folder_name(lease.resume.epoch))  # already stored
+                self.resumed = lease.resume.epoch
                 self.shipper.line("run", f"[campugrid] resuming from the checkpoint of epoch "
                                          f"{lease.resume.epoch}")
             except (InvalidInput, confine.ConfinementError, httpx.HTTPError) as e:
@@ -455,7 +463,8 @@ class Task:
 
         env = self.job_env()
         self.uploader.start()
-        watch = logs.thread(self._watch_disk, (output_dir, ckpt_dir), name=f"disk-{lease.job_id}")
+        watch = logs.thread(self._watch_disk, (output_dir, ckpt_dir, self.own_dir),
+                            name=f"disk-{lease.job_id}")
         watch.start()
         try:
             result = self.sandbox.run(self.run_request(spec.command, env, mapped), log=on_line,
@@ -506,11 +515,15 @@ class Task:
         user_pythonpath = dict(self.spec.env).get("PYTHONPATH") or next(
             (e.partition("=")[2] for e in self.ops().image_env(self.image) or ()
              if e.startswith("PYTHONPATH=")), None)
+        # The hooks' sitecustomize (autosave.py) reads the rest: the checkpoint to put back
+        # where its framework wrote it, and the folder the job names.
+        taken = self.spec.checkpoints
         return dict(self.spec.env) | {
             "CAMPUGRID_JOB_ID": self.lease.job_id, "CAMPUGRID_ATTEMPT": str(self.lease.attempt),
             "CAMPUGRID_OUTPUT": "/output", "CAMPUGRID_CHECKPOINT_DIR": CHECKPOINT_MOUNT,
             "PYTHONPATH": f"{user_pythonpath}:{HOOKS_MOUNT}" if user_pythonpath else HOOKS_MOUNT,
-        }
+        } | ({autosave.ENV_RESUMED: str(self.resumed)} if self.resumed is not None else {}) \
+          | ({autosave.ENV_FROM: taken.dir, autosave.ENV_MATCH: taken.match} if taken else {})
 
     def ops(self) -> PodmanOps:
         """This agent's container engine, as its runtime offers it."""
@@ -521,7 +534,9 @@ class Task:
         """The sandbox for this task: the hooks (read-only), and with `writable` the host
         folders /output and /checkpoints (bounded by the disk watchdog)."""
         spec, work = self.spec, self.work
-        hooks_mount = (Path(hooks.__file__).parent, f"{HOOKS_MOUNT}/campugrid/hooks", "ro")
+        here = Path(hooks.__file__).parent
+        hooks_mounts = ((here, f"{HOOKS_MOUNT}/campugrid/hooks", "ro"),
+                        (here / "sitecustomize.py", f"{HOOKS_MOUNT}/sitecustomize.py", "ro"))
         return RunRequest(
             name=self.name, image=self.image, command=command, env=tuple(env.items()),
             output_dir=self.output_dir if writable else None,
@@ -532,8 +547,9 @@ class Task:
             # One MB over: a single file can pass the limit only just, and the watchdog, which
             # stops the job once the folders hold more than output_mb, sees it.
             file_mb=spec.resources.output_mb + 1 if writable else None,
-            mounts=((self.ckpt_dir, CHECKPOINT_MOUNT, "rw"), hooks_mount) if writable
-            else (hooks_mount,))
+            mounts=((self.ckpt_dir, CHECKPOINT_MOUNT, "rw"), *hooks_mounts, *(
+                [(self.own_dir, spec.checkpoints.dir, "rw")] if spec.checkpoints else []))
+            if writable else hooks_mounts)
 
 
 def job_image_prefix(scope: str) -> str:

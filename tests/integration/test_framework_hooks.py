@@ -1,0 +1,147 @@
+"""The checkpoint hooks against the real frameworks (infra/frameworks-image.sh installs them):
+each script of tests/frameworks, unchanged, run as a job's Python runs it (the hooks'
+sitecustomize on PYTHONPATH, a checkpoint folder as the agent mounts it), killed with SIGKILL
+midway, then started again as a resumed attempt on another machine starts: in a fresh folder
+holding only the newest checkpoint taken. It ends with the weights of a run never stopped, and
+loses at most one checkpoint interval. A drain (SIGTERM) saves at the drain where the framework
+can resume from there. The same, through the platform and gVisor, is
+tests/acceptance/test_frameworks.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from campugrid import hooks
+from campugrid.hooks import autosave
+
+pytestmark = pytest.mark.integration
+SCRIPTS = Path(__file__).resolve().parents[1] / "frameworks"
+HOOKS = Path(hooks.__file__).resolve().parent
+SITE = Path(os.environ.get("CAMPUGRID_FRAMEWORKS_SITE", "/var/cache/campugrid/frameworks-v1"))
+# What each script saves, where, and at which steps.
+SAVES = {"transformers": ("train_hf.py", [10, 20, 30, 40]),
+         "lightning": ("train_lightning.py", [16, 32, 48, 64]),
+         "keras": ("train_keras.py", [16, 32, 48, 64]),
+         "plain": ("train_plain.py", [10, 20, 30, 40, 50, 60])}
+PLAIN_FOLDER = {autosave.ENV_MATCH: "step_*.pt"}  # + ENV_FROM: the job's ckpt/
+
+
+@pytest.fixture(scope="module")
+def python_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The hooks as the agent mounts them (sitecustomize.py beside campugrid/hooks), then the
+    frameworks."""
+    if not (SITE / ".complete").exists():
+        pytest.fail(f"{SITE} is missing: infra/test makes it (infra/frameworks-image.sh)")
+    root = tmp_path_factory.mktemp("hooks")
+    (root / "campugrid").mkdir()
+    shutil.copytree(HOOKS, root / "campugrid" / "hooks")
+    shutil.copy(HOOKS / "sitecustomize.py", root / "sitecustomize.py")
+    return f"{root}:{SITE}"
+
+
+class Run:
+    """One attempt of a script: `app` is its working folder (the same path on every machine,
+    as an image's WORKDIR is), `checkpoints` the folder the agent mounts."""
+
+    def __init__(self, python_path: str, framework: str, app: Path, checkpoints: Path,
+                 step_seconds: float = 0.0, resumed: int | None = None) -> None:
+        script, _ = SAVES[framework]
+        env = {"PATH": os.environ["PATH"], "HOME": str(app), "PYTHONPATH": python_path,
+               "OMP_NUM_THREADS": "1", "STEP_SECONDS": str(step_seconds),
+               hooks.ENV_DIR: str(checkpoints), "KERAS_BACKEND": "torch"}
+        if framework == "plain":
+            env |= PLAIN_FOLDER | {autosave.ENV_FROM: str(app / "ckpt")}
+        if resumed is not None:
+            env[autosave.ENV_RESUMED] = str(resumed)
+        self.checkpoints = checkpoints
+        app.mkdir(parents=True, exist_ok=True)
+        self.log = app.parent / f"{app.name}.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(["/usr/bin/python3", str(SCRIPTS / script)], cwd=app,
+                                         env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def taken(self) -> list[int]:
+        if not self.checkpoints.exists():
+            return []
+        return [int(p.name[len(hooks.PREFIX):]) for p in hooks.complete(self.checkpoints)]
+
+    def wait_for_checkpoints(self, n: int, timeout_s: float = 120) -> list[int]:
+        deadline = time.monotonic() + timeout_s
+        while len(self.taken()) < n:
+            assert self.proc.poll() is None, self.output()
+            assert time.monotonic() < deadline, self.output()
+            time.sleep(0.05)
+        return self.taken()
+
+    def finish(self, timeout_s: float = 240) -> dict:
+        assert self.proc.wait(timeout=timeout_s) == 0, self.output()
+        return json.loads(self.output().strip().splitlines()[-1])
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def resume(python_path: str, framework: str, before: Run, app: Path, into: Path) -> Run:
+    """Another machine's attempt: the job's folder as its image has it (empty), and only the
+    newest checkpoint taken, unpacked where the agent unpacks it."""
+    newest = before.taken()[-1]
+    shutil.rmtree(app)
+    into.mkdir()
+    shutil.copytree(before.checkpoints / hooks.folder_name(newest),
+                    into / hooks.folder_name(newest))
+    return Run(python_path, framework, app, into, resumed=newest)
+
+
+@pytest.mark.parametrize("framework", list(SAVES))
+def test_killed_midway_it_resumes_elsewhere_and_ends_as_if_never_stopped(
+        python_path, tmp_path, framework):
+    never_stopped = Run(python_path, framework, tmp_path / "reference" / "app",
+                        tmp_path / "reference" / "checkpoints")
+    app = tmp_path / "job" / "app"
+    first = Run(python_path, framework, app, tmp_path / "job" / "ckpt-1", step_seconds=0.1)
+    before = first.wait_for_checkpoints(2)
+    first.proc.kill()  # SIGKILL: nothing of it runs after this
+    first.proc.wait()
+    _, saves = SAVES[framework]
+    assert before == saves[:len(before)]
+    again = resume(python_path, framework, first, app, tmp_path / "job" / "ckpt-2")
+    result = again.finish()
+    assert result == never_stopped.finish()
+    # It went on from the newest checkpoint taken before the kill (at most one interval lost,
+    # the one being computed), and every later one was taken too.
+    assert again.taken() == [s for s in saves if s >= first.taken()[-1]]
+    assert f"put the checkpoint of step {first.taken()[-1]} back" in again.output()
+
+
+@pytest.mark.parametrize("framework", ["transformers", "plain", "lightning"])
+def test_a_drain_keeps_what_the_framework_can_resume_from(python_path, tmp_path, framework):
+    """transformers saves at the drain's step and stops (143); the plain loop ends as SIGTERM
+    ends it, with what it had written completely taken; Lightning, whose DataLoader here
+    cannot resume mid-epoch, is stopped by its own SIGTERM handling and the last epoch's
+    checkpoint stands."""
+    run = Run(python_path, framework, tmp_path / "app", tmp_path / "checkpoints",
+              step_seconds=0.1)
+    _, saves = SAVES[framework]
+    run.wait_for_checkpoints(1)
+    time.sleep(0.5)  # into the next interval
+    run.proc.send_signal(signal.SIGTERM)
+    status = run.proc.wait(timeout=60)
+    taken = run.taken()
+    if framework == "transformers":
+        assert status == 128 + signal.SIGTERM, run.output()
+        assert taken[-1] not in saves, taken  # saved at the drain, not at an interval
+        assert f"drained: the checkpoint of step {taken[-1]} is taken" in run.output()
+    elif framework == "plain":
+        assert status == -signal.SIGTERM, run.output()
+        written = sorted(int(p.stem.split("_")[1]) for p in (tmp_path / "app" / "ckpt").iterdir())
+        assert taken and taken[-1] >= written[-2], (taken, written)
+    else:
+        assert taken and all(s in saves for s in taken), taken

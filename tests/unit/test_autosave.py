@@ -1,0 +1,140 @@
+"""Checkpoints taken from a folder the job's own code writes (hooks/autosave.py): when an entry
+counts as complete, what is taken, and how it goes back where it came from. The frameworks'
+hooks run against the real frameworks in tests/integration/test_framework_hooks.py."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from campugrid import hooks
+from campugrid.hooks import autosave
+
+
+@pytest.fixture
+def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A job's checkpoint folder (as the agent mounts it) and nothing taken yet."""
+    monkeypatch.setenv(hooks.ENV_DIR, str(tmp_path / "checkpoints"))
+    monkeypatch.delenv(autosave.ENV_RESUMED, raising=False)
+    monkeypatch.setattr(autosave, "_newest", -1)
+    monkeypatch.setattr(autosave, "_framework", None)
+    return tmp_path
+
+
+def taken(job: Path) -> list[int]:
+    return [int(p.name[len(hooks.PREFIX):]) for p in hooks.complete(job / "checkpoints")]
+
+
+@pytest.mark.parametrize(("name", "step"), [
+    ("checkpoint-500", 500), ("epoch=2-step=300.ckpt", 300), ("model_0012.pt", 12),
+    ("step_00040.pt", 40), ("last.ckpt", None), ("weights.pt", None)])
+def test_the_step_is_the_one_the_name_says(name, step):
+    assert autosave.step_of(name) == step
+
+
+def test_an_entry_is_taken_once_it_stops_changing(job: Path):
+    folder = job / "app" / "outputs"
+    (folder / "checkpoint-10").mkdir(parents=True)
+    (folder / "checkpoint-10" / "model.bin").write_bytes(b"w" * 100)
+    watch = autosave.Watch(folder, "checkpoint-*", settle_s=0.2)
+    watch.scan()
+    assert taken(job) == []  # first seen: it may still be being written
+    (folder / "checkpoint-10" / "optimizer.bin").write_bytes(b"o" * 50)  # it was
+    time.sleep(0.25)
+    watch.scan()
+    assert taken(job) == []  # changed since: the wait starts again
+    time.sleep(0.25)
+    watch.scan()
+    assert taken(job) == [10]
+    manifest = hooks.verify(job / "checkpoints" / hooks.folder_name(10))
+    assert sorted(manifest["files"]) == ["checkpoint-10/model.bin", "checkpoint-10/optimizer.bin"]
+    assert manifest["meta"] == {"folder": str(folder), "entry": "checkpoint-10",
+                                "framework": "folder"}
+
+
+def test_a_newer_entry_means_the_one_before_is_complete(job: Path):
+    folder = job / "ckpt"
+    folder.mkdir()
+    for step in (10, 20, 30):
+        (folder / f"step_{step:05d}.pt").write_bytes(str(step).encode())
+    watch = autosave.Watch(folder, "step_*.pt", settle_s=60)
+    watch.scan()
+    assert taken(job) == [20]  # 30 may still be being written; 10 is older than 20
+    watch.scan(final=True)  # the job's code ended: 30 is complete
+    assert taken(job) == [20, 30]
+    (folder / "step_00025.pt").write_bytes(b"late")
+    watch.scan(final=True)
+    assert taken(job) == [20, 30]  # never an older step after a newer one
+
+
+def test_once_a_framework_saves_its_own_the_folder_watch_takes_nothing(job: Path):
+    """The watch can only guess when an entry is complete (a pause in a long save looks
+    settled); a framework's hook knows, and takes each as it is saved."""
+    folder = job / "outputs"
+    (folder / "checkpoint-10").mkdir(parents=True)
+    (folder / "checkpoint-10" / "model.bin").write_bytes(b"half of it")
+    autosave.framework_takes_over("transformers")
+    autosave.Watch(folder, settle_s=0).scan(final=True)
+    assert taken(job) == []
+
+
+def test_what_is_not_a_checkpoint_is_left_alone(job: Path, capsys: pytest.CaptureFixture[str]):
+    folder = job / "ckpt"
+    (folder / "checkpoint-7").mkdir(parents=True)
+    (folder / "checkpoint-7" / "w.bin").write_bytes(b"w")
+    os.symlink("/etc/passwd", folder / "checkpoint-7" / "stolen")
+    os.symlink("/etc", folder / "checkpoint-9")  # an entry that is a link
+    (folder / "last.ckpt").write_bytes(b"no number")
+    (folder / "notes-99.txt").write_bytes(b"does not match")
+    watch = autosave.Watch(folder, "[cl]*", settle_s=0)
+    watch.scan()
+    watch.scan()
+    assert taken(job) == [7]
+    manifest = hooks.verify(job / "checkpoints" / hooks.folder_name(7))
+    assert list(manifest["files"]) == ["checkpoint-7/w.bin"]  # links are never followed
+    assert "last.ckpt: no step number in its name; not taken" in capsys.readouterr().err
+
+
+def test_the_checkpoint_resumed_from_goes_back_where_it_was_written(job: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch):
+    folder = job / "app" / "outputs"
+    (folder / "checkpoint-40").mkdir(parents=True)
+    (folder / "checkpoint-40" / "model.bin").write_bytes(b"trained")
+    assert autosave.take(40, folder / "checkpoint-40", "transformers")
+    # Another machine: the agent unpacked the checkpoint; the framework's folder is empty.
+    (folder / "checkpoint-40" / "model.bin").unlink()
+    (folder / "checkpoint-40").rmdir()
+    monkeypatch.setattr(autosave, "_newest", -1)
+    monkeypatch.setenv(autosave.ENV_RESUMED, "40")
+    assert autosave.put_back() == folder / "checkpoint-40"
+    assert (folder / "checkpoint-40" / "model.bin").read_bytes() == b"trained"
+    assert autosave.resumed_entry("transformers") == folder / "checkpoint-40"
+    assert autosave.resumed_entry("lightning") is None  # another framework's: not handed to it
+    # Put back, it counts as taken: the same step is not taken again from the folder.
+    assert not autosave.take(40, folder / "checkpoint-40", "transformers")
+    # A second Python of the same attempt finds it there already and leaves it.
+    (folder / "checkpoint-40" / "model.bin").write_bytes(b"trained further")
+    assert autosave.put_back() == folder / "checkpoint-40"
+    assert (folder / "checkpoint-40" / "model.bin").read_bytes() == b"trained further"
+
+
+def test_a_checkpoint_saved_with_the_hooks_api_is_not_put_anywhere(job: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch):
+    with hooks.save(3) as into:
+        (into / "weights.bin").write_bytes(b"w")
+    monkeypatch.setenv(autosave.ENV_RESUMED, "3")
+    assert autosave.put_back() is None
+    assert autosave.resumed_entry("folder") is None
+
+
+def test_nothing_starts_outside_a_job(monkeypatch: pytest.MonkeyPatch):
+    import sys
+
+    monkeypatch.delenv(hooks.ENV_DIR, raising=False)
+    monkeypatch.setattr(autosave, "_started", False)
+    before = list(sys.meta_path)
+    assert autosave.start() is False
+    assert sys.meta_path == before and not autosave._started
