@@ -21,6 +21,7 @@ from campugrid.client import Api, tar_folder
 from campugrid.protocol.spec import JobSpec
 from tests.acceptance.test_resilience import checkpoints_of, holder, platform_with, wait_for
 from tests.integration.test_framework_hooks import SCRIPTS, SITE
+from tests.support.console import CLI
 
 pytestmark = pytest.mark.acceptance
 IMAGE = "localhost/campugrid/frameworks:v1"
@@ -83,6 +84,16 @@ def test_an_unchanged_script_killed_midway_finishes_elsewhere_from_its_checkpoin
     after = [e for e in checkpoints_of(api, job) if e > resumed]
     interval = before[1] - before[0]
     assert after and after[0] == resumed + interval, (before, after)
+    # Each checkpoint as the job's code named it, its size, the machine that made it.
+    named = {"transformers": "checkpoint-{}", "plain": "step_{:05d}.pt"}[framework]
+    assert [c["label"] for c in final["checkpoints"]] \
+        == [named.format(c["epoch"]) for c in final["checkpoints"]]
+    assert all(c["size"] > 0 and c["machine_id"] for c in final["checkpoints"])
+    shown = subprocess.run([*CLI, "status", job], capture_output=True, text=True, timeout=60,
+                           env=p.cli_env(), check=True).stdout
+    newest = final["checkpoints"][0]
+    assert any(line.startswith(f"ckpt     epoch {newest['epoch']} ")
+               and line.endswith(named.format(newest["epoch"])) for line in shown.splitlines()), shown
     victim.proc.wait(timeout=30)
     p.agents.remove(victim)
     p.start_agent(victim.name)  # for the next case, two agents again

@@ -205,3 +205,28 @@ def test_checkpoints_alone_run_the_job_once_and_round_trip():
     with pytest.raises(InvalidInput, match="a sharded job keeps no checkpoints"):
         JobSpec.from_dict({"verify": {"checkpoints": 0.5}, "shards": [{"payload": 1}],
                            "command": "x"})
+
+
+def test_a_folder_the_jobs_own_code_checkpoints_to_is_checked_and_round_trips():
+    spec = JobSpec.from_dict({"checkpoints": {"dir": "/app//outputs/./", "match": "step_*.pt"}})
+    assert spec.checkpoints is not None
+    assert (spec.checkpoints.dir, spec.checkpoints.match) == ("/app/outputs", "step_*.pt")
+    assert JobSpec.from_json(spec.to_json()) == spec
+    assert JobSpec.from_dict({"checkpoints": {"dir": "/app/outputs"}}).checkpoints.match == "*"
+    assert "checkpoints" not in JobSpec().to_dict()  # stored specs stay as they were
+    for bad, message in (
+            ("outputs", "checkpoints: must be an object"),
+            ({"dir": "outputs"}, "checkpoints.dir: must be an absolute path"),
+            ({"dir": "/"}, "checkpoints.dir: must be an absolute path"),
+            ({"dir": "/./"}, "checkpoints.dir: / cannot be the checkpoint folder"),
+            ({"dir": "/tmp"}, "checkpoints.dir: /tmp cannot be"),
+            ({"dir": "/output/ckpt"}, "checkpoints.dir: /output/ckpt is the platform's"),
+            ({"dir": "/app/../checkpoints"}, "checkpoints.dir: /checkpoints is the platform's"),
+            ({"dir": "/opt/campugrid/hooks"}, "is the platform's"),
+            ({"dir": "/app", "match": "a/b"}, "checkpoints.match: must be a file name pattern"),
+            ({"dir": "/app", "every": 10}, "checkpoints: unknown field 'every'")):
+        with pytest.raises(InvalidInput, match=re.escape(message)):
+            JobSpec.from_dict({"checkpoints": bad})
+    with pytest.raises(InvalidInput, match="a sharded job keeps no checkpoints"):
+        JobSpec.from_dict({"checkpoints": {"dir": "/app/o"}, "shards": [{"payload": 1}],
+                           "command": "x"})

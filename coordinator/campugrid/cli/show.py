@@ -47,9 +47,10 @@ def job_text(job: dict[str, Any]) -> str:
         check = {"agreed": "checked: agreed", "rejected": "checked: REJECTED",
                  "disputed": "checked: DISPUTED", "checking": "checking"}.get(c["verdict"], "")
         start = f"epoch {c['resumed_from']}" if c["resumed_from"] is not None else "the start"
+        named = f"  {c['label']}" if c.get("label") else ""
         lines.append(f"ckpt     epoch {c['epoch']:<5} #{c['attempt']:<3} on "
                      f"{(c['machine_id'] or '-')[:8]:<8} from {start:<11} "
-                     f"{size_text(c['size']):>9}  {check}".rstrip())
+                     f"{size_text(c['size']):>9}  {check}".rstrip() + named)
     for ref, digest in (job.get("bases") or {}).items():
         lines.append(f"base     {ref}@{digest}")
     for limit, how in (job.get("limits") or {}).items():

@@ -284,7 +284,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
             self._guard(context, lambda: self.coord.leasing.record_checkpoint(
                 _hold(request, machine), epoch=request.epoch,
                 key=request.key, upload_id=request.upload_id, etags=list(request.etags),
-                size=request.size, sha256=request.sha256))
+                size=request.size, sha256=request.sha256, label=request.label))
         except (StaleAttempt, IllegalTransition) as e:
             return pb.RecordCheckpointReply(accepted=False, reason=str(e))
         self.metrics.checkpoint_recorded(request.size)

@@ -22,7 +22,8 @@ class CheckpointRecords:
         self.db = db
 
     def record(self, ref: HoldRef, *, epoch: int, key: str, size: int, sha256: str,
-                          keep: int, content_digest: str | None = None) -> list[str]:
+                          keep: int, content_digest: str | None = None,
+                          label: str = "") -> list[str]:
         """Record a verified checkpoint of the current attempt (with its `content_digest` as
         the coordinator read it where it was sampled: `probability`); a check's answer
         is compared, a sampled checkpoint is sent for a check (checks.recorded). Return the
@@ -50,10 +51,11 @@ class CheckpointRecords:
                 ckpt = Checkpoint(job_id=job_id, attempt=token, epoch=epoch, key=key, size=size,
                                   sha256=sha256, created_at=now, machine_id=ref.machine_id,
                                   resumed_from=resumed_from, content_digest=content_digest,
-                                  parent_id=parent)
+                                  parent_id=parent, label=label or None)
                 s.add(ckpt)
                 s.add(JobEvent(job_id=job_id, at=now, attempt=token, kind="checkpoint",
-                               detail=f"epoch {epoch}, {size} bytes"))
+                               detail=f"epoch {epoch}, {size} bytes"
+                                      + (f" ({label})" if label else "")))
                 s.flush()
                 checks.recorded(s, row, ckpt, now)
                 s.flush()

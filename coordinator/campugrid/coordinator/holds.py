@@ -61,7 +61,7 @@ class Hold(Protocol):
     def checkpoint_allowed(self) -> None: ...
 
     def checkpoint(self, *, epoch: int, key: str, size: int, sha256: str,
-                   keep: int, content_digest: str | None = None) -> list[str]: ...
+                   keep: int, content_digest: str | None = None, label: str = "") -> list[str]: ...
 
     def finish(self, *, succeeded: bool, exit_code: int | None = None,
                reason: str | None = None, result: str | None = None,
@@ -95,10 +95,10 @@ class AttemptHold:
         pass
 
     def checkpoint(self, *, epoch: int, key: str, size: int, sha256: str,
-                   keep: int, content_digest: str | None = None) -> list[str]:
+                   keep: int, content_digest: str | None = None, label: str = "") -> list[str]:
         return self.store.checkpoints.record(self.ref, epoch=epoch, key=key, size=size,
                                             sha256=sha256, keep=keep,
-                                            content_digest=content_digest)
+                                            content_digest=content_digest, label=label)
 
     def finish(self, *, succeeded: bool, exit_code: int | None = None,
                reason: str | None = None, result: str | None = None,
@@ -138,7 +138,7 @@ class SessionHold:
         raise InvalidInput("shards do not checkpoint: a lost shard runs again from its start")
 
     def checkpoint(self, *, epoch: int, key: str, size: int, sha256: str,
-                   keep: int, content_digest: str | None = None) -> list[str]:
+                   keep: int, content_digest: str | None = None, label: str = "") -> list[str]:
         self.checkpoint_allowed()
         return []
 

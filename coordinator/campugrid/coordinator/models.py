@@ -365,6 +365,8 @@ class Checkpoint(Base):
     parent_id: Mapped[int | None] = mapped_column(Integer)
     # Its files and bytes as the coordinator read them (quorum.output_digest), for checks.
     content_digest: Mapped[str | None] = mapped_column(String(80))
+    # How the job's own code named it (a framework's checkpoint-<step>): shown beside the epoch.
+    label: Mapped[str | None] = mapped_column(String(200))
     # A check's verdict (coordinator/checks.py): "agreed"; never resumed from: "rejected" (a
     # check outvoted it, or it was made from one that was), "untrusted" (its machine was
     # quarantined and no check agreed with it, or it was made from such a one),

@@ -186,12 +186,13 @@ class CheckpointView:
     # Its check (coordinator/checks.py): "agreed", "rejected", "disputed", "checking" (a check
     # runs); None: not checked.
     verdict: str | None = None
+    label: str | None = None  # how the job's own code named it (a framework's checkpoint-20)
 
     @classmethod
     def from_row(cls, r: Checkpoint | Row[Any]) -> CheckpointView:
         return cls(r.job_id, r.attempt, r.epoch, r.key, r.size, r.sha256, r.created_at,
                    getattr(r, "machine_id", None), getattr(r, "resumed_from", None),
-                   getattr(r, "verdict", None))
+                   getattr(r, "verdict", None), getattr(r, "label", None))
 
 
 @dataclasses.dataclass(frozen=True)

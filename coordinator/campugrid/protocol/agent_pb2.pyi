@@ -412,7 +412,7 @@ class BeginCheckpointReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ..., key: _Optional[str] = ..., upload_id: _Optional[str] = ..., part_size: _Optional[int] = ..., part_urls: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RecordCheckpointRequest(_message.Message):
-    __slots__ = ("job_id", "fencing_token", "epoch", "key", "upload_id", "etags", "size", "sha256", "hold_kind")
+    __slots__ = ("job_id", "fencing_token", "epoch", "key", "upload_id", "etags", "size", "sha256", "hold_kind", "label")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     FENCING_TOKEN_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -422,6 +422,7 @@ class RecordCheckpointRequest(_message.Message):
     SIZE_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     HOLD_KIND_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     fencing_token: int
     epoch: int
@@ -431,7 +432,8 @@ class RecordCheckpointRequest(_message.Message):
     size: int
     sha256: str
     hold_kind: HoldKind
-    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., epoch: _Optional[int] = ..., key: _Optional[str] = ..., upload_id: _Optional[str] = ..., etags: _Optional[_Iterable[str]] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ..., hold_kind: _Optional[_Union[HoldKind, str]] = ...) -> None: ...
+    label: str
+    def __init__(self, job_id: _Optional[str] = ..., fencing_token: _Optional[int] = ..., epoch: _Optional[int] = ..., key: _Optional[str] = ..., upload_id: _Optional[str] = ..., etags: _Optional[_Iterable[str]] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ..., hold_kind: _Optional[_Union[HoldKind, str]] = ..., label: _Optional[str] = ...) -> None: ...
 
 class RecordCheckpointReply(_message.Message):
     __slots__ = ("accepted", "reason")

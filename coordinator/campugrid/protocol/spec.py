@@ -180,7 +180,9 @@ def _checkpoints(value: Any) -> CheckpointsFrom | None:
             and folder.isprintable(), "checkpoints.dir",
             "must be an absolute path inside the job's image, e.g. /app/outputs")
     assert isinstance(folder, str)
-    norm = posixpath.normpath(folder)
+    norm = posixpath.normpath(folder).replace("//", "/")
+    require(norm not in ("/", "/tmp"), "checkpoints.dir",
+            f"{norm} cannot be the checkpoint folder; name a folder of its own, e.g. /app/outputs")
     require(not any(norm == r or norm.startswith(r + "/") for r in CHECKPOINTS_NOT_UNDER),
             "checkpoints.dir", f"{norm} is the platform's; choose a folder of the job's own "
             f"(not under {', '.join(CHECKPOINTS_NOT_UNDER)})")

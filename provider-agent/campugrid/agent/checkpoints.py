@@ -8,6 +8,7 @@ checkpoint is downloaded, its digest checked, and unpacked before the job starts
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -73,6 +74,17 @@ def snapshot(src: Path, dst: Path) -> None:
                     continue
                 with open(dst / rel / name, "wb") as out:
                     shutil.copyfileobj(f, out)
+
+
+def _label(path: Path) -> str:
+    """The name the job's own code gave a checkpoint autosave took (its manifest's meta),
+    made safe to show: printable, at most 200 characters; "" for campugrid.hooks' epochs."""
+    try:
+        meta = json.loads((path / hooks.MANIFEST).read_text()).get("meta") or {}
+    except (OSError, ValueError, AttributeError):
+        return ""
+    entry = meta.get("entry") if isinstance(meta, dict) else None
+    return "".join(ch for ch in entry if ch.isprintable())[:200] if isinstance(entry, str) else ""
 
 
 class CheckpointUploader:
@@ -162,7 +174,7 @@ class CheckpointUploader:
                 etags.append(resp.headers["etag"])
         reply = self.client.record_checkpoint(self.hold, CheckpointRecord(
             epoch=epoch, key=begin.key, upload_id=begin.upload_id, etags=tuple(etags),
-            size=size, sha256=digest))
+            size=size, sha256=digest, label=_label(path)))
         tarball.unlink()
         if not reply.accepted:
             raise CampugridError(f"checkpoint of epoch {epoch} refused: {reply.reason}")

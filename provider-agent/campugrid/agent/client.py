@@ -421,7 +421,8 @@ class CoordinatorApi:
     def record_checkpoint(self, hold: m.Hold, rec: m.CheckpointRecord) -> m.Verdict:
         r = self.wire.record_checkpoint(pb.RecordCheckpointRequest(
             **hold_fields(hold), epoch=rec.epoch, key=rec.key,
-            upload_id=rec.upload_id, etags=list(rec.etags), size=rec.size, sha256=rec.sha256))
+            upload_id=rec.upload_id, etags=list(rec.etags), size=rec.size, sha256=rec.sha256,
+            label=rec.label))
         return m.Verdict(r.accepted, r.reason)
 
     def release(self, hold: m.Hold, reason: str, failed: bool = False,

@@ -226,6 +226,7 @@ class CheckpointRecord:
     etags: tuple[str, ...]
     size: int
     sha256: str
+    label: str = ""  # how the job's own code named it (autosave's entry), else ""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -76,12 +76,13 @@ class CheckpointOut(BaseModel):
     created_at: dt.datetime
     # agreed, rejected (never resumed from), disputed, checking; None: not checked
     verdict: str | None = None
+    label: str | None = None  # how the job's own code named it (a framework's checkpoint-20)
 
     @classmethod
     def of(cls, c: CheckpointView) -> CheckpointOut:
         return cls(epoch=c.epoch, attempt=c.attempt, machine_id=c.machine_id,
                    resumed_from=c.resumed_from, size=c.size, sha256=c.sha256,
-                   created_at=c.created_at, verdict=c.verdict)
+                   created_at=c.created_at, verdict=c.verdict, label=c.label)
 
 
 class JobOut(BaseModel):

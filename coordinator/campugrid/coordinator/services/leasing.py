@@ -40,6 +40,7 @@ log = logging.getLogger("campugrid.coordinator")
 SPEEDS_REFRESH_S = 10.0  # how old the machines' speed ranking may be
 MAX_OUTPUT_FILES = 200  # files of an output listed on its job (the rest: in the archive)
 MAX_OUTPUT_PATH = 256  # characters of each listed path
+MAX_LABEL = 200  # characters of the name a job's own code gave a checkpoint
 
 
 class LeaseService:
@@ -195,8 +196,11 @@ class LeaseService:
         return CheckpointUpload(key, upload_id, part, urls)
 
     def record_checkpoint(self, ref: HoldRef, *, epoch: int, key: str, upload_id: str,
-                          etags: list[str], size: int, sha256: str) -> None:
-        """Complete the upload, check what arrived, and only then record it."""
+                          etags: list[str], size: int, sha256: str, label: str = "") -> None:
+        """Complete the upload, check what arrived, and only then record it. `label`: how
+        the job's own code named it (shown only; the machine says it)."""
+        if len(label) > MAX_LABEL or not label.isprintable():
+            raise InvalidInput(f"checkpoint label: at most {MAX_LABEL} printable characters")
         hold = self.holds.of(ref)
         hold.checkpoint_allowed()
         prefix = _checkpoint_key(ref, epoch)
@@ -219,7 +223,8 @@ class LeaseService:
         digest = (checkpoint_digest(self.objects.stream(key), limit=size)
                   if chance > 0 and draw() < chance else None)
         for old in hold.checkpoint(epoch=epoch, key=key, size=size, sha256=sha256,
-                                   keep=self.settings.keep_checkpoints, content_digest=digest):
+                                   keep=self.settings.keep_checkpoints, content_digest=digest,
+                                   label=label):
             self.objects.delete(old)
         if digest is not None:  # a check queued, or a checkpoint decided (a liar quarantined)
             self.machines.recheck()
