@@ -42,7 +42,7 @@ BESIDE_THE_HOST = (
         # what starts processes but needs no Podman (tests/unit starts none)
         "backends", "cli", "cli_spec_process", "confined_children", "coordinator_api_contract",
         "gpu_processes",
-        "hook_processes", "install_unit", "owner", "packaging", "shard_runner")))
+        "framework_hooks", "hook_processes", "install_unit", "owner", "packaging", "shard_runner")))
 
 
 @pytest.hookimpl(optionalhook=True)
