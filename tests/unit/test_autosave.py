@@ -138,3 +138,32 @@ def test_nothing_starts_outside_a_job(monkeypatch: pytest.MonkeyPatch):
     before = list(sys.meta_path)
     assert autosave.start() is False
     assert sys.meta_path == before and not autosave._started
+
+
+def test_a_framework_version_the_hooks_do_not_know_is_left_alone_with_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    """A module that the import hook patches (here a stand-in named like Keras's) whose class
+    lacks what the patch needs: it loads and works as it is, and the job's log says so."""
+    import importlib
+    import sys
+
+    from campugrid.hooks import frameworks
+
+    package = tmp_path / "keras" / "src" / "callbacks"
+    package.mkdir(parents=True)
+    for folder in (tmp_path / "keras", tmp_path / "keras" / "src", package):
+        (folder / "__init__.py").write_text("")
+    (package / "backup_and_restore.py").write_text(
+        "class BackupAndRestore:\n    def save(self):\n        return 'saved'\n")
+    (tmp_path / "keras" / "__init__.py").write_text("__version__ = '9.9'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [n for n in sys.modules if n == "keras" or n.startswith("keras.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    frameworks.install()
+    module = importlib.import_module("keras.src.callbacks.backup_and_restore")
+    assert module.BackupAndRestore().save() == "saved"
+    assert not hasattr(module.BackupAndRestore, "_load_model")  # untouched
+    err = capsys.readouterr().err
+    assert "keras 9.9 is not a version the checkpoint hooks know" in err
+    assert '("checkpoints": {"dir": ...})' in err
