@@ -1,6 +1,6 @@
 """Checkpoints of training code that never heard of campugrid, through the platform: a Hugging
-Face Trainer script and a plain PyTorch loop (tests/frameworks, unchanged, in the frameworks
-image that infra/frameworks-image.sh makes), run by real agents under gVisor. The agent holding
+Face Trainer script (tests/frameworks, unchanged, in the frameworks image that
+infra/frameworks-image.sh makes), run by real agents under gVisor. The agent holding
 the job is killed with SIGKILL after its checkpoints are recorded; the job finishes on the other
 agent from the newest one, with the weights of a run never stopped. The hooks against all four
 frameworks, drains included, run on the host in tests/integration/test_framework_hooks.py."""
@@ -27,12 +27,11 @@ pytestmark = pytest.mark.acceptance
 IMAGE = "localhost/campugrid/frameworks:v1"
 JOBS = {
     # The Trainer's own checkpoint-<step> folders, taken by its hook as it saves them; the spec
-    # names its output_dir only to have it writable (the image's root is read-only).
+    # names its output_dir only to have it writable (the image's root is read-only). (The
+    # plain loop, whose folder the spec names for the watch, Lightning and Keras run on the
+    # host: each case here is ~45 s of the suite's 25 minutes.)
     "transformers": {"command": ["python3", "train_hf.py"],
                      "checkpoints": {"dir": "/app/outputs"}},
-    # A loop of the researcher's own: the spec names its folder.
-    "plain": {"command": ["python3", "train_plain.py"],
-              "checkpoints": {"dir": "/app/ckpt", "match": "step_*.pt"}},
 }
 ENV = {"OMP_NUM_THREADS": "1"}  # the same arithmetic in the sandbox as on the host
 
@@ -85,15 +84,12 @@ def test_an_unchanged_script_killed_midway_finishes_elsewhere_from_its_checkpoin
     interval = before[1] - before[0]
     assert after and after[0] == resumed + interval, (before, after)
     # Each checkpoint as the job's code named it, its size, the machine that made it.
-    named = {"transformers": "checkpoint-{}", "plain": "step_{:05d}.pt"}[framework]
+    named = {"transformers": "checkpoint-{}"}[framework]
     assert [c["label"] for c in final["checkpoints"]] \
         == [named.format(c["epoch"]) for c in final["checkpoints"]]
     assert all(c["size"] > 0 and c["machine_id"] for c in final["checkpoints"])
     shown = subprocess.run([*CLI, "status", job], capture_output=True, text=True, timeout=60,
                            env=p.cli_env(), check=True).stdout
-    newest = final["checkpoints"][0]
+    newest = max(final["checkpoints"], key=lambda c: c["epoch"])
     assert any(line.startswith(f"ckpt     epoch {newest['epoch']} ")
                and line.endswith(named.format(newest["epoch"])) for line in shown.splitlines()), shown
-    victim.proc.wait(timeout=30)
-    p.agents.remove(victim)
-    p.start_agent(victim.name)  # for the next case, two agents again

@@ -19,8 +19,7 @@ def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A job's checkpoint folder (as the agent mounts it) and nothing taken yet."""
     monkeypatch.setenv(hooks.ENV_DIR, str(tmp_path / "checkpoints"))
     monkeypatch.delenv(autosave.ENV_RESUMED, raising=False)
-    monkeypatch.setattr(autosave, "_newest", -1)
-    monkeypatch.setattr(autosave, "_framework", None)
+    monkeypatch.delenv(autosave.ENV_PUT_BACK, raising=False)
     return tmp_path
 
 
@@ -46,12 +45,14 @@ def test_an_entry_is_taken_once_it_stops_changing(job: Path):
     time.sleep(0.25)
     watch.scan()
     assert taken(job) == []  # changed since: the wait starts again
+    watch.scan()
+    assert taken(job) == []  # unchanged, but not for long enough
     time.sleep(0.25)
     watch.scan()
     assert taken(job) == [10]
     manifest = hooks.verify(job / "checkpoints" / hooks.folder_name(10))
     assert sorted(manifest["files"]) == ["checkpoint-10/model.bin", "checkpoint-10/optimizer.bin"]
-    assert manifest["meta"] == {"folder": str(folder), "entry": "checkpoint-10",
+    assert manifest["meta"] == {"folder": str(folder), "entries": ["checkpoint-10"],
                                 "framework": "folder"}
 
 
@@ -62,12 +63,40 @@ def test_a_newer_entry_means_the_one_before_is_complete(job: Path):
         (folder / f"step_{step:05d}.pt").write_bytes(str(step).encode())
     watch = autosave.Watch(folder, "step_*.pt", settle_s=60)
     watch.scan()
-    assert taken(job) == [20]  # 30 may still be being written; 10 is older than 20
-    watch.scan(final=True)  # the job's code ended: 30 is complete
-    assert taken(job) == [20, 30]
+    assert taken(job) == []  # nothing seen before: any of them may be being written
+    watch.scan()
+    assert taken(job) == [10, 20]  # unchanged, and a newer step began; 30 may be in writing
+    watch.scan(ending=True)  # the process ends: unchanged since the last look, 30 is complete
+    assert taken(job) == [10, 20, 30]
     (folder / "step_00025.pt").write_bytes(b"late")
-    watch.scan(final=True)
-    assert taken(job) == [20, 30]  # never an older step after a newer one
+    watch.scan()
+    watch.scan(ending=True)
+    assert taken(job) == [10, 20, 30]  # never an older step after a newer one
+
+
+def test_files_of_one_step_are_one_checkpoint_and_what_changes_at_the_end_is_not_taken(
+        job: Path):
+    folder = job / "ckpt"
+    folder.mkdir()
+    (folder / "model_00100.pt").write_bytes(b"m")
+    (folder / "optim_00100.pt").write_bytes(b"o")
+    (folder / "empty-200").mkdir()  # nothing in it yet (but a newer step: 100 is complete)
+    watch = autosave.Watch(folder, settle_s=60)
+    watch.scan()
+    watch.scan()
+    manifest = hooks.verify(job / "checkpoints" / hooks.folder_name(100))
+    assert sorted(manifest["files"]) == ["model_00100.pt", "optim_00100.pt"]
+    assert manifest["meta"]["entries"] == ["model_00100.pt", "optim_00100.pt"]
+    assert taken(job) == [100]  # an empty entry is never complete
+    (folder / "model_00300.pt").write_bytes(b"half")
+    watch.scan()
+    (folder / "model_00300.pt").write_bytes(b"half, then more")
+    watch.scan(ending=True)  # changed since the last look: perhaps cut short
+    assert taken(job) == [100]
+    watch.scan(ending=True, clean=False)  # unchanged now, but an exception ends the job
+    assert taken(job) == [100]
+    watch.scan(ending=True)  # a clean end: nothing writes it any more
+    assert taken(job) == [100, 300]
 
 
 def test_once_a_framework_saves_its_own_the_folder_watch_takes_nothing(job: Path):
@@ -76,8 +105,10 @@ def test_once_a_framework_saves_its_own_the_folder_watch_takes_nothing(job: Path
     folder = job / "outputs"
     (folder / "checkpoint-10").mkdir(parents=True)
     (folder / "checkpoint-10" / "model.bin").write_bytes(b"half of it")
-    autosave.framework_takes_over("transformers")
-    autosave.Watch(folder, settle_s=0).scan(final=True)
+    watch = autosave.Watch(folder, settle_s=0)
+    watch.scan()
+    autosave.framework_takes_over("transformers")  # in this Python or another of the job
+    watch.scan(ending=True)
     assert taken(job) == []
 
 
@@ -103,21 +134,24 @@ def test_the_checkpoint_resumed_from_goes_back_where_it_was_written(job: Path,
     folder = job / "app" / "outputs"
     (folder / "checkpoint-40").mkdir(parents=True)
     (folder / "checkpoint-40" / "model.bin").write_bytes(b"trained")
-    assert autosave.take(40, folder / "checkpoint-40", "transformers")
+    assert autosave.take(40, [folder / "checkpoint-40"], "transformers")
+    assert not autosave.take(40, [folder / "checkpoint-40"], "transformers")  # never replaced
     # Another machine: the agent unpacked the checkpoint; the framework's folder is empty.
     (folder / "checkpoint-40" / "model.bin").unlink()
     (folder / "checkpoint-40").rmdir()
-    monkeypatch.setattr(autosave, "_newest", -1)
     monkeypatch.setenv(autosave.ENV_RESUMED, "40")
-    assert autosave.put_back() == folder / "checkpoint-40"
+    assert autosave.put_back() == [folder / "checkpoint-40"]
     assert (folder / "checkpoint-40" / "model.bin").read_bytes() == b"trained"
+    assert not list(folder.glob(".campugrid-*"))  # copied aside, then renamed into place
     assert autosave.resumed_entry("transformers") == folder / "checkpoint-40"
     assert autosave.resumed_entry("lightning") is None  # another framework's: not handed to it
     # Put back, it counts as taken: the same step is not taken again from the folder.
-    assert not autosave.take(40, folder / "checkpoint-40", "transformers")
-    # A second Python of the same attempt finds it there already and leaves it.
+    assert not autosave.take(40, [folder / "checkpoint-40"], "transformers")
+    # The job's later Pythons are told it is done; one that looks anyway leaves what is there.
+    assert os.environ[autosave.ENV_PUT_BACK] == "40" and autosave.put_back() == []
+    monkeypatch.delenv(autosave.ENV_PUT_BACK)
     (folder / "checkpoint-40" / "model.bin").write_bytes(b"trained further")
-    assert autosave.put_back() == folder / "checkpoint-40"
+    assert autosave.put_back() == [folder / "checkpoint-40"]
     assert (folder / "checkpoint-40" / "model.bin").read_bytes() == b"trained further"
 
 
@@ -126,18 +160,21 @@ def test_a_checkpoint_saved_with_the_hooks_api_is_not_put_anywhere(job: Path,
     with hooks.save(3) as into:
         (into / "weights.bin").write_bytes(b"w")
     monkeypatch.setenv(autosave.ENV_RESUMED, "3")
-    assert autosave.put_back() is None
+    assert autosave.put_back() == []
     assert autosave.resumed_entry("folder") is None
 
 
 def test_nothing_starts_outside_a_job(monkeypatch: pytest.MonkeyPatch):
     import sys
+    import threading
 
     monkeypatch.delenv(hooks.ENV_DIR, raising=False)
     monkeypatch.setattr(autosave, "_started", False)
     before = list(sys.meta_path)
-    assert autosave.start() is False
-    assert sys.meta_path == before and not autosave._started
+
+    assert autosave.start() is False and not autosave._started
+    assert sys.meta_path == before  # the frameworks are hooked by sitecustomize, in a job only
+    assert "campugrid-watch" not in {t.name for t in threading.enumerate()}
 
 
 def test_a_framework_version_the_hooks_do_not_know_is_left_alone_with_one_line(

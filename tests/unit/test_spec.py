@@ -223,6 +223,8 @@ def test_a_folder_the_jobs_own_code_checkpoints_to_is_checked_and_round_trips():
             ({"dir": "/output/ckpt"}, "checkpoints.dir: /output/ckpt is the platform's"),
             ({"dir": "/app/../checkpoints"}, "checkpoints.dir: /checkpoints is the platform's"),
             ({"dir": "/opt/campugrid/hooks"}, "is the platform's"),
+            ({"dir": "/app/a:b"}, "checkpoints.dir: must be an absolute path"),
+            ({"dir": "/app/a,b"}, "checkpoints.dir: must be an absolute path"),
             ({"dir": "/app", "match": "a/b"}, "checkpoints.match: must be a file name pattern"),
             ({"dir": "/app", "every": 10}, "checkpoints: unknown field 'every'")):
         with pytest.raises(InvalidInput, match=re.escape(message)):

@@ -23,6 +23,7 @@ job's log; the folder watch (`"checkpoints": {"dir": ...}`) still applies.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.abc
 import importlib.machinery
 import json
@@ -37,8 +38,8 @@ from typing import Any
 
 from campugrid.hooks import autosave
 
-DRAINED = 128 + signal.SIGTERM  # the exit status of a job stopped by its drain
-draining = threading.Event()
+draining = threading.Event()  # SIGTERM came while the framework trains: save, then stop
+training = threading.Event()  # the framework is in its training loop
 
 
 class UnknownVersion(Exception):
@@ -51,12 +52,20 @@ def _on_drain() -> None:
         autosave.say("SIGTERM is not handled (the framework started outside the main thread): "
                      "a drain keeps the last checkpoint the framework wrote")
         return
-    signal.signal(signal.SIGTERM, lambda signum, frame: draining.set())
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    if training.is_set():
+        draining.set()  # the framework saves at its next step, then the job exits
+    else:  # before or after training (data preparation, evaluation): nothing to save
+        autosave.say("drained outside the training loop; stopping")
+        os._exit(autosave.DRAINED)
 
 
 def _stop_drained(step: int) -> None:
     autosave.say(f"drained: the checkpoint of step {step} is taken; stopping")
-    raise SystemExit(DRAINED)
+    raise SystemExit(autosave.DRAINED)
 
 
 def _needs(cls: type, *names: str) -> None:
@@ -74,6 +83,12 @@ def hook_transformers(module: ModuleType) -> None:
     callback_base = importlib.import_module("transformers.trainer_callback").TrainerCallback
 
     class Campugrid(callback_base):  # type: ignore[misc,valid-type]
+        def on_train_begin(self, *_: Any, **__: Any) -> None:
+            training.set()
+
+        def on_train_end(self, *_: Any, **__: Any) -> None:
+            training.clear()
+
         def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
             if draining.is_set():
                 control.should_save = True
@@ -83,18 +98,20 @@ def hook_transformers(module: ModuleType) -> None:
             if getattr(args, "should_save", True):
                 folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
                 if folder.is_dir():
-                    autosave.take(int(state.global_step), folder, "transformers")
+                    autosave.take(int(state.global_step), [folder], "transformers")
             if draining.is_set():
                 _stop_drained(int(state.global_step))
 
     init, train = trainer_cls.__init__, trainer_cls.train
 
+    @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         self.add_callback(Campugrid)
         autosave.framework_takes_over("transformers")
         _on_drain()
 
+    @functools.wraps(train)
     def train_(self: Any, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         if resume_from_checkpoint is None:
             entry = autosave.resumed_entry("transformers")
@@ -123,6 +140,12 @@ def hook_lightning(module: ModuleType) -> None:
         def load_state_dict(self, state_dict: dict[str, Any]) -> None:
             set_rng_states(state_dict)
 
+        def on_train_start(self, *_: Any) -> None:
+            training.set()
+
+        def on_train_end(self, *_: Any) -> None:
+            training.clear()
+
         def on_train_batch_end(self, trainer: Any, *_: Any) -> None:
             if not draining.is_set() or not _resumable_mid_epoch(trainer):
                 return  # Lightning's own SIGTERM handling stops it after this batch
@@ -147,18 +170,21 @@ def hook_lightning(module: ModuleType) -> None:
 
     init, fit, save = trainer_cls.__init__, trainer_cls.fit, trainer_cls.save_checkpoint
 
+    @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         self.callbacks.append(Campugrid())
         autosave.framework_takes_over("lightning")
         _on_drain()
 
+    @functools.wraps(save)
     def save_checkpoint(self: Any, filepath: Any, *args: Any, **kwargs: Any) -> None:
         save(self, filepath, *args, **kwargs)
         path = Path(filepath)
         if self.is_global_zero and path.exists() and not path.is_symlink():
-            autosave.take(int(self.global_step), path, "lightning")
+            autosave.take(int(self.global_step), [path], "lightning")
 
+    @functools.wraps(fit)
     def fit_(self: Any, model: Any, train_dataloaders: Any = None, val_dataloaders: Any = None,
              datamodule: Any = None, ckpt_path: Any = None, *args: Any, **kwargs: Any) -> Any:
         if ckpt_path in (None, "last"):
@@ -206,10 +232,12 @@ def hook_keras(module: ModuleType) -> None:
     _needs(backup_cls, "_save_model", "_load_model")
     save, load, init = backup_cls._save_model, backup_cls._load_model, backup_cls.__init__
 
+    @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         autosave.framework_takes_over("keras")
 
+    @functools.wraps(save)
     def _save_model(self: Any, *args: Any, **kwargs: Any) -> None:
         save(self, *args, **kwargs)
         folder = Path(self.backup_dir)
@@ -218,8 +246,9 @@ def hook_keras(module: ModuleType) -> None:
             # Keras keeps no random state in its backup: a resumed run would shuffle
             # differently from one never stopped. Kept beside it.
             (folder / RNG_FILE).write_text(json.dumps(_plain(rng_states())))
-            autosave.take(int(optimizer.iterations), folder, "keras")
+            autosave.take(int(optimizer.iterations), [folder], "keras")
 
+    @functools.wraps(load)
     def _load_model(self: Any, *args: Any, **kwargs: Any) -> None:
         load(self, *args, **kwargs)
         with contextlib.suppress(OSError, ValueError):

@@ -164,6 +164,7 @@ class CheckpointsFrom:
     match: str = "*"
 
 
+CHECKPOINTS_DIR_RE = re.compile(r"[A-Za-z0-9/._+@-]+")  # what a mount's target may say
 # Where a job's checkpoint folder may not be: the platform's own mounts, and the kernel's.
 CHECKPOINTS_NOT_UNDER = ("/output", "/checkpoints", "/data", "/opt/campugrid", "/proc", "/sys",
                          "/dev")
@@ -177,8 +178,9 @@ def _checkpoints(value: Any) -> CheckpointsFrom | None:
     no_unknown(value, CheckpointsFrom, "checkpoints")
     folder, match = value.get("dir"), value.get("match", "*")
     require(isinstance(folder, str) and folder.startswith("/") and 1 < len(folder) <= 512
-            and folder.isprintable(), "checkpoints.dir",
-            "must be an absolute path inside the job's image, e.g. /app/outputs")
+            and bool(CHECKPOINTS_DIR_RE.fullmatch(folder)), "checkpoints.dir",
+            "must be an absolute path inside the job's image, of letters, digits and "
+            "/ . _ - + @ (e.g. /app/outputs)")
     assert isinstance(folder, str)
     norm = posixpath.normpath(folder).replace("//", "/")
     require(norm not in ("/", "/tmp"), "checkpoints.dir",

@@ -83,8 +83,11 @@ def _label(path: Path) -> str:
         meta = json.loads((path / hooks.MANIFEST).read_text()).get("meta") or {}
     except (OSError, ValueError, AttributeError):
         return ""
-    entry = meta.get("entry") if isinstance(meta, dict) else None
-    return "".join(ch for ch in entry if ch.isprintable())[:200] if isinstance(entry, str) else ""
+    entries = meta.get("entries") if isinstance(meta, dict) else None
+    if not isinstance(entries, list):
+        return ""
+    named = ", ".join(e for e in entries if isinstance(e, str))
+    return "".join(ch for ch in named if ch.isprintable())[:200]
 
 
 class CheckpointUploader:

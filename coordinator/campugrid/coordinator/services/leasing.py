@@ -198,9 +198,8 @@ class LeaseService:
     def record_checkpoint(self, ref: HoldRef, *, epoch: int, key: str, upload_id: str,
                           etags: list[str], size: int, sha256: str, label: str = "") -> None:
         """Complete the upload, check what arrived, and only then record it. `label`: how
-        the job's own code named it (shown only; the machine says it)."""
-        if len(label) > MAX_LABEL or not label.isprintable():
-            raise InvalidInput(f"checkpoint label: at most {MAX_LABEL} printable characters")
+        the job's own code named it (shown only, as printable text: the machine says it)."""
+        label = "".join(ch for ch in label[:4 * MAX_LABEL] if ch.isprintable())[:MAX_LABEL]
         hold = self.holds.of(ref)
         hold.checkpoint_allowed()
         prefix = _checkpoint_key(ref, epoch)

@@ -1,5 +1,5 @@
-"""A quarantined machine's image builds are withdrawn for good (reinstating it does not hand
-them out again); a checkpoint keeps the name the job's own code gave it
+"""A quarantined machine's image builds are withdrawn for good: reinstating it does not hand
+them out again
 
 Revision ID: 0021
 Revises: 0020
@@ -18,11 +18,8 @@ depends_on = None
 
 def upgrade() -> None:
     op.add_column("image_builds", sa.Column("withdrawn_at", sa.DateTime(timezone=True), nullable=True))
-    op.add_column("checkpoints", sa.Column("label", sa.String(200), nullable=True))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("checkpoints", schema=None) as batch_op:
-        batch_op.drop_column("label")
     with op.batch_alter_table("image_builds", schema=None) as batch_op:
         batch_op.drop_column("withdrawn_at")
