@@ -97,19 +97,19 @@ def newest() -> int:
 def take(step: int, sources: list[Path], framework: str) -> bool:
     """Checkpoint `sources` (files or folders of one folder, their links left out) as epoch
     `step`, unless this step or a newer one was taken already. Returns whether it was."""
-    with _job_lock():
-        if step <= newest():
-            return False
-        meta = {"folder": str(sources[0].parent.absolute()),
-                "entries": [p.name for p in sources], "framework": framework}
-        try:
+    try:
+        with _job_lock():
+            if step <= newest():
+                return False
+            meta = {"folder": str(sources[0].parent.absolute()),
+                    "entries": [p.name for p in sources], "framework": framework}
             with hooks.save(step, meta=meta) as into:
                 for source in sources:
                     _copy(source, into / source.name)
-        except (OSError, hooks.CheckpointError) as e:
-            say(f"checkpoint {', '.join(map(str, sources))} was not taken: {e}")
-            return False
-        return True
+            return True
+    except (OSError, hooks.CheckpointError) as e:  # the job trains on; the next one may do
+        say(f"checkpoint {', '.join(map(str, sources))} was not taken: {e}")
+        return False
 
 
 def _copy(source: Path, target: Path) -> None:
@@ -126,10 +126,13 @@ def _copy(source: Path, target: Path) -> None:
 def framework_takes_over(name: str) -> None:
     """A framework's hook is active in this job: its saves are the checkpoints, and the folder
     watch (in whichever Python of the job it runs) takes nothing more."""
-    marker = hooks.checkpoint_dir() / FRAMEWORK
-    if not marker.exists():
-        marker.write_text(name)
-        say(f"checkpoints: {name}'s own, taken as it saves them")
+    try:
+        marker = hooks.checkpoint_dir() / FRAMEWORK
+        if not marker.exists():
+            marker.write_text(name)
+            say(f"checkpoints: {name}'s own, taken as it saves them")
+    except OSError as e:  # no checkpoint folder to write to: nothing to take either
+        say(f"checkpoints: {name}'s own cannot be taken here ({e})")
 
 
 def _resumed_meta() -> tuple[int, Path, dict[str, Any]] | None:
