@@ -4,6 +4,7 @@ hooks run against the real frameworks in tests/integration/test_framework_hooks.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -162,6 +163,10 @@ def test_a_checkpoint_saved_with_the_hooks_api_is_not_put_anywhere(job: Path,
     monkeypatch.setenv(autosave.ENV_RESUMED, "3")
     assert autosave.put_back() == []
     assert autosave.resumed_entry("folder") is None
+    manifest = job / "checkpoints" / hooks.folder_name(3) / hooks.MANIFEST
+    for meta in (None, [], {"folder": "/app", "entries": ["../x"]}, {"folder": 1, "entries": ["x"]}):
+        manifest.write_text(json.dumps({"epoch": 3, "files": {}, "meta": meta}))
+        assert autosave.put_back() == [] and autosave.resumed_entry("folder") is None
 
 
 def test_nothing_starts_outside_a_job(monkeypatch: pytest.MonkeyPatch):

@@ -146,7 +146,9 @@ def _resumed_meta() -> tuple[int, Path, dict[str, Any]] | None:
         meta = json.loads((folder / hooks.MANIFEST).read_text()).get("meta")
     except (OSError, ValueError, AttributeError):
         return None
-    entries = meta.get("entries") if isinstance(meta, dict) else None
+    if not isinstance(meta, dict):
+        return None
+    entries = meta.get("entries")
     if (not isinstance(meta.get("folder"), str) or not isinstance(entries, list) or not entries
             or not all(isinstance(e, str) and e and "/" not in e and e not in (".", "..")
                        for e in entries)):
