@@ -212,8 +212,8 @@ class Task:
 
     def _watch_disk(self, folders: tuple[Path, ...]) -> None:
         """Stop the job once /output and /checkpoints (and the job's own checkpoint folder)
-        hold more than output_mb. In an output
-        slot the kernel refuses the bytes past it, and this stops the job that hit the wall;
+        hold more than output_mb. In an output slot the kernel refuses the bytes past it, and
+        this stops the job that hit the wall;
         without one, this is the bound (a single file cannot pass the limit: RLIMIT_FSIZE,
         see run_request). Apparent sizes count too: sparse files would inflate the output
         tarball."""
