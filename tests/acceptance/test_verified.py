@@ -1,13 +1,11 @@
 """Results checked by agreement, for real: three agents (the provider user's, real Podman,
 runsc and Buildah), one of them dishonest (tests/support/liar.py: it changes a byte of every
-/output it uploads and every shard result it reports, and the image it pushes for the others
-says 43 where its build says 42). Its word is taken for an unverified job, and an honest
-machine runs its forged image for another. A verified job ends with the honest answer, the
-liar is quarantined with the evidence, gets no more work, and both earlier jobs are marked
-tainted; `rerun` runs one again, from an honest build. Reinstated, it lies about shards: an
-adaptive sweep ends with every shard's honest result, and it is quarantined again. A liar that
-poisons checkpoints is caught by their checks, and the training job it ran resumes elsewhere
-from the last checked one."""
+/output it uploads, and every shard result it reports). A verified job ends with the honest
+answer, the liar is quarantined with the evidence, gets no more work, and the result it made
+earlier for an unverified job is marked tainted; `rerun` runs that job again. Reinstated, it
+lies about shards: an adaptive sweep ends with every shard's honest result, and it is
+quarantined again. A liar that poisons checkpoints is caught by their checks, and the
+training job it ran resumes elsewhere from the last checked one."""
 
 from __future__ import annotations
 
@@ -30,11 +28,9 @@ from tests.support.console import CLI, browser_page, signed_in_admin
 pytestmark = pytest.mark.acceptance
 LIAR = Path(__file__).resolve().parents[1] / "support" / "liar.py"
 TRAIN = Path(__file__).resolve().parents[2] / "examples" / "train"
-# The answer is in the image (/answer.txt) and in the output file: a liar that changes /output
-# but reports the honest result line is caught only by the coordinator's own reading of the
-# archives; one that pushes a forged image changes what other machines answer.
-COMMAND = ["sh", "-c", "mkdir -p /output/model && cp /answer.txt /output/model/answer.txt && "
-                       "cat /answer.txt"]
+# The answer is in the output file: a liar that changes /output but reports the honest result
+# line is caught only by the coordinator's own reading of the archives.
+COMMAND = ["sh", "-c", "mkdir -p /output/model && echo 42 > /output/model/answer.txt && echo 42"]
 
 
 @pytest.fixture
@@ -43,9 +39,7 @@ def grid(tmp_path: Path) -> Iterator[tuple[Platform, Api, Path]]:
     context (the base image alone)."""
     context = tmp_path / "job"
     context.mkdir()
-    (context / "answer.txt").write_text("42\n")
-    (context / "Dockerfile").write_text("FROM localhost/campugrid/python:bookworm\n"
-                                        "COPY answer.txt /answer.txt\n")
+    (context / "Dockerfile").write_text("FROM localhost/campugrid/python:bookworm\n")
     with platform_with({}) as (p, api):
         yield p, api, context
 
@@ -59,32 +53,20 @@ def answer_in(api: Api, job_id: str) -> bytes:
 
 def test_a_liar_is_outvoted_quarantined_and_its_earlier_result_tainted(grid, request):
     p, api, context = grid
-    # Before anyone checks it, the liar runs an unverified job: its word is taken. A second
-    # job of the same image, queued already, makes it push its build for the others ("first"
-    # reuse); as it takes one task (--once), an honest machine runs that one, from the image
-    # the liar pushed.
-    plain = api.submit(tar_folder(context), JobSpec(command=COMMAND))["id"]
-    twin = api.submit(tar_folder(context), JobSpec(command=COMMAND))["id"]
-    lies = (str(LIAR), "--lie", "output,shards,image")
-    liar = p.start_agent("liar", program=lies, args=("--once",))
-    plain_final = api.wait(plain, timeout_s=240, poll_s=0.2)
-    assert plain_final["machine_id"] == liar.machine_id() and plain_final["result"] == "42"
-    assert answer_in(api, plain) != b"42\n" and not plain_final.get("tainted")
-    assert liar.proc.wait(timeout=60) == 0
-    honest_a = p.start_agent("honest-a")
-    twin_final = api.wait(twin, timeout_s=240, poll_s=0.2)
-    assert twin_final["machine_id"] == honest_a.machine_id(), twin_final
-    assert twin_final["result"] == "43" and not twin_final.get("tainted")  # the forged image
-    assert any(e["kind"] == "image" and f"built by machine {liar.machine_id()}" in e["detail"]
-               for e in twin_final["events"]), twin_final["events"]
+    liar = p.start_agent("liar", program=(str(LIAR), "--lie", "output,shards"))
+    # Before anyone checks it, the liar runs an unverified job: its word is taken.
+    plain = api.wait(api.submit(tar_folder(context), JobSpec(command=COMMAND))["id"],
+                     timeout_s=240, poll_s=0.2)
+    assert plain["machine_id"] == liar.machine_id() and answer_in(api, plain["id"]) != b"42\n"
+    assert not plain.get("tainted")
 
-    liar = p.start_agent("liar", program=lies)
     spec = JobSpec.from_dict({"command": COMMAND, "verify": {"replicas": 2}})
     job = api.submit(tar_folder(context), spec)["id"]
-    # The liar and honest-a take the two replicas; they disagree, and honest-b breaks the tie.
+    # The liar takes the first replica (it is the only machine); honest ones join after.
     wait_for("the liar to hold a replica", lambda: any(
         r["machine_id"] == liar.machine_id() for r in api.job(job)["replicas"]))
-    p.start_agent("honest-b")
+    for name in ("honest-a", "honest-b"):
+        p.start_agent(name)
     final = api.wait(job, timeout_s=300, poll_s=0.3)
     assert final["state"] == "succeeded" and final["result"] == "42"
     assert answer_in(api, job) == b"42\n"  # the output served is the quorum's
@@ -92,31 +74,24 @@ def test_a_liar_is_outvoted_quarantined_and_its_earlier_result_tainted(grid, req
     assert len(by_machine) == 3 and by_machine[liar.machine_id()]["agreed"] is False
     assert by_machine[liar.machine_id()]["result"] == "42"  # same line, other bytes
     assert sorted(r["agreed"] for r in final["replicas"]) == [False, True, True]
-    # A verified job's image is one two machines built alike: never the liar's forgery.
-    assert not any(e["kind"] == "image" and "pulls" in e["detail"]
-                   and liar.machine_id() in e["detail"] for e in final["events"])
 
     record = next(m for m in api.machines() if m["id"] == liar.machine_id())
     assert record["status"] == "quarantined" and job in record["quarantine"]
     assert record["disagreed"] == 1
-    tainted = api.job(plain)
+    tainted = api.job(plain["id"])
     assert tainted["tainted"] and "quarantined" in tainted["tainted"]
-    ran_forged = api.job(twin)["tainted"]
-    assert ran_forged and "it ran an image built by" in ran_forged, ran_forged
 
     # Its remedy: run it again; the quarantined liar gets none of it.
-    # Its build is withdrawn: the rerun pulls an honest machine's (or builds), never the forgery.
-    again = api.wait(api.rerun(twin)["id"], timeout_s=240, poll_s=0.2)
-    assert again["machine_id"] != liar.machine_id() and again["result"] == "42"
-    assert answer_in(api, again["id"]) == b"42\n"
+    again = api.wait(api.rerun(plain["id"])["id"], timeout_s=240, poll_s=0.2)
+    assert again["machine_id"] != liar.machine_id() and answer_in(api, again["id"]) == b"42\n"
     assert liar.proc.poll() is None  # still running, asking in vain
 
     # What the people see: the replicas and who disagreed, the taint, the quarantine.
     shown = subprocess.run([*CLI, "status", job], capture_output=True, text=True, timeout=60,
                            env=p.cli_env(), check=True).stdout
     assert "verified: 3 replicas" in shown, shown
-    assert sorted(line.split()[-1] for line in shown.splitlines()
-                  if line.startswith("replica ")) == ["DISAGREED", "agreed", "agreed"], shown
+    assert [line.split()[-1] for line in shown.splitlines() if line.startswith("replica ")] \
+        == ["DISAGREED", "agreed", "agreed"], shown
     with browser_page(request) as page:
         from playwright.sync_api import expect
 
@@ -124,7 +99,7 @@ def test_a_liar_is_outvoted_quarantined_and_its_earlier_result_tainted(grid, req
         page.goto(f"{p.url}/console/jobs/{job}")
         expect(page.locator("#replicas tr.replica")).to_have_count(3)
         expect(page.locator("#replicas tr.replica.disagreed")).to_contain_text("liar")
-        page.goto(f"{p.url}/console/jobs/{plain}")
+        page.goto(f"{p.url}/console/jobs/{plain['id']}")
         expect(page.locator("#job-tainted")).to_contain_text("quarantined")
         page.goto(f"{p.url}/console/machines")
         row = page.locator("tr.machine", has_text="liar")
