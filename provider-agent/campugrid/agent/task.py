@@ -74,6 +74,10 @@ log = logging.getLogger("campugrid.agent")
 BUILD_TIMEOUT_S = 1800
 HOOKS_MOUNT = "/opt/campugrid/hooks"
 CHECKPOINT_MOUNT = "/checkpoints"
+# The hooks, read-only, and their sitecustomize on the job's PYTHONPATH (every Python runs it).
+HOOKS_MOUNTS = ((Path(hooks.__file__).parent, f"{HOOKS_MOUNT}/campugrid/hooks", "ro"),
+                (Path(hooks.__file__).parent / "sitecustomize.py",
+                 f"{HOOKS_MOUNT}/sitecustomize.py", "ro"))
 DISK_POLL_S = 0.25
 R = TypeVar("R")
 Mapped = tuple[tuple[str, int], ...]  # (uuid, device minor) per reserved GPU
@@ -158,8 +162,7 @@ class Task:
                 log.warning("task %s: the output slot cannot be used (%s); /output is only "
                             "checked every %.2f s", lease.job_id, e, DISK_POLL_S)
         self.output_dir, self.ckpt_dir = self.files / "output", self.files / "checkpoints"
-        # The folder the job's own code writes its checkpoints to (spec.checkpoints.dir), made
-        # writable in the read-only image, in the same bounded room as /output.
+        # spec.checkpoints.dir, writable in the read-only image, in /output's bounded room
         self.own_dir = self.files / "job-checkpoints"
         self.name = f"campugrid-{lease.job_id}-{lease.fencing_token}"
         # What a build here is tagged; the image that runs may be a cached or pulled one.
@@ -211,12 +214,11 @@ class Task:
         timer.start()
 
     def _watch_disk(self, folders: tuple[Path, ...]) -> None:
-        """Stop the job once /output and /checkpoints (and the job's own checkpoint folder)
-        hold more than output_mb. In an output slot the kernel refuses the bytes past it, and
-        this stops the job that hit the wall;
-        without one, this is the bound (a single file cannot pass the limit: RLIMIT_FSIZE,
-        see run_request). Apparent sizes count too: sparse files would inflate the output
-        tarball."""
+        """Stop the job once /output, /checkpoints and its own checkpoint folder hold more than
+        output_mb. In an output slot the kernel refuses the bytes past it, and this stops the
+        job that hit the wall; without one, this is the bound (a single file cannot pass the
+        limit: RLIMIT_FSIZE, see run_request). Apparent sizes count too: sparse files would
+        inflate the output tarball."""
         limit = self.spec.resources.output_mb * 1024 * 1024
         while not self.stop.wait(DISK_POLL_S) and not self.ran.is_set():
             used = sum(_size(p) for d in folders for p in _walk_files(d))
@@ -515,9 +517,7 @@ class Task:
         user_pythonpath = dict(self.spec.env).get("PYTHONPATH") or next(
             (e.partition("=")[2] for e in self.ops().image_env(self.image) or ()
              if e.startswith("PYTHONPATH=")), None)
-        # The hooks' sitecustomize (autosave.py) reads the rest: the checkpoint to put back
-        # where its framework wrote it, and the folder the job names.
-        taken = self.spec.checkpoints
+        taken = self.spec.checkpoints  # the rest is for the hooks' sitecustomize (autosave)
         return dict(self.spec.env) | {
             "CAMPUGRID_JOB_ID": self.lease.job_id, "CAMPUGRID_ATTEMPT": str(self.lease.attempt),
             "CAMPUGRID_OUTPUT": "/output", "CAMPUGRID_CHECKPOINT_DIR": CHECKPOINT_MOUNT,
@@ -534,9 +534,6 @@ class Task:
         """The sandbox for this task: the hooks (read-only), and with `writable` the host
         folders /output and /checkpoints (bounded by the disk watchdog)."""
         spec, work = self.spec, self.work
-        here = Path(hooks.__file__).parent
-        hooks_mounts = ((here, f"{HOOKS_MOUNT}/campugrid/hooks", "ro"),
-                        (here / "sitecustomize.py", f"{HOOKS_MOUNT}/sitecustomize.py", "ro"))
         return RunRequest(
             name=self.name, image=self.image, command=command, env=tuple(env.items()),
             output_dir=self.output_dir if writable else None,
@@ -547,9 +544,9 @@ class Task:
             # One MB over: a single file can pass the limit only just, and the watchdog, which
             # stops the job once the folders hold more than output_mb, sees it.
             file_mb=spec.resources.output_mb + 1 if writable else None,
-            mounts=((self.ckpt_dir, CHECKPOINT_MOUNT, "rw"), *hooks_mounts, *(
+            mounts=((self.ckpt_dir, CHECKPOINT_MOUNT, "rw"), *HOOKS_MOUNTS, *(
                 [(self.own_dir, spec.checkpoints.dir, "rw")] if spec.checkpoints else []))
-            if writable else hooks_mounts)
+            if writable else HOOKS_MOUNTS)
 
 
 def job_image_prefix(scope: str) -> str:
