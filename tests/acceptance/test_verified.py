@@ -1,11 +1,13 @@
 """Results checked by agreement, for real: three agents (the provider user's, real Podman,
 runsc and Buildah), one of them dishonest (tests/support/liar.py: it changes a byte of every
-/output it uploads, and every shard result it reports). A verified job ends with the honest
-answer, the liar is quarantined with the evidence, gets no more work, and the result it made
-earlier for an unverified job is marked tainted; `rerun` runs that job again. Reinstated, it
-lies about shards: an adaptive sweep ends with every shard's honest result, and it is
-quarantined again. A liar that poisons checkpoints is caught by their checks, and the
-training job it ran resumes elsewhere from the last checked one."""
+/output it uploads and every shard result it reports, and the image it pushes for the others
+says 43 where its build says 42). Its word is taken for an unverified job, and an honest
+machine runs its forged image for another. A verified job ends with the honest answer, the
+liar is quarantined with the evidence, gets no more work, and both earlier jobs are marked
+tainted; `rerun` runs one again, from an honest build. Reinstated, it lies about shards: an
+adaptive sweep ends with every shard's honest result, and it is quarantined again. A liar that
+poisons checkpoints is caught by their checks, and the training job it ran resumes elsewhere
+from the last checked one."""
 
 from __future__ import annotations
 
@@ -28,9 +30,11 @@ from tests.support.console import CLI, browser_page, signed_in_admin
 pytestmark = pytest.mark.acceptance
 LIAR = Path(__file__).resolve().parents[1] / "support" / "liar.py"
 TRAIN = Path(__file__).resolve().parents[2] / "examples" / "train"
-# The answer is in the output file: a liar that changes /output but reports the honest result
-# line is caught only by the coordinator's own reading of the archives.
-COMMAND = ["sh", "-c", "mkdir -p /output/model && echo 42 > /output/model/answer.txt && echo 42"]
+# The answer is in the image (/answer.txt) and in the output file: a liar that changes /output
+# but reports the honest result line is caught only by the coordinator's own reading of the
+# archives; one that pushes a forged image changes what other machines answer.
+COMMAND = ["sh", "-c", "mkdir -p /output/model && cp /answer.txt /output/model/answer.txt && "
+                       "cat /answer.txt"]
 
 
 @pytest.fixture
@@ -39,7 +43,9 @@ def grid(tmp_path: Path) -> Iterator[tuple[Platform, Api, Path]]:
     context (the base image alone)."""
     context = tmp_path / "job"
     context.mkdir()
-    (context / "Dockerfile").write_text("FROM localhost/campugrid/python:bookworm\n")
+    (context / "answer.txt").write_text("42\n")
+    (context / "Dockerfile").write_text("FROM localhost/campugrid/python:bookworm\n"
+                                        "COPY answer.txt /answer.txt\n")
     with platform_with({}) as (p, api):
         yield p, api, context
 
@@ -51,22 +57,42 @@ def answer_in(api: Api, job_id: str) -> bytes:
         return f.read()
 
 
+def log_of(api: Api, job_id: str) -> str:
+    """The platform's lines of a job's log (where its image came from, what was pushed)."""
+    text = "".join(c["text"] for c in api.logs(job_id)["chunks"])
+    events = "\n".join(f"{e['kind']}: {e['detail']}" for e in api.job(job_id)["events"])
+    return "\n".join([*(line for line in text.splitlines() if "[campugrid]" in line), events])
+
+
 def test_a_liar_is_outvoted_quarantined_and_its_earlier_result_tainted(grid, request):
     p, api, context = grid
-    liar = p.start_agent("liar", program=(str(LIAR), "--lie", "output,shards"))
-    # Before anyone checks it, the liar runs an unverified job: its word is taken.
-    plain = api.wait(api.submit(tar_folder(context), JobSpec(command=COMMAND))["id"],
-                     timeout_s=240, poll_s=0.2)
-    assert plain["machine_id"] == liar.machine_id() and answer_in(api, plain["id"]) != b"42\n"
-    assert not plain.get("tainted")
+    # Before anyone checks it, the liar runs an unverified job: its word is taken. A second
+    # job of the same image, queued already, makes it push its build for the others ("first"
+    # reuse); as it takes one task (--once), an honest machine runs that one, from the image
+    # the liar pushed.
+    plain = api.submit(tar_folder(context), JobSpec(command=COMMAND))["id"]
+    twin = api.submit(tar_folder(context), JobSpec(command=COMMAND))["id"]
+    lies = (str(LIAR), "--lie", "output,shards,image")
+    liar = p.start_agent("liar", program=lies, args=("--once",))
+    plain_final = api.wait(plain, timeout_s=240, poll_s=0.2)
+    assert plain_final["machine_id"] == liar.machine_id() and plain_final["result"] == "42"
+    assert answer_in(api, plain) != b"42\n" and not plain_final.get("tainted")
+    assert liar.proc.wait(timeout=60) == 0
+    honest_a = p.start_agent("honest-a")
+    twin_final = api.wait(twin, timeout_s=240, poll_s=0.2)
+    shown = f"\nthe liar's log:\n{log_of(api, plain)}\nhonest-a's log:\n{log_of(api, twin)}"
+    assert twin_final["machine_id"] == honest_a.machine_id(), shown
+    assert twin_final["result"] == "43" and not twin_final.get("tainted"), shown  # the forgery
+    assert any(e["kind"] == "image" and f"built by machine {liar.machine_id()}" in e["detail"]
+               for e in twin_final["events"]), twin_final["events"]
 
+    liar = p.start_agent("liar", program=lies)
     spec = JobSpec.from_dict({"command": COMMAND, "verify": {"replicas": 2}})
     job = api.submit(tar_folder(context), spec)["id"]
-    # The liar takes the first replica (it is the only machine); honest ones join after.
+    # The liar and honest-a take the two replicas; they disagree, and honest-b breaks the tie.
     wait_for("the liar to hold a replica", lambda: any(
         r["machine_id"] == liar.machine_id() for r in api.job(job)["replicas"]))
-    for name in ("honest-a", "honest-b"):
-        p.start_agent(name)
+    p.start_agent("honest-b")
     final = api.wait(job, timeout_s=300, poll_s=0.3)
     assert final["state"] == "succeeded" and final["result"] == "42"
     assert answer_in(api, job) == b"42\n"  # the output served is the quorum's
@@ -74,24 +100,31 @@ def test_a_liar_is_outvoted_quarantined_and_its_earlier_result_tainted(grid, req
     assert len(by_machine) == 3 and by_machine[liar.machine_id()]["agreed"] is False
     assert by_machine[liar.machine_id()]["result"] == "42"  # same line, other bytes
     assert sorted(r["agreed"] for r in final["replicas"]) == [False, True, True]
+    # A verified job's image is one two machines built alike: never the liar's forgery.
+    assert not any(e["kind"] == "image" and "pulls" in e["detail"]
+                   and liar.machine_id() in e["detail"] for e in final["events"])
 
     record = next(m for m in api.machines() if m["id"] == liar.machine_id())
     assert record["status"] == "quarantined" and job in record["quarantine"]
     assert record["disagreed"] == 1
-    tainted = api.job(plain["id"])
+    tainted = api.job(plain)
     assert tainted["tainted"] and "quarantined" in tainted["tainted"]
+    ran_forged = api.job(twin)["tainted"]
+    assert ran_forged and "it ran an image built by" in ran_forged, ran_forged
 
     # Its remedy: run it again; the quarantined liar gets none of it.
-    again = api.wait(api.rerun(plain["id"])["id"], timeout_s=240, poll_s=0.2)
-    assert again["machine_id"] != liar.machine_id() and answer_in(api, again["id"]) == b"42\n"
+    # Its build is withdrawn: the rerun pulls an honest machine's (or builds), never the forgery.
+    again = api.wait(api.rerun(twin)["id"], timeout_s=240, poll_s=0.2)
+    assert again["machine_id"] != liar.machine_id() and again["result"] == "42"
+    assert answer_in(api, again["id"]) == b"42\n"
     assert liar.proc.poll() is None  # still running, asking in vain
 
     # What the people see: the replicas and who disagreed, the taint, the quarantine.
     shown = subprocess.run([*CLI, "status", job], capture_output=True, text=True, timeout=60,
                            env=p.cli_env(), check=True).stdout
     assert "verified: 3 replicas" in shown, shown
-    assert [line.split()[-1] for line in shown.splitlines() if line.startswith("replica ")] \
-        == ["DISAGREED", "agreed", "agreed"], shown
+    assert sorted(line.split()[-1] for line in shown.splitlines()
+                  if line.startswith("replica ")) == ["DISAGREED", "agreed", "agreed"], shown
     with browser_page(request) as page:
         from playwright.sync_api import expect
 
@@ -99,7 +132,7 @@ def test_a_liar_is_outvoted_quarantined_and_its_earlier_result_tainted(grid, req
         page.goto(f"{p.url}/console/jobs/{job}")
         expect(page.locator("#replicas tr.replica")).to_have_count(3)
         expect(page.locator("#replicas tr.replica.disagreed")).to_contain_text("liar")
-        page.goto(f"{p.url}/console/jobs/{plain['id']}")
+        page.goto(f"{p.url}/console/jobs/{plain}")
         expect(page.locator("#job-tainted")).to_contain_text("quarantined")
         page.goto(f"{p.url}/console/machines")
         row = page.locator("tr.machine", has_text="liar")
@@ -139,13 +172,16 @@ def test_a_poisoned_checkpoint_is_caught_and_the_job_resumes_from_a_checked_one(
     assert final["machine_id"] != liar.machine_id()
 
     record = next(m for m in api.machines() if m["id"] == liar.machine_id())
-    assert record["status"] == "quarantined" and "epoch 1 of job" in record["quarantine"], record
+    # Caught on whichever of its lies a check finished first (the checks of epochs 1 and 2
+    # may run at once on the two honest machines).
+    assert record["status"] == "quarantined", record
+    assert re.search(rf"epoch [1-9][0-9]* of job {job}", record["quarantine"]), record
     kinds = [e["kind"] for e in final["events"]]
     assert "rejected" in kinds and "checked" in kinds
     # It went back to epoch 0, the checkpoint a check agreed with, and never past a lie.
     said = [(e["kind"], e["detail"]) for e in final["events"]]
     assert any(k == "checked" and d.startswith("checkpoint of epoch 0 ") for k, d in said), said
-    assert any(k == "rejected" and d.startswith("checkpoint of epoch 1 ")
+    assert any(k == "rejected" and re.match(r"checkpoint of epoch [1-9][0-9]* ", d)
                and liar.machine_id()[:8] in d for k, d in said), said
     resumed = [c for c in final["checkpoints"] if c["machine_id"] != liar.machine_id()]
     assert resumed and all(c["resumed_from"] == 0 for c in resumed), resumed

@@ -82,6 +82,7 @@ def lie_about(lie: str) -> None:
         import subprocess
 
         from campugrid.agent import images
+        from campugrid.protocol.errors import SandboxError
 
         honest_push = images.ImageCache.push
 
@@ -90,10 +91,21 @@ def lie_about(lie: str) -> None:
             (work / "lie").mkdir(exist_ok=True)
             (work / "lie" / "answer.txt").write_text("43\n")
             forged = f"{image}-forged"
-            subprocess.run(["podman", "build", "--pull=never", "--timestamp", "0", "-t", forged,
-                            "-f", "-", str(work / "lie")],
-                           input=f"FROM {image}\nCOPY answer.txt /answer.txt\n", text=True,
-                           capture_output=True, check=True, timeout=300)
+            why = ""
+            for _ in range(3):  # a busy machine's podman may fail once; a liar tries again
+                try:
+                    made = subprocess.run(["podman", "build", "--pull=never", "--timestamp",
+                                           "0", "-t", forged, "-f", "-", str(work / "lie")],
+                                          input=f"FROM {image}\nCOPY answer.txt /answer.txt\n",
+                                          text=True, capture_output=True, timeout=120)
+                except subprocess.TimeoutExpired:
+                    why = "podman build took over 120 s"
+                    continue
+                if made.returncode == 0:
+                    break
+                why = made.stderr[-2000:]
+            else:  # shown in the job's log by the agent's _share
+                raise SandboxError(f"the liar's forgery failed: {why}")
             return honest_push(self, forged, registry, repository, tag, token, work,
                                cancel=cancel)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gzip
 import hashlib
 import io
 import os
@@ -106,7 +107,10 @@ def pack_folder(folder: Path, out: BinaryIO, progress: Progress | None = None,
                 ".dockerignore, and send data as a dataset (`submit --upload NAME=FILE`)")
 
     start = out.tell()
-    with tarfile.open(fileobj=out, mode="w:gz") as tar:
+    # The same folder packs to the same bytes (the coordinator names a context, and shares
+    # its image, by their digest): no time or file name in the gzip header.
+    with gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0) as packed, \
+            tarfile.open(fileobj=packed, mode="w") as tar:
         for p in paths:  # as tar.add(p, recursive=False) does, with the bytes counted
             info = tar.gettarinfo(p, arcname=str(p.relative_to(folder)))
             if info is None:
@@ -119,7 +123,8 @@ def pack_folder(folder: Path, out: BinaryIO, progress: Progress | None = None,
         if dockerfile is not None:
             text = dockerfile.read_bytes()
             info = tarfile.TarInfo("Dockerfile")
-            info.size, info.mode, info.mtime = len(text), 0o644, int(time.time())
+            info.size, info.mode = len(text), 0o644
+            info.mtime = int(dockerfile.stat().st_mtime)
             tar.addfile(info, io.BytesIO(text))
     return out.tell() - start
 
