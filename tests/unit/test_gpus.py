@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from campugrid.agent.gpus import GpuPolicy, apple_gpu, discover
-from campugrid.agent.task import _check_gpus_free
+from campugrid.agent.sandboxing import gpus_still_free
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.sandbox.podman_runsc import gpu_devices
 
@@ -103,9 +103,9 @@ def test_only_reserved_gpus_are_mapped(tmp_path):
 @pytest.mark.parametrize(("free", "why"), [(20000, ""), (9000, "has only 9000 MB free now")])
 def test_the_agent_rechecks_free_memory_before_starting(free, why):
     lease = pb.LeaseReply(gpu_uuids=["GPU-aaa"], gpu_memory_mb=10000)
-    mapped, reason = _check_gpus_free(lease, [pb.Gpu(uuid="GPU-aaa", memory_free_mb=free, minor=2)])
+    mapped, reason = gpus_still_free(lease, [pb.Gpu(uuid="GPU-aaa", memory_free_mb=free, minor=2)])
     assert (mapped, why in reason if why else reason == "") == ((("GPU-aaa", 2),) if not why else (), True)
-    gone = _check_gpus_free(lease, [])
+    gone = gpus_still_free(lease, [])
     assert gone[0] == () and "no longer offered" in gone[1]
 
 

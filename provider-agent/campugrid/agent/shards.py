@@ -18,7 +18,8 @@ import time
 from campugrid.agent import runner_lines
 from campugrid.agent.messages import Outcome, ShardResult, ShardTask
 from campugrid.agent.metrics import METRICS
-from campugrid.agent.task import HOOKS_MOUNT, Stage, Task, retry
+from campugrid.agent.sandboxing import HOOKS_MOUNT
+from campugrid.agent.task import Stage, Task, retry
 from campugrid.protocol.spec import MAX_SHARD_RESULT
 from campugrid.sandbox import confine
 from campugrid.sandbox.process import LogFn

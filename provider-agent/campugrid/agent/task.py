@@ -44,19 +44,19 @@ import httpx
 
 from campugrid import hooks
 from campugrid.agent import bases as remote_bases
-from campugrid.agent import buildnet, checkpoints, gpus, images, transfers
+from campugrid.agent import buildnet, checkpoints, gpus, images, sandboxing, transfers
 from campugrid.agent.client import CoordinatorApi
 from campugrid.agent.gpus import GpuPolicy
 from campugrid.agent.images import ImageCache
 from campugrid.agent.logship import LogShipper
-from campugrid.agent.messages import Gpu, Lease, Outcome
+from campugrid.agent.messages import Lease, Outcome
 from campugrid.agent.metrics import METRICS
 from campugrid.agent.renewer import Renewer
+from campugrid.agent.sandboxing import Mapped
 from campugrid.agent.shares import Shares
 from campugrid.builders.base import Builder
 from campugrid.buildpolicy.dockerfiles import BaseUse, allowed_bases, pin_bases
 from campugrid.buildpolicy.tarballs import extract_context_file
-from campugrid.hooks import autosave
 from campugrid.protocol import logs
 from campugrid.protocol.errors import (
     BuildFailed,
@@ -72,15 +72,8 @@ from campugrid.sandbox.runtime import RunRequest, Runtime
 
 log = logging.getLogger("campugrid.agent")
 BUILD_TIMEOUT_S = 1800
-HOOKS_MOUNT = "/opt/campugrid/hooks"
-CHECKPOINT_MOUNT = "/checkpoints"
-# The hooks, read-only, and their sitecustomize on the job's PYTHONPATH (every Python runs it).
-HOOKS_MOUNTS = ((Path(hooks.__file__).parent, f"{HOOKS_MOUNT}/campugrid/hooks", "ro"),
-                (Path(hooks.__file__).parent / "sitecustomize.py",
-                 f"{HOOKS_MOUNT}/sitecustomize.py", "ro"))
 DISK_POLL_S = 0.25
 R = TypeVar("R")
-Mapped = tuple[tuple[str, int], ...]  # (uuid, device minor) per reserved GPU
 
 
 def machine_cpus() -> int:
@@ -161,9 +154,8 @@ class Task:
             except (SandboxError, OSError) as e:
                 log.warning("task %s: the output slot cannot be used (%s); /output is only "
                             "checked every %.2f s", lease.job_id, e, DISK_POLL_S)
-        self.output_dir, self.ckpt_dir = self.files / "output", self.files / "checkpoints"
-        # spec.checkpoints.dir, writable in the read-only image, in /output's bounded room
-        self.own_dir = self.files / "job-checkpoints"
+        # spec.checkpoints.dir (own_dir) is writable in the read-only image, in the same room
+        self.output_dir, self.ckpt_dir, self.own_dir = sandboxing.folders(self.files)
         self.name = f"campugrid-{lease.job_id}-{lease.fencing_token}"
         # What a build here is tagged; the image that runs may be a cached or pulled one.
         self.tag = f"{job_image_prefix(sandbox.scope)}{lease.job_id}:{lease.fencing_token}"
@@ -221,7 +213,7 @@ class Task:
         inflate the output tarball."""
         limit = self.spec.resources.output_mb * 1024 * 1024
         while not self.stop.wait(DISK_POLL_S) and not self.ran.is_set():
-            used = sum(_size(p) for d in folders for p in _walk_files(d))
+            used = sandboxing.bytes_in(folders)
             if self.slot is not None:
                 used = max(used, self.slot.used())
             if used > limit:
@@ -236,7 +228,8 @@ class Task:
         outside campugrid may have taken it since the lease. If so, hand the task back."""
         if not self.lease.gpu_uuids:
             return ()
-        mapped, why = _check_gpus_free(self.lease, gpus.discover(self.gpu_policy).gpus)
+        mapped, why = sandboxing.gpus_still_free(self.lease,
+                                                 gpus.discover(self.gpu_policy).gpus)
         if why:
             self.hand_over(why)
         return mapped
@@ -513,59 +506,25 @@ class Task:
             output_files=tuple((p[:256], n) for p, n in listed[:200]))  # as it is kept
 
     def job_env(self) -> dict[str, str]:
-        # The job's own PYTHONPATH (the spec's, else its image's ENV) first, then the hooks.
-        user_pythonpath = dict(self.spec.env).get("PYTHONPATH") or next(
-            (e.partition("=")[2] for e in self.ops().image_env(self.image) or ()
-             if e.startswith("PYTHONPATH=")), None)
-        taken = self.spec.checkpoints  # the rest is for the hooks' sitecustomize (autosave)
-        return dict(self.spec.env) | {
-            "CAMPUGRID_JOB_ID": self.lease.job_id, "CAMPUGRID_ATTEMPT": str(self.lease.attempt),
-            "CAMPUGRID_OUTPUT": "/output", "CAMPUGRID_CHECKPOINT_DIR": CHECKPOINT_MOUNT,
-            "PYTHONPATH": f"{user_pythonpath}:{HOOKS_MOUNT}" if user_pythonpath else HOOKS_MOUNT,
-        } | ({autosave.ENV_RESUMED: str(self.resumed)} if self.resumed is not None else {}) \
-          | ({autosave.ENV_FROM: taken.dir, autosave.ENV_MATCH: taken.match} if taken else {})
+        return sandboxing.job_env(self.spec, self.lease, self.ops().image_env(self.image),
+                                  self.resumed)
 
     def ops(self) -> PodmanOps:
         """This agent's container engine, as its runtime offers it."""
         return self.sandbox.ops
 
     def run_request(self, command: tuple[str, ...] | None, env: dict[str, str],
-                    mapped: tuple[tuple[str, int], ...], *, writable: bool = True) -> RunRequest:
-        """The sandbox for this task: the hooks (read-only), and with `writable` the host
-        folders /output and /checkpoints (bounded by the disk watchdog)."""
-        spec, work = self.spec, self.work
-        return RunRequest(
-            name=self.name, image=self.image, command=command, env=tuple(env.items()),
-            output_dir=self.output_dir if writable else None,
-            data_dir=work / "data" if self.lease.datasets else None,
-            memory_mb=spec.resources.memory_mb, cpus=spec.resources.cpus,
-            tmp_mb=spec.resources.disk_mb, wall_time_s=spec.resources.wall_time_s,
-            agent=self.client.machine_id, gpus=mapped,
-            # One MB over: a single file can pass the limit only just, and the watchdog, which
-            # stops the job once the folders hold more than output_mb, sees it.
-            file_mb=spec.resources.output_mb + 1 if writable else None,
-            mounts=((self.ckpt_dir, CHECKPOINT_MOUNT, "rw"), *HOOKS_MOUNTS, *(
-                [(self.own_dir, spec.checkpoints.dir, "rw")] if spec.checkpoints else []))
-            if writable else HOOKS_MOUNTS)
+                    mapped: Mapped, *, writable: bool = True) -> RunRequest:
+        """This task's sandbox; with `writable`, its /output and checkpoint folders."""
+        return sandboxing.run_request(
+            name=self.name, image=self.image, spec=self.spec, lease=self.lease,
+            agent=self.client.machine_id, files=self.files if writable else None,
+            data_dir=self.work / "data", command=command, env=env, mapped=mapped)
 
 
 def job_image_prefix(scope: str) -> str:
     """Where this agent's job images are named: what its sweeps may remove."""
     return f"localhost/campugrid-job/{scope or 'agent'}/"
-
-
-def _walk_files(root: Path) -> list[str]:
-    out = []
-    for dirpath, _dirs, files in os.walk(root, followlinks=False):
-        out += [os.path.join(dirpath, f) for f in files]
-    return out
-
-
-def _size(path: str) -> int:
-    try:
-        return os.lstat(path).st_size
-    except OSError:
-        return 0  # removed meanwhile
 
 
 def _http_failure(e: httpx.HTTPError) -> str:
@@ -574,21 +533,6 @@ def _http_failure(e: httpx.HTTPError) -> str:
     if isinstance(e, httpx.HTTPStatusError):
         return f"{what} failed: HTTP {e.response.status_code}"
     return f"{what} failed: {type(e).__name__}"
-
-
-def _check_gpus_free(lease: Lease, found: Sequence[Gpu]) -> tuple[Mapped, str]:
-    """The reserved GPUs as (uuid, minor), or why the reservation no longer fits."""
-    by_uuid = {g.uuid: g for g in found}
-    mapped = []
-    for uuid in lease.gpu_uuids:
-        g = by_uuid.get(uuid)
-        if g is None:
-            return (), f"reserved GPU {uuid} is no longer offered on this machine"
-        if g.memory_free_mb < lease.gpu_memory_mb:
-            return (), (f"reserved GPU {uuid} has only {g.memory_free_mb} MB free now, "
-                        f"{lease.gpu_memory_mb} MB needed")
-        mapped.append((uuid, g.minor))
-    return tuple(mapped), ""
 
 
 def retry(call: Callable[[], R]) -> R:
