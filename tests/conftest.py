@@ -38,7 +38,8 @@ BESIDE_THE_HOST = (
     *(f"tests/integration/test_{name}.py" for name in (
         "agent_service", "bases", "claim_plan", "cli_coordinator", "egress", "images", "inputs",
         "leader", "machine_cache", "metrics", "migrations", "objects", "placement", "ratelimits",
-        "seaweed_security", "services", "shards_store", "store", "users",
+        "seaweed_security", "services", "shards_store", "store", "users", "verified_store",
+        "checked_checkpoints", "failover", "held_leases",
         # what starts processes but needs no Podman (tests/unit starts none)
         "backends", "cli", "cli_spec_process", "confined_children", "coordinator_api_contract",
         "gpu_processes",
