@@ -1,11 +1,11 @@
 """The checkpoint hooks against the real frameworks (infra/frameworks-image.sh installs them):
-each script of tests/frameworks, unchanged, run as a job's Python runs it (the hooks'
-sitecustomize on PYTHONPATH, a checkpoint folder as the agent mounts it), killed with SIGKILL
-midway, then started again as a resumed attempt on another machine starts: in a fresh folder
-holding only the newest checkpoint taken. It ends with the weights of a run never stopped, and
-loses at most one checkpoint interval. A drain (SIGTERM) saves at the drain where the framework
-can resume from there. The same, through the platform and gVisor, is
-tests/acceptance/test_frameworks.py."""
+each script of tests/frameworks (the Trainer's is examples/hf-trainer's), unchanged, run as a
+job's Python runs it (the hooks' sitecustomize on PYTHONPATH, a checkpoint folder as the agent
+mounts it), killed with SIGKILL midway, then started again as a resumed attempt on another
+machine starts: in a fresh folder holding only the newest checkpoint taken. It ends with the
+weights of a run never stopped, and loses at most one checkpoint interval. A drain (SIGTERM)
+saves at the drain where the framework can resume from there. The same, through the platform
+and gVisor, is tests/acceptance/test_frameworks.py."""
 
 from __future__ import annotations
 
@@ -24,13 +24,14 @@ from campugrid.hooks import autosave
 
 pytestmark = pytest.mark.integration
 SCRIPTS = Path(__file__).resolve().parents[1] / "frameworks"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf-trainer"
 HOOKS = Path(hooks.__file__).resolve().parent
 SITE = Path(os.environ.get("CAMPUGRID_FRAMEWORKS_SITE", "/var/cache/campugrid/frameworks-v1"))
 # What each script saves, where, and at which steps.
-SAVES = {"transformers": ("train_hf.py", [10, 20, 30, 40]),
-         "lightning": ("train_lightning.py", [16, 32, 48, 64]),
-         "keras": ("train_keras.py", [16, 32, 48, 64]),
-         "plain": ("train_plain.py", [10, 20, 30, 40, 50, 60])}
+SAVES = {"transformers": (EXAMPLE / "train.py", [10, 20, 30, 40]),
+         "lightning": (SCRIPTS / "train_lightning.py", [16, 32, 48, 64]),
+         "keras": (SCRIPTS / "train_keras.py", [16, 32, 48, 64]),
+         "plain": (SCRIPTS / "train_plain.py", [10, 20, 30, 40, 50, 60])}
 PLAIN_FOLDER = {autosave.ENV_MATCH: "step_*.pt"}  # + ENV_FROM: the job's ckpt/
 
 
@@ -65,7 +66,7 @@ class Run:
         app.mkdir(parents=True, exist_ok=True)
         self.log = app.parent / f"{app.name}.log"
         with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(["/usr/bin/python3", str(SCRIPTS / script)], cwd=app,
+            self.proc = subprocess.Popen(["/usr/bin/python3", str(script)], cwd=app,
                                          env=env, stdout=out, stderr=subprocess.STDOUT)
 
     def taken(self) -> list[int]:
@@ -119,27 +120,37 @@ def test_killed_midway_it_resumes_elsewhere_and_ends_as_if_never_stopped(
     # the one being computed), and every later one was taken too.
     assert again.taken() == [s for s in saves if s >= first.taken()[-1]]
     assert f"put the checkpoint of step {first.taken()[-1]} back" in again.output()
+    if framework != "plain":  # a framework's hook says when the first step after it is done
+        went_on = f"went on from the checkpoint put back: step {first.taken()[-1] + 1} done"
+        assert went_on in again.output(), again.output()[-3000:]
 
 
-@pytest.mark.parametrize("framework", ["transformers", "lightning"])
-def test_a_drain_keeps_what_the_framework_can_resume_from(python_path, tmp_path, framework):
-    """transformers saves at the drain's step and stops (143); Lightning, whose DataLoader here
-    cannot resume mid-epoch, is stopped by its own SIGTERM handling and the last epoch's
-    checkpoint stands."""
-    run = Run(python_path, framework, tmp_path / "app", tmp_path / "checkpoints",
-              step_seconds=0.1)
+@pytest.mark.parametrize("framework", ["transformers", "lightning", "keras"])
+def test_a_drain_saves_at_the_drain_and_the_run_goes_on_from_there_exactly(
+        python_path, tmp_path, framework):
+    """SIGTERM midway between two saves: the framework saves at the current step and the job
+    exits 143; resumed from that checkpoint on another machine, it ends with the weights of a
+    run never stopped (Lightning's shuffled DataLoader, which Lightning itself cannot resume
+    mid-epoch, and Keras's pass over its shuffled arrays, which Keras resumes only at an
+    epoch's start, draw the same batches again and skip those trained)."""
+    never_stopped = Run(python_path, framework, tmp_path / "reference" / "app",
+                        tmp_path / "reference" / "checkpoints")
+    app = tmp_path / "job" / "app"
+    run = Run(python_path, framework, app, tmp_path / "job" / "ckpt-1", step_seconds=0.1)
     _, saves = SAVES[framework]
     run.wait_for_checkpoints(1)
-    time.sleep(0.5)  # into the next interval
+    time.sleep(0.6)  # into the next interval
     run.proc.send_signal(signal.SIGTERM)
-    status = run.proc.wait(timeout=60)
-    taken = run.taken()
-    if framework == "transformers":
-        assert status == autosave.DRAINED, run.output()
-        assert taken[-1] not in saves, taken  # saved at the drain, not at an interval
-        assert f"drained: the checkpoint of step {taken[-1]} is taken" in run.output()
-    else:
-        assert taken and all(s in saves for s in taken), taken
+    assert run.proc.wait(timeout=60) == autosave.DRAINED, run.output()
+    drained_at = run.taken()[-1]
+    assert drained_at not in saves, (run.taken(), run.output()[-3000:])  # not an interval
+    assert f"drained: the checkpoint of step {drained_at} is taken" in run.output()
+    again = resume(python_path, framework, run, app, tmp_path / "job" / "ckpt-2")
+    assert again.finish() == never_stopped.finish(), again.output()[-3000:]
+    if framework != "transformers":
+        assert "the training data goes on at batch " in again.output(), again.output()[-3000:]
+    assert again.taken()[0] == drained_at
+    assert again.taken()[1:] == [s for s in saves if s > drained_at]
 
 
 def test_a_drained_plain_loop_keeps_what_it_had_written(python_path, tmp_path):

@@ -9,12 +9,18 @@ waits for the module that defines what is patched, lets it load, then patches it
   wrote (ModelCheckpoint's included), as step `global_step`, with the random states Lightning
   leaves out (so a resumed run repeats one never stopped); `fit()` without `ckpt_path` (or with
   "last") resumes from the one put back; a drain saves at the end of the current batch, beside
-  ModelCheckpoint's files, where Lightning can resume its data loaders mid-epoch (it says a
-  mid-epoch resume of others is unreliable: then its own SIGTERM handling stops the job and the
-  last checkpoint stands).
+  ModelCheckpoint's files. Lightning resumes mid-epoch only loaders that keep their place
+  (it warns a resume of others is unreliable); for a plain torch DataLoader the drain's
+  checkpoint also keeps the random states its epoch began with and the batches trained, and
+  the resumed attempt's loader draws the same order again and skips those. (Several training
+  loaders of other kinds: Lightning's own SIGTERM handling stops the job, the last checkpoint
+  stands.)
 - Keras (`BackupAndRestore`): its backup folder each time it is written, as step
-  `optimizer.iterations`; BackupAndRestore itself resumes from it. Keras resumes only at an
-  epoch's start, so a drain keeps the last backup rather than save mid-epoch.
+  `optimizer.iterations`, with the random states; BackupAndRestore itself resumes from it.
+  Keras resumes only at an epoch's start: a drain backs up as of the epoch running, with the
+  random states its pass over the data began with and the batches trained, and the resumed
+  attempt's pass draws the same order again and skips those (on Keras's PyTorch backend, one
+  pass an epoch; otherwise the last backup stands).
 
 A framework whose classes do not have what a patch needs is left alone, with one line in the
 job's log; the folder watch (`"checkpoints": {"dir": ...}`) still applies.
@@ -31,6 +37,7 @@ import os
 import signal
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -68,6 +75,16 @@ def _stop_drained(step: int) -> None:
     raise SystemExit(autosave.DRAINED)
 
 
+_went_on = threading.Event()
+
+
+def _first_step_done(step: int) -> None:
+    """One line when a resumed attempt's first step is done: it went on, and from where."""
+    if not _went_on.is_set() and os.environ.get(autosave.ENV_RESUMED, "").isdigit():
+        _went_on.set()
+        autosave.say(f"went on from the checkpoint put back: step {step} done")
+
+
 def _needs(cls: type, *names: str) -> None:
     missing = [n for n in names if not hasattr(cls, n)]
     if missing:
@@ -90,6 +107,7 @@ def hook_transformers(module: ModuleType) -> None:
             training.clear()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **_: Any) -> None:
+            _first_step_done(int(state.global_step))
             if draining.is_set():
                 control.should_save = True
                 control.should_training_stop = True
@@ -130,15 +148,33 @@ def hook_lightning(module: ModuleType) -> None:
     _needs(trainer_cls, "fit", "save_checkpoint", "global_step", "is_global_zero")
     package = module.__name__.split(".trainer.")[0]  # lightning.pytorch, or pytorch_lightning
     callback_base = importlib.import_module(f"{package}.callbacks").Callback
+    loader_cls = importlib.import_module("torch.utils.data").DataLoader
+    _needs(loader_cls, "__iter__")
+    # The random states each DataLoader began its current pass with: what a drain's checkpoint
+    # needs to draw the same order of batches again on another machine.
+    began: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 
     class Campugrid(callback_base):  # type: ignore[misc,valid-type]
-        # Lightning keeps no random state in its checkpoints: a resumed run would shuffle and
-        # drop out differently from one never stopped. Kept here, as HF's Trainer keeps it.
+        """Lightning keeps no random state in its checkpoints (a resumed run would shuffle and
+        drop out differently from one never stopped): kept here, as HF's Trainer keeps it.
+        A drain's checkpoint, mid-epoch, also keeps where the epoch's data loader was: the
+        state it began the epoch with, and how many batches were trained."""
+
+        def __init__(self, trainer: Any) -> None:
+            self.trainer = trainer
+            self.mid_epoch: dict[str, Any] | None = None  # set for a drain's save only
+            self.resume: dict[str, Any] = {}  # what a resumed attempt still has to put back
+
         def state_dict(self) -> dict[str, Any]:
-            return rng_states()
+            return {"rng": rng_states(), "mid_epoch": self.mid_epoch}
 
         def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-            set_rng_states(state_dict)
+            if "rng" not in state_dict:  # as checkpoints of earlier hooks hold it
+                set_rng_states(state_dict)
+            elif state_dict.get("mid_epoch"):  # put back when the loader starts again
+                self.resume = {**state_dict["mid_epoch"], "rng": state_dict["rng"]}
+            else:
+                set_rng_states(state_dict["rng"])
 
         def on_train_start(self, *_: Any) -> None:
             training.set()
@@ -146,9 +182,21 @@ def hook_lightning(module: ModuleType) -> None:
         def on_train_end(self, *_: Any) -> None:
             training.clear()
 
-        def on_train_batch_end(self, trainer: Any, *_: Any) -> None:
-            if not draining.is_set() or not _resumable_mid_epoch(trainer):
-                return  # Lightning's own SIGTERM handling stops it after this batch
+        def on_train_batch_start(self, *_: Any) -> None:
+            if "rng" in self.resume:  # the batches trained before the drain are skipped
+                set_rng_states(self.resume.pop("rng"))
+                self.resume.clear()
+
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any,
+                               batch_idx: int, *_: Any) -> None:
+            _first_step_done(int(trainer.global_step))
+            if not draining.is_set():
+                return
+            loaders = _train_loaders(trainer)
+            if not _resumable_mid_epoch(loaders):
+                if len(loaders) != 1 or loaders[0] not in began:
+                    return  # Lightning's own SIGTERM handling stops it after this batch
+                self.mid_epoch = {"skip": batch_idx + 1, "began": began[loaders[0]]}
             ckpt = getattr(trainer, "checkpoint_callback", None)
             folder = Path(getattr(ckpt, "dirpath", None)
                           or os.path.join(trainer.default_root_dir, "checkpoints"))
@@ -156,24 +204,53 @@ def hook_lightning(module: ModuleType) -> None:
             trainer.save_checkpoint(folder / f"epoch={trainer.current_epoch}-step={step}.ckpt")
             _stop_drained(step)
 
-    def _resumable_mid_epoch(trainer: Any) -> bool:
-        """Lightning's own rule: a run resumed mid-epoch repeats the one never stopped only if
-        its training data loaders keep their place (else it warns that results are unreliable,
-        and a drain keeps the last checkpoint instead)."""
+    def _train_loaders(trainer: Any) -> list[Any]:
+        try:
+            return list(trainer.fit_loop._combined_loader.flattened)
+        except Exception:
+            return []
+
+    def _resumable_mid_epoch(loaders: list[Any]) -> bool:
+        """Lightning's own rule: its loaders that keep their place resume mid-epoch."""
         fabric = "lightning.fabric" if package.startswith("lightning.") else "lightning_fabric"
         try:
             stateful = importlib.import_module(f"{fabric}.utilities.types")._Stateful
-            loaders = trainer.fit_loop._combined_loader.flattened
-            return all(isinstance(loader, stateful) for loader in loaders)
+            return bool(loaders) and all(isinstance(loader, stateful) for loader in loaders)
         except Exception:
             return False
 
+    loader_iter = loader_cls.__iter__
+
+    @functools.wraps(loader_iter)
+    def __iter__(self: Any) -> Any:
+        """A pass of a DataLoader (any, in this job): its random states are noted as it begins.
+        A resumed attempt's training loader begins its epoch with the states the drained one
+        began it with, and skips the batches trained before the drain: the same batches
+        follow, and on the first, the random states of the drain."""
+        resume = next((cb.resume for cb in callbacks if cb.resume.get("skip")
+                       and any(self is dl for dl in _train_loaders(cb.trainer))), None)
+        if resume is None:
+            began[self] = rng_states()
+            return loader_iter(self)
+        set_rng_states(resume["began"])
+        began[self] = resume["began"]
+        batches = loader_iter(self)
+        skip = resume.pop("skip")
+        for _ in range(skip):
+            next(batches)
+        autosave.say(f"the training data goes on at batch {skip} of its epoch, where the "
+                     "drained attempt stopped")
+        return batches
+
+    callbacks: weakref.WeakSet[Campugrid] = weakref.WeakSet()
     init, fit, save = trainer_cls.__init__, trainer_cls.fit, trainer_cls.save_checkpoint
 
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
-        self.callbacks.append(Campugrid())
+        callback = Campugrid(self)
+        callbacks.add(callback)
+        self.callbacks.append(callback)
         autosave.framework_takes_over("lightning")
         _on_drain()
 
@@ -196,6 +273,7 @@ def hook_lightning(module: ModuleType) -> None:
 
     trainer_cls.__init__, trainer_cls.fit = __init__, fit_
     trainer_cls.save_checkpoint = save_checkpoint
+    loader_cls.__iter__ = __iter__
 
 
 def rng_states() -> dict[str, Any]:
@@ -229,13 +307,24 @@ def set_rng_states(states: dict[str, Any]) -> None:
 
 def hook_keras(module: ModuleType) -> None:
     backup_cls = module.BackupAndRestore
-    _needs(backup_cls, "_save_model", "_load_model")
+    _needs(backup_cls, "_save_model", "_load_model", "on_train_begin", "on_train_end",
+           "on_epoch_begin", "on_train_batch_end")
     save, load, init = backup_cls._save_model, backup_cls._load_model, backup_cls.__init__
+    train_begin, train_end = backup_cls.on_train_begin, backup_cls.on_train_end
+    epoch_begin, batch_end = backup_cls.on_epoch_begin, backup_cls.on_train_batch_end
+    # The training pass of the epoch now running: the random states it began with, whether it
+    # is one pass an epoch (steps_per_epoch not set), the batches a resumed attempt skipped.
+    latest: dict[str, Any] = {}
+    resume: dict[str, Any] = {}  # what a resumed attempt puts back when its pass begins
+    passes: list[bool] = []  # hooked at the first BackupAndRestore: Keras is loaded by then
 
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
+        if not passes:
+            passes.append(_keras_passes(latest, resume))
         autosave.framework_takes_over("keras")
+        _on_drain()
 
     @functools.wraps(save)
     def _save_model(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -244,18 +333,124 @@ def hook_keras(module: ModuleType) -> None:
         optimizer = getattr(self.model, "optimizer", None)
         if optimizer is not None and folder.is_dir():
             # Keras keeps no random state in its backup: a resumed run would shuffle
-            # differently from one never stopped. Kept beside it.
-            (folder / RNG_FILE).write_text(json.dumps(_plain(rng_states())))
+            # differently from one never stopped. Kept beside it, and for a drain's backup,
+            # mid-epoch, where the epoch's pass over the data was.
+            mid = getattr(self, "_campugrid_mid_epoch", None)
+            (folder / RNG_FILE).write_text(json.dumps({"rng": _plain(rng_states()),
+                                                       "mid_epoch": mid}))
             autosave.take(int(optimizer.iterations), [folder], "keras")
 
     @functools.wraps(load)
     def _load_model(self: Any, *args: Any, **kwargs: Any) -> None:
         load(self, *args, **kwargs)
-        with contextlib.suppress(OSError, ValueError):
-            set_rng_states(_unplain(json.loads((Path(self.backup_dir) / RNG_FILE).read_text())))
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            kept = json.loads((Path(self.backup_dir) / RNG_FILE).read_text())
+            if "rng" not in kept:  # as backups of earlier hooks hold it
+                set_rng_states(_unplain(kept))
+            elif kept.get("mid_epoch") and passes[0]:
+                resume.update(skip=int(kept["mid_epoch"]["skip"]), rng=_unplain(kept["rng"]),
+                              began=_unplain(kept["mid_epoch"]["began"]))
+            else:
+                set_rng_states(_unplain(kept["rng"]))
+
+    @functools.wraps(train_begin)
+    def on_train_begin(self: Any, *args: Any, **kwargs: Any) -> None:
+        train_begin(self, *args, **kwargs)
+        training.set()
+
+    @functools.wraps(train_end)
+    def on_train_end(self: Any, *args: Any, **kwargs: Any) -> None:
+        training.clear()
+        train_end(self, *args, **kwargs)
+
+    @functools.wraps(epoch_begin)
+    def on_epoch_begin(self: Any, epoch: int, *args: Any, **kwargs: Any) -> None:
+        epoch_begin(self, epoch, *args, **kwargs)
+        self._campugrid_epoch = epoch
+        latest["skipped"] = 0
+
+    @functools.wraps(batch_end)
+    def on_train_batch_end(self: Any, batch: int, *args: Any, **kwargs: Any) -> None:
+        batch_end(self, batch, *args, **kwargs)
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is not None:
+            _first_step_done(int(optimizer.iterations))
+        if not draining.is_set():
+            return
+        if optimizer is None or not latest.get("one_pass") or "began" not in latest:
+            autosave.say("drained: Keras resumes this run only at an epoch's start; the last "
+                         "backup stands")
+            raise SystemExit(autosave.DRAINED)
+        # Backed up as of the epoch running (Keras resumes at its start), with the batches
+        # of it trained, which a resumed attempt's pass skips.
+        self._campugrid_mid_epoch = {"skip": latest.get("skipped", 0) + batch + 1,
+                                     "began": _plain(latest["began"])}
+        self._current_epoch = getattr(self, "_campugrid_epoch", self._current_epoch)
+        self._save_model()
+        _stop_drained(int(optimizer.iterations))
 
     backup_cls._save_model, backup_cls._load_model = _save_model, _load_model
-    backup_cls.__init__ = __init__
+    backup_cls.__init__, backup_cls.on_train_batch_end = __init__, on_train_batch_end
+    backup_cls.on_train_begin, backup_cls.on_train_end = on_train_begin, on_train_end
+    backup_cls.on_epoch_begin = on_epoch_begin
+
+
+def _keras_passes(latest: dict[str, Any], resume: dict[str, Any]) -> bool:
+    """Keras on PyTorch makes a DataLoader for each pass over the training data (its epoch
+    iterator's `_get_iterator`): note the random states each pass begins with; a resumed
+    attempt's first pass begins with those of the drained one's and skips the batches it had
+    trained. Whether Keras could be hooked so (its PyTorch backend, as known here)."""
+    try:
+        epochs_cls = importlib.import_module("keras.src.backend.torch.trainer").TorchEpochIterator
+        _needs(epochs_cls, "_get_iterator")
+    except Exception:
+        return False
+    get_iterator = epochs_cls._get_iterator
+
+    class GoesOn:
+        """The pass, the skipped batches drawn already; Keras's count of the epoch's steps
+        is moved on by as many, so that the epoch ends where it would have."""
+
+        def __init__(self, batches: Any, epochs: Any, skipped: int) -> None:
+            self.batches, self.epochs, self.skipped = batches, epochs, skipped
+
+        def __iter__(self) -> GoesOn:
+            return self
+
+        def __next__(self) -> Any:
+            if self.skipped:  # Keras set its count to 0 after it made this iterator
+                self.epochs._steps_seen += self.skipped
+                self.skipped = 0
+            return next(self.batches)
+
+    class Resumed:
+        def __init__(self, loader: Any, epochs: Any, skip: int, rng: dict[str, Any]) -> None:
+            self.loader, self.epochs, self.skip, self.rng = loader, epochs, skip, rng
+
+        def __iter__(self) -> GoesOn:
+            batches = iter(self.loader)
+            for _ in range(self.skip):
+                next(batches)
+            set_rng_states(self.rng)
+            autosave.say(f"the training data goes on at batch {self.skip} of its epoch, where "
+                         "the drained attempt stopped")
+            return GoesOn(batches, self.epochs, self.skip)
+
+    @functools.wraps(get_iterator)
+    def _get_iterator(self: Any) -> Any:
+        latest["one_pass"] = (getattr(self, "steps_per_epoch", 0) is None
+                              and isinstance(getattr(self, "_steps_seen", None), int))
+        if "skip" not in resume:
+            latest["began"] = rng_states()
+            return get_iterator(self)
+        began, skip, rng = resume.pop("began"), resume.pop("skip"), resume.pop("rng")
+        resume.clear()
+        set_rng_states(began)
+        latest.update(began=began, skipped=skip)
+        return Resumed(get_iterator(self), self, skip, rng)
+
+    epochs_cls._get_iterator = _get_iterator
+    return True
 
 
 RNG_FILE = "campugrid-random-state.json"
