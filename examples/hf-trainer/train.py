@@ -1,6 +1,7 @@
 """A Hugging Face Trainer script as researchers write one: a tiny GPT-2 from a config (nothing
-downloaded), checkpoints every 10 steps in outputs/, nothing of campugrid in it. STEP_SECONDS
-slows each step down, so that a test can stop it midway."""
+downloaded), checkpoints every 10 steps in outputs/, nothing of campugrid in it. Its last line,
+the job's result, is a digest of the trained weights: a run stopped and resumed on another
+machine ends with the same one. STEP_SECONDS slows each step down (the tests stop it midway)."""
 import hashlib
 import json
 import os

@@ -1,17 +1,23 @@
-"""Checkpoints of training code that never heard of campugrid, through the platform: a Hugging
-Face Trainer script (tests/frameworks, unchanged, in the frameworks image that
-infra/frameworks-image.sh makes), run by real agents under gVisor. The agent holding
-the job is killed with SIGKILL after its checkpoints are recorded; the job finishes on the other
-agent from the newest one, with the weights of a run never stopped. The hooks against all four
-frameworks, drains included, run on the host in tests/integration/test_framework_hooks.py."""
+"""Checkpoints of training code that never heard of campugrid, through the platform: four
+unchanged scripts (the Hugging Face Trainer of examples/hf-trainer; Lightning, Keras and a plain
+PyTorch loop of tests/frameworks), in the frameworks image that infra/frameworks-image.sh
+makes, run by real agents under gVisor, all four at once, one to an agent. Each job's agent
+is killed (SIGKILL) after two checkpoints; another agent finishes the job from the newest,
+having lost at most one checkpoint interval, with the weights of a run never stopped. The
+hooks on the host, each framework on its own, drains included (each saves at the drain and
+resumes from it to the same weights), are tests/integration/test_framework_hooks.py; an
+agent's drain is tests/acceptance/test_resilience.py's."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -19,77 +25,120 @@ import pytest
 from campugrid.cli.platform import BASE_IMAGE, Platform
 from campugrid.client import Api, tar_folder
 from campugrid.protocol.spec import JobSpec
-from tests.acceptance.test_resilience import checkpoints_of, holder, platform_with, wait_for
-from tests.integration.test_framework_hooks import SCRIPTS, SITE
+from tests.acceptance.test_resilience import checkpoints_of, holder, platform_with
+from tests.integration.test_framework_hooks import SAVES, SCRIPTS, SITE
 from tests.support.console import CLI
 
 pytestmark = pytest.mark.acceptance
 IMAGE = "localhost/campugrid/frameworks:v1"
+# What each job's spec says: its script, and where its framework writes (the image's root is
+# read-only in the sandbox, so the folder is named to have it writable; the plain loop's is
+# also the one the watch takes its files from).
 JOBS = {
-    # The Trainer's own checkpoint-<step> folders, taken by its hook as it saves them; the spec
-    # names its output_dir only to have it writable (the image's root is read-only). (The
-    # plain loop, whose folder the spec names for the watch, Lightning and Keras run on the
-    # host: each case here is ~45 s of the suite's 25 minutes.)
     "transformers": {"command": ["python3", "train_hf.py"],
                      "checkpoints": {"dir": "/app/outputs"}},
+    "lightning": {"command": ["python3", "train_lightning.py"],
+                  "checkpoints": {"dir": "/app/checkpoints"}},
+    "keras": {"command": ["python3", "train_keras.py"], "checkpoints": {"dir": "/app/backup"}},
+    "plain": {"command": ["python3", "train_plain.py"],
+              "checkpoints": {"dir": "/app/ckpt", "match": "step_*.pt"}},
 }
 ENV = {"OMP_NUM_THREADS": "1"}  # the same arithmetic in the sandbox as on the host
+# A step's pause: a checkpoint interval takes 2.5-5 s, so that a stop falls within one.
+STEP_SECONDS = {"transformers": "0.25", "lightning": "0.25", "keras": "0.25", "plain": "0.4"}
 
 
 @pytest.fixture(scope="module")
 def grid() -> Iterator[tuple[Platform, Api]]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("CAMPUGRID_ALLOWED_BASES", f"{BASE_IMAGE},{IMAGE}")
-        with platform_with({"agent-a": (), "agent-b": ()}) as running:
+        with platform_with({f"first-{f}": () for f in JOBS}) as running:
             yield running
 
 
-def never_stopped(script: str, tmp_path: Path) -> str:
+def context(tmp_path: Path) -> bytes:
+    """The four scripts and the image of tests/frameworks; the Trainer's is the example's."""
+    folder = tmp_path / "context"
+    shutil.copytree(SCRIPTS, folder)
+    shutil.copy(SAVES["transformers"][0], folder / "train_hf.py")
+    return tar_folder(folder)
+
+
+def never_stopped(framework: str, tmp_path: Path) -> str:
     """The weights of an uninterrupted run, on the host (the same packages as the image)."""
-    done = subprocess.run(["/usr/bin/python3", str(SCRIPTS / script)], cwd=tmp_path,
-                          env={"PATH": os.environ["PATH"], "HOME": str(tmp_path),
-                               "PYTHONPATH": str(SITE), **ENV},
+    folder = tmp_path / f"reference-{framework}"
+    folder.mkdir()
+    done = subprocess.run(["/usr/bin/python3", str(SAVES[framework][0])], cwd=folder,
+                          env={"PATH": os.environ["PATH"], "HOME": str(folder),
+                               "PYTHONPATH": str(SITE), "KERAS_BACKEND": "torch", **ENV},
                           capture_output=True, text=True, timeout=300, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])["weights"]
 
 
-@pytest.mark.parametrize("framework", list(JOBS))
-def test_an_unchanged_script_killed_midway_finishes_elsewhere_from_its_checkpoint(
-        grid, tmp_path, framework):
+def explain(api: Api, job: str) -> str:
+    said = api.job(job)
+    logs = "".join(c["text"] for c in api.logs(job)["chunks"])
+    return f"{said['state']} {said.get('reason')}\n{logs[-4000:]}"
+
+
+def each_as_soon_as(api: Api, ids: dict[str, str], ready: Callable[[str], bool],
+                    act: Callable[[str], None], timeout: float = 240) -> None:
+    """`act` on each job (by its framework) the moment `ready` holds for it."""
+    waiting, deadline = dict(ids), time.monotonic() + timeout
+    while waiting:
+        for f in list(waiting):
+            if ready(f):
+                act(f)
+                del waiting[f]
+        if time.monotonic() > deadline:
+            raise AssertionError("\n".join(explain(api, job) for job in waiting.values()))
+        time.sleep(0.2)
+
+
+def run_log(api: Api, job: str, attempt: int) -> str:
+    return "".join(c["text"] for c in api.logs(job)["chunks"] if c["attempt"] == attempt)
+
+
+def test_unchanged_scripts_killed_midway_finish_elsewhere_as_if_never_stopped(grid, tmp_path):
     p, api = grid
-    spec = JobSpec.from_dict({**JOBS[framework], "env": {**ENV, "STEP_SECONDS": "0.25"},
-                              "resources": {"memory_mb": 2048}})
-    job = api.submit(tar_folder(SCRIPTS), spec)["id"]
-    expected = never_stopped(str(spec.command[1]), tmp_path)  # meanwhile
-    try:
-        wait_for("two checkpoints recorded", lambda: len(checkpoints_of(api, job)) >= 2,
-                 timeout=240)
-    except AssertionError:
-        said = api.job(job)
-        logs = "".join(c["text"] for c in api.logs(job)["chunks"])
-        raise AssertionError(f"{said['state']} {said.get('reason')}\n{logs[-4000:]}") from None
-    victim = holder(p, api, job)
-    os.kill(victim.pid(), signal.SIGKILL)
-    before = checkpoints_of(api, job)
-    final = api.wait(job, timeout_s=300, poll_s=0.3)
-    assert final["state"] == "succeeded", final
-    assert final["attempt"] == 2 and final["machine_id"] != victim.machine_id()
-    assert json.loads(final["result"])["weights"] == expected
-    logs = "".join(c["text"] for c in api.logs(job)["chunks"] if c["attempt"] == 2)
-    resumed = before[-1]
-    assert f"resuming from the checkpoint of epoch {resumed}" in logs, logs[-3000:]
-    assert f"put the checkpoint of step {resumed} back" in logs, logs[-3000:]
-    # At most one interval computed again: the second attempt's first checkpoint is the next.
-    after = [e for e in checkpoints_of(api, job) if e > resumed]
-    interval = before[1] - before[0]
-    assert after and after[0] == resumed + interval, (before, after)
-    # Each checkpoint as the job's code named it, its size, the machine that made it.
-    named = {"transformers": "checkpoint-{}"}[framework]
-    assert [c["label"] for c in final["checkpoints"]] \
-        == [named.format(c["epoch"]) for c in final["checkpoints"]]
-    assert all(c["size"] > 0 and c["machine_id"] for c in final["checkpoints"])
-    shown = subprocess.run([*CLI, "status", job], capture_output=True, text=True, timeout=60,
-                           env=p.cli_env(), check=True).stdout
-    newest = max(final["checkpoints"], key=lambda c: c["epoch"])
+    ids = {f: api.submit(context(tmp_path / f), JobSpec.from_dict({
+        **spec, "env": {**ENV, "STEP_SECONDS": STEP_SECONDS[f]},
+        "resources": {"memory_mb": 2048}, "image": {"reuse": "never"}}))["id"]
+        for f, spec in JOBS.items()}
+    killed_at: dict[str, int] = {}  # the newest checkpoint recorded when its agent was killed
+
+    def kill(f: str) -> None:
+        os.kill(holder(p, api, ids[f]).pid(), signal.SIGKILL)
+        killed_at[f] = max(checkpoints_of(api, ids[f]))
+        p.start_agent(f"after-{f}")  # for the attempt that follows
+
+    with ThreadPoolExecutor(2) as pool:  # meanwhile, on the host
+        expected = {f: pool.submit(never_stopped, f, tmp_path) for f in JOBS}
+        each_as_soon_as(api, ids, lambda f: len(checkpoints_of(api, ids[f])) >= 2, kill)
+        for f, job in ids.items():
+            final = api.wait(job, timeout_s=300, poll_s=0.3, check=False)
+            assert final["state"] == "succeeded", explain(api, job)
+            assert final["attempt"] == 2, final["events"]
+            assert json.loads(final["result"])["weights"] == expected[f].result(), f
+            # It went on from the newest checkpoint recorded before the kill...
+            resumed, logs = killed_at[f], run_log(api, job, 2)
+            assert f"resuming from the checkpoint of epoch {resumed}" in logs, logs[-3000:]
+            assert f"put the checkpoint of step {resumed} back" in logs, logs[-3000:]
+            # ... and lost at most one interval: the next it recorded is the next save.
+            _, saves = SAVES[f]
+            later = [e for e in checkpoints_of(api, job) if e > resumed]
+            assert later and later[0] == min(e for e in saves if e > resumed), (f, later)
+            # Each checkpoint with its name, its size, the machine that made it.
+            assert all(c["size"] > 0 and c["machine_id"] and c["label"]
+                       for c in final["checkpoints"]), final["checkpoints"]
+
+    # As the job's code named it: the Trainer's checkpoint-<step> folders, in REST and the CLI.
+    hf = api.job(ids["transformers"])
+    assert {c["label"] for c in hf["checkpoints"]} \
+        == {f"checkpoint-{c['epoch']}" for c in hf["checkpoints"]}
+    shown = subprocess.run([*CLI, "status", ids["transformers"]], capture_output=True,
+                           text=True, timeout=60, env=p.cli_env(), check=True).stdout
+    newest = max(hf["checkpoints"], key=lambda c: c["epoch"])
     assert any(line.startswith(f"ckpt     epoch {newest['epoch']} ")
-               and line.endswith(named.format(newest["epoch"])) for line in shown.splitlines()), shown
+               and line.endswith(f"checkpoint-{newest['epoch']}")
+               for line in shown.splitlines()), shown

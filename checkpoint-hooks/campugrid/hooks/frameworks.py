@@ -361,7 +361,14 @@ def hook_keras(module: ModuleType) -> None:
     @functools.wraps(train_end)
     def on_train_end(self: Any, *args: Any, **kwargs: Any) -> None:
         training.clear()
-        train_end(self, *args, **kwargs)
+        try:
+            train_end(self, *args, **kwargs)  # removes the backup folder (delete_checkpoint)
+        except OSError:
+            # The folder the job's spec names is a mount in the sandbox: its files are gone,
+            # the folder itself cannot be.
+            folder = Path(self.backup_dir).absolute()
+            if str(folder) != os.environ.get(autosave.ENV_FROM) or any(folder.iterdir()):
+                raise
 
     @functools.wraps(epoch_begin)
     def on_epoch_begin(self: Any, epoch: int, *args: Any, **kwargs: Any) -> None:
