@@ -123,13 +123,13 @@ def main() -> None:
         platform.stop()
 
     def row(name: str, xs: list[float], baseline: list[float]) -> str:
-        return (f"| {name:<58} | {statistics.median(xs):7.2f} | {min(xs):7.2f} | {max(xs):7.2f} "
+        return (f"| {name:<68} | {statistics.median(xs):7.2f} | {min(xs):7.2f} | {max(xs):7.2f} "
                 f"| {statistics.median(xs) / statistics.median(baseline):6.2f}x |")
 
     print(f"\nrecovery after kill -9 of the running agent (lease {lease_s:.0f} s, renewed every "
           f"{lease_s / 4:.0f} s; {args.rounds} rounds each)\n")
-    print(f"| {'measurement':<58} |  median |     min |     max | vs base |")
-    print(f"|{'-' * 60}|---------|---------|---------|---------|")
+    print(f"| {'measurement':<68} |  median |     min |     max | vs base |")
+    print(f"|{'-' * 70}|---------|---------|---------|---------|")
     for name, (baseline, to_running, to_progress), unit in (
             ("examples/train (campugrid.hooks)", hooks, "epoch"),
             ("examples/hf-trainer (unchanged Trainer)", unchanged, "step")):
