@@ -9,7 +9,8 @@ PyPI's PyTorch takes too long to build here). Each round: the job runs on one of
 once it has a checkpoint, that agent is killed with SIGKILL. Measured: kill -> the job is
 RUNNING again on the other agent, and kill -> its first epoch (or Trainer step) after the
 checkpoint is done. The baseline, measured in the same run on the same machine, is a fresh
-job's submit -> RUNNING (build and sandbox start included), so the table shows what a kill
+job's submit -> RUNNING (its image built in the first round, then found on the machine, as it
+is for the rescheduled job; the sandbox's start included), so the table shows what a kill
 costs on top of simply starting the job.
 """
 

@@ -2,7 +2,7 @@
 unchanged scripts (the Hugging Face Trainer of examples/hf-trainer; Lightning, Keras and a plain
 PyTorch loop of tests/frameworks), in the frameworks image that infra/frameworks-image.sh
 makes, run by real agents under gVisor, all four at once, one to an agent. Each job's agent
-is killed (SIGKILL) after two checkpoints; another agent finishes the job from the newest,
+is killed (SIGKILL) after its first checkpoint; another agent finishes the job from the newest,
 having lost at most one checkpoint interval, with the weights of a run never stopped. The
 hooks on the host, each framework on its own, drains included (each saves at the drain and
 resumes from it to the same weights), are tests/integration/test_framework_hooks.py; an
@@ -44,8 +44,9 @@ JOBS = {
               "checkpoints": {"dir": "/app/ckpt", "match": "step_*.pt"}},
 }
 ENV = {"OMP_NUM_THREADS": "1"}  # the same arithmetic in the sandbox as on the host
-# A step's pause: a checkpoint interval takes 2.5-5 s, so that a stop falls within one.
-STEP_SECONDS = {"transformers": "0.25", "lightning": "0.25", "keras": "0.25", "plain": "0.4"}
+# A step's pause: a checkpoint interval takes 2.5-5 s, so that a stop falls within one, and
+# the kill comes well before the end, however busy the machine.
+STEP_SECONDS = {"transformers": "0.4", "lightning": "0.25", "keras": "0.25", "plain": "0.4"}
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +115,7 @@ def test_unchanged_scripts_killed_midway_finish_elsewhere_as_if_never_stopped(gr
 
     with ThreadPoolExecutor(2) as pool:  # meanwhile, on the host
         expected = {f: pool.submit(never_stopped, f, tmp_path) for f in JOBS}
-        each_as_soon_as(api, ids, lambda f: len(checkpoints_of(api, ids[f])) >= 2, kill)
+        each_as_soon_as(api, ids, lambda f: len(checkpoints_of(api, ids[f])) >= 1, kill)
         for f, job in ids.items():
             final = api.wait(job, timeout_s=300, poll_s=0.3, check=False)
             assert final["state"] == "succeeded", explain(api, job)

@@ -70,8 +70,9 @@ def test_a_liar_is_outvoted_quarantined_and_its_earlier_result_tainted(grid, req
     # job of the same image, queued already, makes it push its build for the others ("first"
     # reuse); as it takes one task (--once), an honest machine runs that one, from the image
     # the liar pushed.
-    plain = api.submit(tar_folder(context), JobSpec(command=COMMAND))["id"]
-    twin = api.submit(tar_folder(context), JobSpec(command=COMMAND))["id"]
+    packed = tar_folder(context)  # the same bytes: the same context, whose image is shared
+    plain = api.submit(packed, JobSpec(command=COMMAND))["id"]
+    twin = api.submit(packed, JobSpec(command=COMMAND))["id"]
     lies = (str(LIAR), "--lie", "output,shards,image")
     liar = p.start_agent("liar", program=lies, args=("--once",))
     plain_final = api.wait(plain, timeout_s=240, poll_s=0.2)

@@ -1,9 +1,11 @@
 """A Keras script (on its PyTorch backend) as researchers write one: BackupAndRestore in
 backup/, shuffled batches, nothing of campugrid in it. STEP_SECONDS slows each step down, so
-that a test can stop it midway."""
+that a test can stop it midway; DRAIN_AT_STEP drains it (SIGTERM to itself) once that many
+steps are done."""
 import hashlib
 import json
 import os
+import signal
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "torch")
@@ -19,6 +21,8 @@ pause = float(os.environ.get("STEP_SECONDS", "0"))
 class Pace(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         time.sleep(pause)
+        if os.environ.get("DRAIN_AT_STEP") == str(int(self.model.optimizer.iterations)):
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),

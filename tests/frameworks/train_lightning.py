@@ -1,9 +1,11 @@
 """A PyTorch Lightning script as researchers write one: ModelCheckpoint at every epoch's end in
 checkpoints/, a shuffled DataLoader, nothing of campugrid in it. STEP_SECONDS slows each step
-down, so that a test can stop it midway."""
+down, so that a test can stop it midway; DRAIN_AT_STEP drains it (SIGTERM to itself) during
+that step."""
 import hashlib
 import json
 import os
+import signal
 import time
 
 import lightning as L
@@ -24,6 +26,8 @@ class Model(L.LightningModule):
 
     def training_step(self, batch, i):
         time.sleep(pause)
+        if os.environ.get("DRAIN_AT_STEP") == str(self.global_step):
+            os.kill(os.getpid(), signal.SIGTERM)
         xb, yb = batch
         return torch.nn.functional.binary_cross_entropy_with_logits(self.net(xb), yb)
 

@@ -345,9 +345,12 @@ def test_ctrl_c_during_submit_wait_says_the_job_goes_on_and_how_to_follow_or_can
     import signal
 
     folder = context_folder(tmp_path)
+    # As from a terminal: Ctrl-C's SIGINT is not ignored (as it is where the tests run in a
+    # shell's background), whatever this process was given.
     with subprocess.Popen([*CLI, "submit", str(folder), "--wait", "--json"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=env) as proc:
+                          env=env, preexec_fn=lambda: signal.signal(signal.SIGINT,
+                                                                     signal.SIG_DFL)) as proc:
         assert proc.stdout is not None and proc.stderr is not None
         submitted = json.loads(proc.stdout.readline())  # it is queued: nobody takes it here
         job_id = submitted["job"]["id"]

@@ -53,11 +53,14 @@ class Run:
     as an image's WORKDIR is), `checkpoints` the folder the agent mounts."""
 
     def __init__(self, python_path: str, framework: str, app: Path, checkpoints: Path,
-                 step_seconds: float = 0.0, resumed: int | None = None) -> None:
+                 step_seconds: float = 0.0, resumed: int | None = None,
+                 drain_at: int | None = None) -> None:
         script, _ = SAVES[framework]
         env = {"PATH": os.environ["PATH"], "HOME": str(app), "PYTHONPATH": python_path,
                "OMP_NUM_THREADS": "1", "STEP_SECONDS": str(step_seconds),
                hooks.ENV_DIR: str(checkpoints), "KERAS_BACKEND": "torch"}
+        if drain_at is not None:
+            env["DRAIN_AT_STEP"] = str(drain_at)
         if framework == "plain":
             env |= PLAIN_FOLDER | {autosave.ENV_FROM: str(app / "ckpt")}
         if resumed is not None:
@@ -151,6 +154,22 @@ def test_a_drain_saves_at_the_drain_and_the_run_goes_on_from_there_exactly(
         assert "the training data goes on at batch " in again.output(), again.output()[-3000:]
     assert again.taken()[0] == drained_at
     assert again.taken()[1:] == [s for s in saves if s > drained_at]
+
+
+@pytest.mark.parametrize("framework", ["lightning", "keras"])
+def test_a_drain_on_an_epochs_last_batch_saves_where_the_run_can_go_on_exactly(
+        python_path, tmp_path, framework):
+    """Drained during the last batch of the first epoch (16 batches): there is no pass of the
+    data left to skip into, so Lightning saves after the next epoch's first batch, Keras with
+    the epoch's own backup; either way the resumed run ends as one never stopped."""
+    never_stopped = Run(python_path, framework, tmp_path / "reference" / "app",
+                        tmp_path / "reference" / "checkpoints")
+    app = tmp_path / "job" / "app"
+    run = Run(python_path, framework, app, tmp_path / "job" / "ckpt-1", drain_at=15)
+    assert run.proc.wait(timeout=120) == autosave.DRAINED, run.output()
+    assert run.taken()[-1] == {"lightning": 17, "keras": 16}[framework], run.output()[-3000:]
+    again = resume(python_path, framework, run, app, tmp_path / "job" / "ckpt-2")
+    assert again.finish() == never_stopped.finish(), again.output()[-3000:]
 
 
 def test_a_drained_plain_loop_keeps_what_it_had_written(python_path, tmp_path):

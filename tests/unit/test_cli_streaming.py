@@ -9,7 +9,6 @@ import io
 import os
 import tarfile
 import tempfile
-import time
 import tracemalloc
 from pathlib import Path
 
@@ -210,23 +209,6 @@ def test_packing_and_submitting_a_big_folder_holds_no_tarball_in_memory(tmp_path
     assert sink.size == int(sink.headers["content-length"]) > size
     packed = 24 * MiB + len("print('hi')\n") + len((folder / "Dockerfile").read_text())
     assert (packed, packed) in ticks and (sink.size, sink.size) == ticks[-1]
-
-
-def test_the_same_folder_packs_to_the_same_bytes_at_any_time(tmp_path, monkeypatch):
-    """The coordinator names a context, and shares its image between jobs, by the digest of
-    these bytes: the time of packing and the file packed into must not change them."""
-    folder = folder_with(tmp_path)
-    other = tmp_path / "Dockerfile.gpu"
-    other.write_text("FROM localhost/campugrid/python:bookworm\n")
-    packed = []
-    for now in (1_000_000_000.0, 1_900_000_000.0):
-        monkeypatch.setattr(time, "time", lambda now=now: now)
-        for dockerfile in (None, other):
-            with tempfile.NamedTemporaryFile(dir=tmp_path) as f:
-                pack_folder(folder, f, dockerfile=dockerfile)
-                f.seek(0)
-                packed.append(f.read())
-    assert packed[0] == packed[2] and packed[1] == packed[3] and packed[0] != packed[1]
 
 
 def test_the_packed_context_is_the_tar_it_always_was(tmp_path):

@@ -194,15 +194,39 @@ def hook_lightning(module: ModuleType) -> None:
                 return
             loaders = _train_loaders(trainer)
             if not _resumable_mid_epoch(loaders):
-                if len(loaders) != 1 or loaders[0] not in began:
+                loader = loaders[0] if len(loaders) == 1 else None
+                if (loader is None or getattr(loader, "persistent_workers", False)
+                        or _began(loader) is None):
                     return  # Lightning's own SIGTERM handling stops it after this batch
-                self.mid_epoch = {"skip": batch_idx + 1, "began": began[loaders[0]]}
+                if not _may_stop_here(trainer):
+                    # Not where a resumed run could go on exactly: at the next batch that is.
+                    with contextlib.suppress(AttributeError):
+                        trainer._signal_connector.received_sigterm = False
+                    return
+                self.mid_epoch = {"skip": batch_idx + 1, "began": _began(loader)}
             ckpt = getattr(trainer, "checkpoint_callback", None)
             folder = Path(getattr(ckpt, "dirpath", None)
                           or os.path.join(trainer.default_root_dir, "checkpoints"))
             step = int(trainer.global_step)
             trainer.save_checkpoint(folder / f"epoch={trainer.current_epoch}-step={step}.ckpt")
             _stop_drained(step)
+
+    def _may_stop_here(trainer: Any) -> bool:
+        """After an optimizer step (gradients being accumulated are in no checkpoint), not
+        before a validation Lightning would skip on resuming, not an epoch's last batch
+        (Lightning resumes that as the next epoch's start, with no pass of the data left)."""
+        try:
+            loop = trainer.fit_loop.epoch_loop
+            return not (loop._should_accumulate() or loop._num_ready_batches_reached()
+                        or loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
+        except Exception:
+            return False
+
+    def _began(loader: Any) -> dict[str, Any] | None:
+        try:
+            return began.get(loader)
+        except TypeError:  # a DataLoader of a kind that cannot be a dictionary's key
+            return None
 
     def _train_loaders(trainer: Any) -> list[Any]:
         try:
@@ -227,17 +251,20 @@ def hook_lightning(module: ModuleType) -> None:
         A resumed attempt's training loader begins its epoch with the states the drained one
         began it with, and skips the batches trained before the drain: the same batches
         follow, and on the first, the random states of the drain."""
-        resume = next((cb.resume for cb in callbacks if cb.resume.get("skip")
+        resume = next((cb.resume for cb in list(callbacks) if cb.resume.get("skip")
                        and any(self is dl for dl in _train_loaders(cb.trainer))), None)
         if resume is None:
-            began[self] = rng_states()
+            with contextlib.suppress(TypeError):  # a kind of DataLoader that is no key
+                began[self] = rng_states()
             return loader_iter(self)
         set_rng_states(resume["began"])
-        began[self] = resume["began"]
+        with contextlib.suppress(TypeError):
+            began[self] = resume["began"]
         batches = loader_iter(self)
         skip = resume.pop("skip")
         for _ in range(skip):
-            next(batches)
+            if next(batches, None) is None:  # shorter here than where it was drained
+                break
         autosave.say(f"the training data goes on at batch {skip} of its epoch, where the "
                      "drained attempt stopped")
         return batches
@@ -308,10 +335,11 @@ def set_rng_states(states: dict[str, Any]) -> None:
 def hook_keras(module: ModuleType) -> None:
     backup_cls = module.BackupAndRestore
     _needs(backup_cls, "_save_model", "_load_model", "on_train_begin", "on_train_end",
-           "on_epoch_begin", "on_train_batch_end")
+           "on_epoch_begin", "on_epoch_end", "on_train_batch_end")
     save, load, init = backup_cls._save_model, backup_cls._load_model, backup_cls.__init__
     train_begin, train_end = backup_cls.on_train_begin, backup_cls.on_train_end
-    epoch_begin, batch_end = backup_cls.on_epoch_begin, backup_cls.on_train_batch_end
+    epoch_begin, epoch_end = backup_cls.on_epoch_begin, backup_cls.on_epoch_end
+    batch_end = backup_cls.on_train_batch_end
     # The training pass of the epoch now running: the random states it began with, whether it
     # is one pass an epoch (steps_per_epoch not set), the batches a resumed attempt skipped.
     latest: dict[str, Any] = {}
@@ -374,7 +402,16 @@ def hook_keras(module: ModuleType) -> None:
     def on_epoch_begin(self: Any, epoch: int, *args: Any, **kwargs: Any) -> None:
         epoch_begin(self, epoch, *args, **kwargs)
         self._campugrid_epoch = epoch
-        latest["skipped"] = 0
+        latest.update(skipped=0, next_is_training=True)  # the epoch's pass is made next
+
+    @functools.wraps(epoch_end)
+    def on_epoch_end(self: Any, *args: Any, **kwargs: Any) -> None:
+        epoch_end(self, *args, **kwargs)  # the epoch's backup, where save_freq is "epoch"
+        optimizer = getattr(self.model, "optimizer", None)
+        if draining.is_set() and optimizer is not None:  # drained on the epoch's last batch
+            if self.save_freq != "epoch":
+                self._save_model()
+            _stop_drained(int(optimizer.iterations))
 
     @functools.wraps(batch_end)
     def on_train_batch_end(self: Any, batch: int, *args: Any, **kwargs: Any) -> None:
@@ -388,10 +425,12 @@ def hook_keras(module: ModuleType) -> None:
             autosave.say("drained: Keras resumes this run only at an epoch's start; the last "
                          "backup stands")
             raise SystemExit(autosave.DRAINED)
+        trained = latest.get("skipped", 0) + batch + 1
+        if trained >= latest["batches"]:
+            return  # the epoch's last batch: backed up as the epoch ends (on_epoch_end)
         # Backed up as of the epoch running (Keras resumes at its start), with the batches
         # of it trained, which a resumed attempt's pass skips.
-        self._campugrid_mid_epoch = {"skip": latest.get("skipped", 0) + batch + 1,
-                                     "began": _plain(latest["began"])}
+        self._campugrid_mid_epoch = {"skip": trained, "began": _plain(latest["began"])}
         self._current_epoch = getattr(self, "_campugrid_epoch", self._current_epoch)
         self._save_model()
         _stop_drained(int(optimizer.iterations))
@@ -399,7 +438,7 @@ def hook_keras(module: ModuleType) -> None:
     backup_cls._save_model, backup_cls._load_model = _save_model, _load_model
     backup_cls.__init__, backup_cls.on_train_batch_end = __init__, on_train_batch_end
     backup_cls.on_train_begin, backup_cls.on_train_end = on_train_begin, on_train_end
-    backup_cls.on_epoch_begin = on_epoch_begin
+    backup_cls.on_epoch_begin, backup_cls.on_epoch_end = on_epoch_begin, on_epoch_end
 
 
 def _keras_passes(latest: dict[str, Any], resume: dict[str, Any]) -> bool:
@@ -408,6 +447,8 @@ def _keras_passes(latest: dict[str, Any], resume: dict[str, Any]) -> bool:
     attempt's first pass begins with those of the drained one's and skips the batches it had
     trained. Whether Keras could be hooked so (its PyTorch backend, as known here)."""
     try:
+        if importlib.import_module("keras.src.backend.config").backend() != "torch":
+            return False
         epochs_cls = importlib.import_module("keras.src.backend.torch.trainer").TorchEpochIterator
         _needs(epochs_cls, "_get_iterator")
     except Exception:
@@ -437,7 +478,8 @@ def _keras_passes(latest: dict[str, Any], resume: dict[str, Any]) -> bool:
         def __iter__(self) -> GoesOn:
             batches = iter(self.loader)
             for _ in range(self.skip):
-                next(batches)
+                if next(batches, None) is None:  # shorter here than where it was drained
+                    break
             set_rng_states(self.rng)
             autosave.say(f"the training data goes on at batch {self.skip} of its epoch, where "
                          "the drained attempt stopped")
@@ -445,8 +487,12 @@ def _keras_passes(latest: dict[str, Any], resume: dict[str, Any]) -> bool:
 
     @functools.wraps(get_iterator)
     def _get_iterator(self: Any) -> Any:
-        latest["one_pass"] = (getattr(self, "steps_per_epoch", 0) is None
-                              and isinstance(getattr(self, "_steps_seen", None), int))
+        if not latest.pop("next_is_training", False):
+            return get_iterator(self)  # evaluate, predict, or the next pass made early
+        batches = getattr(self, "_num_batches", None)
+        latest.update(batches=batches, one_pass=getattr(self, "steps_per_epoch", 0) is None
+                      and isinstance(batches, int)
+                      and isinstance(getattr(self, "_steps_seen", None), int))
         if "skip" not in resume:
             latest["began"] = rng_states()
             return get_iterator(self)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gzip
 import hashlib
 import io
 import os
@@ -107,10 +106,7 @@ def pack_folder(folder: Path, out: BinaryIO, progress: Progress | None = None,
                 ".dockerignore, and send data as a dataset (`submit --upload NAME=FILE`)")
 
     start = out.tell()
-    # The same folder packs to the same bytes (the coordinator names a context, and shares
-    # its image, by their digest): no time or file name in the gzip header.
-    with gzip.GzipFile(filename="", mode="wb", fileobj=out, mtime=0) as packed, \
-            tarfile.open(fileobj=packed, mode="w") as tar:
+    with tarfile.open(fileobj=out, mode="w:gz") as tar:
         for p in paths:  # as tar.add(p, recursive=False) does, with the bytes counted
             info = tar.gettarinfo(p, arcname=str(p.relative_to(folder)))
             if info is None:

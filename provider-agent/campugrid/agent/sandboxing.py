@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from campugrid import hooks
@@ -25,13 +25,13 @@ HOOKS_MOUNTS = ((Path(hooks.__file__).parent, f"{HOOKS_MOUNT}/campugrid/hooks", 
 Mapped = tuple[tuple[str, int], ...]  # (uuid, device minor) per reserved GPU
 
 
-def job_env(spec: JobSpec, lease: Lease, image_env: Sequence[str] | None,
+def job_env(spec: JobSpec, lease: Lease, image_env: Callable[[], Sequence[str] | None],
             resumed: int | None) -> dict[str, str]:
     """The spec's environment and the platform's: the job's own PYTHONPATH (the spec's, else
-    its image's ENV) first, then the hooks; what autosave needs (the epoch put back, the
-    folder the spec names)."""
+    its image's ENV, asked of the engine only then) first, then the hooks; what autosave
+    needs (the epoch put back, the folder the spec names)."""
     user_pythonpath = dict(spec.env).get("PYTHONPATH") or next(
-        (e.partition("=")[2] for e in image_env or () if e.startswith("PYTHONPATH=")), None)
+        (e.partition("=")[2] for e in image_env() or () if e.startswith("PYTHONPATH=")), None)
     taken = spec.checkpoints
     return dict(spec.env) | {
         "CAMPUGRID_JOB_ID": lease.job_id, "CAMPUGRID_ATTEMPT": str(lease.attempt),

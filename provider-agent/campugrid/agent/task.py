@@ -506,8 +506,8 @@ class Task:
             output_files=tuple((p[:256], n) for p, n in listed[:200]))  # as it is kept
 
     def job_env(self) -> dict[str, str]:
-        return sandboxing.job_env(self.spec, self.lease, self.ops().image_env(self.image),
-                                  self.resumed)
+        return sandboxing.job_env(self.spec, self.lease,
+                                  lambda: self.ops().image_env(self.image), self.resumed)
 
     def ops(self) -> PodmanOps:
         """This agent's container engine, as its runtime offers it."""
