@@ -43,11 +43,12 @@ def shared_root() -> Path:
 
 
 @contextlib.contextmanager
-def platform_with(agents: dict[str, tuple[str, ...]]) -> Iterator[tuple[Platform, Api]]:
+def platform_with(agents: dict[str, tuple[str, ...]],
+                  lease_seconds: float = 4.0) -> Iterator[tuple[Platform, Api]]:
     """A platform of its own with these agents (name -> `agent run` arguments); their logs'
     last lines are printed when it stops."""
     root = shared_root()
-    p = Platform(root / "state", http_port=free_port(), lease_seconds=4.0,
+    p = Platform(root / "state", http_port=free_port(), lease_seconds=lease_seconds,
                  admin_identity=root / "admin.json").start()
     try:
         for name, args in agents.items():
