@@ -262,11 +262,7 @@ def hook_lightning(module: ModuleType) -> None:
             began[self] = resume["began"]
         batches = loader_iter(self)
         skip = resume.pop("skip")
-        for _ in range(skip):
-            if next(batches, None) is None:  # shorter here than where it was drained
-                break
-        autosave.say(f"the training data goes on at batch {skip} of its epoch, where the "
-                     "drained attempt stopped")
+        _skip(batches, skip)
         return batches
 
     callbacks: weakref.WeakSet[Campugrid] = weakref.WeakSet()
@@ -301,6 +297,16 @@ def hook_lightning(module: ModuleType) -> None:
     trainer_cls.__init__, trainer_cls.fit = __init__, fit_
     trainer_cls.save_checkpoint = save_checkpoint
     loader_cls.__iter__ = __iter__
+
+
+def _skip(batches: Any, skip: int) -> None:
+    """A resumed pass over the training data: the batches trained before the drain drawn and
+    left (fewer, if the data is shorter here than where it was drained)."""
+    for _ in range(skip):
+        if next(batches, None) is None:
+            break
+    autosave.say(f"the training data goes on at batch {skip} of its epoch, where the drained "
+                 "attempt stopped")
 
 
 def rng_states() -> dict[str, Any]:
@@ -477,12 +483,8 @@ def _keras_passes(latest: dict[str, Any], resume: dict[str, Any]) -> bool:
 
         def __iter__(self) -> GoesOn:
             batches = iter(self.loader)
-            for _ in range(self.skip):
-                if next(batches, None) is None:  # shorter here than where it was drained
-                    break
+            _skip(batches, self.skip)
             set_rng_states(self.rng)
-            autosave.say(f"the training data goes on at batch {self.skip} of its epoch, where "
-                         "the drained attempt stopped")
             return GoesOn(batches, self.epochs, self.skip)
 
     @functools.wraps(get_iterator)
