@@ -305,8 +305,10 @@ class Users:
 
     def _failed(self, user_id: str, now: dt.datetime) -> RateLimited | None:
         """Count a failed sign-in (in the database, so that parallel guesses all count); the
-        lock it set off, if it did."""
-        with self.db.tx() as s:
+        lock it set off, if it did. Not waited onto disk, like an unknown name's count: a
+        commit's fsync, slow on a busy disk, would tell by its time that the name exists (a
+        crash may lose a count or a lock, never a sign-in)."""
+        with self.db.tx(durable=False) as s:
             s.execute(update(User).where(User.id == user_id)
                       .values(failed_logins=User.failed_logins + 1))
             locked = now + dt.timedelta(seconds=LOCK_S)
