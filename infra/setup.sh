@@ -7,6 +7,7 @@ set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
 user=${CAMPUGRID_AGENT_USER:-campugrid}
+second_user=${CAMPUGRID_SECOND_AGENT_USER:-campugrid2}  # the tests' second worker's
 packages=(podman buildah crun runc uidmap slirp4netns fuse-overlayfs debootstrap skopeo docker-registry
           apt-cacher-ng debian-archive-keyring
           python3 python3-venv python3-dev gcc postgresql busybox-static iproute2 procps)
@@ -78,18 +79,23 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" >"$stamp"
 fi
 
-if [ "$(id -u)" = 0 ]; then
+# One provider user, as root: the account with its subordinate ids (from SUBID_START, where
+# useradd gave none), its rootless container storage, its delegated cgroups and SLOTS output
+# slots numbered from FIRST_SLOT. Several users may lend one machine.
+provider_account() {
+  local user=$1 subid=$2 first=$3
   if ! id "$user" >/dev/null 2>&1; then
     say "creating the provider user $user (the agent and every sandbox run as it)"
     useradd --create-home --shell /bin/bash "$user"
   fi
+  local uid home remount=
   uid=$(id -u "$user")
   home=$(getent passwd "$user" | cut -d: -f6)
-  grep -q "^$user:" /etc/subuid || usermod --add-subuids 100000-165535 "$user"
-  grep -q "^$user:" /etc/subgid || usermod --add-subgids 100000-165535 "$user"
+  grep -q "^$user:" /etc/subuid || usermod --add-subuids "$subid-$((subid + 65535))" "$user"
+  grep -q "^$user:" /etc/subgid || usermod --add-subgids "$subid-$((subid + 65535))" "$user"
   install -d -o "$user" -g "$user" -m 0700 "/run/user/$uid"
   # Native rootless overlay: container starts in ~0.25 s instead of seconds on vfs.
-  conf="$home/.config/containers/storage.conf"
+  local conf="$home/.config/containers/storage.conf"
   if [ ! -f "$conf" ]; then
     install -d -o "$user" -g "$user" "$home/.config" "$home/.config/containers"
     printf '[storage]\ndriver = "overlay"\n' >"$conf"
@@ -98,21 +104,25 @@ if [ "$(id -u)" = 0 ]; then
       podman system reset --force >/dev/null 2>&1 || true
   fi
   # cgroup v1: rootless Podman ignores --memory/--cpus/--pids-limit, so delegate a subtree
-  # in which the agent makes one cgroup per job and writes the limits itself.
+  # in which the agent makes one cgroup per job and writes the limits itself: `campugrid`
+  # for the user of that name, `campugrid-USER` for any other (sandbox/limits.py).
+  local subtree=campugrid
+  [ "$user" = campugrid ] || subtree=campugrid-$user
   if [ ! -f /sys/fs/cgroup/cgroup.controllers ]; then
     for c in memory cpu pids; do
       if [ -d "/sys/fs/cgroup/$c" ]; then
-        mkdir -p "/sys/fs/cgroup/$c/campugrid"
-        chown -R "$user:" "/sys/fs/cgroup/$c/campugrid"
+        mkdir -p "/sys/fs/cgroup/$c/$subtree"
+        chown -R "$user:" "/sys/fs/cgroup/$c/$subtree"
       fi
     done
   fi
   # Output slots: rootless Podman has no quota for bind mounts, so each agent's /output and
   # /checkpoints go on a size-bounded filesystem of its own (campugrid.sandbox.slots):
-  # sparse ext4 images, which take disk only for what jobs write.
-  slots=/var/lib/campugrid/slots
+  # sparse ext4 images, which take disk only for what jobs write. An agent takes a free one
+  # that its user can write.
+  local slots=/var/lib/campugrid/slots i img dir
   install -d -m 0755 /var/lib/campugrid "$slots"
-  for i in $(seq 0 $((${CAMPUGRID_SLOTS:-4} - 1))); do
+  for i in $(seq "$first" $((first + ${CAMPUGRID_SLOTS:-4} - 1))); do
     img="$slots/$i.img" dir="$slots/$i"
     install -d -m 0700 -o "$user" -g "$user" "$dir"
     mountpoint -q "$dir" && continue
@@ -122,7 +132,7 @@ if [ "$(id -u)" = 0 ]; then
     fi
     if mount -o loop,discard,noinit_itable,nodev,nosuid "$img" "$dir" 2>/dev/null; then
       chmod 0700 "$dir"
-      remount_podman=1
+      remount=1
       grep -q " $dir " /etc/fstab || \
         echo "$img $dir ext4 loop,discard,noinit_itable,nodev,nosuid,nofail 0 0" >>/etc/fstab
     else
@@ -132,7 +142,7 @@ if [ "$(id -u)" = 0 ]; then
   done
   # Where / is not a shared mount (containers), mounts made after Podman's rootless
   # namespace was set up stay invisible in it: start that namespace afresh.
-  if [ -n "${remount_podman:-}" ]; then
+  if [ -n "$remount" ]; then
     runuser -u "$user" -- env HOME="$home" XDG_RUNTIME_DIR="/run/user/$uid" \
       podman system migrate >/dev/null 2>&1 || true
   fi
@@ -141,9 +151,21 @@ if [ "$(id -u)" = 0 ]; then
     say "user $user cannot read $repo; put the checkout somewhere world-readable (not under /root)"
     exit 1
   fi
+}
+
+if [ "$(id -u)" = 0 ]; then
+  provider_account "$user" 100000 0
+  # The tests' second worker lends the machine as a second user (tests/conftest.py): its
+  # agents and sandboxes, processes, cgroups and images are apart from the first's.
+  if [ "${CAMPUGRID_TEST_TOOLS:-}" = 1 ]; then
+    provider_account "$second_user" 165536 "${CAMPUGRID_SLOTS:-4}"
+  fi
 fi
 
 "$repo/infra/base-image.sh" "$(if [ "$(id -u)" = 0 ]; then echo "$user"; else id -un; fi)"
+if [ "${CAMPUGRID_TEST_TOOLS:-}" = 1 ] && [ "$(id -u)" = 0 ]; then
+  "$repo/infra/base-image.sh" "$second_user"
+fi
 if [ "${CAMPUGRID_TEST_TOOLS:-}" = 1 ]; then  # the frameworks the checkpoint hooks are tested on
   "$repo/infra/frameworks-image.sh" "$(if [ "$(id -u)" = 0 ]; then echo "$user"; else id -un; fi)"
 fi

@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import contextlib
 import os
+import pwd
 import secrets
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,9 +13,10 @@ from typing import Any
 
 import pytest
 
-from campugrid.cli.platform import ProviderUser
+from campugrid.cli.platform import PROVIDER_USER_ENV, ProviderUser
 from campugrid.cli.seaweed import EmbeddedS3
 from campugrid.coordinator.objects import S3Store
+from campugrid.protocol.errors import CampugridError
 from tests.support.postgres import TempPostgres
 from tests.support.standins import this_network
 
@@ -25,13 +29,32 @@ os.environ.setdefault("CAMPUGRID_AGENT_POLL_SECONDS", "0.2")
 for _name, _value in this_network().items():
     os.environ.setdefault(_name, _value)
 
-# infra/test runs two pytest-xdist workers (`--dist loadscope`, scheduled as below). Every test
-# that touches the provider user's Podman, runsc, Buildah or an agent runs on one of them, one
-# at a time and in file order, as before: an agent sweeps away containers it did not start by
-# label, and several tests count the provider's processes or images. The modules below use none
-# of that (the coordinator, its store, the CLI, the static checks, unit tests; root's own Podman
-# for the image cache), so they run on the other worker beside
-# them, a module at a time. A new module joins the host's tests unless it is listed here.
+# infra/test runs two pytest-xdist workers (`--dist loadscope`, scheduled as below), each
+# lending the machine as its own provider user: the first as `campugrid`, the second as the user
+# infra/setup.sh makes for it (CAMPUGRID_SECOND_AGENT_USER), with its own Podman store, cgroups,
+# output slots and processes. The first worker runs "the host's tests" in order, one scope: the
+# security suite first (it snapshots the provider's processes, cgroups and the disk), and then
+# the others, several of which count the provider's processes or images.
+SECOND_USER = os.environ.get("CAMPUGRID_SECOND_AGENT_USER", "campugrid2")
+
+
+def _second_user() -> str | None:
+    """The second worker's provider user, where it can be one (as root, once set up)."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        pwd.getpwnam(SECOND_USER)
+    except KeyError:
+        return None
+    return SECOND_USER
+
+
+if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0" and _second_user():
+    os.environ[PROVIDER_USER_ENV] = SECOND_USER
+
+# These modules use none of the provider's Podman (the coordinator, its store, the CLI, the
+# static checks, unit tests; root's own Podman for the image cache): each is a scope of its own,
+# on either worker.
 BESIDE_THE_HOST = (
     "tests/unit/", "tests/test_static.py", "tests/security/test_trust.py",
     "tests/security/test_console.py",
@@ -46,13 +69,23 @@ BESIDE_THE_HOST = (
         "framework_hooks", "hook_processes", "install_unit", "owner", "packaging", "shard_runner")))
 
 
-# The host's heaviest builds run last, when the other worker is done: beside its CPU-bound
-# tests (mypy, password hashing, the frameworks) the corpus took 370 s instead of 290 s.
+# These modules run agents and jobs but look at nothing of the provider's beyond their own
+# platform: with a second user, each is a scope of its own too, run as its worker's user.
+ANY_PROVIDER = tuple(f"tests/acceptance/test_{name}.py" for name in (
+    "console", "coordinators", "handback", "images", "resilience", "shards", "submit_boundary",
+    "trust_flow", "verified"))
+# The security suite runs first on the first worker, before the second has finished the modules
+# beside it and starts the ones above (whose images would count against its disk check); the
+# host's heaviest builds run last, when the other worker is done: beside its CPU-bound tests
+# (mypy, password hashing, the frameworks) the corpus took 370 s instead of 290 s.
+HOST_FIRST = ("tests/security/",)
 HOST_LAST = ("tests/acceptance/test_bases.py",)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: item.nodeid.startswith(HOST_LAST))  # stable: the rest in order
+    # stable: the rest in file order
+    items.sort(key=lambda item: 2 if item.nodeid.startswith(HOST_LAST)
+               else 0 if item.nodeid.startswith(HOST_FIRST) else 1)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -63,9 +96,22 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    apart = BESIDE_THE_HOST + (ANY_PROVIDER if _second_user() else ())
+
     class HostInOrder(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return nodeid.split("::")[0] if nodeid.startswith(BESIDE_THE_HOST) else "host"
+            return nodeid.split("::")[0] if nodeid.startswith(apart) else "host"
+
+        def _assign_work_unit(self, node: Any) -> None:
+            """The host's scope to the first worker (its user is `campugrid`); to the other,
+            the modules beside it first and then those of ANY_PROVIDER."""
+            queue = list(self.workqueue)
+            if node.gateway.id == "gw0":
+                pick = "host" if "host" in queue else queue[0]
+            else:
+                pick = min(queue, key=lambda s: 2 if s == "host" else s.startswith(ANY_PROVIDER))
+            self.workqueue.move_to_end(pick, last=False)
+            super()._assign_work_unit(node)
 
     return HostInOrder(config, log)
 
@@ -82,6 +128,25 @@ def provider() -> ProviderUser:
     user = ProviderUser.resolve()
     user.prepare()
     return user
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _agents_images_go_at_the_end() -> Iterator[None]:
+    """Each test's agents have a scope of their own, and so do their image caches: what they
+    left in this worker's provider store goes when the session ends (gigabytes a run)."""
+    yield
+    if os.geteuid() != 0:
+        return
+    with contextlib.suppress(CampugridError):
+        user = ProviderUser.resolve()
+        listed = subprocess.run(user.command(["podman", "images", "--format",
+                                              "{{.Repository}}:{{.Tag}}"]),
+                                capture_output=True, text=True, timeout=120, check=False)
+        left = [i for i in listed.stdout.split()
+                if i.startswith(("localhost/campugrid-cache/", "localhost/campugrid-job/"))]
+        for i in range(0, len(left), 50):
+            subprocess.run(user.command(["podman", "rmi", "--force", "--ignore", *left[i:i + 50]]),
+                           capture_output=True, timeout=600, check=False)
 
 
 @pytest.fixture(scope="session")

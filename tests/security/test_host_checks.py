@@ -39,7 +39,7 @@ def test_each_kind_of_leftover_is_reported(provider, shared_tmp, token):
                 "s.listen(); time.sleep(300)")
     procs = [subprocess.Popen(provider.command(["sleep", "300"]), cwd="/"),
              subprocess.Popen(provider.command([sys.executable, "-c", listener]), cwd="/")]
-    cgroups = [hostile.CGROUP_ROOT / c / hostile.DELEGATED / name for c in ("pids", "memory")]
+    cgroups = [hostile.delegated(provider, c) / name for c in ("pids", "memory")]
     made = []
     try:
         for cg in cgroups:
@@ -79,7 +79,7 @@ def test_each_kind_of_leftover_is_reported(provider, shared_tmp, token):
 
 def test_build_cgroups_can_be_tolerated_by_option(provider, shared_tmp, token):
     canary = hostile.Canary.plant(shared_tmp / "canary.txt", provider, label="self-test")
-    base = hostile.CGROUP_ROOT / "pids" / hostile.DELEGATED
+    base = hostile.delegated(provider, "pids")
     if not base.is_dir():
         pytest.skip("no delegated pids cgroup on this host")
     before = take(provider, canary)

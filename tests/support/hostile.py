@@ -2,7 +2,7 @@
 
 Take a `snapshot()` before the attack and one after, and `assert_host_unaffected(before,
 after)`: the provider user's processes, listening sockets, the per-job cgroups under the
-delegated `campugrid/` subtree, free disk where the agent keeps its state, planted canary
+delegated cgroup subtree, free disk where the agent keeps its state, planted canary
 files, and the provider's podman containers. Other work on the same machine (other tests'
 agents and sandboxes, run by the same provider user) is told apart with a `Scope`, so that only
 what belongs to the platform under test is blamed. `wait_host_unaffected` polls until the
@@ -27,9 +27,9 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from campugrid.cli.platform import ProviderUser
+from campugrid.sandbox.limits import delegated_subtree
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-DELEGATED = "campugrid"
 CGROUP_CONTROLLERS = ("memory", "pids", "cpu")
 # Processes of the provider user that are not any job's: rootless podman's pause process,
 # and the build runtime's background `runsc delete` (it finishes a few seconds after a build
@@ -122,11 +122,12 @@ class HostSnapshot:
     uids: frozenset[int]  # the provider's uid and its subordinate uids
     procs: Mapping[int, Proc]  # every process on the host (ancestry needs the others too)
     listeners: frozenset[Listener]  # the provider's (uids above) listening sockets
-    cgroups: Mapping[str, frozenset[str]]  # controller -> paths of cgroups below campugrid/
+    cgroups: Mapping[str, frozenset[str]]  # controller -> paths of cgroups below `subtree`
     disk_path: Path
     free_bytes: int
     files: Mapping[Path, FileState]  # canaries and other watched files
     containers: frozenset[str]  # the provider's podman containers, by name
+    subtree: str  # the provider's delegated cgroup folder (its name below each controller)
 
     def provider_procs(self) -> dict[tuple[int, int], Proc]:
         return {p.key: p for p in self.procs.values() if p.uid in self.uids}
@@ -208,12 +209,18 @@ def _address(hexaddr: str) -> str:
     return ":".join(w[j:j + 4] for w in words for j in (0, 4))
 
 
-def cgroup_children(root: Path = CGROUP_ROOT) -> dict[str, frozenset[str]]:
-    """Every cgroup below each controller's delegated campugrid/ folder, as relative paths
-    (agents nest job cgroups under a folder of their own: `a-<scope>/campugrid-<job>-1`)."""
+def delegated(user: ProviderUser, ctrl: str) -> Path:
+    """The cgroup folder root delegated to the provider user for one controller."""
+    return CGROUP_ROOT / ctrl / delegated_subtree(user.name)
+
+
+def cgroup_children(user: ProviderUser) -> dict[str, frozenset[str]]:
+    """Every cgroup below each controller's folder delegated to the provider user, as
+    relative paths (agents nest job cgroups under a folder of their own:
+    `a-<scope>/campugrid-<job>-1`)."""
     out: dict[str, frozenset[str]] = {}
     for ctrl in CGROUP_CONTROLLERS:
-        base = root / ctrl / DELEGATED
+        base = delegated(user, ctrl)
         names = set()
         for dirpath, dirnames, _files in os.walk(base):
             for d in dirnames:
@@ -237,9 +244,10 @@ def snapshot(user: ProviderUser, *, disk_path: Path,
     return HostSnapshot(
         taken_at=time.time(), uids=provider_uids(user), procs=processes(),
         listeners=frozenset(s for s in listening_sockets() if s.uid in provider_uids(user)),
-        cgroups=cgroup_children(), disk_path=disk_path,
+        cgroups=cgroup_children(user), disk_path=disk_path,
         free_bytes=shutil.disk_usage(disk_path).free,
-        files={p: FileState.of(p) for p in paths}, containers=podman_containers(user))
+        files={p: FileState.of(p) for p in paths}, containers=podman_containers(user),
+        subtree=delegated_subtree(user.name))
 
 
 # --- comparing two --------------------------------------------------------------------------
@@ -311,7 +319,8 @@ def differences(before: HostSnapshot, after: HostSnapshot, *, scope: Scope | Non
             if "/" not in name and leaf.startswith("a-") and not any(
                     n.startswith(name + "/") for n in names):
                 continue  # an agent's (empty) folder for its job cgroups, not a job's
-            problems.append(f"a cgroup was left behind: /sys/fs/cgroup/{ctrl}/{DELEGATED}/{name}")
+            problems.append(f"a cgroup was left behind: "
+                            f"{CGROUP_ROOT / ctrl / after.subtree / name}")
     lost = before.free_bytes - after.free_bytes
     if lost > disk_slack_mb * 1024 * 1024:
         problems.append(f"free disk on {after.disk_path} fell by {lost / 1024**2:.0f} MiB "

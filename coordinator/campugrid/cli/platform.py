@@ -43,7 +43,7 @@ from campugrid.protocol.errors import CampugridError, StorageError
 from campugrid.protocol.identities import default_path as default_identity
 
 log = logging.getLogger(__name__)
-PROVIDER_USER = os.environ.get("CAMPUGRID_AGENT_USER", "campugrid")
+PROVIDER_USER_ENV, PROVIDER_USER = "CAMPUGRID_AGENT_USER", "campugrid"
 BASE_IMAGE = "localhost/campugrid/python:bookworm"
 RESTART_DELAYS_S = (1.0, 30.0)  # first, most: doubling in between
 STABLE_AFTER_S = 60.0  # an agent up this long starts again from the first delay
@@ -104,11 +104,12 @@ class ProviderUser:
         if os.geteuid() != 0:
             pw = pwd.getpwuid(os.geteuid())
         else:
+            name = os.environ.get(PROVIDER_USER_ENV, PROVIDER_USER)  # read now: tests set it
             try:
-                pw = pwd.getpwnam(PROVIDER_USER)
+                pw = pwd.getpwnam(name)
             except KeyError as e:
                 raise CampugridError(
-                    f"no user {PROVIDER_USER!r} to run the agent as; run infra/setup.sh as root "
+                    f"no user {name!r} to run the agent as; run infra/setup.sh as root "
                     "(the agent never runs as root)") from e
         return cls(pw.pw_name, pw.pw_uid, pw.pw_gid, Path(pw.pw_dir))
 
