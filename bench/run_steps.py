@@ -1,12 +1,15 @@
 """What gVisor alone costs a build's RUN steps on this machine: the floor under bench/builds.py.
 
-    .venv/bin/python bench/run_steps.py [--rounds 3]    (as root, after infra/setup.sh)
+    .venv/bin/python bench/run_steps.py [--rounds 3] [--runsc PATH ...]
+                                                        (as root, after infra/setup.sh)
 
 The same one-step Dockerfiles, with the same offline inputs (the wheels fetched once, before,
 mounted read-only, pip pointed at them), built as the provider user by campugrid's own builder
 (builders/buildah.py: its tmpfs store, no network, the commit into the provider's store) two
 ways in the same run, alternating:
-  - gVisor: as campugrid always builds, every RUN step inside runsc;
+  - gVisor: as campugrid always builds, every RUN step inside runsc, once with each runsc
+    given (default: both that infra/setup.sh leaves, the one built from gVisor's Go module
+    by infra/runsc.sh and Debian's, where present);
   - chroot: the same builder with Buildah's `--isolation chroot`, RUN steps on the host kernel
     (a twin made here, for this measurement only: campugrid never builds that way).
 Nothing else differs, so the ratio is the sandbox's own cost for that kind of step, which no
@@ -65,6 +68,8 @@ def child(args: dict[str, str]) -> None:
             at = argv.index("--network")  # chroot refuses it; Buildah has no network anyway
             return argv[:at] + argv[at + 2:]
 
+    if args["mode"] != "chroot":
+        os.environ["CAMPUGRID_RUNSC"] = args["mode"]  # the build runtime's runsc
     builder = (ChrootTwin if args["mode"] == "chroot" else BuildahBuilder)(scope="a-bench")
     context = Path(args["context"])
     # The base is in the provider's store already, under its Hub name, as if the agent had
@@ -110,6 +115,7 @@ def contexts(root: Path, base: str, user: ProviderUser) -> dict[str, Path]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--runsc", action="append", help="a runsc to build with (repeatable)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -118,6 +124,12 @@ def main() -> None:
     from tests.support.oci import PYTHON_SLIM_HUB, python_slim
 
     user = ProviderUser.resolve()
+    runscs = args.runsc or [p for p in ("/usr/local/bin/runsc", "/usr/bin/runsc")
+                            if os.path.exists(p)]
+    versions = {r: subprocess.run([r, "--version"], capture_output=True, text=True,
+                                  check=True).stdout.split("\n")[0].replace("runsc version ", "")
+                for r in runscs}
+    modes = ["chroot", *runscs]
     root = Path(tempfile.mkdtemp(prefix="campugrid-bench-steps-"))
     os.chmod(root, 0o711)
     wheels = root / "wheels"
@@ -130,8 +142,8 @@ def main() -> None:
         ctxs = contexts(root, PYTHON_SLIM_HUB, user)
         for r in range(args.rounds + 1):  # round 0 warms up (the base copied into the store)
             for name, ctx in ctxs.items():
-                for mode in ("chroot", "gvisor") if r % 2 else ("gvisor", "chroot"):
-                    took = build(user, mode, ctx, wheels, f"localhost/campugrid-bench/steps:{mode}")
+                for i, mode in enumerate(modes[r % len(modes):] + modes[:r % len(modes)]):
+                    took = build(user, mode, ctx, wheels, f"localhost/campugrid-bench/steps:{i}")
                     if r:
                         times.setdefault((name, mode), []).append(took)
                     print(f"round {r} {name}: {mode} {took:.2f} s", flush=True)
@@ -139,22 +151,22 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
         subprocess.run(user.command(["podman", "rmi", PYTHON_SLIM_HUB]), capture_output=True,
                        timeout=120)
-    version = subprocess.run(["runsc", "--version"], capture_output=True, text=True,
-                             check=False).stdout.split("\n")[0]
     print(f"\none-step builds by campugrid's builder, RUN in gVisor against the same in a chroot, "
-          f"same offline inputs, median of {args.rounds} rounds ({version}, its default platform)\n")
-    print("| build                  | chroot  | gVisor  | gVisor / chroot | the step alone, chroot "
-          "-> gVisor |")
-    print("|------------------------|---------|---------|-----------------|-------------------------"
-          "---------|")
-    fixed = {m: statistics.median(times[("no RUN step", m)]) for m in ("chroot", "gvisor")}
+          f"same offline inputs, median of {args.rounds} rounds (each runsc on its default "
+          f"platform)\n")
+    names = [versions[r] for r in runscs]
+    print("| build | chroot | " + " | ".join(f"gVisor {n}" for n in names) + " | "
+          + " | ".join(f"{n} / chroot" for n in names) + " | the step alone, chroot -> "
+          + " / ".join(names) + " |")
+    print("|---" * (3 + 2 * len(runscs)) + "|")
+    fixed = {m: statistics.median(times[("no RUN step", m)]) for m in modes}
     for name in STEPS:
-        c, g = (statistics.median(times[(name, m)]) for m in ("chroot", "gvisor"))
-        alone = "" if name == "no RUN step" else \
-            f"{c - fixed['chroot']:.2f} -> {g - fixed['gvisor']:.2f} s"
-        print(f"| {name:<22} | {c:5.2f} s | {g:5.2f} s | {g / c:14.2f}x | {alone:>32} |")
+        c, *gs = (statistics.median(times[(name, m)]) for m in modes)
+        alone = "" if name == "no RUN step" else f"{c - fixed['chroot']:.2f} -> " + " / ".join(
+            f"{g - fixed[m]:.2f}" for g, m in zip(gs, runscs, strict=True)) + " s"
+        print(f"| {name} | {c:.2f} s | " + " | ".join(f"{g:.2f} s" for g in gs) + " | "
+              + " | ".join(f"{g / c:.2f}x" for g in gs) + f" | {alone} |")
     print("\nthe step alone: the build's time less the no-RUN-step build's, same isolation")
-
 
 if __name__ == "__main__":
     main()

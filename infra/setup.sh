@@ -54,6 +54,9 @@ if [ "$(id -u)" = 0 ]; then
     dpkg --compare-versions "$(dpkg-query -W -f='${Version}' runsc)" ge "$runsc_min" ||
       say "warning: runsc older than $runsc_min: jobs and builds run on the slower ptrace platform"
   fi
+  # And the runsc providers install today, built from gVisor's Go module where Go is here
+  # (Podman then runs it as `runsc`; Debian's stays as the fallback).
+  "$repo/infra/runsc.sh"
   # The packages' own services are not used; tests and `up` start their own (the registry's
   # would listen on :5000 without authentication, apt-cacher-ng's on :3142 as anyone's proxy).
   systemctl disable --now postgresql >/dev/null 2>&1 || true

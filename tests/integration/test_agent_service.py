@@ -15,6 +15,7 @@ from prometheus_client import generate_latest
 
 from campugrid.agent.client import hold_fields, hold_from_pb
 from campugrid.agent.messages import Hold
+from campugrid.cli.show import machine_line
 from campugrid.cli.seaweed import EmbeddedS3
 from campugrid.client import Api, Identity, tar_folder
 from campugrid.coordinator import server
@@ -428,13 +429,16 @@ def test_a_lease_takes_only_a_job_that_fits_the_room_the_machine_reports(coordin
     running, api = coordinator
     job = api.submit(tar_folder(HELLO), JobSpec.from_dict({"resources": {"cpus": 4}}))
     c = client(running, tmp_path, "two-cores")
-    c.heartbeat(pb.Capabilities(runtime="runsc", builder="buildah", cpus=2, memory_mb=8192,
-                                disk_mb=30_000))
+    c.heartbeat(pb.Capabilities(runtime="runsc go-20260905-160fafc42237", builder="buildah",
+                                cpus=2, memory_mb=8192, disk_mb=30_000))
     assert not c.lease(room=(2, 8192, 30_000)).has_task
     assert api.job(job["id"])["waiting_reason"] == (
         "needs 4 CPUs; the one online machine has 2 CPUs")
     [m] = [m for m in api.machines() if m["id"] == c.machine_id]
     assert (m["cpus"], m["disk_mb"], m["online"], m["busy"]) == (2, 30_000, True, "")
+    # Its gVisor, as the agent said it, in REST and on `campugrid machines`' line.
+    assert m["runtime"] == "runsc go-20260905-160fafc42237"
+    assert m["runtime"] in machine_line(m).splitlines()[1]
     lease = c.lease(room=(8, 8192, 30_000))
     assert lease.has_task and lease.job_id == job["id"]
     [m] = [m for m in api.machines() if m["id"] == c.machine_id]

@@ -12,6 +12,7 @@ import pytest
 
 from campugrid.agent.buildnet import CA_MOUNT
 from tests.support.provider import buildah_build, run_as_provider, sandbox_run
+from tests.support.runtimes import gvisor_kernel
 from tests.support.timing import BUILT
 
 pytestmark = pytest.mark.integration
@@ -48,7 +49,7 @@ def test_run_steps_execute_in_gvisor_without_network(provider, shared_tmp):
     try:
         assert res["ok"], res
         probe_line = next(line for line in res["lines"] if line.startswith("PROBE "))
-        assert '"kernel": "4.4.0"' in probe_line
+        assert gvisor_kernel(json.loads(probe_line.split(" ", 1)[1])["kernel"]), probe_line
         assert '"ifs": ["lo"]' in probe_line and '"net": "refused"' in probe_line
         # Committed straight into the provider's store, which the log does not name (its
         # path holds the provider's user name).
@@ -210,6 +211,6 @@ def test_kaniko_builds_under_runsc_when_an_executor_image_is_present(provider, s
         out.mkdir()
         os.chown(out, provider.uid, provider.gid) if os.geteuid() == 0 else None
         run = sandbox_run(provider, name="t-kaniko", image=tag, command=None, output_dir=str(out))
-        assert run["lines"] == ["4.4.0"], (res, run)  # the RUN step saw gVisor's kernel
+        assert len(run["lines"]) == 1 and gvisor_kernel(run["lines"][0]), (res, run)  # gVisor's
     finally:
         remove_image(provider, tag)

@@ -12,6 +12,7 @@ import pytest
 
 from campugrid.cli.platform import ProviderUser
 from tests.support.provider import SYSCALLS, run_as_provider, sandbox_run
+from tests.support.runtimes import gvisor_kernel
 
 pytestmark = pytest.mark.integration
 
@@ -64,7 +65,7 @@ def test_the_job_runs_in_gvisor_offline_with_only_its_folders(provider, shared_t
     assert res["exit_code"] == 0, res["tail"]
     assert 0 < res["started_s"] < res["seconds"]  # podman's start event: the agent's metric
     seen = json.loads(res["lines"][-1])
-    assert seen["kernel"] == "4.4.0" and "Starting gVisor" in seen["dmesg"][0]
+    assert gvisor_kernel(seen["kernel"]) and "Starting gVisor" in seen["dmesg"][0]
     assert seen["interfaces"] == ["lo"]
     assert seen["connect_loopback"] != "ok"  # the sandbox's own loopback, nothing listening
     assert seen["write_root"] != "ok"

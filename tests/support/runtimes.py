@@ -21,6 +21,12 @@ REPO = Path(__file__).resolve().parents[2]
 READY = "ready"  # a case's job prints this once it is up: the action comes after it
 
 
+def gvisor_kernel(release: str) -> bool:
+    """The kernel release gVisor reports: 4.4.0 until 2024, `<version>-gvisor` since (the runsc
+    built from its Go module: infra/runsc.sh). The host's never looks like either here."""
+    return release == "4.4.0" or release.endswith("-gvisor")
+
+
 def drive(runtime: Runtime, req: RunRequest, action: str = "", after_s: float = 0.0) -> dict[str, Any]:
     """Run `req`; `action` (cancel, stop, kill, term, processes) comes `after_s` after the job
     says READY. `processes` notes the sandbox's host processes (pid, name), then cancels."""

@@ -71,7 +71,8 @@ def machine_line(m: dict[str, Any]) -> str:
             f"{size_text(m['disk_mb'] * 2**20)} disk" if m.get("cpus") else "size not reported")
     return (f"{m['id']}  {m['status']:<11} {now:<22} {m['name']}  {size}\n"
             f"    {m['fingerprint']}  (from {m['address'] or '?'}, seen {m['last_seen_at'][:19]}"
-            + (f", owner {m['owner']}" if m.get("owner") else "") + ")"
+            + (f", owner {m['owner']}" if m.get("owner") else "")
+            + (f", {m['runtime']}" if m.get("runtime") else "") + ")"
             + (f"\n    held by its owner: {m['held']}" if m.get("held") else "")
             + (f"\n    answered against quorums {m['disagreed']} time(s), agreed {m['agreed']}; "
                f"quarantined: {m['quarantine']}\n    reinstate: campugrid machines approve "

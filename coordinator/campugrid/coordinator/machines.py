@@ -61,6 +61,7 @@ class MachineRecord:
     streak: int = 0
     quarantine: str = ""
     owner: str = ""  # whose machine it is, as the admin who approved it said
+    runtime: str = ""  # its sandbox runtime as it said (`runsc <version>`, with its date)
 
     @classmethod
     def from_row(cls, m: Machine) -> MachineRecord:
@@ -70,7 +71,8 @@ class MachineRecord:
                    m.registered_at, m.last_seen_at, str(caps.get("held") or ""),
                    int(caps.get("cpus") or 0), int(caps.get("memory_mb") or 0),
                    int(caps.get("disk_mb") or 0), m.agreed or 0, m.disagreed or 0,
-                   m.streak or 0, m.quarantine or "", m.owner or "")
+                   m.streak or 0, m.quarantine or "", m.owner or "",
+                   str(caps.get("runtime") or "")[:100])
 
 
 class Machines:

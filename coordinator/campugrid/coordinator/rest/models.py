@@ -196,6 +196,7 @@ class MachineOut(BaseModel):
     streak: int = 0
     quarantine: str = ""
     owner: str = ""  # whose machine it is, as the admin who approved it said
+    runtime: str = ""  # its gVisor as its agent said: `runsc <version>` (the version is dated)
 
     @classmethod
     def of(cls, m: MachineRecord, online: MachineView | None = None) -> MachineOut:
@@ -205,7 +206,7 @@ class MachineOut(BaseModel):
                    busy=online.busy if online is not None else "", cpus=m.cpus,
                    memory_mb=m.memory_mb, disk_mb=m.disk_mb, agreed=m.agreed,
                    disagreed=m.disagreed, streak=m.streak, quarantine=m.quarantine,
-                   owner=m.owner)
+                   owner=m.owner, runtime=m.runtime)
 
 
 class JoinOut(BaseModel):
