@@ -62,8 +62,8 @@ def child(args: dict[str, str]) -> None:
 
     class ChrootTwin(BuildahBuilder):
         def bud_args(self, context_dir: Path, tag: str, dockerfile: Path | None = None,
-                     volumes: Sequence[tuple[Path, str]] = ()) -> list[str]:
-            argv = super().bud_args(context_dir, tag, dockerfile, volumes)
+                     volumes: Sequence[tuple[Path, str]] = (), online: bool = False) -> list[str]:
+            argv = super().bud_args(context_dir, tag, dockerfile, volumes, online)
             argv[argv.index("--isolation") + 1] = "chroot"
             at = argv.index("--network")  # chroot refuses it; Buildah has no network anyway
             return argv[:at] + argv[at + 2:]
