@@ -15,8 +15,8 @@ from prometheus_client import generate_latest
 
 from campugrid.agent.client import hold_fields, hold_from_pb
 from campugrid.agent.messages import Hold
-from campugrid.cli.show import machine_line
 from campugrid.cli.seaweed import EmbeddedS3
+from campugrid.cli.show import machine_line
 from campugrid.client import Api, Identity, tar_folder
 from campugrid.coordinator import server
 from campugrid.protocol import agent_pb2 as pb

@@ -63,9 +63,12 @@ def test_a_runsc_without_systrap_is_a_warning_with_the_way_to_a_newer_one(tmp_pa
     h = host(tmp_path, answers=answers)
     old = prereqs.runsc(h)
     assert not old.ok and not old.blocking and "ptrace" in old.found, old.line
-    assert "bookworm-backports" in old.fix
+    assert "bookworm-backports" in old.fix and "go install gvisor.dev/gvisor/runsc@go" in old.fix
     upstream = Answers(**{"runsc --version": (0, "runsc version release-20250106.0")})
     assert prereqs.runsc(dataclasses.replace(h, run=upstream)).ok
+    built = Answers(**{"runsc --version": (0, "runsc version go-20260905-160fafc42237")})
+    assert prereqs.runsc(dataclasses.replace(h, run=built)).ok
+    assert prereqs.runsc_date("go-20260905-160fafc42237") == "20260905"
 
 
 def test_each_missing_piece_is_explained_with_its_fix_and_root_fixes_go_in_one_script(tmp_path):

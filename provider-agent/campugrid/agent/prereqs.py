@@ -112,14 +112,17 @@ def runsc(host: Host) -> Check:
     if dated and dated < RUNSC_FAST:
         return Check("runsc (gVisor)", False, f"{version}: only the ptrace platform, so Python in "
                      "jobs and builds runs about 1.4x slower than on a runsc from 2024",
-                     "on Debian 12, enable bookworm-backports and apt-get install -t "
-                     "bookworm-backports runsc; elsewhere, gVisor's own apt repository",
+                     "with Go 1.26: go install gvisor.dev/gvisor/runsc@go (gVisor's Go "
+                     "branch, what infra/runsc.sh pins); on Debian 12, enable bookworm-backports "
+                     "and apt-get install -t bookworm-backports runsc; elsewhere, gVisor's "
+                     "own apt repository",
                      blocking=False)
     return Check("runsc (gVisor)", True, version)
 
 
 def runsc_date(version: str) -> str | None:
-    """The release date in `runsc --version`'s words ("0.0~20240729.0", "release-20240729.0")."""
+    """The release date in `runsc --version`'s words ("0.0~20240729.0", "release-20240729.0",
+    infra/runsc.sh's "go-20260905-160fafc42237")."""
     found = re.search(r"\b(20\d{6})\b", version)
     return found.group(1) if found else None
 
