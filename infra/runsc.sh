@@ -15,14 +15,16 @@ stamp=go-20260905-160fafc42237
 dir=/usr/local/lib/campugrid/runsc-$stamp
 conf=/etc/containers/containers.conf.d/50-campugrid-runsc.conf
 say() { printf 'runsc: %s\n' "$*"; }
+PATH=$PATH:/usr/local/go/bin  # where Go's own archive puts it
 
 if [ "$(id -u)" != 0 ]; then
   say "not root: using $(command -v runsc || echo 'no runsc')"
   exit 0
 fi
 if [ ! -x "$dir/runsc" ]; then
+  now="jobs run on $(runsc --version 2>/dev/null | head -1 || echo 'no runsc')"
   if ! command -v go >/dev/null; then
-    say "no Go here: jobs run on Debian's runsc ($(runsc --version 2>/dev/null | head -1)); for a current one, install Go 1.26 and run this again, or take gVisor's release from https://gvisor.dev/docs/user_guide/install/"
+    say "no Go here: $now; for a current one, install Go 1.26 and run this again, or take gVisor's release from https://gvisor.dev/docs/user_guide/install/"
     exit 0
   fi
   say "building $module (once, a few minutes)"
@@ -32,7 +34,14 @@ if [ ! -x "$dir/runsc" ]; then
       go install -trimpath -ldflags "-s -w -X gvisor.dev/gvisor/runsc/version.version=$stamp" \
       "$module" >"$tmp/build.log" 2>&1; then
     tail -20 "$tmp/build.log" >&2
-    say "the build failed: jobs run on Debian's runsc"
+    say "the build failed: $now"
+    exit 0
+  fi
+  # It must run a sandbox before Podman is told to use it (Podman takes the first that exists).
+  if ! (cd / && timeout 120 "$tmp/bin/runsc" --network=none --ignore-cgroups do sh -c \
+          'dmesg | grep -q "Starting gVisor"') >"$tmp/smoke.log" 2>&1; then
+    tail -20 "$tmp/smoke.log" >&2
+    say "the runsc built cannot start a sandbox here: $now"
     exit 0
   fi
   install -d -m 0755 "$dir"

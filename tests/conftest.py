@@ -49,8 +49,12 @@ def _second_user() -> str | None:
     return SECOND_USER
 
 
-if os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0" and _second_user():
-    os.environ[PROVIDER_USER_ENV] = SECOND_USER
+def pytest_configure(config: pytest.Config) -> None:
+    """A worker other than the first lends the machine as the second user, where the scheduler
+    below places the tests (loadscope: infra/test's)."""
+    if (os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0" and _second_user()
+            and config.getvalue("dist") == "loadscope"):
+        os.environ[PROVIDER_USER_ENV] = SECOND_USER
 
 # These modules use none of the provider's Podman (the coordinator, its store, the CLI, the
 # static checks, unit tests; root's own Podman for the image cache): each is a scope of its own,
@@ -99,6 +103,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     apart = BESIDE_THE_HOST + (ANY_PROVIDER if _second_user() else ())
 
     class HostInOrder(LoadScopeScheduling):
+        def schedule(self) -> None:
+            if self.collection is None:  # the first call: with fewer scopes than workers, the
+                # last worker in this dict is shut down; never the first (the host's user)
+                self.assigned_work = dict(sorted(self.assigned_work.items(),
+                                                 key=lambda kv: kv[0].gateway.id != "gw0"))
+            super().schedule()
+
         def _split_scope(self, nodeid: str) -> str:
             return nodeid.split("::")[0] if nodeid.startswith(apart) else "host"
 
@@ -130,23 +141,32 @@ def provider() -> ProviderUser:
     return user
 
 
+def _agents_images(user: ProviderUser) -> set[str]:
+    listed = subprocess.run(user.command(["podman", "images", "--format",
+                                          "{{.Repository}}:{{.Tag}}"]),
+                            capture_output=True, text=True, timeout=120, check=False, cwd="/")
+    return {i for i in listed.stdout.split()
+            if i.startswith(("localhost/campugrid-cache/", "localhost/campugrid-job/"))}
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _agents_images_go_at_the_end() -> Iterator[None]:
     """Each test's agents have a scope of their own, and so do their image caches: what they
-    left in this worker's provider store goes when the session ends (gigabytes a run)."""
+    added to this worker's provider store goes when the session ends (gigabytes a run); what
+    was there before (a real agent's) stays."""
+    before: set[str] | None = None
+    if os.geteuid() == 0:
+        with contextlib.suppress(CampugridError, OSError, subprocess.TimeoutExpired):
+            user = ProviderUser.resolve()
+            before = _agents_images(user)
     yield
-    if os.geteuid() != 0:
+    if before is None:
         return
-    with contextlib.suppress(CampugridError):
-        user = ProviderUser.resolve()
-        listed = subprocess.run(user.command(["podman", "images", "--format",
-                                              "{{.Repository}}:{{.Tag}}"]),
-                                capture_output=True, text=True, timeout=120, check=False)
-        left = [i for i in listed.stdout.split()
-                if i.startswith(("localhost/campugrid-cache/", "localhost/campugrid-job/"))]
-        for i in range(0, len(left), 50):
-            subprocess.run(user.command(["podman", "rmi", "--force", "--ignore", *left[i:i + 50]]),
-                           capture_output=True, timeout=600, check=False)
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        left = sorted(_agents_images(user) - before)
+        for i in range(0, len(left), 50):  # not --force: an image a container uses stays
+            subprocess.run(user.command(["podman", "rmi", "--ignore", *left[i:i + 50]]),
+                           capture_output=True, timeout=600, check=False, cwd="/")
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,9 @@ from pathlib import Path
 import pytest
 
 from campugrid.buildpolicy.dockerfiles import check_dockerfile
+from campugrid.cli.platform import ProviderUser
 from campugrid.protocol.errors import InvalidInput
+from tests.support import hostile
 from tests.support.dockerfiles import CORPUS
 from tests.support.provider import SYSCALLS
 
@@ -128,14 +130,14 @@ def provider_processes(provider, pattern: str) -> list[str]:
 
 
 def scope_cgroups() -> list[str]:
-    root = Path("/sys/fs/cgroup/memory/campugrid") / SCOPE
+    root = hostile.delegated(ProviderUser.resolve(), "memory") / SCOPE
     return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
 
 
 def scope_processes() -> list[str]:
     """The command lines of everything in the test scope's cgroups (the build's processes,
     including what left buildah's process group)."""
-    root = Path("/sys/fs/cgroup/pids/campugrid") / SCOPE
+    root = hostile.delegated(ProviderUser.resolve(), "pids") / SCOPE
     out = []
     for procs in root.glob("*/cgroup.procs"):
         for pid in procs.read_text().split():

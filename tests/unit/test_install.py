@@ -63,7 +63,7 @@ def test_a_runsc_without_systrap_is_a_warning_with_the_way_to_a_newer_one(tmp_pa
     h = host(tmp_path, answers=answers)
     old = prereqs.runsc(h)
     assert not old.ok and not old.blocking and "ptrace" in old.found, old.line
-    assert "bookworm-backports" in old.fix and "go install gvisor.dev/gvisor/runsc@go" in old.fix
+    assert "bookworm-backports" in old.fix and "GOBIN=/usr/local/bin go install gvisor.dev/gvisor/runsc@go" in old.fix
     upstream = Answers(**{"runsc --version": (0, "runsc version release-20250106.0")})
     assert prereqs.runsc(dataclasses.replace(h, run=upstream)).ok
     built = Answers(**{"runsc --version": (0, "runsc version go-20260905-160fafc42237")})

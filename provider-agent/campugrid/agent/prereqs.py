@@ -112,8 +112,9 @@ def runsc(host: Host) -> Check:
     if dated and dated < RUNSC_FAST:
         return Check("runsc (gVisor)", False, f"{version}: only the ptrace platform, so Python in "
                      "jobs and builds runs about 1.4x slower than on a runsc from 2024",
-                     "with Go 1.26: go install gvisor.dev/gvisor/runsc@go (gVisor's Go "
-                     "branch, what infra/runsc.sh pins); on Debian 12, enable bookworm-backports "
+                     "with Go 1.26, as root: GOBIN=/usr/local/bin go install "
+                     "gvisor.dev/gvisor/runsc@go (gVisor's Go branch; infra/runsc.sh pins a "
+                     "commit of it); on Debian 12, enable bookworm-backports "
                      "and apt-get install -t bookworm-backports runsc; elsewhere, gVisor's "
                      "own apt repository",
                      blocking=False)
