@@ -49,12 +49,21 @@ def _second_user() -> str | None:
     return SECOND_USER
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """(On the controller.) Which user each worker lends the machine as: the second user on
+    every worker but the first, where the scheduler below places the tests (loadscope,
+    infra/test's). Workers see `dist` as "no", so the controller decides."""
+    if (node.gateway.id != "gw0" and _second_user()
+            and node.config.getvalue("dist") == "loadscope"):
+        node.workerinput["campugrid_agent_user"] = SECOND_USER
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """A worker other than the first lends the machine as the second user, where the scheduler
-    below places the tests (loadscope: infra/test's)."""
-    if (os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0" and _second_user()
-            and config.getvalue("dist") == "loadscope"):
-        os.environ[PROVIDER_USER_ENV] = SECOND_USER
+    user = getattr(config, "workerinput", {}).get("campugrid_agent_user")
+    if user:
+        os.environ[PROVIDER_USER_ENV] = user
+
 
 # These modules use none of the provider's Podman (the coordinator, its store, the CLI, the
 # static checks, unit tests; root's own Podman for the image cache): each is a scope of its own,
