@@ -107,10 +107,10 @@ provider_account() {
       podman system reset --force >/dev/null 2>&1 || true
   fi
   # cgroup v1: rootless Podman ignores --memory/--cpus/--pids-limit, so delegate a subtree
-  # in which the agent makes one cgroup per job and writes the limits itself: `campugrid`
-  # for the user of that name, `campugrid-USER` for any other (sandbox/limits.py).
-  local subtree=campugrid
-  [ "$user" = campugrid ] || subtree=campugrid-$user
+  # in which the agent makes one cgroup per job and writes the limits itself, named as the
+  # agent looks for it (sandbox/limits.py).
+  local subtree
+  subtree=$("$repo/.venv/bin/python" -c 'import sys; from campugrid.sandbox.limits import delegated_subtree; print(delegated_subtree(sys.argv[1]))' "$user")
   if [ ! -f /sys/fs/cgroup/cgroup.controllers ]; then
     for c in memory cpu pids; do
       if [ -d "/sys/fs/cgroup/$c" ]; then

@@ -16,7 +16,7 @@ from campugrid.cli.platform import ProviderUser
 from campugrid.client import tar_folder
 from campugrid.protocol.errors import NotFound
 from campugrid.protocol.spec import JobSpec
-from campugrid.sandbox.limits import delegated_subtree
+from tests.support import hostile
 
 pytestmark = pytest.mark.acceptance
 REPO = Path(__file__).resolve().parents[2]
@@ -160,8 +160,7 @@ print(json.dumps({"ok": payload}))
 """
 
 
-@pytest.mark.skipif(not (Path("/sys/fs/cgroup/memory")
-                          / delegated_subtree(ProviderUser.resolve().name)).is_dir(),
+@pytest.mark.skipif(not hostile.delegated(ProviderUser.resolve(), "memory").is_dir(),
                     reason="no delegated memory cgroup on this host: infra/setup.sh makes one "
                            "(cgroup v1); without it memory limits are not enforced")
 def test_a_shard_that_kills_its_sandbox_fails_alone_and_the_rest_run_in_a_new_one(api, tmp_path):
