@@ -1,4 +1,4 @@
-"""The checkpoint hooks against the real frameworks (infra/frameworks-image.sh installs them):
+"""The checkpoint hooks against the real frameworks (infra/frameworks-image.sh builds them):
 each script of tests/frameworks (the Trainer's is examples/hf-trainer's), unchanged, run as a
 job's Python runs it (the hooks' sitecustomize on PYTHONPATH, a checkpoint folder as the agent
 mounts it), killed with SIGKILL midway, then started again as a resumed attempt on another

@@ -1,6 +1,6 @@
 """examples/hf-trainer as the README shows it: its job.yaml is a valid spec naming the folder
 its unchanged script writes, and it installs the versions the checkpoint tests run
-(infra/frameworks-image.sh), so that what the tests hold is what a researcher gets."""
+(tests/frameworks/requirements.txt), so that what the tests hold is what a researcher gets."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 from campugrid.cli import specfile
 from campugrid.protocol.spec import JobSpec
+from tests.support import frameworks_image
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "hf-trainer"
@@ -25,8 +26,7 @@ def test_its_spec_names_the_folder_the_trainer_writes():
 
 
 def test_it_installs_what_the_checkpoint_tests_run():
-    pinned = dict(re.findall(r"([a-z]+)==([0-9.]+)", (ROOT / "infra" / "frameworks-image.sh")
-                             .read_text()))
+    pinned = frameworks_image.pinned()
     wanted = dict(re.findall(r"^([a-z]+)==([0-9.]+)$", (EXAMPLE / "requirements.txt").read_text(),
                              re.M))
     assert wanted and all(pinned.get(name) == version for name, version in wanted.items()), \
