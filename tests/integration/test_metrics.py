@@ -162,6 +162,7 @@ def test_leases_refusals_and_checkpoints_move_the_counters_and_jobs_show_in_thei
     assert refused(after, "rest", "unsigned") - refused(before, "rest", "unsigned") == 1
     assert moved("campugrid_checkpoint_bytes_total") == len(data)
     assert moved("campugrid_checkpoints_total") == 1
+    assert moved("campugrid_db_statements_total") > 10  # the leases' claims, at least
     assert after["process_resident_memory_bytes", ()] > 0
 
 

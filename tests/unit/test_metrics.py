@@ -7,11 +7,11 @@ import hashlib
 
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, text
 
 from campugrid.agent import metrics as agent_metrics
 from campugrid.agent.gpus import GpuPolicy
-from campugrid.coordinator.db import Database
+from campugrid.coordinator.db import STATEMENTS, Database, make_engine
 from campugrid.coordinator.metrics import CoordinatorMetrics, bearer, token_digest
 from tests.unit.test_gpus import FakeNvml
 
@@ -94,3 +94,21 @@ def test_coordinator_counters_move_and_a_scrape_survives_an_unreadable_database(
     assert got["campugrid_refused_calls_total", (("reason", "unsigned"), ("transport", "rest"))] == 1
     assert got["campugrid_checkpoint_bytes_total", ()] == 1234
     assert got["campugrid_checkpoints_total", ()] == 1
+
+
+def test_every_statement_an_engine_sends_is_counted(tmp_path):
+    """What an idle fleet costs the database is read from this count (bench/fleet.py)."""
+    lone = make_engine(f"sqlite:///{tmp_path / 'a.db'}", single_statements=True)
+    before = STATEMENTS.count
+    with lone.connect() as conn:
+        for _ in range(3):
+            conn.execute(text("SELECT 1"))
+    assert STATEMENTS.count - before == 3
+    engine = make_engine(f"sqlite:///{tmp_path / 'b.db'}")  # our own BEGIN, and its PRAGMA
+    before = STATEMENTS.count
+    with engine.begin() as conn:
+        conn.execute(text("SELECT 1"))
+    assert STATEMENTS.count - before == 3
+    m = CoordinatorMetrics(Database(create_engine("sqlite://")))
+    shown = samples(generate_latest(m.registry))["campugrid_db_statements_total", ()]
+    assert shown == STATEMENTS.count  # an engine not made by make_engine is not counted

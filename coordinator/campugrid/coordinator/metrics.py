@@ -17,13 +17,13 @@ from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import delete, func, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from campugrid.coordinator.apps import check_name
-from campugrid.coordinator.db import Database
+from campugrid.coordinator.db import STATEMENTS, Database
 from campugrid.coordinator.models import Job, MetricsToken
 from campugrid.coordinator.views import utcnow
 from campugrid.coordinator.wakeup import Wakeup
@@ -98,6 +98,17 @@ class ScrapeTokens:
         return str(row.name)
 
 
+class _StatementsSent(Collector):
+    """What this process sent to the database (db.STATEMENTS): an idle fleet should cost
+    none of it."""
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily("campugrid_db_statements",
+                                  "Statements this process sent to the database (BEGIN and "
+                                  "PRAGMA included; a scrape's own reads too)",
+                                  value=STATEMENTS.count)
+
+
 class _FromDatabase(Collector):
     """Jobs per state and the oldest queued job, read at scrape time: every coordinator
     process on the database reports the same numbers (aggregate them with max, not sum)."""
@@ -160,6 +171,7 @@ class CoordinatorMetrics:
         self.holds_full = Counter("campugrid_lease_holds_full", "Asks for work answered at once "
                                   "because every place to wait was taken: raise "
                                   "CAMPUGRID_HELD_LEASES if this grows", registry=r)
+        r.register(_StatementsSent())
         r.register(_FromDatabase(db))
         ProcessCollector(registry=r)  # the coordinator's own CPU and memory
 

@@ -149,14 +149,17 @@ def signed_metadata(key: keys.Ed25519PrivateKey, method: str, body: bytes,
             (SIGNATURE_HEADER, base64.b64encode(signature).decode())]
 
 
+CHANNEL_OPTIONS = (
+    ("grpc.ssl_target_name_override", TLS_NAME),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+)
+
+
 def pinned_channel(address: str, certificate: str) -> grpc.Channel:
     """A TLS channel that trusts only the pinned coordinator certificate."""
     credentials = grpc.ssl_channel_credentials(root_certificates=certificate.encode())
-    return grpc.secure_channel(address, credentials, options=[
-        ("grpc.ssl_target_name_override", TLS_NAME),
-        ("grpc.keepalive_time_ms", 10_000),
-        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ])
+    return grpc.secure_channel(address, credentials, options=list(CHANNEL_OPTIONS))
 
 
 class _Details(collections.namedtuple(
