@@ -73,6 +73,7 @@ class Counts:
     beats: int = 0
     errors: int = 0
     joined: int = 0
+    codes: dict[str, int] = dataclasses.field(default_factory=dict)  # the errors, by status
 
 
 async def polling_agent(address: str, pem: str, cred: tuple[str, str], counts: Counts,
@@ -105,8 +106,9 @@ async def polling_agent(address: str, pem: str, cred: tuple[str, str], counts: C
                 reply = await ask(want, timeout=WAIT_MS / 1000 + 10,
                                   metadata=_signed(key, machine, LEASE, want))
                 counts.asks += 1
-            except grpc.aio.AioRpcError:
+            except grpc.aio.AioRpcError as e:
                 counts.errors += 1
+                counts.codes[e.code().name] = counts.codes.get(e.code().name, 0) + 1
                 await asyncio.sleep(2)
                 continue
             if reply.has_task:  # busy from now on, as an agent running the task is
@@ -219,9 +221,10 @@ class Scraper:
         return self._raw()
 
 
-def row(agents: int, seconds: float, submits: int, root: Path, s3: EmbeddedS3) -> dict[str, float]:
-    state = root / f"state-{agents}"
-    url = f"sqlite:///{root / f'fleet-{agents}.db'}"
+def row(agents: int, seconds: float, submits: int, root: Path, s3: EmbeddedS3) -> dict[str, Any]:
+    state = root / f"row-{agents}" / "state"  # its admin identity beside it, its own
+    state.parent.mkdir()
+    url = f"sqlite:///{state.parent / 'fleet.db'}"
     engine = make_engine(url)
     migrate(engine)
     creds = seed_machines(engine, agents)
@@ -262,7 +265,7 @@ def row(agents: int, seconds: float, submits: int, root: Path, s3: EmbeddedS3) -
                 "statements_per_s": (s1 - s0 - scraper.own) / wall,
                 "asks_per_s": (n1["asks"] - n0["asks"]) / wall,
                 "beats_per_s": (n1["beats"] - n0["beats"]) / wall,
-                "errors": n1["errors"] - n0["errors"],
+                "errors": n1["errors"] - n0["errors"], "codes": n1["codes"],
                 "dispatch_p50_ms": statistics.median(dispatch) * 1000,
                 "dispatch_p95_ms": dispatch[max(0, int(len(dispatch) * 0.95) - 1)] * 1000,
                 "kb_per_agent": max(0, rss - rss_before) / agents / 1024}
@@ -320,6 +323,9 @@ def main() -> None:
         print(f"| polling | {r['agents']:>11} | {r['cpu']:23.2f} | {r['statements_per_s']:15.0f} "
               f"| {r['asks_per_s']:15.0f} | {r['beats_per_s']:12.0f} | {r['dispatch_p50_ms']:15.1f} "
               f"| {r['dispatch_p95_ms']:6.1f} | {r['kb_per_agent']:20.1f} | {r['errors']:>6} |")
+    for r in rows:
+        if r["codes"]:
+            print(f"errors at {r['agents']} agents, by status (whole run): {r['codes']}")
     print("\npolling: today's agents (a held Lease every second, a heartbeat every 10 s); "
           "statements: what the coordinator sent to SQLite (BEGIN and PRAGMA included)")
 

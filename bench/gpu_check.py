@@ -173,6 +173,9 @@ def sandboxed(runsc: Path, folder: Path, *, nvproxy: bool, timeout: float = 240)
                          capture_output=True, text=True, timeout=timeout)
     subprocess.run([str(runsc), *flags, "delete", "--force", name], capture_output=True,
                    timeout=60)
+    netns = state / "null-netns"  # runsc's empty network namespace (--network=none), held by a bind mount
+    if os.path.ismount(netns):
+        subprocess.run(["umount", "-l", str(netns)], capture_output=True, timeout=60)
     return _last_json(out, "runsc")
 
 
