@@ -7,14 +7,18 @@ callers that are broken or unauthenticated.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextvars
 import datetime as dt
 import hashlib
+import inspect
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
@@ -118,9 +122,14 @@ def peer_address(context: grpc.ServicerContext) -> str:
 
 
 class AgentService(pb_grpc.AgentServiceServicer):
+    """Plain functions run on the server's pool of threads; Lease is a coroutine (below), whose
+    claims and wait for work run on `blocking`, so that an agent's giving up reaches it."""
+
     def __init__(self, coord: Coordinator, supplies: Supplies,
-                 register_per_minute: int = 20) -> None:
+                 register_per_minute: int = 20, blocking: Executor | None = None) -> None:
         self.coord = coord
+        self.blocking = blocking or ThreadPoolExecutor(16 + coord.work.max_held,
+                                                       thread_name_prefix="grpc-lease")
         self.supplies = supplies  # the caches, the egress proxy and the bases' sources
         self.metrics = coord.metrics
         self._limiter = coord.limiter  # shared by every coordinator process
@@ -185,12 +194,24 @@ class AgentService(pb_grpc.AgentServiceServicer):
             self.coord.machines.heartbeat(machine, None, None)
         return pb.HeartbeatReply()
 
-    def Lease(self, request: pb.LeaseRequest, context: grpc.ServicerContext) -> pb.LeaseReply:
-        reply, first_queued_at, took = self._lease(request, context)
+    async def Lease(self, request: pb.LeaseRequest, context: Any) -> pb.LeaseReply:
+        """A coroutine: held, it waits on a thread of `blocking`, and when the agent gives up
+        (or goes away) the call is cancelled here, and the wait ends claiming nothing."""
+        ended = threading.Event()
+        call = contextvars.copy_context()  # the checked machine (_CALLER)
+        try:
+            reply, first_queued_at, took = await asyncio.get_running_loop().run_in_executor(
+                self.blocking, call.run, self._lease, request, _Aborts(context), ended)
+        except asyncio.CancelledError:
+            ended.set()
+            raise
+        except _Abort as a:
+            await context.abort(a.code, a.details)
+            raise AssertionError("unreachable") from a
         self.metrics.leased(took, first_queued_at, reply.has_task)
         return reply
 
-    def _lease(self, request: pb.LeaseRequest, context: grpc.ServicerContext
+    def _lease(self, request: pb.LeaseRequest, context: grpc.ServicerContext, ended: threading.Event,
                ) -> tuple[pb.LeaseReply, dt.datetime | None, float]:
         """The reply; when the job was submitted if this is its first attempt (for the
         queue wait; a later attempt's wait began at a requeue, which the lease does not see);
@@ -207,7 +228,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
         if lease is None and request.wait_ms > 0:
             lease, took = self._guard(context, lambda: leasing.wait_for_work(
                 machine, offer, seen, min(request.wait_ms / 1000, MAX_HOLD_S), took,
-                still_wanted=context.is_active, on_full=self.metrics.holds_full.inc))
+                still_wanted=lambda: not ended.is_set(), on_full=self.metrics.holds_full.inc))
         if lease is None:
             return pb.LeaseReply(has_task=False), None, took
         job, hold = lease.job, lease.hold
@@ -368,25 +389,77 @@ def _shard_pb(task: ShardTask | None) -> pb.ShardTask | None:
     return pb.ShardTask(index=task.index, payload_json=task.payload_json, cost=task.cost)
 
 
-class SignedCalls(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
+class _Abort(Exception):
+    """What context.abort would have done, raised on a thread (see _Aborts)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _Aborts:
+    """A coroutine handler's context, for code that runs on a thread and aborts the way a
+    plain handler does (`context.abort(code, details)`): the abort is raised as _Abort, and
+    the coroutine aborts the call with it."""
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Abort(code, details)
+
+    def invocation_metadata(self) -> Any:
+        return self._context.invocation_metadata()
+
+    def peer(self) -> str:
+        return str(self._context.peer())
+
+
+def _unary(behaviour: Callable[..., Any], handler: Any, **kw: Any) -> Any:
+    return grpc.unary_unary_rpc_method_handler(
+        behaviour, request_deserializer=kw.get("request_deserializer",
+                                               handler.request_deserializer),
+        response_serializer=handler.response_serializer)
+
+
+class SignedCalls(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
     """Every call must be signed by a machine's own key, over the method, the SHA-256 of the
     request's bytes as they came (wrapped around the deserializer, so nothing is
     re-serialized), the time and a nonce (campugrid.protocol.wire). A revoked machine is
-    refused here, whatever it calls; the handlers see the checked machine in _CALLER."""
+    refused here, whatever it calls; the handlers see the checked machine in _CALLER. The
+    check runs where the call does: a plain handler's thread, or for a coroutine, a thread of
+    `blocking` (it reads the machine and writes the nonce)."""
 
-    def __init__(self, coord: Coordinator, nonces: Nonces) -> None:
+    def __init__(self, coord: Coordinator, nonces: Nonces, blocking: Executor) -> None:
         self.coord = coord
         self.nonces = nonces
         self.metrics = coord.metrics
+        self.blocking = blocking
 
-    def intercept_service(self, continuation: Any, details: Any) -> Any:
-        handler = continuation(details)
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = await continuation(details)
         if handler is None or handler.unary_unary is None:
-            return handler
+            return None  # no stream is served unsigned: the caller is told UNIMPLEMENTED
         inner, deserialize, method = handler.unary_unary, handler.request_deserializer, details.method
 
         def digested(raw: bytes) -> tuple[str, Any]:
             return hashlib.sha256(raw).hexdigest(), deserialize(raw)
+
+        if inspect.iscoroutinefunction(inner):
+            async def checked_first(call: tuple[str, Any], context: Any) -> Any:
+                digest, request = call
+                try:
+                    record = await asyncio.get_running_loop().run_in_executor(
+                        self.blocking, self._check, method, digest, _Aborts(context))
+                except _Abort as a:
+                    await context.abort(a.code, a.details)
+                token = _CALLER.set(record)
+                try:
+                    return await inner(request, context)
+                finally:
+                    _CALLER.reset(token)
+
+            return _unary(checked_first, handler, request_deserializer=digested)
 
         def behaviour(call: tuple[str, Any], context: grpc.ServicerContext) -> Any:
             digest, request = call
@@ -397,9 +470,7 @@ class SignedCalls(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc is unty
             finally:
                 _CALLER.reset(token)
 
-        return grpc.unary_unary_rpc_method_handler(
-            behaviour, request_deserializer=digested,
-            response_serializer=handler.response_serializer)
+        return _unary(behaviour, handler, request_deserializer=digested)
 
     def _check(self, method: str, digest: str, context: grpc.ServicerContext) -> MachineRecord | None:
         md = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
@@ -458,15 +529,24 @@ class SignedCalls(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc is unty
         return record
 
 
-class AboutJob(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
+class AboutJob(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
     """Every line logged while serving a call about a job names the job and the attempt
     (campugrid.protocol.logs), without each handler saying so."""
 
-    def intercept_service(self, continuation: Any, details: Any) -> Any:
-        handler = continuation(details)
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = await continuation(details)
         if handler is None or handler.unary_unary is None:
             return handler
         inner = handler.unary_unary
+        if inspect.iscoroutinefunction(inner):
+            async def about_async(request: Any, context: Any) -> Any:
+                job_id = getattr(request, "job_id", "")
+                if not job_id:
+                    return await inner(request, context)
+                with logs.about_job(job_id, getattr(request, "fencing_token", None) or None):
+                    return await inner(request, context)
+
+            return _unary(about_async, handler)
 
         def behaviour(request: Any, context: grpc.ServicerContext) -> Any:
             job_id = getattr(request, "job_id", "")
@@ -475,6 +555,4 @@ class AboutJob(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
             with logs.about_job(job_id, getattr(request, "fencing_token", None) or None):
                 return inner(request, context)
 
-        return grpc.unary_unary_rpc_method_handler(
-            behaviour, request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer)
+        return _unary(behaviour, handler)

@@ -7,6 +7,7 @@ admin identity (a key made here, of which the database keeps the public half onl
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime as dt
 import ipaddress
@@ -17,8 +18,10 @@ import socket
 import ssl
 import threading
 import urllib.parse
+from collections.abc import Coroutine
 from concurrent import futures
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 import uvicorn
@@ -45,12 +48,63 @@ from campugrid.protocol.identities import Identity
 from campugrid.protocol.identities import default_path as default_identity
 
 log = logging.getLogger("campugrid.coordinator")
+T = TypeVar("T")
+
+
+class AgentServer:
+    """The agents' gRPC server, on grpc.aio in an event loop of its own (a thread). A call
+    whose handler is a coroutine runs on the loop, where thousands can wait at almost no
+    cost (Lease, held until work comes); the others are plain functions and run on a pool of
+    `workers` threads, as on grpcio's threaded server."""
+
+    def __init__(self, workers: int, interceptors: list[grpc.aio.ServerInterceptor],
+                 blocking: futures.Executor) -> None:
+        """`blocking`: where coroutine handlers block (shut down with the server)."""
+        self.blocking = blocking
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
+                                        name="grpc-loop")
+        self._thread.start()
+        self.pool = pool = futures.ThreadPoolExecutor(max_workers=workers,
+                                                      thread_name_prefix="grpc-call")
+
+        async def make() -> grpc.aio.Server:
+            return grpc.aio.server(migration_thread_pool=pool, interceptors=interceptors)
+
+        self.server = self._run(make())
+
+    def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def add_secure_port(self, address: str, credentials: grpc.ServerCredentials) -> int:
+        return int(self.server.add_secure_port(address, credentials))
+
+    def start(self) -> None:
+        self._run(self.server.start())
+
+    def stop(self, grace: float | None) -> _Stopped:
+        """Refuses new calls, ends those under way after `grace` seconds, and stops the loop."""
+        if self.loop.is_running():
+            self._run(self.server.stop(grace))
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+            self.loop.close()
+            self.pool.shutdown(wait=False)
+            self.blocking.shutdown(wait=False)
+        return _Stopped()
+
+
+class _Stopped:
+    """What grpc.Server.stop returns, for the callers that wait on it: here, stopped."""
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
 
 
 @dataclasses.dataclass
 class Running:
     coord: Coordinator
-    grpc_server: grpc.Server
+    grpc_server: AgentServer
     http: uvicorn.Server
     stop_event: threading.Event
     grpc_port: int
@@ -135,9 +189,10 @@ def start(settings: Settings) -> Running:
     cert = ensure_certificate(settings.tls_dir)
     lead = leadership(coord.engine)
     relayed = relay(coord.engine, coord.work)
-    # 32 threads for calls, and one more for each Lease that may be held waiting for work
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32 + coord.work.max_held),
-                         interceptors=[SignedCalls(coord, coord.apps.nonces), AboutJob()])
+    # 32 threads for the plain calls; Lease's claims, and its waits for work when held, on
+    # threads of their own (one more for each Lease that may be held)
+    blocking = futures.ThreadPoolExecutor(16 + coord.work.max_held, thread_name_prefix="grpc-lease")
+    server = AgentServer(32, [SignedCalls(coord, coord.apps.nonces, blocking), AboutJob()], blocking)
     rest_tls = not local_rest if settings.rest_tls is None else settings.rest_tls
     scheme = "https" if rest_tls else "http"
     url = settings.public_url or f"{scheme}://{_host(settings.http_host)}:{settings.http_port}"
@@ -147,7 +202,7 @@ def start(settings: Settings) -> Running:
     pb_grpc.add_AgentServiceServicer_to_server(
         AgentService(coord, Supplies(settings, coord.bases, rest_url=url, rest_pem=cert.pem.decode(),
                                      egress_url=egress_url),
-                     settings.registrations_per_minute), server)
+                     settings.registrations_per_minute, blocking), server.server)
     credentials = grpc.ssl_server_credentials([(cert.key_pem, cert.pem)])
     port = server.add_secure_port(f"{settings.grpc_host}:{settings.grpc_port}", credentials)
     if port == 0:
