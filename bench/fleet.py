@@ -47,6 +47,7 @@ import grpc
 import httpx
 
 from campugrid.agent.client import CHANNEL_OPTIONS, signed_metadata
+from campugrid.agent.link import Closed, Link
 from campugrid.cli.seaweed import EmbeddedS3
 from campugrid.client import Api, tar_folder
 from campugrid.coordinator.db import make_engine, migrate
@@ -118,13 +119,47 @@ async def polling_agent(address: str, pem: str, cred: tuple[str, str], counts: C
             await asyncio.sleep(max(0.0, POLL_S - (loop.time() - asked)))
 
 
+async def stream_agent(address: str, pem: str, cred: tuple[str, str], counts: Counts,
+                       stop: asyncio.Event) -> None:
+    """One idle agent of the stream design: the agent's own link (campugrid.agent.link),
+    its heartbeats on the stream every 10 s, ready for work once."""
+    key = keys.Ed25519PrivateKey.from_private_bytes(bytes.fromhex(cred[1]))
+    caps = pb.Capabilities(runtime="runsc", builder="buildah", cpus=8, memory_mb=32_000,
+                           speed_gflops=100.0, disk_mb=100_000, limits={"memory": "enforced"})
+    await asyncio.sleep(random.uniform(0, HEARTBEAT_S))  # agents start at any moment
+    link = Link(address, pem, key, cred[0])
+    try:
+        await link.open()
+        await link.heartbeat(caps)
+        await link.ready(pb.LeaseRequest(hold_kinds=True, cpus=8, memory_mb=32_000,
+                                         disk_mb=100_000, enforced_limits=["memory"]))
+        counts.beats += 1
+        counts.joined += 1
+        waiting = asyncio.create_task(link.lease())
+        while not stop.is_set():
+            done, _ = await asyncio.wait({waiting}, timeout=HEARTBEAT_S)
+            if waiting in done:
+                reply = waiting.result()
+                print(json.dumps({"job": reply.job_id, "at": time.time()}), flush=True)
+                await stop.wait()  # busy from now on, as an agent running the task is
+                return
+            await link.heartbeat(caps)
+            counts.beats += 1
+    except Closed as e:
+        counts.errors += 1
+        counts.codes[e.code.name if e.code else "closed"] = counts.codes.get(
+            e.code.name if e.code else "closed", 0) + 1
+    finally:
+        await link.close()
+
+
 def _signed(key: keys.Ed25519PrivateKey, machine: str, method: str,
             request: Any) -> list[tuple[str, str]]:
     return [(MACHINE_HEADER, machine),
             *signed_metadata(key, method, request.SerializeToString(), machine)]
 
 
-async def simulate(address: str) -> None:
+async def simulate(address: str, design: str) -> None:
     """Reads the certificate and the machines from stdin, runs them, reports on request:
     "counts" prints the counters; "stop" ends."""
     loop = asyncio.get_running_loop()
@@ -132,7 +167,8 @@ async def simulate(address: str) -> None:
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     given = json.loads(await reader.readline())
     counts, stop = Counts(), asyncio.Event()
-    agents = [asyncio.create_task(polling_agent(address, given["pem"], tuple(c), counts, stop))
+    agent = stream_agent if design == "stream" else polling_agent
+    agents = [asyncio.create_task(agent(address, given["pem"], tuple(c), counts, stop))
               for c in given["creds"]]
     while line := (await reader.readline()).decode().strip():
         if line == "counts":
@@ -146,8 +182,9 @@ async def simulate(address: str) -> None:
 # --- the measurement ----------------------------------------------------------------------
 
 class Simulator:
-    def __init__(self, address: str, pem: str, creds: list[tuple[str, str]]) -> None:
-        self.proc = subprocess.Popen([sys.executable, __file__, "--simulate", address],
+    def __init__(self, address: str, pem: str, creds: list[tuple[str, str]], design: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, __file__, "--simulate", address,
+                                      "--design", design],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"pem": pem, "creds": creds}) + "\n")
@@ -221,8 +258,9 @@ class Scraper:
         return self._raw()
 
 
-def row(agents: int, seconds: float, submits: int, root: Path, s3: EmbeddedS3) -> dict[str, Any]:
-    state = root / f"row-{agents}" / "state"  # its admin identity beside it, its own
+def row(design: str, agents: int, seconds: float, submits: int, root: Path,
+        s3: EmbeddedS3) -> dict[str, Any]:
+    state = root / f"{design}-{agents}" / "state"  # its admin identity beside it, its own
     state.parent.mkdir()
     url = f"sqlite:///{state.parent / 'fleet.db'}"
     engine = make_engine(url)
@@ -240,7 +278,7 @@ def row(agents: int, seconds: float, submits: int, root: Path, s3: EmbeddedS3) -
         api = Api(rest, Identity.load(identity))
         scraper = Scraper(rest, api.mint_scrape_token(f"fleet-{agents}")["token"])
         rss_before = rss_bytes(coordinator.pid)
-        sim = Simulator(address, pem, creds)
+        sim = Simulator(address, pem, creds, design)
         deadline = time.monotonic() + 120
         while sim.counts()["joined"] < agents:
             if time.monotonic() > deadline:
@@ -261,7 +299,7 @@ def row(agents: int, seconds: float, submits: int, root: Path, s3: EmbeddedS3) -
             dispatch.append(sim.wait_leased(job["id"]) - created)
             time.sleep(0.3)
         dispatch.sort()
-        return {"agents": agents, "cpu": (c1 - c0) / wall,
+        return {"design": design, "agents": agents, "cpu": (c1 - c0) / wall,
                 "statements_per_s": (s1 - s0 - scraper.own) / wall,
                 "asks_per_s": (n1["asks"] - n0["asks"]) / wall,
                 "beats_per_s": (n1["beats"] - n0["beats"]) / wall,
@@ -296,20 +334,23 @@ def _hello(root: Path) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--agents", default="100,1000", help="fleet sizes, one row each")
+    ap.add_argument("--designs", default="polling,stream", help="polling, stream, or both")
     ap.add_argument("--seconds", type=float, default=20.0, help="the idle window of each row")
     ap.add_argument("--submits", type=int, default=20, help="jobs submitted for dispatch times")
     ap.add_argument("--simulate", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--design", default="polling", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.simulate:
-        asyncio.run(simulate(args.simulate))
+        asyncio.run(simulate(args.simulate, args.design))
         return
     root = Path(tempfile.mkdtemp(prefix="campugrid-fleet-"))
     s3 = EmbeddedS3(root / "s3", "bench", uuid.uuid4().hex).start()
     rows = []
     try:
         for n in (int(x) for x in args.agents.split(",")):
-            rows.append(row(n, args.seconds, args.submits, root, s3))
-            print(f"  measured {n} idle agents", file=sys.stderr)
+            for design in args.designs.split(","):
+                rows.append(row(design, n, args.seconds, args.submits, root, s3))
+                print(f"  measured {n} idle agents, {design}", file=sys.stderr)
     finally:
         s3.stop()
         shutil.rmtree(root, ignore_errors=True)
@@ -320,14 +361,17 @@ def main() -> None:
     print("|---------|-------------|-------------------------|-----------------|-----------------"
           "|--------------|-----------------|--------|----------------------|--------|")
     for r in rows:
-        print(f"| polling | {r['agents']:>11} | {r['cpu']:23.2f} | {r['statements_per_s']:15.0f} "
-              f"| {r['asks_per_s']:15.0f} | {r['beats_per_s']:12.0f} | {r['dispatch_p50_ms']:15.1f} "
-              f"| {r['dispatch_p95_ms']:6.1f} | {r['kb_per_agent']:20.1f} | {r['errors']:>6} |")
+        print(f"| {r['design']:<7} | {r['agents']:>11} | {r['cpu']:23.2f} "
+              f"| {r['statements_per_s']:15.1f} | {r['asks_per_s']:15.0f} | {r['beats_per_s']:12.0f} "
+              f"| {r['dispatch_p50_ms']:15.1f} | {r['dispatch_p95_ms']:6.1f} "
+              f"| {r['kb_per_agent']:20.1f} | {r['errors']:>6} |")
     for r in rows:
         if r["codes"]:
-            print(f"errors at {r['agents']} agents, by status (whole run): {r['codes']}")
-    print("\npolling: today's agents (a held Lease every second, a heartbeat every 10 s); "
-          "statements: what the coordinator sent to SQLite (BEGIN and PRAGMA included)")
+            print(f"errors ({r['design']}, {r['agents']} agents), by status: {r['codes']}")
+    print("\npolling: today's idle agents (a held Lease every second, a heartbeat every 10 s); "
+          "stream: one stream per agent (campugrid.agent.link), heartbeats on it, work sent "
+          "down it. Statements: what the coordinator sent to SQLite (BEGIN and PRAGMA "
+          "included); asks: the polling agents' Lease calls answered.")
 
 
 if __name__ == "__main__":

@@ -227,17 +227,19 @@ def test_links_a_job_plants_never_make_the_agent_read_host_files(api, platform):
 
 def test_a_gpu_job_on_a_cpu_only_platform_waits_and_says_why(api, platform):
     spec = JobSpec.from_dict({"resources": {"gpus": 1, "gpu_memory_mb": 8192}})
+    fleet = platform.running.service.fleet
+    deadline = time.monotonic() + 60
+    while not list(fleet.idle()):
+        assert time.monotonic() < deadline, "the agent never waited for work on its stream"
+        time.sleep(0.1)
+    rounds = fleet.rounds
     job = api.submit(tar_folder(HELLO), spec)
-    # The agent asks for work twice more (the coordinator counts the empty answers): the ask
-    # that was waiting when the job came, and a whole one after it; both pass the job over.
-    metrics = platform.running.coord.metrics.registry
-
-    def empty() -> float:
-        return metrics.get_sample_value("campugrid_leases_total", {"outcome": "empty"}) or 0.0
-
-    asked, deadline = empty(), time.monotonic() + 60
-    while empty() < asked + 2:
-        assert time.monotonic() < deadline, "the agent stopped asking for work"
+    # The coordinator offers work to the agent waiting on its stream twice more: when the job
+    # came, and on a look of its own a few seconds later; both claims pass the job over.
+    deadline = time.monotonic() + 60
+    while fleet.rounds < rounds + 2:
+        assert time.monotonic() < deadline, "the coordinator stopped offering the agent work"
+        assert list(fleet.idle()), "the agent is no longer waiting for work"
         time.sleep(0.1)
     seen = api.job(job["id"])
     assert seen["state"] == "queued"

@@ -47,12 +47,14 @@ _clients: list[CoordinatorClient] = []
 
 
 def client(running: server.Running, tmp_path: Path, name: str,
-           caps: pb.Capabilities | None = None, approve: bool = True) -> CoordinatorClient:
+           caps: pb.Capabilities | None = None, approve: bool = True,
+           streams: bool = False) -> CoordinatorClient:
     """A machine that joined (pinning the coordinator's certificate) and, unless told
-    otherwise, was approved by its owner; closed by close_clients()."""
+    otherwise, was approved by its owner; closed by close_clients(). It asks for work with
+    Lease calls (held ones with wait_s) unless `streams`, as the agent waits on its stream."""
     membership = Membership.join(tmp_path / name, running.grpc_address,
                                  running.certificate.fingerprint)
-    c = CoordinatorClient(membership)
+    c = CoordinatorClient(membership, streams=streams)
     _clients.append(c)
     c.register(name, caps or pb.Capabilities(runtime="runsc", builder="buildah"))
     if approve:

@@ -17,7 +17,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -26,12 +26,14 @@ from limits import RateLimitItemPerMinute
 
 from campugrid.coordinator.answers import answer
 from campugrid.coordinator.apps import Nonces
+from campugrid.coordinator.fleet import Fleet, Link
 from campugrid.coordinator.gpu_history import GpuMemory
 from campugrid.coordinator.machines import MachineRecord, Status
 from campugrid.coordinator.scheduler import GpuView, MachineView
 from campugrid.coordinator.service import Coordinator
 from campugrid.coordinator.services.supplies import Supplies
 from campugrid.coordinator.views import HoldKind, HoldRef, ShardResult, ShardTask
+from campugrid.coordinator.views import Lease as Granted  # the class has a method Lease
 from campugrid.coordinator.wakeup import MAX_HOLD_S
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
@@ -51,6 +53,7 @@ from campugrid.protocol.wire import (
     MACHINE_HEADER,
     NONCE_HEADER,
     SIGNATURE_HEADER,
+    STREAM_BODY,
     call_base,
 )
 
@@ -130,6 +133,12 @@ class AgentService(pb_grpc.AgentServiceServicer):
         self.coord = coord
         self.blocking = blocking or ThreadPoolExecutor(16 + coord.work.max_held,
                                                        thread_name_prefix="grpc-lease")
+        # The machines connected on a stream; its dispatcher runs on the server's loop.
+        self.fleet = Fleet(coord.leasing, coord.machines, coord.work, self.blocking, self.reply,
+                           on_leased=lambda lease, took: self.metrics.leased(
+                               took, _first_queued(lease), True))
+        coord.machines.revoked.append(lambda machine: self.fleet.close(
+            machine, "this machine was revoked by its owner"))
         self.supplies = supplies  # the caches, the egress proxy and the bases' sources
         self.metrics = coord.metrics
         self._limiter = coord.limiter  # shared by every coordinator process
@@ -182,7 +191,12 @@ class AgentService(pb_grpc.AgentServiceServicer):
                                 fingerprint=record.fingerprint)
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
-        machine = self._machine(context, pending_ok=True)
+        self._heard(self._machine(context, pending_ok=True), request)
+        return pb.HeartbeatReply()
+
+    def _heard(self, machine: str, request: pb.HeartbeatRequest) -> None:
+        """A heartbeat (a call, or a message on the machine's stream): it is alive, with
+        what it has now."""
         if request.HasField("capabilities"):
             c = request.capabilities
             self.coord.machines.heartbeat(machine, _caps(c),
@@ -192,7 +206,6 @@ class AgentService(pb_grpc.AgentServiceServicer):
                 self.coord.machines.note_memory(machine, _memory(c.gpus))
         else:
             self.coord.machines.heartbeat(machine, None, None)
-        return pb.HeartbeatReply()
 
     async def Lease(self, request: pb.LeaseRequest, context: Any) -> pb.LeaseReply:
         """A coroutine: held, it waits on a thread of `blocking`, and when the agent gives up
@@ -217,12 +230,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
         queue wait; a later attempt's wait began at a requeue, which the lease does not see);
         and how long the last claim took (a held call's waiting is not lease latency)."""
         machine = self._machine(context)
-        offer = MachineView(machine, "", _gpus(request.gpus), request.gpu_isolation,
-                            enforced=frozenset(request.enforced_limits),
-                            shares=frozenset(x[:64] for x in request.shares[:MAX_SHARES]),
-                            cpus=_size(request.cpus), memory_mb=_size(request.memory_mb),
-                            disk_mb=_size(request.disk_mb))
-        self.coord.machines.note_memory(machine, _memory(request.gpus))
+        offer = self._offer(machine, request)
         leasing, seen = self.coord.leasing, self.coord.work.generation
         lease, took = self._guard(context, lambda: leasing.timed_lease(machine, offer))
         if lease is None and request.wait_ms > 0:
@@ -231,11 +239,24 @@ class AgentService(pb_grpc.AgentServiceServicer):
                 still_wanted=lambda: not ended.is_set(), on_full=self.metrics.holds_full.inc))
         if lease is None:
             return pb.LeaseReply(has_task=False), None, took
+        return self.reply(lease, machine, request.hold_kinds), _first_queued(lease), took
+
+    def _offer(self, machine: str, request: pb.LeaseRequest) -> MachineView:
+        """What the machine says a task can be given there, bounded; its GPUs' memory noted
+        for the console's chart."""
+        self.coord.machines.note_memory(machine, _memory(request.gpus))
+        return MachineView(machine, "", _gpus(request.gpus), request.gpu_isolation,
+                           enforced=frozenset(request.enforced_limits),
+                           shares=frozenset(x[:64] for x in request.shares[:MAX_SHARES]),
+                           cpus=_size(request.cpus), memory_mb=_size(request.memory_mb),
+                           disk_mb=_size(request.disk_mb))
+
+    def reply(self, lease: Granted, machine: str, hold_kinds: bool) -> pb.LeaseReply:
+        """A lease as the agent receives it (from Lease, or down its stream)."""
         job, hold = lease.job, lease.hold
-        first = job.created_at if job.attempt == 1 and lease.shard is None else None
         return pb.LeaseReply(
             has_task=True, job_id=job.id, attempt=job.attempt,
-            fencing_token=_token_for(hold, request.hold_kinds), hold_kind=_KIND_PB[hold.kind],
+            fencing_token=_token_for(hold, hold_kinds), hold_kind=_KIND_PB[hold.kind],
             lease_seconds=lease.lease_seconds, spec_json=job.spec_json,
             context_url=lease.context_url, output_url=lease.output_url,
             datasets=[pb.Dataset(name=name, share=lease.shares.get(name, ""),
@@ -252,7 +273,50 @@ class AgentService(pb_grpc.AgentServiceServicer):
                 for x in b.sources]) for b in self.supplies.bases(job.bases, machine)],
             mirrors=[pb.Mirror(kind=m.kind, url=m.url, token=m.token, certificate=m.certificate)
                      for m in self.supplies.mirrors(machine)],
-        ), first, took
+        )
+
+    async def Connect(self, requests: AsyncIterator[pb.AgentEvent],
+                      context: Any) -> AsyncIterator[pb.CoordinatorEvent]:
+        """An idle machine's stream (fleet.py): its readiness and heartbeats in, its leases
+        out. Every message is the machine's that signed the call (SignedCalls)."""
+        try:
+            machine = self._machine(_Aborts(context))
+        except _Abort as a:
+            await context.abort(a.code, a.details)
+            return
+        link = self.fleet.connect(machine)
+        reading = asyncio.create_task(self._hear(requests, link, context))
+        try:
+            while (event := await link.outbox.get()) is not None:
+                yield event
+        finally:
+            reading.cancel()
+            self.fleet.disconnect(link)
+
+    async def _hear(self, requests: AsyncIterator[pb.AgentEvent], link: Link,
+                    context: Any) -> None:
+        """What a machine says on its stream; its end ends the stream."""
+        loop = asyncio.get_running_loop()
+        call = contextvars.copy_context()  # the checked machine (_CALLER), for the threads
+        try:
+            async for event in requests:
+                if event.HasField("ready"):
+                    offer = await loop.run_in_executor(self.blocking, call.run, self._offer,
+                                                       link.machine_id, event.ready)
+                    self.fleet.ready(link, offer, event.ready.hold_kinds)
+                elif event.HasField("heartbeat"):
+                    if event.heartbeat.capabilities.held:
+                        link.offer = None  # its owner holds it: ready again when it says so
+                    said = event.heartbeat.SerializeToString(deterministic=True)
+                    if said != link.heard:  # the same again is news to nobody: `seen` only
+                        link.heard = said
+                        await loop.run_in_executor(self.blocking, call.run, self._heard,
+                                                   link.machine_id, event.heartbeat)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a broken stream: the agent connects again
+            log.info("stream of machine %s ended: %s", link.machine_id, type(e).__name__)
+        self.fleet.end(link, "the machine's side of the stream ended")
 
     def Renew(self, request: pb.RenewRequest, context: grpc.ServicerContext) -> pb.RenewReply:
         machine = self._machine(context)
@@ -365,6 +429,13 @@ _KIND = {v: k for k, v in _KIND_PB.items()}
 LEGACY_SESSION_BASE = 1 << 40
 
 
+def _first_queued(lease: Granted) -> dt.datetime | None:
+    """When the job was submitted, if this is its first attempt (for the queue wait; a later
+    attempt's wait began at a requeue, which the lease does not see)."""
+    job = lease.job
+    return job.created_at if job.attempt == 1 and lease.shard is None else None
+
+
 def _token_for(hold: HoldRef, names_kinds: bool) -> int:
     if hold.kind is HoldKind.SESSION and not names_kinds:
         return LEGACY_SESSION_BASE + hold.token
@@ -438,8 +509,10 @@ class SignedCalls(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is 
 
     async def intercept_service(self, continuation: Any, details: Any) -> Any:
         handler = await continuation(details)
+        if handler is not None and handler.stream_stream is not None:
+            return self._stream(handler, details.method)
         if handler is None or handler.unary_unary is None:
-            return None  # no stream is served unsigned: the caller is told UNIMPLEMENTED
+            return None  # nothing else is served unsigned: the caller is told UNIMPLEMENTED
         inner, deserialize, method = handler.unary_unary, handler.request_deserializer, details.method
 
         def digested(raw: bytes) -> tuple[str, Any]:
@@ -471,6 +544,25 @@ class SignedCalls(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is 
                 _CALLER.reset(token)
 
         return _unary(behaviour, handler, request_deserializer=digested)
+
+    def _stream(self, handler: Any, method: str) -> Any:
+        """A stream, checked when it opens (wire.STREAM_BODY); its messages are the signer's."""
+        inner = handler.stream_stream
+        digest = hashlib.sha256(STREAM_BODY).hexdigest()
+
+        async def checked_first(requests: Any, context: Any) -> AsyncIterator[Any]:
+            try:
+                record = await asyncio.get_running_loop().run_in_executor(
+                    self.blocking, self._check, method, digest, _Aborts(context))
+            except _Abort as a:
+                await context.abort(a.code, a.details)
+            _CALLER.set(record)  # this call's own context: it ends with the call
+            async for reply in inner(requests, context):
+                yield reply
+
+        return grpc.stream_stream_rpc_method_handler(
+            checked_first, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
 
     def _check(self, method: str, digest: str, context: grpc.ServicerContext) -> MachineRecord | None:
         md = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}

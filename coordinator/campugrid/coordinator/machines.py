@@ -14,6 +14,7 @@ import enum
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import delete, func, or_, select, update
@@ -169,6 +170,25 @@ class Machines:
                 dataclasses.asdict(g) for g in offer.gpus]})
         with self.db.tx() as s:
             s.execute(update(Machine).where(Machine.id == machine_id).values(**values))
+
+    def seen(self, machine_ids: Sequence[str], chunk: int = 10_000) -> None:
+        """These machines are alive now (connected on a stream): one statement for up to
+        `chunk` of them (SQLite takes 32,766 values in one statement)."""
+        now = utcnow()
+        for i in range(0, len(machine_ids), chunk):
+            with self.db.tx(durable=False) as s:
+                s.execute(update(Machine).where(Machine.id.in_(machine_ids[i:i + chunk]))
+                          .values(last_seen_at=now))
+
+    def not_approved(self, machine_ids: Sequence[str], chunk: int = 10_000) -> list[str]:
+        """Those of these machines that may no longer work (revoked, quarantined, gone)."""
+        approved: set[str] = set()
+        with self.db.read() as s:
+            for i in range(0, len(machine_ids), chunk):
+                approved.update(s.scalars(select(Machine.id).where(
+                    Machine.id.in_(machine_ids[i:i + chunk]),
+                    Machine.status == Status.APPROVED.value)))
+        return [m for m in machine_ids if m not in approved]
 
     def online(self, within_s: float = 30) -> list[MachineView]:
         """Approved machines seen recently, with their GPUs minus what is reserved on them,

@@ -61,6 +61,7 @@ class AgentServer:
                  blocking: futures.Executor) -> None:
         """`blocking`: where coroutine handlers block (shut down with the server)."""
         self.blocking = blocking
+        self._tasks: list[asyncio.Task[None]] = []
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True,
                                         name="grpc-loop")
@@ -82,10 +83,22 @@ class AgentServer:
     def start(self) -> None:
         self._run(self.server.start())
 
+    def spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        """A task on the server's loop, until the server stops (the fleet's dispatcher)."""
+        async def started() -> None:
+            self._tasks.append(asyncio.get_running_loop().create_task(coroutine))
+        self._run(started())
+
+    async def _end_tasks(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
     def stop(self, grace: float | None) -> _Stopped:
         """Refuses new calls, ends those under way after `grace` seconds, and stops the loop."""
         if self.loop.is_running():
             self._run(self.server.stop(grace))
+            self._run(self._end_tasks())
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
             self.loop.close()
@@ -115,6 +128,7 @@ class Running:
     lead: Leadership | None = None  # whether this process runs the reaper
     relay: PostgresRelay | None = None  # held leases hear of other processes' work
     egress: Serving | None = None  # the platform's egress proxy for builds
+    service: AgentService | None = None  # the agents' service (its fleet: the streams)
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -199,15 +213,16 @@ def start(settings: Settings) -> Running:
     egress = start_egress(coord, settings, cert, rest_tls) if settings.egress_port else None
     egress_url = (f"{scheme}://{urllib.parse.urlsplit(url).hostname}:{egress.address[1]}"
                   if egress is not None and egress.address else "")
-    pb_grpc.add_AgentServiceServicer_to_server(
-        AgentService(coord, Supplies(settings, coord.bases, rest_url=url, rest_pem=cert.pem.decode(),
-                                     egress_url=egress_url),
-                     settings.registrations_per_minute, blocking), server.server)
+    service = AgentService(coord, Supplies(settings, coord.bases, rest_url=url,
+                                           rest_pem=cert.pem.decode(), egress_url=egress_url),
+                           settings.registrations_per_minute, blocking)
+    pb_grpc.add_AgentServiceServicer_to_server(service, server.server)
     credentials = grpc.ssl_server_credentials([(cert.key_pem, cert.pem)])
     port = server.add_secure_port(f"{settings.grpc_host}:{settings.grpc_port}", credentials)
     if port == 0:
         raise CampugridError(f"cannot listen for agents on {settings.grpc_host}:{settings.grpc_port}")
     server.start()
+    server.spawn(service.fleet.run())
     grpc_address = settings.public_grpc or f"{_host(settings.grpc_host)}:{port}"
     admin = ensure_admin(coord, settings, url, cert.fingerprint)
     stop = threading.Event()
@@ -223,7 +238,7 @@ def start(settings: Settings) -> Running:
     log.info("coordinator: REST %s/v1  console %s/console  gRPC %s (TLS, certificate %s)", url,
              url, grpc_address, cert.fingerprint)
     return Running(coord, server, http, stop, port, cert, url, grpc_address, admin, lead,
-                   relayed, egress)
+                   relayed, egress, service)
 
 
 def start_egress(coord: Coordinator, settings: Settings, cert: Certificate,

@@ -49,6 +49,9 @@ class Wakeup:
         self._generation = 0
         self._held = 0
         self.relay: Callable[[], None] | None = None  # tells the other processes (PostgreSQL)
+        # Told of every wake too, after the held calls (fleet.py's dispatcher); quick, and
+        # never blocking: a wake comes from any thread.
+        self.listeners: list[Callable[[], None]] = []
 
     @property
     def held(self) -> int:
@@ -72,6 +75,8 @@ class Wakeup:
         with self._changed:
             self._generation += 1
             self._changed.notify_all()
+        for listener in list(self.listeners):
+            listener()
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[bool]:

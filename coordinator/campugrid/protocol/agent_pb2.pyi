@@ -14,6 +14,22 @@ class HoldKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 ATTEMPT: HoldKind
 SESSION: HoldKind
 
+class AgentEvent(_message.Message):
+    __slots__ = ("ready", "heartbeat")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    ready: LeaseRequest
+    heartbeat: HeartbeatRequest
+    def __init__(self, ready: _Optional[_Union[LeaseRequest, _Mapping]] = ..., heartbeat: _Optional[_Union[HeartbeatRequest, _Mapping]] = ...) -> None: ...
+
+class CoordinatorEvent(_message.Message):
+    __slots__ = ("lease", "closing")
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    CLOSING_FIELD_NUMBER: _ClassVar[int]
+    lease: LeaseReply
+    closing: str
+    def __init__(self, lease: _Optional[_Union[LeaseReply, _Mapping]] = ..., closing: _Optional[str] = ...) -> None: ...
+
 class Capabilities(_message.Message):
     __slots__ = ("runtime", "builder", "cpus", "memory_mb", "limits", "gpus", "gpu_isolation", "gpu_note", "speed_gflops", "shares", "held", "disk_mb")
     class LimitsEntry(_message.Message):

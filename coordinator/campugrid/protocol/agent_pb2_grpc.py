@@ -5,7 +5,7 @@ import warnings
 
 from campugrid.protocol import agent_pb2 as campugrid_dot_protocol_dot_agent__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -89,6 +89,11 @@ class AgentServiceStub:
                 request_serializer=campugrid_dot_protocol_dot_agent__pb2.ImageRequest.SerializeToString,
                 response_deserializer=campugrid_dot_protocol_dot_agent__pb2.ImageReply.FromString,
                 _registered_method=True)
+        self.Connect = channel.stream_stream(
+                '/campugrid.v1.AgentService/Connect',
+                request_serializer=campugrid_dot_protocol_dot_agent__pb2.AgentEvent.SerializeToString,
+                response_deserializer=campugrid_dot_protocol_dot_agent__pb2.CoordinatorEvent.FromString,
+                _registered_method=True)
 
 
 class AgentServiceServicer:
@@ -170,6 +175,17 @@ class AgentServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Connect(self, request_iterator, context):
+        """An idle machine's one connection, instead of asking for work again and again: it opens
+        the stream once (signed, over an empty body: wire.STREAM_BODY) and says on it when it is
+        ready for work and what it can hold (`ready`, a LeaseRequest whose wait_ms is unused)
+        and its heartbeats; the coordinator claims work for it when work comes and sends the
+        lease down the stream. Every message on it is the signing machine's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -227,6 +243,11 @@ def add_AgentServiceServicer_to_server(servicer, server):
                     servicer.Image,
                     request_deserializer=campugrid_dot_protocol_dot_agent__pb2.ImageRequest.FromString,
                     response_serializer=campugrid_dot_protocol_dot_agent__pb2.ImageReply.SerializeToString,
+            ),
+            'Connect': grpc.stream_stream_rpc_method_handler(
+                    servicer.Connect,
+                    request_deserializer=campugrid_dot_protocol_dot_agent__pb2.AgentEvent.FromString,
+                    response_serializer=campugrid_dot_protocol_dot_agent__pb2.CoordinatorEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -526,6 +547,33 @@ class AgentService:
             '/campugrid.v1.AgentService/Image',
             campugrid_dot_protocol_dot_agent__pb2.ImageRequest.SerializeToString,
             campugrid_dot_protocol_dot_agent__pb2.ImageReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Connect(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/campugrid.v1.AgentService/Connect',
+            campugrid_dot_protocol_dot_agent__pb2.AgentEvent.SerializeToString,
+            campugrid_dot_protocol_dot_agent__pb2.CoordinatorEvent.FromString,
             options,
             channel_credentials,
             insecure,

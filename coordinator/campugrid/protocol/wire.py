@@ -9,6 +9,13 @@ certificate the agent pinned at join.
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import secrets
+import time
+
+from campugrid.protocol import keys
+
 MACHINE_HEADER = "x-campugrid-machine"  # the caller's machine id
 KEY_HEADER = "x-campugrid-key"  # Register only: the public key being registered (base64)
 CREATED_HEADER = "x-campugrid-created"  # Unix seconds
@@ -20,8 +27,30 @@ TLS_NAME = "campugrid-coordinator"
 CALL_WINDOW_S = 120  # a call signed further from the coordinator's clock is refused
 
 
+# A stream (AgentService.Connect) is signed once, when it opens, over the SHA-256 of no bytes:
+# its messages come later, on the connection that signature opened, and are the signer's.
+STREAM_BODY = b""
+
+
 def call_base(method: str, body_sha256: str, created: int, nonce: str, signer: str) -> bytes:
     """The bytes a call's signature covers. `signer` is the machine id, or `key:` and the
     public key for Register."""
     return "\n".join(("campugrid-call-v1", method, body_sha256, str(created), nonce,
                       signer)).encode()
+
+
+def signed_metadata(key: keys.Ed25519PrivateKey, method: str, body: bytes,
+                    signer: str) -> list[tuple[str, str]]:
+    """The time, nonce and signature of one call (campugrid.protocol.wire.call_base)."""
+    created, nonce = int(time.time()), secrets.token_urlsafe(18)
+    digest = hashlib.sha256(body).hexdigest()
+    signature = key.sign(call_base(method, digest, created, nonce, signer))
+    return [(CREATED_HEADER, str(created)), (NONCE_HEADER, nonce),
+            (SIGNATURE_HEADER, base64.b64encode(signature).decode())]
+
+
+CHANNEL_OPTIONS = (
+    ("grpc.ssl_target_name_override", TLS_NAME),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+)

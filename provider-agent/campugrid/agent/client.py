@@ -12,15 +12,12 @@ one certificate): a call that finds one gone sends the next call to the next.
 
 from __future__ import annotations
 
-import base64
 import collections
 import dataclasses
-import hashlib
 import json
 import logging
 import math
 import os
-import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,18 +27,16 @@ from typing import Any
 import grpc
 
 from campugrid.agent import messages as m
+from campugrid.agent.link import NoStream, Waiting
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
 from campugrid.protocol import keys, pins
 from campugrid.protocol.errors import CampugridError
-from campugrid.protocol.wire import (
-    CREATED_HEADER,
+from campugrid.protocol.wire import (  # signed_metadata: also for the tests and benches
+    CHANNEL_OPTIONS,
     KEY_HEADER,
     MACHINE_HEADER,
-    NONCE_HEADER,
-    SIGNATURE_HEADER,
-    TLS_NAME,
-    call_base,
+    signed_metadata,
 )
 
 RPC_TIMEOUT_S = 10.0
@@ -139,23 +134,6 @@ def _fetch_any(addresses: list[str], pin: str) -> str:
     raise CampugridError("; ".join(problems))
 
 
-def signed_metadata(key: keys.Ed25519PrivateKey, method: str, body: bytes,
-                    signer: str) -> list[tuple[str, str]]:
-    """The time, nonce and signature of one call (campugrid.protocol.wire.call_base)."""
-    created, nonce = int(time.time()), secrets.token_urlsafe(18)
-    digest = hashlib.sha256(body).hexdigest()
-    signature = key.sign(call_base(method, digest, created, nonce, signer))
-    return [(CREATED_HEADER, str(created)), (NONCE_HEADER, nonce),
-            (SIGNATURE_HEADER, base64.b64encode(signature).decode())]
-
-
-CHANNEL_OPTIONS = (
-    ("grpc.ssl_target_name_override", TLS_NAME),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-)
-
-
 def pinned_channel(address: str, certificate: str) -> grpc.Channel:
     """A TLS channel that trusts only the pinned coordinator certificate."""
     credentials = grpc.ssl_channel_credentials(root_certificates=certificate.encode())
@@ -210,7 +188,9 @@ class CoordinatorClient:
     With several coordinator addresses, a call that finds its coordinator unreachable moves
     the client on to the next one (the caller's own retry then goes there)."""
 
-    def __init__(self, membership: Membership) -> None:
+    def __init__(self, membership: Membership, streams: bool = True) -> None:
+        """`streams`: wait for work on a stream (link.Waiting) where the coordinator offers
+        one, instead of with held Lease calls."""
         self.membership = membership
         self.addresses = membership.addresses
         self.key = keys.load_private(membership.key_file)
@@ -224,6 +204,8 @@ class CoordinatorClient:
         self._current = 0
         self._down: dict[int, float] = {}  # when each coordinator was last found unreachable
         self._lock = threading.Lock()
+        self.waiting = (Waiting(lambda: self.address, membership.certificate, self.key,
+                                lambda: self.machine_id) if streams else None)
 
     @property
     def address(self) -> str:
@@ -276,6 +258,8 @@ class CoordinatorClient:
         return self.register(name, caps).machine_id
 
     def heartbeat(self, caps: pb.Capabilities | None = None) -> None:
+        if self.waiting is not None and self.waiting.heartbeat(caps):
+            return  # on the stream
         req = pb.HeartbeatRequest(capabilities=caps) if caps is not None else pb.HeartbeatRequest()
         self.stub.Heartbeat(req, timeout=RPC_TIMEOUT_S)
 
@@ -284,10 +268,20 @@ class CoordinatorClient:
               give_up: Callable[[], bool] | None = None,
               room: tuple[int, int, int] = (0, 0, 0)) -> pb.LeaseReply:
         """The next task that fits `room` (CPUs, memory and disk in MB; 0: not said); with
-        `wait_s`, the coordinator may hold the call that long for work
-        (coordinator/wakeup.py), and `give_up`, asked every GIVE_UP_POLL_S meanwhile, ends the
+        `wait_s`, it waits that long for work on the machine's stream (link.Waiting), or
+        where the coordinator offers none, in a Lease call the coordinator holds
+        (coordinator/wakeup.py); `give_up`, asked every GIVE_UP_POLL_S meanwhile, ends the
         wait early (no task then)."""
         cpus, memory_mb, disk_mb = room
+        if wait_s > 0 and self.waiting is not None:
+            try:
+                got = self.waiting.wait(pb.LeaseRequest(
+                    gpus=gpus, gpu_isolation=gpu_isolation, enforced_limits=enforced,
+                    shares=shares, cpus=cpus, memory_mb=memory_mb, disk_mb=disk_mb,
+                    hold_kinds=True), wait_s, give_up)
+                return got if got is not None else pb.LeaseReply(has_task=False)
+            except NoStream:
+                pass  # a held Lease call this time
         call = self.stub.Lease.future(
             pb.LeaseRequest(gpus=gpus, gpu_isolation=gpu_isolation, enforced_limits=enforced,
                             shares=shares, wait_ms=int(wait_s * 1000), cpus=cpus,
@@ -348,6 +342,8 @@ class CoordinatorClient:
         return reply
 
     def close(self) -> None:
+        if self.waiting is not None:
+            self.waiting.close()
         for channel in self.channels:
             channel.close()
 

@@ -25,6 +25,7 @@ class MachineService:
         self._records = MachineRecords(store.machines)
         self._offers: dict[str, object] = {}
         self._offers_lock = threading.Lock()
+        self.revoked: list[Callable[[str], None]] = []  # told of each revocation (the streams)
 
     def register(self, name: str, public_key: str, address: str = "") -> MachineRecord:
         """A machine for this key: new ones are pending until their owner approves them."""
@@ -79,6 +80,8 @@ class MachineService:
         m = self.store.machines.set_status(self.store.machines.find(ref).id,
                                            MachineStatus.REVOKED)
         self._records.forget(m.id)
+        for listener in list(self.revoked):
+            listener(m.id)
         requeued = self._requeue()
         log.warning("machine %s (%s) revoked; its jobs %s are queued again", m.id, m.name,
                     ", ".join(requeued) or "(none)")

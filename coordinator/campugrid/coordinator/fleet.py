@@ -1,0 +1,223 @@
+"""The machines connected to this coordinator process on a stream (AgentService.Connect), and
+the dispatcher that hands them work: an idle machine costs nothing while nothing changes.
+
+A connected machine says when it is ready for work and what a task can be given there (its
+offer); the fleet keeps that in memory. When work may have come (Wakeup: a submit, a
+hand-back, an expiry; on PostgreSQL also another process's), and every RECHECK_S in case a
+notification was lost, a dispatch round runs on a thread: the idle machines are grouped by
+what they offer (machines that offer the same are offered the same jobs), and for each group
+the claim (claims.py, the one guarded place) is tried for its machines in turn while it
+finds work; a claim that finds nothing ends that group's turn. The lease goes down the
+machine's stream, and the machine is busy until it says it is ready again.
+
+Idle, the fleet sends the database: a claim per group when woken, a status read when a
+machine's status may have changed (the status epoch, read every RECHECK_S), and the
+connected machines' "seen" time in one statement every SEEN_S.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
+from typing import Any
+
+from campugrid.coordinator.machines import Status
+from campugrid.coordinator.scheduler import MachineView
+from campugrid.coordinator.services.leasing import LeaseService
+from campugrid.coordinator.services.machines import MachineService
+from campugrid.coordinator.views import Lease
+from campugrid.coordinator.wakeup import Wakeup
+from campugrid.protocol import agent_pb2 as pb
+
+log = logging.getLogger("campugrid.coordinator.fleet")
+RECHECK_S = 5.0  # a round even without news (a lost notification, SQLite's other processes)
+SEEN_S = 10.0  # how often the connected machines' "last seen" is written, all in one statement
+TRIES_PER_GROUP = 2  # machines of one group tried before its turn ends on a claim finding none
+
+
+@dataclasses.dataclass(eq=False)
+class Link:
+    """One machine's stream. `offer` is what it can hold while it waits for work; None while
+    it runs a task (or before it said it is ready)."""
+
+    machine_id: str
+    outbox: asyncio.Queue[pb.CoordinatorEvent | None]
+    offer: MachineView | None = None
+    hold_kinds: bool = True
+    since: float = dataclasses.field(default_factory=time.monotonic)
+    heard: bytes = b""  # its last heartbeat, as sent: written to the database when it changes
+
+    def close(self, why: str) -> None:
+        self.outbox.put_nowait(pb.CoordinatorEvent(closing=why))
+        self.outbox.put_nowait(None)
+
+
+def shape(offer: MachineView) -> tuple[Any, ...]:
+    """What decides which jobs a machine can be offered, but for its id: machines of one
+    shape get the same answer from a claim (refusals and replicas aside)."""
+    gpus = tuple(sorted((g.kind, g.name, g.free_mb, g.cc) for g in offer.gpus))
+    return (gpus, offer.gpu_isolation, offer.enforced, offer.shares, offer.cpus,
+            offer.memory_mb, offer.disk_mb)
+
+
+class Fleet:
+    """The links of this process, and its dispatcher (a task on the server's event loop)."""
+
+    def __init__(self, leasing: LeaseService, machines: MachineService, work: Wakeup,
+                 blocking: Executor, reply: Callable[[Lease, str, bool], pb.LeaseReply],
+                 on_leased: Callable[[Lease, float], None] = lambda lease, took: None) -> None:
+        """`reply`: the LeaseReply for a lease (lease, machine, hold_kinds), as Lease answers;
+        `on_leased`: told of each lease delivered, with how long its claim took."""
+        self.leasing, self.machines, self.work, self.blocking = leasing, machines, work, blocking
+        self.reply, self.on_leased = reply, on_leased
+        self.links: dict[str, Link] = {}
+        self._kick: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._turn = itertools.count()  # rotates which machine of a group is tried first
+        self._epoch = -1
+        self.rounds = 0  # dispatch rounds run (for tests and the bench)
+
+    # --- the streams ----------------------------------------------------------------------
+
+    def connect(self, machine_id: str) -> Link:
+        """A new stream for this machine; an older one of the same machine is closed."""
+        old = self.links.pop(machine_id, None)
+        if old is not None:
+            old.close("this machine connected again")
+        link = Link(machine_id, asyncio.Queue())
+        self.links[machine_id] = link
+        return link
+
+    def disconnect(self, link: Link) -> None:
+        if self.links.get(link.machine_id) is link:
+            del self.links[link.machine_id]
+
+    def ready(self, link: Link, offer: MachineView, hold_kinds: bool) -> None:
+        link.offer, link.hold_kinds = offer, hold_kinds
+        self.kick()
+
+    def end(self, link: Link, why: str) -> None:
+        """End this stream (from the loop), if it is still its machine's."""
+        if self.links.get(link.machine_id) is link:
+            del self.links[link.machine_id]
+        link.close(why)
+
+    def close(self, machine_id: str, why: str) -> None:
+        """End a machine's stream (from any thread): revoked, quarantined."""
+        def now() -> None:
+            link = self.links.pop(machine_id, None)
+            if link is not None:
+                link.close(why)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(now)
+
+    def kick(self) -> None:
+        """Work may have come: a round soon (from the loop)."""
+        if self._kick is not None:
+            self._kick.set()
+
+    # --- the dispatcher -------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Rounds, whenever kicked and every RECHECK_S, until cancelled."""
+        self._loop, self._kick = asyncio.get_running_loop(), asyncio.Event()
+        loop, kick = self._loop, self._kick
+
+        def woken() -> None:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(kick.set)
+
+        self.work.listeners.append(woken)
+        try:
+            await self._rounds(kick)
+        finally:
+            self.work.listeners.remove(woken)
+            for link in list(self.links.values()):
+                link.close("the coordinator process is stopping")
+
+    async def _rounds(self, kick: asyncio.Event) -> None:
+        seen_at = looked_at = time.monotonic()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(kick.wait(), RECHECK_S)
+            kick.clear()
+            if time.monotonic() - looked_at >= RECHECK_S:
+                looked_at = time.monotonic()
+                await self._housekeeping()
+            if time.monotonic() - seen_at > SEEN_S and self.links:
+                seen_at = time.monotonic()
+                await self._blocking(self.machines.store.machines.seen, list(self.links))
+            idle = [(link, link.offer) for link in self.links.values() if link.offer is not None]
+            if not idle:
+                continue
+            try:
+                leased = await self._blocking(self._round, idle)
+            except Exception:
+                log.exception("dispatch round")
+                continue
+            for link, lease, took in leased:
+                self._deliver(link, lease, took)
+
+    def _round(self, idle: list[tuple[Link, MachineView]]) -> list[tuple[Link, Lease, float]]:
+        """One dispatch round (on a thread): claims for idle machines, group by group."""
+        self.rounds += 1
+        groups: dict[tuple[Any, ...], list[tuple[Link, MachineView]]] = {}
+        for link, offer in idle:
+            groups.setdefault(shape(offer), []).append((link, offer))
+        leased = []
+        for members in groups.values():
+            start = next(self._turn) % len(members)
+            misses = 0
+            for link, offer in itertools.chain(members[start:], members[:start]):
+                if self.machines.get(link.machine_id).status is not Status.APPROVED:
+                    continue
+                lease, took = self.leasing.timed_lease(link.machine_id, offer)
+                if lease is None:
+                    misses += 1
+                    if misses >= TRIES_PER_GROUP:
+                        break
+                    continue
+                leased.append((link, lease, took))
+        return leased
+
+    def _deliver(self, link: Link, lease: Lease, took: float) -> None:
+        """The lease down its machine's stream; handed back if the stream ended meanwhile."""
+        if self.links.get(link.machine_id) is not link or link.offer is None:
+            self.blocking.submit(self.leasing.holds.of(lease.hold).release,
+                                 "the machine's stream ended before its lease reached it",
+                                 failed=False)
+            return
+        link.offer = None
+        link.outbox.put_nowait(pb.CoordinatorEvent(
+            lease=self.reply(lease, link.machine_id, link.hold_kinds)))
+        self.on_leased(lease, took)
+
+    async def _housekeeping(self) -> None:
+        """Close the streams of machines no longer approved (another process's revocation,
+        a quarantine): read only when some machine's status changed."""
+        if not self.links:
+            return
+        epoch = await self._blocking(self.machines.store.machines.epoch)
+        if epoch == self._epoch:
+            return
+        self._epoch = epoch
+        ids = list(self.links)
+        gone = await self._blocking(self.machines.store.machines.not_approved, ids)
+        for machine_id in gone:
+            link = self.links.pop(machine_id, None)
+            if link is not None:
+                link.close("this machine is no longer approved")
+
+    async def _blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        assert self._loop is not None
+        return await self._loop.run_in_executor(self.blocking, fn, *args)
+
+    def idle(self) -> Iterator[str]:
+        """The machines waiting for work now."""
+        return (m for m, link in list(self.links.items()) if link.offer is not None)

@@ -1,0 +1,236 @@
+"""An idle agent's one connection to its coordinator (AgentService.Connect), on asyncio: it
+opens a stream once, says on it when the machine is ready for work and what a task can be
+given there, sends its heartbeats, and receives leases as the coordinator claims work for
+it, instead of asking for work every second. Many links share one event loop (bench/fleet.py
+runs thousands in one process).
+
+The stream is signed once, as it opens (campugrid.protocol.wire.STREAM_BODY), over the
+pinned TLS channel (wire.CHANNEL_OPTIONS, as the agent's other calls); every message on it is this
+machine's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import random
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+import grpc
+
+from campugrid.protocol import agent_pb2 as pb
+from campugrid.protocol import keys
+from campugrid.protocol.wire import CHANNEL_OPTIONS, MACHINE_HEADER, STREAM_BODY, signed_metadata
+
+CONNECT = "/campugrid.v1.AgentService/Connect"
+GIVE_UP_S = 0.5  # how often a wait asks whether the agent still wants work
+T = TypeVar("T")
+
+
+class Closed(Exception):
+    """The stream ended: `reason` is the coordinator's word (revoked, stopping) or the
+    status the call ended with."""
+
+    def __init__(self, reason: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(reason)
+        self.reason, self.code = reason, code
+
+
+class Link:
+    def __init__(self, address: str, certificate: str, key: keys.Ed25519PrivateKey,
+                 machine_id: str) -> None:
+        self.address, self.certificate = address, certificate
+        self.key, self.machine_id = key, machine_id
+        self._channel: grpc.aio.Channel | None = None
+        self._call: grpc.aio.StreamStreamCall | None = None
+        # What the stream brought, read by a task of its own: a wait for a lease may be
+        # given up (a timeout) without ending the call, as a cancelled read would.
+        self._events: asyncio.Queue[pb.LeaseReply | Closed] = asyncio.Queue()
+        self._reader: asyncio.Task[None] | None = None
+
+    async def open(self) -> None:
+        credentials = grpc.ssl_channel_credentials(root_certificates=self.certificate.encode())
+        self._channel = grpc.aio.secure_channel(self.address, credentials,
+                                                options=list(CHANNEL_OPTIONS))
+        connect = self._channel.stream_stream(
+            CONNECT, request_serializer=pb.AgentEvent.SerializeToString,
+            response_deserializer=pb.CoordinatorEvent.FromString)
+        self._call = connect(metadata=[(MACHINE_HEADER, self.machine_id), *signed_metadata(
+            self.key, CONNECT, STREAM_BODY, self.machine_id)])
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def ready(self, offer: pb.LeaseRequest) -> None:
+        """Ready for work: what a task can be given here (LeaseRequest's fields)."""
+        await self._write(pb.AgentEvent(ready=offer))
+
+    async def heartbeat(self, capabilities: pb.Capabilities | None) -> None:
+        await self._write(pb.AgentEvent(heartbeat=pb.HeartbeatRequest(capabilities=capabilities)
+                                        if capabilities is not None else pb.HeartbeatRequest()))
+
+    async def lease(self) -> pb.LeaseReply:
+        """The next lease the coordinator sends (the machine is busy from then on, until it
+        says it is ready again). Raises Closed when the stream ends; may be cancelled (a
+        timeout) without ending it."""
+        event = await self._events.get()
+        if isinstance(event, Closed):
+            self._events.put_nowait(event)  # and to every later ask
+            raise event
+        return event
+
+    async def _read(self) -> None:
+        assert self._call is not None
+        try:
+            while True:
+                event = await self._call.read()
+                if event is grpc.aio.EOF:
+                    self._events.put_nowait(Closed(await self._ended()))
+                    return
+                if event.HasField("closing"):
+                    self._events.put_nowait(Closed(event.closing))
+                    return
+                self._events.put_nowait(event.lease)
+        except grpc.aio.AioRpcError as e:
+            self._events.put_nowait(Closed(e.details() or e.code().name, e.code()))
+        except asyncio.CancelledError:
+            self._events.put_nowait(Closed("closed by this agent"))
+            raise
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        if self._call is not None:
+            self._call.cancel()
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def _write(self, event: pb.AgentEvent) -> None:
+        assert self._call is not None, "open() first"
+        try:
+            await self._call.write(event)
+        except grpc.aio.AioRpcError as e:
+            raise Closed(e.details() or e.code().name, e.code()) from e
+        except asyncio.InvalidStateError as e:  # written after the call ended
+            raise Closed(await self._ended(), await self._call.code()) from e
+
+    async def _ended(self) -> str:
+        assert self._call is not None
+        code = await self._call.code()
+        return str(await self._call.details() or code.name)
+
+
+class NoStream(Exception):
+    """No stream now (the coordinator has none to offer, or it just ended): ask for work with
+    a Lease call this time."""
+
+
+# After a stream ends, the next try waits a random time in [0, backoff], and the backoff
+# doubles up to BACKOFF_MAX_S: a coordinator restarting with thousands of agents connected
+# gets them back spread over that time, not all at once.
+BACKOFF_S, BACKOFF_MAX_S = 1.0, 30.0
+NOT_OFFERED_S = 600.0  # a coordinator without Connect is asked again this much later
+
+
+class Waiting:
+    """A Link for the agent's threads (client.CoordinatorClient.lease and heartbeat): the
+    link lives on an event loop of its own, opened when first wanted and again after it
+    ends (with a jittered backoff); `ready` is sent when the machine becomes idle or what it
+    offers changed, and `wait` returns the next lease."""
+
+    def __init__(self, address: Callable[[], str], certificate: str,
+                 key: keys.Ed25519PrivateKey, machine_id: Callable[[], str]) -> None:
+        self.address, self.certificate, self.key, self.machine_id = (
+            address, certificate, key, machine_id)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._link: Link | None = None
+        self._offered: pb.LeaseRequest | None = None  # the last `ready` sent on this link
+        self._next_try = 0.0
+        self._backoff = BACKOFF_S
+        self._lock = threading.Lock()
+
+    def wait(self, offer: pb.LeaseRequest, wait_s: float,
+             give_up: Callable[[], bool] | None) -> pb.LeaseReply | None:
+        """The next lease within `wait_s` (None: none came, or `give_up` said so). Raises
+        NoStream when there is no stream to wait on now."""
+        with self._lock:
+            link = self._open()
+            try:
+                if self._offered != offer:
+                    self._run(link.ready(offer), 30)
+                    self._offered = offer
+                pending = asyncio.run_coroutine_threadsafe(link.lease(), self._started())
+                deadline = time.monotonic() + wait_s
+                while True:
+                    try:
+                        reply = pending.result(timeout=min(GIVE_UP_S, max(0.0, deadline - time.monotonic())))
+                    except concurrent.futures.TimeoutError:
+                        if time.monotonic() >= deadline or (give_up is not None and give_up()):
+                            if pending.cancel():
+                                return None
+                            continue  # it came meanwhile: take it
+                        continue
+                    self._offered = None  # busy: ready again once the task is done
+                    self._backoff = BACKOFF_S
+                    return reply
+            except Closed as e:
+                self._lost(e)
+                raise NoStream(e.reason) from e
+
+    def heartbeat(self, capabilities: pb.Capabilities | None) -> bool:
+        """Sent on the stream if one is open (True); else the caller calls Heartbeat."""
+        with self._lock:
+            if self._link is None:
+                return False
+            try:
+                self._run(self._link.heartbeat(capabilities), 30)
+            except Closed as e:
+                self._lost(e)
+                return False
+            if capabilities is not None and capabilities.held:
+                self._offered = None  # the coordinator took it as not ready; ready again later
+            return True
+
+    def close(self) -> None:
+        with self._lock:
+            if self._link is not None:
+                self._run(self._link.close(), 10)
+                self._link = None
+            if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._loop = None
+
+    def _open(self) -> Link:
+        if self._link is not None:
+            return self._link
+        if time.monotonic() < self._next_try or not self.machine_id():
+            raise NoStream("no stream now")
+        link = Link(self.address(), self.certificate, self.key, self.machine_id())
+        self._run(link.open(), 30)
+        self._link, self._offered = link, None
+        return link
+
+    def _lost(self, e: Closed) -> None:
+        """The stream ended: the next one is tried after a jittered backoff (much later where
+        the coordinator has no streams at all)."""
+        if self._link is not None:
+            with contextlib.suppress(Exception):
+                self._run(self._link.close(), 10)
+        self._link, self._offered = None, None
+        if e.code == grpc.StatusCode.UNIMPLEMENTED:
+            self._next_try = time.monotonic() + NOT_OFFERED_S
+            return
+        self._next_try = time.monotonic() + random.uniform(0, self._backoff)  # noqa: S311 - jitter
+        self._backoff = min(BACKOFF_MAX_S, self._backoff * 2)
+
+    def _started(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, daemon=True, name="link").start()
+            self._loop = loop
+        return self._loop
+
+    def _run(self, coroutine: Coroutine[Any, Any, T], timeout: float) -> T:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._started()).result(timeout)

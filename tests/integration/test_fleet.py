@@ -1,0 +1,228 @@
+"""Idle machines on a stream (AgentService.Connect, coordinator/fleet.py), driven by the
+agent's own link (campugrid.agent.link) against a real coordinator (SQLite, SeaweedFS): work
+reaches a waiting machine without it asking again, a busy machine gets no more until it says
+it is ready, idle streams cost the database nothing per machine, and a stream is signed,
+bound to its machine and closed when the machine is revoked."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from campugrid.agent.client import CHANNEL_OPTIONS, CoordinatorClient
+from campugrid.agent.link import CONNECT, Closed, Link, NoStream, Waiting
+from campugrid.cli.seaweed import EmbeddedS3
+from campugrid.client import Api, Identity, tar_folder
+from campugrid.coordinator import server
+from campugrid.coordinator.db import STATEMENTS
+from campugrid.coordinator.fleet import Fleet
+from campugrid.protocol import agent_pb2 as pb
+from campugrid.protocol import keys
+from campugrid.protocol.spec import JobSpec
+from campugrid.protocol.wire import MACHINE_HEADER
+from tests.support.coordinator import client, close_clients, start
+
+pytestmark = pytest.mark.integration
+HELLO = Path(__file__).resolve().parents[2] / "examples" / "hello"
+OFFER = pb.LeaseRequest(hold_kinds=True, cpus=4, memory_mb=8192, disk_mb=50_000)
+
+
+@pytest.fixture
+def coordinator(s3_server: EmbeddedS3, tmp_path: Path) -> Iterator[tuple[server.Running, Api]]:
+    running, t = start(s3_server, tmp_path, f"f{tmp_path.name[-8:].lower().replace('_', '')}x")
+    api = Api(running.url, Identity.load(tmp_path / "admin.json"))
+    yield running, api
+    api.close()
+    close_clients()
+    running.stop()
+    t.join(5)
+
+
+def link_of(running: server.Running, c: CoordinatorClient, key: keys.Ed25519PrivateKey | None = None,
+            machine_id: str = "") -> Link:
+    return Link(running.grpc_address, running.certificate.pem.decode(), key or c.key,
+                machine_id or c.machine_id)
+
+
+def run(coroutine):  # each test's own loop
+    return asyncio.run(coroutine)
+
+
+def wait_until(check, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_work_reaches_a_waiting_machine_and_a_busy_one_gets_no_more_until_ready(coordinator, tmp_path):
+    running, api = coordinator
+    m = client(running, tmp_path, "m")
+
+    async def scenario() -> tuple[pb.LeaseReply, float, bool]:
+        link = link_of(running, m)
+        await link.open()
+        await link.ready(OFFER)
+        await asyncio.sleep(0.3)  # connected and idle: nothing queued yet
+        loop = asyncio.get_running_loop()
+        first = await loop.run_in_executor(None, lambda: api.submit(tar_folder(HELLO), JobSpec()))
+        submitted = time.monotonic()
+        got = await asyncio.wait_for(link.lease(), 10)
+        took = time.monotonic() - submitted
+        second = await loop.run_in_executor(None, lambda: api.submit(tar_folder(HELLO), JobSpec()))
+        try:  # busy: the second job waits
+            await asyncio.wait_for(link.lease(), 1.5)
+            early = True
+        except TimeoutError:
+            early = False
+        await link.ready(OFFER)
+        again = await asyncio.wait_for(link.lease(), 10)
+        await link.close()
+        assert got.job_id == first["id"] and again.job_id == second["id"]
+        return got, took, early
+
+    got, took, early = run(scenario())
+    assert not early, "a busy machine was sent a second lease"
+    assert got.has_task and got.fencing_token == 1 and got.context_url
+    assert took < 5
+    job = api.job(got.job_id)
+    assert job["state"] == "building" and job["machine_id"] == m.machine_id
+    # The lease works like one asked for: it renews.
+    renewed = m.stub.Renew(pb.RenewRequest(job_id=got.job_id, fencing_token=got.fencing_token,
+                                           hold_kind=got.hold_kind, phase="building"), timeout=10)
+    assert renewed.keep_going
+
+
+def test_idle_streams_cost_the_database_nothing_per_machine(coordinator, tmp_path):
+    running, _ = coordinator
+    machines = [client(running, tmp_path, f"m{i}") for i in range(20)]
+    window = 3.0
+
+    def statements_over(seconds: float) -> int:
+        before = STATEMENTS.count
+        time.sleep(seconds)
+        return STATEMENTS.count - before
+
+    alone = statements_over(window)  # the coordinator's own (its reaper) with no machine
+
+    async def idle() -> int:
+        links = [link_of(running, c) for c in machines]
+        for link in links:
+            await link.open()
+            await link.ready(OFFER)
+        await asyncio.sleep(1.0)  # each ready woke a round: let them pass
+        loop = asyncio.get_running_loop()
+        counted = await loop.run_in_executor(None, statements_over, window)
+        for link in links:
+            await link.close()
+        return counted
+
+    connected = run(idle())
+    # Twenty machines asking every second would be 60 asks and well over 120 statements.
+    assert connected - alone <= 10, (alone, connected)
+
+
+def test_a_stream_is_signed_by_an_approved_machine_and_closed_when_it_is_revoked(coordinator,
+                                                                                 tmp_path):
+    running, _ = coordinator
+    m = client(running, tmp_path, "m")
+    pending = client(running, tmp_path, "pending", approve=False)
+    stranger = keys.Ed25519PrivateKey.generate()
+
+    async def refused(link: Link) -> Closed:
+        await link.open()
+        with pytest.raises(Closed) as err:
+            await link.ready(OFFER)
+            await asyncio.wait_for(link.lease(), 10)
+        await link.close()
+        return err.value
+
+    # Another key claiming to be m; an approved machine's stream unsigned; a pending one.
+    forged = run(refused(link_of(running, m, key=stranger)))
+    assert forged.code == grpc.StatusCode.UNAUTHENTICATED and "signature" in forged.reason
+    waiting = run(refused(link_of(running, pending)))
+    assert waiting.code == grpc.StatusCode.PERMISSION_DENIED and "pending" in waiting.reason
+
+    async def unsigned() -> grpc.StatusCode:
+        credentials = grpc.ssl_channel_credentials(running.certificate.pem)
+        async with grpc.aio.secure_channel(running.grpc_address, credentials,
+                                           options=list(CHANNEL_OPTIONS)) as ch:
+            call = ch.stream_stream(CONNECT, request_serializer=pb.AgentEvent.SerializeToString,
+                                    response_deserializer=pb.CoordinatorEvent.FromString)(
+                metadata=[(MACHINE_HEADER, m.machine_id)])
+            try:
+                await call.read()
+            except grpc.aio.AioRpcError as e:
+                return e.code()
+            return await call.code()
+
+    assert run(unsigned()) == grpc.StatusCode.UNAUTHENTICATED
+
+    async def revoked() -> str:
+        link = link_of(running, m)
+        await link.open()
+        await link.ready(OFFER)
+        await asyncio.sleep(0.3)
+        loop = asyncio.get_running_loop()
+        began = time.monotonic()
+        await loop.run_in_executor(None, running.coord.machines.revoke, m.machine_id)
+        with pytest.raises(Closed) as err:
+            await asyncio.wait_for(link.lease(), 5)
+        assert time.monotonic() - began < 2  # at once, not at the next look
+        await link.close()
+        return err.value.reason
+
+    assert "revoked" in run(revoked())
+
+
+def test_the_agents_client_waits_on_its_stream_and_heartbeats_on_it(coordinator, tmp_path):
+    """What worker.py calls (CoordinatorClient.lease with a wait, heartbeat) goes over the
+    stream: no Lease call is held, the heartbeat's capabilities arrive, the lease is a lease."""
+    running, api = coordinator
+    m = client(running, tmp_path, "m", streams=True)
+    m.heartbeat(pb.Capabilities(runtime="runsc go-stream-test", builder="buildah", cpus=4))
+    wait_until(lambda: "go-stream-test" in str(running.coord.machines.all()))
+    got: list[pb.LeaseReply] = []
+    asking = threading.Thread(target=lambda: got.append(m.lease(wait_s=15, room=(4, 8192, 50_000))))
+    asking.start()
+    wait_until(lambda: any(True for _ in running_fleet(running).idle()))
+    assert running.coord.work.held == 0  # waiting on the stream, not in a held call
+    job = api.submit(tar_folder(HELLO), JobSpec())
+    asking.join(10)
+    assert got and got[0].has_task and got[0].job_id == job["id"]
+    # Given up early, a wait returns nothing and claims nothing.
+    quit_waiting = threading.Event()
+    later: list[pb.LeaseReply] = []
+    asking = threading.Thread(target=lambda: later.append(m.lease(
+        wait_s=15, give_up=quit_waiting.is_set, room=(4, 8192, 50_000))))
+    asking.start()
+    time.sleep(0.5)
+    quit_waiting.set()
+    asking.join(5)
+    assert later and not later[0].has_task
+
+
+def running_fleet(running: server.Running) -> Fleet:
+    assert running.service is not None
+    return running.service.fleet
+
+
+def test_a_lost_stream_is_tried_again_after_a_jittered_backoff_that_grows():
+    waiting = Waiting(lambda: "127.0.0.1:1", "", keys.Ed25519PrivateKey.generate(), lambda: "m")
+    tries = []
+    for _ in range(8):
+        before = time.monotonic()
+        waiting._lost(Closed("gone", grpc.StatusCode.UNAVAILABLE))
+        tries.append(waiting._next_try - before)
+    assert all(0 <= t <= 30.5 for t in tries) and len({round(t, 3) for t in tries}) > 4
+    assert waiting._backoff == 30.0
+    waiting._lost(Closed("no streams here", grpc.StatusCode.UNIMPLEMENTED))
+    assert waiting._next_try - time.monotonic() > 500
+    with pytest.raises(NoStream):
+        waiting.wait(OFFER, 1, None)
