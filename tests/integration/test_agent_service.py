@@ -17,14 +17,14 @@ from campugrid.agent.client import hold_fields, hold_from_pb
 from campugrid.agent.messages import Hold
 from campugrid.cli.seaweed import EmbeddedS3
 from campugrid.cli.show import machine_line
-from campugrid.client import Api, Identity, tar_folder
+from campugrid.client import Api, tar_folder
 from campugrid.coordinator import server
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
 from campugrid.protocol import logs
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.wire import MACHINE_HEADER
-from tests.support.coordinator import client, close_clients, held, start
+from tests.support.coordinator import client, held, with_api
 
 pytestmark = pytest.mark.integration
 HELLO = Path(__file__).resolve().parents[2] / "examples" / "hello"
@@ -32,14 +32,8 @@ HELLO = Path(__file__).resolve().parents[2] / "examples" / "hello"
 
 @pytest.fixture
 def coordinator(s3_server: EmbeddedS3, tmp_path: Path) -> Iterator[tuple[server.Running, Api]]:
-    running, t = start(s3_server, tmp_path, f"c{tmp_path.name[-8:].lower().replace('_', '')}x",
-                       lease_seconds=1.0)
-    api = Api(running.url, Identity.load(tmp_path / "admin.json"))
-    yield running, api
-    api.close()
-    close_clients()
-    running.stop()
-    t.join(5)
+    with with_api(s3_server, tmp_path, "c", lease_seconds=1.0) as running:
+        yield running
 
 
 def test_a_call_on_a_plain_channel_or_unsigned_is_refused(coordinator, tmp_path):

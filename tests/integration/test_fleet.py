@@ -18,7 +18,7 @@ import pytest
 from campugrid.agent.client import CHANNEL_OPTIONS, CoordinatorClient
 from campugrid.agent.link import CONNECT, Closed, Link, NoStream, Waiting
 from campugrid.cli.seaweed import EmbeddedS3
-from campugrid.client import Api, Identity, tar_folder
+from campugrid.client import Api, tar_folder
 from campugrid.coordinator import server
 from campugrid.coordinator.db import STATEMENTS
 from campugrid.coordinator.fleet import Fleet
@@ -26,7 +26,7 @@ from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import keys
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.wire import MACHINE_HEADER
-from tests.support.coordinator import client, close_clients, start
+from tests.support.coordinator import client, with_api
 
 pytestmark = pytest.mark.integration
 HELLO = Path(__file__).resolve().parents[2] / "examples" / "hello"
@@ -35,13 +35,8 @@ OFFER = pb.LeaseRequest(hold_kinds=True, cpus=4, memory_mb=8192, disk_mb=50_000)
 
 @pytest.fixture
 def coordinator(s3_server: EmbeddedS3, tmp_path: Path) -> Iterator[tuple[server.Running, Api]]:
-    running, t = start(s3_server, tmp_path, f"f{tmp_path.name[-8:].lower().replace('_', '')}x")
-    api = Api(running.url, Identity.load(tmp_path / "admin.json"))
-    yield running, api
-    api.close()
-    close_clients()
-    running.stop()
-    t.join(5)
+    with with_api(s3_server, tmp_path, "f") as running:
+        yield running
 
 
 def link_of(running: server.Running, c: CoordinatorClient, key: keys.Ed25519PrivateKey | None = None,

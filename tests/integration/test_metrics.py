@@ -23,7 +23,7 @@ from campugrid.agent import metrics as agent_metrics
 from campugrid.agent.client import CoordinatorClient, Membership, hold_fields, hold_from_pb
 from campugrid.agent.messages import Hold
 from campugrid.cli.seaweed import EmbeddedS3
-from campugrid.client import Api, Identity, tar_folder
+from campugrid.client import Api, tar_folder
 from campugrid.client.api import ApiError
 from campugrid.client.login import login
 from campugrid.coordinator import server
@@ -32,7 +32,7 @@ from campugrid.protocol import agent_pb2_grpc as pb_grpc
 from campugrid.protocol.errors import CampugridError
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.wire import MACHINE_HEADER
-from tests.support.coordinator import start
+from tests.support.coordinator import with_api
 
 pytestmark = pytest.mark.integration
 HELLO = Path(__file__).resolve().parents[2] / "examples" / "hello"
@@ -42,12 +42,8 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 @pytest.fixture
 def coordinator(s3_server: EmbeddedS3, tmp_path: Path) -> Iterator[tuple[server.Running, Api]]:
-    running, t = start(s3_server, tmp_path, f"m{tmp_path.name[-8:].lower().replace('_', '')}x")
-    api = Api(running.url, Identity.load(tmp_path / "admin.json"))
-    yield running, api
-    api.close()
-    running.stop()
-    t.join(5)
+    with with_api(s3_server, tmp_path, "m") as running:
+        yield running
 
 
 def scrape(running: server.Running, token: str | None = None) -> httpx.Response:

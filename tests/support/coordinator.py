@@ -8,13 +8,16 @@ left the test waiting.)
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from campugrid.agent.client import CoordinatorClient, Membership
 from campugrid.cli.seaweed import EmbeddedS3
+from campugrid.client import Api, Identity
 from campugrid.coordinator import server
 from campugrid.coordinator.config import Settings
 from campugrid.protocol import agent_pb2 as pb
@@ -41,6 +44,23 @@ def start(s3: EmbeddedS3, root: Path, bucket: str,
             raise RuntimeError(f"the coordinator's REST API did not start on {running.url}")
         time.sleep(0.05)
     return running, t
+
+
+@contextlib.contextmanager
+def with_api(s3: EmbeddedS3, root: Path, prefix: str,
+             **overrides: object) -> Iterator[tuple[server.Running, Api]]:
+    """start(), on a bucket named after `root` (tests' tmp_path), with the admin's REST API;
+    stopped after, with the machines client() made."""
+    running, t = start(s3, root, f"{prefix}{root.name[-8:].lower().replace('_', '')}x",
+                       **overrides)
+    api = Api(running.url, Identity.load(root / "admin.json"))
+    try:
+        yield running, api
+    finally:
+        api.close()
+        close_clients()
+        running.stop()
+        t.join(5)
 
 
 _clients: list[CoordinatorClient] = []

@@ -145,6 +145,7 @@ class Waiting:
         self.address, self.certificate, self.key, self.machine_id = (
             address, certificate, key, machine_id)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
         self._link: Link | None = None
         self._offered: pb.LeaseRequest | None = None  # the last `ready` sent on this link
         self._next_try = 0.0
@@ -200,7 +201,11 @@ class Waiting:
                 self._link = None
             if self._loop is not None:
                 self._loop.call_soon_threadsafe(self._loop.stop)
-                self._loop = None
+                if self._thread is not None:
+                    self._thread.join(10)
+                if not self._loop.is_running():
+                    self._loop.close()
+                self._loop, self._thread = None, None
 
     def _open(self) -> Link:
         if self._link is not None:
@@ -228,7 +233,8 @@ class Waiting:
     def _started(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
             loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, daemon=True, name="link").start()
+            self._thread = threading.Thread(target=loop.run_forever, daemon=True, name="link")
+            self._thread.start()
             self._loop = loop
         return self._loop
 
