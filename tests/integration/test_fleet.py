@@ -221,3 +221,31 @@ def test_a_lost_stream_is_tried_again_after_a_jittered_backoff_that_grows():
     assert waiting._next_try - time.monotonic() > 500
     with pytest.raises(NoStream):
         waiting.wait(OFFER, 1, None)
+
+
+def test_a_stream_dropped_mid_lease_leaves_the_lease_to_its_renewals(coordinator, tmp_path):
+    """The stream is for waiting: a machine whose connection drops after its lease came keeps
+    the task (renewed and completed by its calls); the coordinator forgets the stream."""
+    running, api = coordinator
+    m = client(running, tmp_path, "m")
+    fleet = running_fleet(running)
+
+    async def leased_then_dropped() -> pb.LeaseReply:
+        link = link_of(running, m)
+        await link.open()
+        await link.ready(OFFER)
+        await asyncio.get_running_loop().run_in_executor(
+            None, lambda: api.submit(tar_folder(HELLO), JobSpec()))
+        got = await asyncio.wait_for(link.lease(), 10)
+        await link.close()  # the connection drops
+        return got
+
+    got = run(leased_then_dropped())
+    wait_until(lambda: m.machine_id not in fleet.links)
+    hold = {"job_id": got.job_id, "fencing_token": got.fencing_token, "hold_kind": got.hold_kind}
+    assert m.stub.Renew(pb.RenewRequest(**hold, phase="running"), timeout=10).keep_going
+    done = m.stub.Complete(pb.CompleteRequest(**hold, succeeded=True, result="after the drop"),
+                           timeout=10)
+    assert done.accepted
+    final = api.job(got.job_id)
+    assert final["state"] == "succeeded" and final["result"] == "after the drop"
