@@ -147,16 +147,17 @@ class Fleet:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(kick.wait(), RECHECK_S)
             kick.clear()
-            if time.monotonic() - looked_at >= RECHECK_S:
-                looked_at = time.monotonic()
-                await self._housekeeping()
-            if time.monotonic() - seen_at > SEEN_S and self.links:
-                seen_at = time.monotonic()
-                await self._blocking(self.machines.store.machines.seen, list(self.links))
-            idle = [(link, link.offer) for link in self.links.values() if link.offer is not None]
-            if not idle:
-                continue
-            try:
+            try:  # a database that is down for a moment must not end the dispatcher
+                if time.monotonic() - looked_at >= RECHECK_S:
+                    looked_at = time.monotonic()
+                    await self._housekeeping()
+                if time.monotonic() - seen_at > SEEN_S and self.links:
+                    seen_at = time.monotonic()
+                    await self._blocking(self.machines.store.machines.seen, list(self.links))
+                idle = [(link, link.offer) for link in self.links.values()
+                        if link.offer is not None]
+                if not idle:
+                    continue
                 leased = await self._blocking(self._round, idle)
             except Exception:
                 log.exception("dispatch round")
