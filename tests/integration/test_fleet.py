@@ -39,10 +39,10 @@ def coordinator(s3_server: EmbeddedS3, tmp_path: Path) -> Iterator[tuple[server.
         yield running
 
 
-def link_of(running: server.Running, c: CoordinatorClient, key: keys.Ed25519PrivateKey | None = None,
-            machine_id: str = "") -> Link:
+def link_of(running: server.Running, c: CoordinatorClient,
+            key: keys.Ed25519PrivateKey | None = None) -> Link:
     return Link(running.grpc_address, running.certificate.pem.decode(), key or c.key,
-                machine_id or c.machine_id)
+                c.machine_id)
 
 
 def run(coroutine):  # each test's own loop

@@ -8,15 +8,11 @@ callers that are broken or unauthenticated.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextvars
 import datetime as dt
-import hashlib
-import inspect
 import logging
 import math
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -24,11 +20,11 @@ from typing import Any, TypeVar
 import grpc
 from limits import RateLimitItemPerMinute
 
+from campugrid.coordinator.agent_calls import CALLER, Abort, Aborts, peer_address
 from campugrid.coordinator.answers import answer
-from campugrid.coordinator.apps import Nonces
 from campugrid.coordinator.fleet import Fleet, Link
 from campugrid.coordinator.gpu_history import GpuMemory
-from campugrid.coordinator.machines import MachineRecord, Status
+from campugrid.coordinator.machines import Status
 from campugrid.coordinator.scheduler import GpuView, MachineView
 from campugrid.coordinator.service import Coordinator
 from campugrid.coordinator.services.supplies import Supplies
@@ -37,31 +33,18 @@ from campugrid.coordinator.views import Lease as Granted  # the class has a meth
 from campugrid.coordinator.wakeup import MAX_HOLD_S
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
-from campugrid.protocol import keys, logs
 from campugrid.protocol.errors import (
     CampugridError,
     IllegalTransition,
     InvalidInput,
     StaleAttempt,
-    Unauthenticated,
 )
 from campugrid.protocol.states import JobState
 from campugrid.protocol.wire import (
-    CALL_WINDOW_S,
-    CREATED_HEADER,
     KEY_HEADER,
-    MACHINE_HEADER,
-    NONCE_HEADER,
-    SIGNATURE_HEADER,
-    STREAM_BODY,
-    call_base,
 )
 
 log = logging.getLogger("campugrid.coordinator.agents")
-REGISTER = "/campugrid.v1.AgentService/Register"
-# The machine whose signature SignedCalls checked, for the handler of this call.
-_CALLER: contextvars.ContextVar[MachineRecord | None] = contextvars.ContextVar(
-    "campugrid_machine", default=None)
 
 R = TypeVar("R")
 
@@ -114,16 +97,6 @@ def _memory(gpus: Sequence[pb.Gpu]) -> list[GpuMemory]:
     return out
 
 
-def peer_address(context: grpc.ServicerContext) -> str:
-    """`ipv4:1.2.3.4:5678` -> `1.2.3.4` (and likewise for ipv6)."""
-    peer = str(context.peer() or "")
-    kind, _, rest = peer.partition(":")
-    if kind in ("ipv4", "ipv6"):
-        host = rest.rpartition(":")[0]
-        return host.strip("[]").replace("%5B", "").replace("%5D", "") or rest
-    return peer[:100]
-
-
 class AgentService(pb_grpc.AgentServiceServicer):
     """Plain functions run on the server's pool of threads; Lease is a coroutine (below), whose
     claims and wait for work run on `blocking`, so that an agent's giving up reaches it."""
@@ -148,7 +121,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
     def _machine(context: grpc.ServicerContext, *, pending_ok: bool = False) -> str:
         """The calling machine (its signature was checked by SignedCalls); only an approved
         one gets past here, but for the calls a pending machine may make."""
-        record = _CALLER.get()
+        record = CALLER.get()
         if record is None:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "this call was not signed")
         assert record is not None
@@ -201,7 +174,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
             c = request.capabilities
             self.coord.machines.heartbeat(machine, _caps(c),
                                  MachineView(machine, "", _gpus(c.gpus), c.gpu_isolation))
-            record = _CALLER.get()
+            record = CALLER.get()
             if record is not None and record.status is Status.APPROVED:  # not a stranger's
                 self.coord.machines.note_memory(machine, _memory(c.gpus))
         else:
@@ -211,14 +184,14 @@ class AgentService(pb_grpc.AgentServiceServicer):
         """A coroutine: held, it waits on a thread of `blocking`, and when the agent gives up
         (or goes away) the call is cancelled here, and the wait ends claiming nothing."""
         ended = threading.Event()
-        call = contextvars.copy_context()  # the checked machine (_CALLER)
+        call = contextvars.copy_context()  # the checked machine (CALLER)
         try:
             reply, first_queued_at, took = await asyncio.get_running_loop().run_in_executor(
-                self.blocking, call.run, self._lease, request, _Aborts(context), ended)
+                self.blocking, call.run, self._lease, request, Aborts(context), ended)
         except asyncio.CancelledError:
             ended.set()
             raise
-        except _Abort as a:
+        except Abort as a:
             await context.abort(a.code, a.details)
             raise AssertionError("unreachable") from a
         self.metrics.leased(took, first_queued_at, reply.has_task)
@@ -280,8 +253,8 @@ class AgentService(pb_grpc.AgentServiceServicer):
         """An idle machine's stream (fleet.py): its readiness and heartbeats in, its leases
         out. Every message is the machine's that signed the call (SignedCalls)."""
         try:
-            machine = self._machine(_Aborts(context))
-        except _Abort as a:
+            machine = self._machine(Aborts(context))
+        except Abort as a:
             await context.abort(a.code, a.details)
             return
         link = self.fleet.connect(machine)
@@ -297,7 +270,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
                     context: Any) -> None:
         """What a machine says on its stream; its end ends the stream."""
         loop = asyncio.get_running_loop()
-        call = contextvars.copy_context()  # the checked machine (_CALLER), for the threads
+        call = contextvars.copy_context()  # the checked machine (CALLER), for the threads
         try:
             async for event in requests:
                 if event.HasField("ready"):
@@ -458,193 +431,3 @@ def _shard_pb(task: ShardTask | None) -> pb.ShardTask | None:
     if task is None:
         return None
     return pb.ShardTask(index=task.index, payload_json=task.payload_json, cost=task.cost)
-
-
-class _Abort(Exception):
-    """What context.abort would have done, raised on a thread (see _Aborts)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code, self.details = code, details
-
-
-class _Aborts:
-    """A coroutine handler's context, for code that runs on a thread and aborts the way a
-    plain handler does (`context.abort(code, details)`): the abort is raised as _Abort, and
-    the coroutine aborts the call with it."""
-
-    def __init__(self, context: Any) -> None:
-        self._context = context
-
-    def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise _Abort(code, details)
-
-    def invocation_metadata(self) -> Any:
-        return self._context.invocation_metadata()
-
-    def peer(self) -> str:
-        return str(self._context.peer())
-
-
-def _unary(behaviour: Callable[..., Any], handler: Any, **kw: Any) -> Any:
-    return grpc.unary_unary_rpc_method_handler(
-        behaviour, request_deserializer=kw.get("request_deserializer",
-                                               handler.request_deserializer),
-        response_serializer=handler.response_serializer)
-
-
-class SignedCalls(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
-    """Every call must be signed by a machine's own key, over the method, the SHA-256 of the
-    request's bytes as they came (wrapped around the deserializer, so nothing is
-    re-serialized), the time and a nonce (campugrid.protocol.wire). A revoked machine is
-    refused here, whatever it calls; the handlers see the checked machine in _CALLER. The
-    check runs where the call does: a plain handler's thread, or for a coroutine, a thread of
-    `blocking` (it reads the machine and writes the nonce)."""
-
-    def __init__(self, coord: Coordinator, nonces: Nonces, blocking: Executor) -> None:
-        self.coord = coord
-        self.nonces = nonces
-        self.metrics = coord.metrics
-        self.blocking = blocking
-
-    async def intercept_service(self, continuation: Any, details: Any) -> Any:
-        handler = await continuation(details)
-        if handler is not None and handler.stream_stream is not None:
-            return self._stream(handler, details.method)
-        if handler is None or handler.unary_unary is None:
-            return None  # nothing else is served unsigned: the caller is told UNIMPLEMENTED
-        inner, deserialize, method = handler.unary_unary, handler.request_deserializer, details.method
-
-        def digested(raw: bytes) -> tuple[str, Any]:
-            return hashlib.sha256(raw).hexdigest(), deserialize(raw)
-
-        if inspect.iscoroutinefunction(inner):
-            async def checked_first(call: tuple[str, Any], context: Any) -> Any:
-                digest, request = call
-                try:
-                    record = await asyncio.get_running_loop().run_in_executor(
-                        self.blocking, self._check, method, digest, _Aborts(context))
-                except _Abort as a:
-                    await context.abort(a.code, a.details)
-                token = _CALLER.set(record)
-                try:
-                    return await inner(request, context)
-                finally:
-                    _CALLER.reset(token)
-
-            return _unary(checked_first, handler, request_deserializer=digested)
-
-        def behaviour(call: tuple[str, Any], context: grpc.ServicerContext) -> Any:
-            digest, request = call
-            record = self._check(method, digest, context)
-            token = _CALLER.set(record)
-            try:
-                return inner(request, context)
-            finally:
-                _CALLER.reset(token)
-
-        return _unary(behaviour, handler, request_deserializer=digested)
-
-    def _stream(self, handler: Any, method: str) -> Any:
-        """A stream, checked when it opens (wire.STREAM_BODY); its messages are the signer's."""
-        inner = handler.stream_stream
-        digest = hashlib.sha256(STREAM_BODY).hexdigest()
-
-        async def checked_first(requests: Any, context: Any) -> AsyncIterator[Any]:
-            try:
-                record = await asyncio.get_running_loop().run_in_executor(
-                    self.blocking, self._check, method, digest, _Aborts(context))
-            except _Abort as a:
-                await context.abort(a.code, a.details)
-            _CALLER.set(record)  # this call's own context: it ends with the call
-            async for reply in inner(requests, context):
-                yield reply
-
-        return grpc.stream_stream_rpc_method_handler(
-            checked_first, request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer)
-
-    def _check(self, method: str, digest: str, context: grpc.ServicerContext) -> MachineRecord | None:
-        md = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
-
-        def refuse(code: grpc.StatusCode, reason: str, who: str = "",
-                   why: str = "bad_signature") -> None:
-            log.warning("refused call %s: %s (machine %s, from %s)", method.rpartition("/")[2],
-                        reason, who or "-", peer_address(context))
-            self.metrics.refused("grpc", why)
-            context.abort(code, reason)
-
-        record: MachineRecord | None = None
-        if method == REGISTER:
-            key_text = md.get(KEY_HEADER, "")
-            signer = f"key:{key_text}"
-            try:
-                public = keys.parse_public(key_text)
-            except CampugridError as e:
-                refuse(grpc.StatusCode.UNAUTHENTICATED, f"Register: {e} ({KEY_HEADER})",
-                       why="bad_key")
-        else:
-            machine_id = md.get(MACHINE_HEADER, "")
-            signer = machine_id
-            try:
-                record = self.coord.machines.get(machine_id)
-            except Unauthenticated as e:
-                refuse(grpc.StatusCode.UNAUTHENTICATED, str(e), machine_id[:40], "unknown_key")
-            assert record is not None
-            if record.status is Status.REVOKED:
-                refuse(grpc.StatusCode.PERMISSION_DENIED,
-                       f"machine {record.id} was revoked by its owner: it gets no work, URLs "
-                       "or data; join again with a new key if this is a mistake", record.id,
-                       "revoked")
-            public = keys.parse_public(record.public_key)
-        created_text, nonce = md.get(CREATED_HEADER, ""), md.get(NONCE_HEADER, "")
-        if not created_text.isdigit() or not nonce:
-            refuse(grpc.StatusCode.UNAUTHENTICATED,
-                   f"this call is not signed ({CREATED_HEADER}, {NONCE_HEADER} and "
-                   f"{SIGNATURE_HEADER} are needed; see campugrid.protocol.wire)", signer[:40],
-                   "unsigned")
-        if abs(time.time() - int(created_text)) > CALL_WINDOW_S:
-            refuse(grpc.StatusCode.UNAUTHENTICATED,
-                   f"this call was signed at {created_text}, more than {CALL_WINDOW_S} s from "
-                   "the coordinator's clock: check the machine's clock", signer[:40], "expired")
-        try:
-            signature = base64.b64decode(md.get(SIGNATURE_HEADER, ""), validate=True)
-            public.verify(signature, call_base(method, digest, int(created_text), nonce, signer))
-        except (ValueError, keys.InvalidSignature):
-            refuse(grpc.StatusCode.UNAUTHENTICATED,
-                   "the call's signature does not verify with this machine's key (another key, "
-                   "or the call was changed after signing)", signer[:40])
-        try:
-            self.nonces.use(signer, nonce, CALL_WINDOW_S)
-        except Unauthenticated as e:
-            refuse(grpc.StatusCode.UNAUTHENTICATED, str(e), signer[:40], "replayed")
-        return record
-
-
-class AboutJob(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
-    """Every line logged while serving a call about a job names the job and the attempt
-    (campugrid.protocol.logs), without each handler saying so."""
-
-    async def intercept_service(self, continuation: Any, details: Any) -> Any:
-        handler = await continuation(details)
-        if handler is None or handler.unary_unary is None:
-            return handler
-        inner = handler.unary_unary
-        if inspect.iscoroutinefunction(inner):
-            async def about_async(request: Any, context: Any) -> Any:
-                job_id = getattr(request, "job_id", "")
-                if not job_id:
-                    return await inner(request, context)
-                with logs.about_job(job_id, getattr(request, "fencing_token", None) or None):
-                    return await inner(request, context)
-
-            return _unary(about_async, handler)
-
-        def behaviour(request: Any, context: grpc.ServicerContext) -> Any:
-            job_id = getattr(request, "job_id", "")
-            if not job_id:
-                return inner(request, context)
-            with logs.about_job(job_id, getattr(request, "fencing_token", None) or None):
-                return inner(request, context)
-
-        return _unary(behaviour, handler)

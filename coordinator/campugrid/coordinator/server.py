@@ -26,7 +26,8 @@ from typing import Any, TypeVar
 import grpc
 import uvicorn
 
-from campugrid.coordinator.agent_service import AboutJob, AgentService, SignedCalls
+from campugrid.coordinator.agent_calls import AboutJob, SignedCalls
+from campugrid.coordinator.agent_service import AgentService
 from campugrid.coordinator.api import create_app
 from campugrid.coordinator.auth import Guard, RateLimits
 from campugrid.coordinator.config import Settings
