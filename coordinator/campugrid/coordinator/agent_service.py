@@ -40,9 +40,7 @@ from campugrid.protocol.errors import (
     StaleAttempt,
 )
 from campugrid.protocol.states import JobState
-from campugrid.protocol.wire import (
-    KEY_HEADER,
-)
+from campugrid.protocol.wire import KEY_HEADER, STREAM_TAKEN
 
 log = logging.getLogger("campugrid.coordinator.agents")
 
@@ -257,6 +255,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
         except Abort as a:
             await context.abort(a.code, a.details)
             return
+        await context.send_initial_metadata((STREAM_TAKEN,))
         link = self.fleet.connect(machine)
         reading = asyncio.create_task(self._hear(requests, link, context))
         try:

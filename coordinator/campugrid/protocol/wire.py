@@ -30,6 +30,10 @@ CALL_WINDOW_S = 120  # a call signed further from the coordinator's clock is ref
 # A stream (AgentService.Connect) is signed once, when it opens, over the SHA-256 of no bytes:
 # its messages come later, on the connection that signature opened, and are the signer's.
 STREAM_BODY = b""
+# Sent by the coordinator as a stream's initial metadata once it has taken the stream; the
+# agent writes nothing before it. (A client that writes while the server refuses its
+# stream can lose the refusal: gRPC then reports INTERNAL, "Internal error from Core".)
+STREAM_TAKEN = ("x-campugrid-stream", "taken")
 
 
 def call_base(method: str, body_sha256: str, created: int, nonce: str, signer: str) -> bytes:

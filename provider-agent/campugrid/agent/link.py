@@ -24,7 +24,8 @@ import grpc
 
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import keys
-from campugrid.protocol.wire import CHANNEL_OPTIONS, MACHINE_HEADER, STREAM_BODY, signed_metadata
+from campugrid.protocol.wire import (CHANNEL_OPTIONS, MACHINE_HEADER, STREAM_BODY, STREAM_TAKEN,
+                                     signed_metadata)
 
 CONNECT = "/campugrid.v1.AgentService/Connect"
 GIVE_UP_S = 0.5  # how often a wait asks whether the agent still wants work
@@ -61,6 +62,14 @@ class Link:
             response_deserializer=pb.CoordinatorEvent.FromString)
         self._call = connect(metadata=[(MACHINE_HEADER, self.machine_id), *signed_metadata(
             self.key, CONNECT, STREAM_BODY, self.machine_id)])
+        # Nothing is written before the coordinator says it took the stream: a refusal
+        # (a pending or revoked machine, a bad signature) is then read whole.
+        try:
+            taken = STREAM_TAKEN in tuple(await self._call.initial_metadata() or ())
+        except grpc.aio.AioRpcError as e:
+            raise Closed(e.details() or e.code().name, e.code()) from e
+        if not taken:
+            raise Closed(await self._ended(), await self._call.code())
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
     async def ready(self, offer: pb.LeaseRequest) -> None:
