@@ -13,7 +13,7 @@ import hashlib
 import hmac
 import logging
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -174,6 +174,14 @@ class CoordinatorMetrics:
         r.register(_StatementsSent())
         r.register(_FromDatabase(db))
         ProcessCollector(registry=r)  # the coordinator's own CPU and memory
+
+    def watch_fleet(self, connected: Callable[[], int], ready: Callable[[], int]) -> None:
+        """The machines connected to this process (fleet.py), and those of them waiting for
+        work now."""
+        Gauge("campugrid_fleet_connected", "Machines with a stream open to this process",
+              registry=self.registry).set_function(connected)
+        Gauge("campugrid_fleet_ready", "Connected machines waiting for work now",
+              registry=self.registry).set_function(ready)
 
     def leased(self, seconds: float, first_queued_at: dt.datetime | None, handed_out: bool) -> None:
         """One Lease call answered in `seconds`; `first_queued_at` is the submit time of a job

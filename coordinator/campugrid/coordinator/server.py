@@ -218,6 +218,8 @@ def start(settings: Settings) -> Running:
                                            rest_pem=cert.pem.decode(), egress_url=egress_url),
                            settings.registrations_per_minute, blocking)
     pb_grpc.add_AgentServiceServicer_to_server(service, server.server)
+    coord.metrics.watch_fleet(lambda: len(service.fleet.links),
+                              lambda: sum(1 for _ in service.fleet.idle()))
     credentials = grpc.ssl_server_credentials([(cert.key_pem, cert.pem)])
     port = server.add_secure_port(f"{settings.grpc_host}:{settings.grpc_port}", credentials)
     if port == 0:
