@@ -4,14 +4,12 @@ own client: authentication, leasing, fencing of stale attempts."""
 from __future__ import annotations
 
 import hashlib
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-from prometheus_client import generate_latest
 
 from campugrid.agent.client import hold_fields, hold_from_pb
 from campugrid.agent.messages import Hold
@@ -24,7 +22,7 @@ from campugrid.protocol import agent_pb2_grpc as pb_grpc
 from campugrid.protocol import logs
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.wire import MACHINE_HEADER
-from tests.support.coordinator import client, held, with_api
+from tests.support.coordinator import client, with_api
 
 pytestmark = pytest.mark.integration
 HELLO = Path(__file__).resolve().parents[2] / "examples" / "hello"
@@ -350,73 +348,6 @@ def test_gpu_memory_reported_by_heartbeats_is_kept_by_the_minute_and_charted_to_
         pb.Gpu(uuid="GPU-huge", name="x", kind="nvidia", memory_total_mb=2**62)]))
     assert [h for h in running.coord.store.gpu_history.since(60)
             if h.machine_id == stranger.machine_id] == []
-
-
-@pytest.fixture
-def notified_only(monkeypatch):
-    """Held calls look for work only when woken, never on their own once a second."""
-    from campugrid.coordinator.services import leasing
-    monkeypatch.setattr(leasing, "RECHECK_S", 60.0)
-
-
-def test_an_idle_machines_ask_is_held_and_answered_when_work_is_submitted(coordinator, tmp_path,
-                                                                           notified_only):
-    running, api = coordinator
-    m = client(running, tmp_path, "m")
-    ask = m.stub.Lease.future(pb.LeaseRequest(wait_ms=15_000), timeout=30)
-    held(running, 1)
-    assert not ask.done()
-    job = api.submit(tar_folder(HELLO), JobSpec())
-    reply = ask.result(timeout=10)  # woken by the submit, not by the end of its 15 s
-    assert reply.has_task and reply.job_id == job["id"] and reply.fencing_token == 1
-    held(running, 0)
-    assert api.job(job["id"])["state"] == "building"
-
-
-def test_asks_beyond_the_held_limit_are_answered_at_once(coordinator, tmp_path, monkeypatch):
-    running, _ = coordinator
-    monkeypatch.setattr(running.coord.work, "max_held", 1)
-    first, second = client(running, tmp_path, "first"), client(running, tmp_path, "second")
-    ask = first.stub.Lease.future(pb.LeaseRequest(wait_ms=15_000), timeout=30)
-    held(running, 1)
-    # Held, this call would run past its 5 s deadline (DEADLINE_EXCEEDED)
-    assert not second.stub.Lease(pb.LeaseRequest(wait_ms=15_000), timeout=5).has_task
-    assert not ask.done()
-    scraped = generate_latest(running.coord.metrics.registry).decode()
-    assert "campugrid_held_lease_calls 1.0" in scraped
-    assert "campugrid_lease_holds_full_total 1.0" in scraped
-    ask.cancel()
-
-
-def test_the_number_of_held_asks_is_a_setting_within_bounds(monkeypatch, tmp_path):
-    from campugrid.coordinator.config import Settings
-    assert Settings.from_env(tmp_path).held_leases == 16
-    monkeypatch.setenv("CAMPUGRID_HELD_LEASES", "0")  # none held: every ask answered at once
-    assert Settings.from_env(tmp_path).held_leases == 0
-    for bad in ("-1", "4097", "many"):
-        monkeypatch.setenv("CAMPUGRID_HELD_LEASES", bad)
-        with pytest.raises(ValueError, match="CAMPUGRID_HELD_LEASES"):
-            Settings.from_env(tmp_path)
-
-
-def test_an_ask_its_machine_gave_up_or_whose_machine_was_revoked_claims_nothing(
-        coordinator, tmp_path, notified_only):
-    running, api = coordinator
-    gone, revoked = client(running, tmp_path, "gone"), client(running, tmp_path, "revoked")
-    quit_waiting = {"now": False}
-    asking = threading.Thread(target=lambda: gone.lease(wait_s=15, give_up=lambda: quit_waiting["now"]))
-    asking.start()
-    other = revoked.stub.Lease.future(pb.LeaseRequest(wait_ms=15_000), timeout=30)
-    held(running, 2)
-    quit_waiting["now"] = True
-    asking.join(5)
-    assert not asking.is_alive(), "the agent's ask did not end when it gave up"
-    running.coord.machines.revoke(revoked.machine_id)
-    job = api.submit(tar_folder(HELLO), JobSpec())  # wakes both held calls
-    held(running, 0)
-    assert not other.result(timeout=10).has_task
-    assert api.job(job["id"])["state"] == "queued"
-    assert client(running, tmp_path, "fresh").lease().job_id == job["id"]
 
 
 def test_a_lease_takes_only_a_job_that_fits_the_room_the_machine_reports(coordinator, tmp_path):

@@ -67,14 +67,13 @@ _clients: list[CoordinatorClient] = []
 
 
 def client(running: server.Running, tmp_path: Path, name: str,
-           caps: pb.Capabilities | None = None, approve: bool = True,
-           streams: bool = False) -> CoordinatorClient:
+           caps: pb.Capabilities | None = None, approve: bool = True) -> CoordinatorClient:
     """A machine that joined (pinning the coordinator's certificate) and, unless told
-    otherwise, was approved by its owner; closed by close_clients(). It asks for work with
-    Lease calls (held ones with wait_s) unless `streams`, as the agent waits on its stream."""
+    otherwise, was approved by its owner; closed by close_clients(). Its lease() claims at
+    once with a Lease call, or with wait_s waits on its stream as the agent does."""
     membership = Membership.join(tmp_path / name, running.grpc_address,
                                  running.certificate.fingerprint)
-    c = CoordinatorClient(membership, streams=streams)
+    c = CoordinatorClient(membership)
     _clients.append(c)
     c.register(name, caps or pb.Capabilities(runtime="runsc", builder="buildah"))
     if approve:
@@ -86,11 +85,3 @@ def close_clients() -> None:
     for c in _clients:
         c.close()
     _clients.clear()
-
-
-def held(running: server.Running, n: int) -> None:
-    """Until `n` Lease calls are held waiting for work."""
-    deadline = time.monotonic() + 10
-    while running.coord.work.held != n:
-        assert time.monotonic() < deadline, f"{running.coord.work.held} calls held, not {n}"
-        time.sleep(0.02)

@@ -12,7 +12,6 @@ import contextvars
 import datetime as dt
 import logging
 import math
-import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -30,7 +29,6 @@ from campugrid.coordinator.service import Coordinator
 from campugrid.coordinator.services.supplies import Supplies
 from campugrid.coordinator.views import HoldKind, HoldRef, ShardResult, ShardTask
 from campugrid.coordinator.views import Lease as Granted  # the class has a method Lease
-from campugrid.coordinator.wakeup import MAX_HOLD_S
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
 from campugrid.protocol.errors import (
@@ -96,14 +94,13 @@ def _memory(gpus: Sequence[pb.Gpu]) -> list[GpuMemory]:
 
 
 class AgentService(pb_grpc.AgentServiceServicer):
-    """Plain functions run on the server's pool of threads; Lease is a coroutine (below), whose
-    claims and wait for work run on `blocking`, so that an agent's giving up reaches it."""
+    """Plain functions run on the server's pool of threads; Connect is a coroutine on the
+    server's loop, whose checks run on `blocking`, as do the dispatcher's claims (fleet.py)."""
 
     def __init__(self, coord: Coordinator, supplies: Supplies,
                  register_per_minute: int = 20, blocking: Executor | None = None) -> None:
         self.coord = coord
-        self.blocking = blocking or ThreadPoolExecutor(16 + coord.work.max_held,
-                                                       thread_name_prefix="grpc-lease")
+        self.blocking = blocking or ThreadPoolExecutor(16, thread_name_prefix="grpc-streams")
         # The machines connected on a stream; its dispatcher runs on the server's loop.
         self.fleet = Fleet(coord.leasing, coord.machines, coord.work, self.blocking, self.reply,
                            on_leased=lambda lease, took: self.metrics.leased(
@@ -178,39 +175,20 @@ class AgentService(pb_grpc.AgentServiceServicer):
         else:
             self.coord.machines.heartbeat(machine, None, None)
 
-    async def Lease(self, request: pb.LeaseRequest, context: Any) -> pb.LeaseReply:
-        """A coroutine: held, it waits on a thread of `blocking`, and when the agent gives up
-        (or goes away) the call is cancelled here, and the wait ends claiming nothing."""
-        ended = threading.Event()
-        call = contextvars.copy_context()  # the checked machine (CALLER)
-        try:
-            reply, first_queued_at, took = await asyncio.get_running_loop().run_in_executor(
-                self.blocking, call.run, self._lease, request, Aborts(context), ended)
-        except asyncio.CancelledError:
-            ended.set()
-            raise
-        except Abort as a:
-            await context.abort(a.code, a.details)
-            raise AssertionError("unreachable") from a
-        self.metrics.leased(took, first_queued_at, reply.has_task)
-        return reply
-
-    def _lease(self, request: pb.LeaseRequest, context: grpc.ServicerContext, ended: threading.Event,
-               ) -> tuple[pb.LeaseReply, dt.datetime | None, float]:
-        """The reply; when the job was submitted if this is its first attempt (for the
-        queue wait; a later attempt's wait began at a requeue, which the lease does not see);
-        and how long the last claim took (a held call's waiting is not lease latency)."""
+    def Lease(self, request: pb.LeaseRequest, context: grpc.ServicerContext) -> pb.LeaseReply:
+        """One claim for the calling machine, answered at once: a task, or none. (An idle agent
+        does not ask again and again: it waits on its stream, Connect, and the dispatcher
+        claims for it when work comes.)"""
         machine = self._machine(context)
         offer = self._offer(machine, request)
-        leasing, seen = self.coord.leasing, self.coord.work.generation
-        lease, took = self._guard(context, lambda: leasing.timed_lease(machine, offer))
-        if lease is None and request.wait_ms > 0:
-            lease, took = self._guard(context, lambda: leasing.wait_for_work(
-                machine, offer, seen, min(request.wait_ms / 1000, MAX_HOLD_S), took,
-                still_wanted=lambda: not ended.is_set(), on_full=self.metrics.holds_full.inc))
+        lease, took = self._guard(context, lambda: self.coord.leasing.timed_lease(machine, offer))
         if lease is None:
-            return pb.LeaseReply(has_task=False), None, took
-        return self.reply(lease, machine, request.hold_kinds), _first_queued(lease), took
+            self.metrics.leased(took, None, False)
+            return pb.LeaseReply(has_task=False)
+        # A first attempt's wait in the queue ends now (a later attempt's began at a requeue,
+        # which the lease does not see).
+        self.metrics.leased(took, _first_queued(lease), True)
+        return self.reply(lease, machine, request.hold_kinds)
 
     def _offer(self, machine: str, request: pb.LeaseRequest) -> MachineView:
         """What the machine says a task can be given there, bounded; its GPUs' memory noted

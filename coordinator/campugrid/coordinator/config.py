@@ -9,8 +9,6 @@ from pathlib import Path
 from campugrid.buildpolicy.dockerfiles import AllowedBase, allowed_bases, base_registries
 from campugrid.coordinator.bases import Source, parse_mirrors
 
-MAX_HELD_LEASES = 4096  # CAMPUGRID_HELD_LEASES: each is a thread
-
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
@@ -61,10 +59,6 @@ class Settings:
     rest_per_key_per_s: int = 50
     rest_per_address_per_s: int = 100
     registrations_per_minute: int = 20  # per address
-    # Idle agents' asks for work this process holds at once, each on a thread of its own,
-    # answered when work comes (CAMPUGRID_HELD_LEASES; 0: none held, every ask answered at
-    # once; coordinator/wakeup.py).
-    held_leases: int = 16
     # The OCI registry built images are shared through (CAMPUGRID_REGISTRY, host:port as
     # machines reach it; plain HTTP only on a loopback address). It must accept this
     # coordinator's tokens (registry/token.crt in the state folder). Empty: none, and every
@@ -126,16 +120,11 @@ class Settings:
                                 ("keep_checkpoints", "CAMPUGRID_KEEP_CHECKPOINTS", int),
                                 ("image_keep_seconds", "CAMPUGRID_IMAGE_KEEP_SECONDS", float),
                                 ("registry_token_seconds", "CAMPUGRID_REGISTRY_TOKEN_SECONDS",
-                                 int),
-                                ("held_leases", "CAMPUGRID_HELD_LEASES", int)):
+                                 int)):
             if env.get(name):
                 try:
                     values[key] = kind(env[name])
                 except ValueError as e:
                     raise ValueError(f"{name}={env[name]!r} is not a number") from e
         values.update({k: v for k, v in overrides.items() if v is not None})
-        held = values.get("held_leases", cls.held_leases)
-        if not isinstance(held, int) or not 0 <= held <= MAX_HELD_LEASES:
-            raise ValueError(f"CAMPUGRID_HELD_LEASES={held!r}: expected a whole number from 0 "
-                             f"to {MAX_HELD_LEASES}")
         return cls(**values)  # type: ignore[arg-type]

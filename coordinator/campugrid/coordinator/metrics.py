@@ -26,7 +26,6 @@ from campugrid.coordinator.apps import check_name
 from campugrid.coordinator.db import STATEMENTS, Database
 from campugrid.coordinator.models import Job, MetricsToken
 from campugrid.coordinator.views import utcnow
-from campugrid.coordinator.wakeup import Wakeup
 from campugrid.protocol.errors import Conflict, Unauthenticated
 from campugrid.protocol.states import JobState
 
@@ -145,7 +144,7 @@ class CoordinatorMetrics:
     """One registry per coordinator (not prometheus_client's global one: tests run several
     coordinators in one process)."""
 
-    def __init__(self, db: Database, work: Wakeup | None = None) -> None:
+    def __init__(self, db: Database) -> None:
         self.registry = CollectorRegistry()
         self.tokens = ScrapeTokens(db)
         r = self.registry
@@ -165,12 +164,6 @@ class CoordinatorMetrics:
         self.checkpoint_bytes = Counter("campugrid_checkpoint_bytes",
                                         "Bytes of checkpoints recorded", registry=r)
         self.checkpoints = Counter("campugrid_checkpoints", "Checkpoints recorded", registry=r)
-        if work is not None:
-            Gauge("campugrid_held_lease_calls", "Idle agents' asks for work this process holds "
-                  "now, waiting for work", registry=r).set_function(lambda: work.held)
-        self.holds_full = Counter("campugrid_lease_holds_full", "Asks for work answered at once "
-                                  "because every place to wait was taken: raise "
-                                  "CAMPUGRID_HELD_LEASES if this grows", registry=r)
         r.register(_StatementsSent())
         r.register(_FromDatabase(db))
         ProcessCollector(registry=r)  # the coordinator's own CPU and memory

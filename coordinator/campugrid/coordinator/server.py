@@ -204,9 +204,9 @@ def start(settings: Settings) -> Running:
     cert = ensure_certificate(settings.tls_dir)
     lead = leadership(coord.engine)
     relayed = relay(coord.engine, coord.work)
-    # 32 threads for the plain calls; Lease's claims, and its waits for work when held, on
-    # threads of their own (one more for each Lease that may be held)
-    blocking = futures.ThreadPoolExecutor(16 + coord.work.max_held, thread_name_prefix="grpc-lease")
+    # 32 threads for the plain calls; the streams' checks and the dispatcher's claims on 16
+    # of their own
+    blocking = futures.ThreadPoolExecutor(16, thread_name_prefix="grpc-streams")
     server = AgentServer(32, [SignedCalls(coord, coord.apps.nonces, blocking), AboutJob()], blocking)
     rest_tls = not local_rest if settings.rest_tls is None else settings.rest_tls
     scheme = "https" if rest_tls else "http"

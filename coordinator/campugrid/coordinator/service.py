@@ -37,7 +37,7 @@ class Coordinator:
         self.settings = settings
         self.store = store  # the services' (and the server's wiring); transports never use it
         self.objects = objects
-        self.work = Wakeup(settings.held_leases)  # held Lease calls, woken by new work
+        self.work = Wakeup()  # news of work, for the dispatcher (fleet.py)
         self.inputs = InputService(settings, store, objects)
         self.machines = MachineService(store, requeue=lambda: self.leasing.requeue_expired())
         self.leasing = LeaseService(settings, store, objects, self.machines, self.inputs,
@@ -71,7 +71,7 @@ class Coordinator:
     @functools.cached_property
     def metrics(self) -> CoordinatorMetrics:
         """This coordinator's metrics: its REST app and its gRPC service share them."""
-        return CoordinatorMetrics(self.store.db, self.work)
+        return CoordinatorMetrics(self.store.db)
 
     @property
     def limiter(self) -> Limiter:

@@ -135,12 +135,11 @@ class HeartbeatReply(_message.Message):
     def __init__(self) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("gpus", "gpu_isolation", "enforced_limits", "shares", "wait_ms", "cpus", "memory_mb", "disk_mb", "hold_kinds")
+    __slots__ = ("gpus", "gpu_isolation", "enforced_limits", "shares", "cpus", "memory_mb", "disk_mb", "hold_kinds")
     GPUS_FIELD_NUMBER: _ClassVar[int]
     GPU_ISOLATION_FIELD_NUMBER: _ClassVar[int]
     ENFORCED_LIMITS_FIELD_NUMBER: _ClassVar[int]
     SHARES_FIELD_NUMBER: _ClassVar[int]
-    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     CPUS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
     DISK_MB_FIELD_NUMBER: _ClassVar[int]
@@ -149,12 +148,11 @@ class LeaseRequest(_message.Message):
     gpu_isolation: bool
     enforced_limits: _containers.RepeatedScalarFieldContainer[str]
     shares: _containers.RepeatedScalarFieldContainer[str]
-    wait_ms: int
     cpus: int
     memory_mb: int
     disk_mb: int
     hold_kinds: bool
-    def __init__(self, gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_isolation: _Optional[bool] = ..., enforced_limits: _Optional[_Iterable[str]] = ..., shares: _Optional[_Iterable[str]] = ..., wait_ms: _Optional[int] = ..., cpus: _Optional[int] = ..., memory_mb: _Optional[int] = ..., disk_mb: _Optional[int] = ..., hold_kinds: _Optional[bool] = ...) -> None: ...
+    def __init__(self, gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ..., gpu_isolation: _Optional[bool] = ..., enforced_limits: _Optional[_Iterable[str]] = ..., shares: _Optional[_Iterable[str]] = ..., cpus: _Optional[int] = ..., memory_mb: _Optional[int] = ..., disk_mb: _Optional[int] = ..., hold_kinds: _Optional[bool] = ...) -> None: ...
 
 class Dataset(_message.Message):
     __slots__ = ("name", "share", "files")

@@ -112,7 +112,8 @@ class AgentServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Lease(self, request, context):
-        """Pull one task the machine can hold; has_task is false when none is queued.
+        """One claim now: a task the machine can hold, or has_task false. Agents wait for work on
+        Connect; this is for tools and tests.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -177,10 +178,11 @@ class AgentServiceServicer:
 
     def Connect(self, request_iterator, context):
         """An idle machine's one connection, instead of asking for work again and again: it opens
-        the stream once (signed, over an empty body: wire.STREAM_BODY) and says on it when it is
-        ready for work and what it can hold (`ready`, a LeaseRequest whose wait_ms is unused)
-        and its heartbeats; the coordinator claims work for it when work comes and sends the
-        lease down the stream. Every message on it is the signing machine's.
+        the stream once (signed, over an empty body: wire.STREAM_BODY), waits for the
+        coordinator's initial metadata (wire.STREAM_TAKEN), and says on it when it is ready for
+        work and what it can hold (`ready`, a LeaseRequest) and its heartbeats; the coordinator
+        claims work for it when work comes and sends the lease down the stream. Every message on
+        it is the signing machine's.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

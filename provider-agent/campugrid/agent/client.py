@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 
 from campugrid.agent import messages as m
-from campugrid.agent.link import NoStream, Waiting
+from campugrid.agent.link import Waiting
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import agent_pb2_grpc as pb_grpc
 from campugrid.protocol import keys, pins
@@ -40,7 +40,6 @@ from campugrid.protocol.wire import (  # signed_metadata: also for the tests and
 )
 
 RPC_TIMEOUT_S = 10.0
-GIVE_UP_POLL_S = 0.5  # how often a held Lease asks whether the agent still wants work
 DEFAULT_GRPC_PORT = 8751
 # What says a coordinator process is gone (or cut off), not that it refused the call.
 FAILOVER = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
@@ -188,9 +187,7 @@ class CoordinatorClient:
     With several coordinator addresses, a call that finds its coordinator unreachable moves
     the client on to the next one (the caller's own retry then goes there)."""
 
-    def __init__(self, membership: Membership, streams: bool = True) -> None:
-        """`streams`: wait for work on a stream (link.Waiting) where the coordinator offers
-        one, instead of with held Lease calls."""
+    def __init__(self, membership: Membership) -> None:
         self.membership = membership
         self.addresses = membership.addresses
         self.key = keys.load_private(membership.key_file)
@@ -204,8 +201,11 @@ class CoordinatorClient:
         self._current = 0
         self._down: dict[int, float] = {}  # when each coordinator was last found unreachable
         self._lock = threading.Lock()
-        self.waiting = (Waiting(lambda: self.address, membership.certificate, self.key,
-                                lambda: self.machine_id) if streams else None)
+        # An idle machine's stream, where it waits for work (opened when first wanted).
+        self.waiting = Waiting(lambda: self.address, membership.certificate, self.key,
+                               lambda: self.machine_id,
+                               unreachable=lambda: self.failed(self._current,
+                                                               grpc.StatusCode.UNAVAILABLE))
 
     @property
     def address(self) -> str:
@@ -258,7 +258,7 @@ class CoordinatorClient:
         return self.register(name, caps).machine_id
 
     def heartbeat(self, caps: pb.Capabilities | None = None) -> None:
-        if self.waiting is not None and self.waiting.heartbeat(caps):
+        if self.waiting.heartbeat(caps):
             return  # on the stream
         req = pb.HeartbeatRequest(capabilities=caps) if caps is not None else pb.HeartbeatRequest()
         self.stub.Heartbeat(req, timeout=RPC_TIMEOUT_S)
@@ -267,34 +267,20 @@ class CoordinatorClient:
               enforced: Sequence[str] = (), shares: Sequence[str] = (), wait_s: float = 0.0,
               give_up: Callable[[], bool] | None = None,
               room: tuple[int, int, int] = (0, 0, 0)) -> pb.LeaseReply:
-        """The next task that fits `room` (CPUs, memory and disk in MB; 0: not said); with
-        `wait_s`, it waits that long for work on the machine's stream (link.Waiting), or
-        where the coordinator offers none, in a Lease call the coordinator holds
-        (coordinator/wakeup.py); `give_up`, asked every GIVE_UP_POLL_S meanwhile, ends the
-        wait early (no task then)."""
+        """The next task that fits `room` (CPUs, memory and disk in MB; 0: not said). With
+        `wait_s`, the machine waits that long on its stream (link.Waiting) for the lease the
+        coordinator sends when work comes; `give_up`, asked twice a second meanwhile, ends the
+        wait early (no task then); a refused stream raises link.Refused (a grpc.RpcError).
+        Without, one Lease call claims at once, or says there is none (tools and tests)."""
         cpus, memory_mb, disk_mb = room
-        if wait_s > 0 and self.waiting is not None:
-            try:
-                got = self.waiting.wait(pb.LeaseRequest(
-                    gpus=gpus, gpu_isolation=gpu_isolation, enforced_limits=enforced,
-                    shares=shares, cpus=cpus, memory_mb=memory_mb, disk_mb=disk_mb,
-                    hold_kinds=True), wait_s, give_up)
-                return got if got is not None else pb.LeaseReply(has_task=False)
-            except NoStream:
-                pass  # a held Lease call this time
-        call = self.stub.Lease.future(
-            pb.LeaseRequest(gpus=gpus, gpu_isolation=gpu_isolation, enforced_limits=enforced,
-                            shares=shares, wait_ms=int(wait_s * 1000), cpus=cpus,
-                            memory_mb=memory_mb, disk_mb=disk_mb, hold_kinds=True),
-            timeout=RPC_TIMEOUT_S + wait_s)
-        while True:
-            try:
-                reply: pb.LeaseReply = call.result(timeout=GIVE_UP_POLL_S)
-                return reply
-            except grpc.FutureTimeoutError:
-                # A call that ended meanwhile cannot be cancelled: its answer is read above.
-                if give_up is not None and give_up() and call.cancel():
-                    return pb.LeaseReply(has_task=False)
+        request = pb.LeaseRequest(gpus=gpus, gpu_isolation=gpu_isolation, enforced_limits=enforced,
+                                  shares=shares, cpus=cpus, memory_mb=memory_mb,
+                                  disk_mb=disk_mb, hold_kinds=True)
+        if wait_s > 0:
+            got = self.waiting.wait(request, wait_s, give_up)
+            return got if got is not None else pb.LeaseReply(has_task=False)
+        reply: pb.LeaseReply = self.stub.Lease(request, timeout=RPC_TIMEOUT_S)
+        return reply
 
     def renew(self, hold: m.Hold, phase: str, timeout_s: float) -> pb.RenewReply:
         reply: pb.RenewReply = self.stub.Renew(pb.RenewRequest(**hold_fields(hold), phase=phase),
@@ -342,8 +328,7 @@ class CoordinatorClient:
         return reply
 
     def close(self) -> None:
-        if self.waiting is not None:
-            self.waiting.close()
+        self.waiting.close()
         for channel in self.channels:
             channel.close()
 

@@ -24,11 +24,17 @@ import grpc
 
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import keys
-from campugrid.protocol.wire import (CHANNEL_OPTIONS, MACHINE_HEADER, STREAM_BODY, STREAM_TAKEN,
-                                     signed_metadata)
+from campugrid.protocol.wire import (
+    CHANNEL_OPTIONS,
+    MACHINE_HEADER,
+    STREAM_BODY,
+    STREAM_TAKEN,
+    signed_metadata,
+)
 
 CONNECT = "/campugrid.v1.AgentService/Connect"
 GIVE_UP_S = 0.5  # how often a wait asks whether the agent still wants work
+OPEN_S = 20.0  # a coordinator that has not taken a stream by then is taken as unreachable
 T = TypeVar("T")
 
 
@@ -65,9 +71,13 @@ class Link:
         # Nothing is written before the coordinator says it took the stream: a refusal
         # (a pending or revoked machine, a bad signature) is then read whole.
         try:
-            taken = STREAM_TAKEN in tuple(await self._call.initial_metadata() or ())
+            said = await asyncio.wait_for(self._call.initial_metadata(), OPEN_S)
         except grpc.aio.AioRpcError as e:
             raise Closed(e.details() or e.code().name, e.code()) from e
+        except TimeoutError as e:
+            self._call.cancel()
+            raise Closed(f"no answer in {OPEN_S:.0f} s", grpc.StatusCode.UNAVAILABLE) from e
+        taken = STREAM_TAKEN in tuple(said or ())
         if not taken:
             raise Closed(await self._ended(), await self._call.code())
         self._reader = asyncio.get_running_loop().create_task(self._read())
@@ -131,28 +141,42 @@ class Link:
         return str(await self._call.details() or code.name)
 
 
-class NoStream(Exception):
-    """No stream now (the coordinator has none to offer, or it just ended): ask for work with
-    a Lease call this time."""
+class Refused(grpc.RpcError):  # type: ignore[misc]  # grpc is untyped
+    """The coordinator refused this machine's stream (not approved yet, revoked, a signature
+    it does not take): what the worker hears as it would from any refused call."""
+
+    def __init__(self, closed: Closed) -> None:
+        super().__init__(closed.reason)
+        self._code = closed.code or grpc.StatusCode.PERMISSION_DENIED
+        self._details = closed.reason
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
 
 
+REFUSALS = frozenset({grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED})
 # After a stream ends, the next try waits a random time in [0, backoff], and the backoff
 # doubles up to BACKOFF_MAX_S: a coordinator restarting with thousands of agents connected
 # gets them back spread over that time, not all at once.
 BACKOFF_S, BACKOFF_MAX_S = 1.0, 30.0
-NOT_OFFERED_S = 600.0  # a coordinator without Connect is asked again this much later
 
 
 class Waiting:
     """A Link for the agent's threads (client.CoordinatorClient.lease and heartbeat): the
     link lives on an event loop of its own, opened when first wanted and again after it
     ends (with a jittered backoff); `ready` is sent when the machine becomes idle or what it
-    offers changed, and `wait` returns the next lease."""
+    offers changed, and `wait` returns the next lease. `unreachable` is told when the
+    coordinator could not be reached (the client moves on to its next address)."""
 
     def __init__(self, address: Callable[[], str], certificate: str,
-                 key: keys.Ed25519PrivateKey, machine_id: Callable[[], str]) -> None:
+                 key: keys.Ed25519PrivateKey, machine_id: Callable[[], str],
+                 unreachable: Callable[[], None] = lambda: None) -> None:
         self.address, self.certificate, self.key, self.machine_id = (
             address, certificate, key, machine_id)
+        self.unreachable = unreachable
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._link: Link | None = None
@@ -163,31 +187,37 @@ class Waiting:
 
     def wait(self, offer: pb.LeaseRequest, wait_s: float,
              give_up: Callable[[], bool] | None) -> pb.LeaseReply | None:
-        """The next lease within `wait_s` (None: none came, or `give_up` said so). Raises
-        NoStream when there is no stream to wait on now."""
+        """The next lease within `wait_s`; None when none came, `give_up` said so, or there
+        is no stream now (the wait is then the stream's backoff, up to `wait_s`). Raises
+        Refused when the coordinator refuses this machine's stream."""
+        deadline = time.monotonic() + wait_s
         with self._lock:
-            link = self._open()
             try:
+                link = self._open()
+                if link is None:
+                    self._pause(min(deadline, self._next_try), give_up)
+                    return None
                 if self._offered != offer:
                     self._run(link.ready(offer), 30)
                     self._offered = offer
                 pending = asyncio.run_coroutine_threadsafe(link.lease(), self._started())
-                deadline = time.monotonic() + wait_s
                 while True:
                     try:
                         reply = pending.result(timeout=min(GIVE_UP_S, max(0.0, deadline - time.monotonic())))
                     except concurrent.futures.TimeoutError:
-                        if time.monotonic() >= deadline or (give_up is not None and give_up()):
-                            if pending.cancel():
-                                return None
-                            continue  # it came meanwhile: take it
-                        continue
+                        over = time.monotonic() >= deadline or (give_up is not None and give_up())
+                        if over and pending.cancel():
+                            return None
+                        continue  # still waiting, or it came meanwhile: take it
                     self._offered = None  # busy: ready again once the task is done
                     self._backoff = BACKOFF_S
                     return reply
             except Closed as e:
                 self._lost(e)
-                raise NoStream(e.reason) from e
+                if e.code in REFUSALS:
+                    raise Refused(e) from e
+                self._pause(min(deadline, self._next_try), give_up)
+                return None
 
     def heartbeat(self, capabilities: pb.Capabilities | None) -> bool:
         """Sent on the stream if one is open (True); else the caller calls Heartbeat."""
@@ -216,28 +246,44 @@ class Waiting:
                     self._loop.close()
                 self._loop, self._thread = None, None
 
-    def _open(self) -> Link:
+    def _open(self) -> Link | None:
+        """The open link; None while the next try must wait (its backoff)."""
         if self._link is not None:
             return self._link
         if time.monotonic() < self._next_try or not self.machine_id():
-            raise NoStream("no stream now")
+            return None
         link = Link(self.address(), self.certificate, self.key, self.machine_id())
-        self._run(link.open(), 30)
+        try:
+            self._run(link.open(), 30)
+        except Closed:
+            self._run(link.close(), 10)
+            raise
         self._link, self._offered = link, None
         return link
 
     def _lost(self, e: Closed) -> None:
-        """The stream ended: the next one is tried after a jittered backoff (much later where
-        the coordinator has no streams at all)."""
+        """The stream ended (or did not open): the next one is tried after a jittered
+        backoff, at the next coordinator if this one could not be reached; after a refusal,
+        when the worker asks again."""
         if self._link is not None:
             with contextlib.suppress(Exception):
                 self._run(self._link.close(), 10)
         self._link, self._offered = None, None
-        if e.code == grpc.StatusCode.UNIMPLEMENTED:
-            self._next_try = time.monotonic() + NOT_OFFERED_S
+        if e.code in REFUSALS:  # the worker paces its own asks (a pending machine's, slower)
+            self._next_try = 0.0
             return
+        if e.code is grpc.StatusCode.UNAVAILABLE:
+            self.unreachable()
         self._next_try = time.monotonic() + random.uniform(0, self._backoff)  # noqa: S311 - jitter
         self._backoff = min(BACKOFF_MAX_S, self._backoff * 2)
+
+    @staticmethod
+    def _pause(until: float, give_up: Callable[[], bool] | None) -> None:
+        """Wait (on this thread) until `until`, or until `give_up` says so."""
+        while (left := until - time.monotonic()) > 0:
+            if give_up is not None and give_up():
+                return
+            time.sleep(min(GIVE_UP_S, left))
 
     def _started(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:

@@ -43,10 +43,10 @@ from campugrid.sandbox.runtime import Runtime
 
 log = logging.getLogger("campugrid.agent")
 OWNER_POLL_S = 0.5  # how often the owner's say is checked: drains start within this
-# The coordinator may hold an ask for work this long, answering as soon as work comes
-# (coordinator/wakeup.py). Heartbeats, sent between asks (and during a task), stay within
-# HEARTBEAT_S plus this of each other: inside the 30 s in which the coordinator counts a
-# machine online.
+# An idle agent waits this long at a time on its stream for the lease the coordinator sends
+# when work comes (link.Waiting). Heartbeats, sent between two waits (and during a task),
+# stay within HEARTBEAT_S plus this of each other: inside the 30 s in which the coordinator
+# counts a machine online.
 LEASE_WAIT_S = 8.0
 HEARTBEAT_S = 10.0
 MAX_POLL_S = 3600.0  # the longest wait between two asks for work that --poll-seconds takes
@@ -57,7 +57,8 @@ class AgentSettings:
     coordinator: str
     state_dir: Path
     name: str
-    # How often an idle agent asks for work (`--poll-seconds`); a pending machine, twice that.
+    # The shortest time between two waits for work (`--poll-seconds`; an idle agent waits on
+    # its stream meanwhile); a machine not approved yet asks again after twice that.
     poll_seconds: float = 1.0
     drain_grace_seconds: float = 30.0
     gpu_policy: GpuPolicy = dataclasses.field(default_factory=GpuPolicy)
@@ -255,7 +256,7 @@ class Agent:
                 log.warning("coordinator unreachable (%s)", e.code())
                 self.stopping.wait(2)
                 continue
-            if lease is None:  # a held ask counts as the wait between two asks
+            if lease is None:  # the wait on the stream counts as the wait between two asks
                 self.stopping.wait(self.settings.poll_seconds - (time.monotonic() - asked))
                 continue
             self.run_task(lease)

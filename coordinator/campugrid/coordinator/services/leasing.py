@@ -9,11 +9,10 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.holds import Holds
-from campugrid.coordinator.machines import Status as MachineStatus
 from campugrid.coordinator.objects import ObjectStore
 from campugrid.coordinator.quorum import checkpoint_digest, read_output
 from campugrid.coordinator.scheduler import MachineView, fast_from
@@ -31,7 +30,7 @@ from campugrid.coordinator.views import (
     ShardResult,
     ShardTask,
 )
-from campugrid.coordinator.wakeup import MIN_GAP_S, RECHECK_S, Wakeup
+from campugrid.coordinator.wakeup import Wakeup
 from campugrid.protocol.errors import InvalidInput, StorageError
 from campugrid.protocol.spec import MAX_SHARD_RESULT
 from campugrid.protocol.states import JobState
@@ -82,30 +81,6 @@ class LeaseService:
         began = time.perf_counter()
         lease = self.lease(machine_id, offer)
         return lease, time.perf_counter() - began
-
-    def wait_for_work(self, machine_id: str, offer: MachineView, seen: int, wait_s: float,
-                      took: float, *, still_wanted: Callable[[], bool],
-                      on_full: Callable[[], None]) -> tuple[Lease | None, float]:
-        """Wait up to `wait_s` for work this machine can hold, from notification `seen`
-        (wakeup.py): the lease, or None; and how long the last claim took. `still_wanted`
-        says whether the asker still waits; `on_full` is told when every place to wait is
-        taken (the ask is answered at once)."""
-        deadline = time.monotonic() + wait_s
-        with self.work.hold() as placed:
-            if not placed:
-                on_full()
-            while placed:
-                seen = self.work.wait(seen, min(RECHECK_S, deadline - time.monotonic()))
-                # Gone, out of time, or revoked meanwhile (the call's check was at its start):
-                # claim nothing that nobody would run.
-                if not still_wanted() or time.monotonic() >= deadline or \
-                        self.machines.get(machine_id).status is not MachineStatus.APPROVED:
-                    break
-                lease, took = self.timed_lease(machine_id, offer)
-                if lease is not None:
-                    return lease, took
-                time.sleep(max(0.0, min(MIN_GAP_S, deadline - time.monotonic())))
-        return None, took
 
     def is_fast(self, machine_id: str) -> bool:
         """Is this machine among the faster half online (by its matmul score)? The ranking is
