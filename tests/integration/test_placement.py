@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from sqlalchemy import text
 
-from campugrid.coordinator.scheduler import GpuView, MachineView, why_waiting
+from campugrid.coordinator.scheduler import GpuView, MachineView, may_hold, why_waiting
 from campugrid.coordinator.store import Store
 from campugrid.coordinator.views import utcnow
 from campugrid.protocol.spec import JobSpec
@@ -411,3 +411,47 @@ def test_with_no_machine_online_the_queue_says_the_approved_ones_areoffline_text
     assert waiting_reason(view, [], 0, {}, offline_text(store.machines.all())) == (
         "no approved machine online (1 approved, all offline; gamer-pc was last heard from "
         "7 min ago)")
+
+
+# What the dispatcher reads before it claims (claims.queued_demand) and the check it makes in
+# memory (scheduler.may_hold) against the claim itself: a machine the check passes over must
+# be one the claim would give nothing, or a stream would wait while work it can hold is queued.
+NEEDS = {
+    "plain": {},
+    "sharded": {"command": ["true"], "shards": [{"payload": 1}]},
+    "cpus": {"resources": {"cpus": 8}},
+    "memory": {"resources": {"memory_mb": 16 * GB}},
+    "disk": {"resources": {"output_mb": 100 * GB}},
+    "a limit": {"resources": {"require_limits": ["memory"]}},
+    "a gpu": {"resources": {"gpus": 1, "gpu_memory_mb": GB}},
+    "two gpus": {"resources": {"gpus": 2, "gpu_memory_mb": GB}},
+    "a share": {"datasets": [{"name": "d", "share": "imagenet", "sha256": {"x.jpg": "a" * 64}}]},
+}
+OFFERS = {
+    "laptop": lambda m: sized(m, 2, 4, 20),
+    "server": lambda m: dataclasses.replace(sized(m, 32, 128, 1000),
+                                            enforced=frozenset({"memory"})),
+    "rig": lambda m: sized(m, 8, 32, 200, rig(m, 24)),
+    "rig without isolation": lambda m: sized(m, 8, 32, 200, rig(m, 24, 24, isolation=False)),
+    "two-gpu rig": lambda m: sized(m, 8, 32, 200, rig(m, 24, 24)),
+    "sharer": lambda m: dataclasses.replace(sized(m, 8, 32, 200), shares=frozenset({"imagenet"})),
+    "unsaid": lambda m: MachineView(m, "m"),  # an older agent: sizes not said
+}
+
+
+@pytest.mark.parametrize("need", sorted(NEEDS))
+def test_the_dispatchers_check_passes_over_exactly_the_machines_a_claim_gives_nothing(
+        store: Store, need: str):
+    said, got = set(), set()
+    for name, offer_of in OFFERS.items():
+        store.submit(JobSpec.from_dict(NEEDS[need]), "contexts/x.tar", "ab" * 32)
+        m = add_machine(store, name, {})
+        offer = offer_of(m)
+        demand = store.queued_demand(100)
+        assert demand, "a queued job's need was not read"
+        if any(may_hold(d, offer) for d in demand):
+            said.add(name)
+        if store.claim_next(m, 30, offer) is not None:
+            got.add(name)
+    assert said == got, (need, said, got)
+    assert got and (need in ("plain", "sharded") or got != set(OFFERS)), "cases that decide nothing"

@@ -28,7 +28,7 @@ from campugrid.coordinator.models import (
     Machine,
     UTCDateTime,
 )
-from campugrid.coordinator.scheduler import MachineView, place
+from campugrid.coordinator.scheduler import Demand, MachineView, place
 from campugrid.coordinator.sharding import open_session
 from campugrid.coordinator.verified import AGREED, NOT_RESUMED, kept_apart, leased_replica
 from campugrid.coordinator.views import CheckpointView, Claim, JobView, stored_spec, utcnow
@@ -232,6 +232,21 @@ _SUITS_LIMITS = ((_JOBS.c.limits_needed.op("&")(bindparam("lacks")) == 0)
                  & ~exists().where(_REPLICA_MACHINES.c.job_id == _JOBS.c.apart,
                                    _REPLICA_MACHINES.c.machine_id == bindparam("machine_id"),
                                    _REPLICA_MACHINES.c.replica_id != _JOBS.c.id))
+_DEMAND = (select(_JOBS.c.limits_needed, _JOBS.c.cpus_needed, _JOBS.c.memory_needed_mb,
+                  _JOBS.c.disk_needed_mb, _JOBS.c.gpus_needed, _JOBS.c.share)
+           .where(_JOBS.c.state == _CLAIMABLE.value, _JOBS.c.replicas == 0)
+           .order_by(_JOBS.c.created_at, _JOBS.c.id).limit(bindparam("rows")))
+
+
+def queued_demand(db: Database, rows: int) -> frozenset[Demand]:
+    """What the oldest `rows` claimable jobs need of a machine (scheduler.Demand), each need
+    once: empty when nothing is queued. One statement, whatever the fleet."""
+    with db.read() as s:
+        return frozenset(Demand(limits or 0, cpus or 0.0, memory or 0, disk or 0, gpus or 0, share)
+                         for limits, cpus, memory, disk, gpus, share
+                         in s.execute(_DEMAND, {"rows": rows}))
+
+
 def _party_of(conn: Connection, job_id: str, pair: str) -> str:
     """Whose work a comparison judges: a verified job's replicas (its id), or a checkpoint's
     maker and checks (checks.group of the job's own checkpoint in the pair)."""

@@ -4,15 +4,19 @@ the dispatcher that hands them work: an idle machine costs nothing while nothing
 A connected machine says when it is ready for work and what a task can be given there (its
 offer); the fleet keeps that in memory. When work may have come (Wakeup: a submit, a
 hand-back, an expiry; on PostgreSQL also another process's), and every RECHECK_S in case a
-notification was lost, a dispatch round runs on a thread: the idle machines are grouped by
-what they offer (machines that offer the same are offered the same jobs), and for each group
-the claim (claims.py, the one guarded place) is tried for its machines in turn while it
-finds work; a claim that finds nothing ends that group's turn. The lease goes down the
-machine's stream, and the machine is busy until it says it is ready again.
+notification was lost, a dispatch round runs on a thread. It reads first what the oldest
+queued jobs need of a machine (claims.queued_demand, one statement; nothing queued, nothing
+more). The idle machines are grouped by what they offer (machines that offer the same are
+offered the same jobs); a group none of those needs fits (scheduler.may_hold) is passed
+over, and for the others the claim (claims.py, the one guarded place) is tried for its
+machines in turn while it finds work; claims that find nothing end that group's turn. The
+lease goes down the machine's stream, and the machine is busy until it says it is ready
+again. A fleet of machines that all differ (each says its own free memory) thus costs a
+round one statement and an in-memory pass, not a claim per machine.
 
-Idle, the fleet sends the database: a claim per group when woken, a status read when a
-machine's status may have changed (the status epoch, read every RECHECK_S), and the
-connected machines' "seen" time in one statement every SEEN_S.
+Idle, the fleet sends the database: the queue's demand every RECHECK_S and when woken, a
+status read when a machine's status may have changed (the status epoch, read every
+RECHECK_S), and the connected machines' "seen" time in one statement every SEEN_S.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from concurrent.futures import Executor
 from typing import Any
 
 from campugrid.coordinator.machines import Status
-from campugrid.coordinator.scheduler import MachineView
+from campugrid.coordinator.scheduler import MachineView, may_hold
 from campugrid.coordinator.services.leasing import LeaseService
 from campugrid.coordinator.services.machines import MachineService
 from campugrid.coordinator.views import Lease
@@ -39,6 +43,7 @@ log = logging.getLogger("campugrid.coordinator.fleet")
 RECHECK_S = 5.0  # a round even without news (a lost notification, SQLite's other processes)
 SEEN_S = 10.0  # how often the connected machines' "last seen" is written, all in one statement
 TRIES_PER_GROUP = 2  # machines of one group tried before its turn ends on a claim finding none
+DEMAND_ROWS = 500  # the queued jobs whose needs a round reads (the oldest, as claims take them)
 
 
 @dataclasses.dataclass(eq=False)
@@ -168,11 +173,16 @@ class Fleet:
     def _round(self, idle: list[tuple[Link, MachineView]]) -> list[tuple[Link, Lease, float]]:
         """One dispatch round (on a thread): claims for idle machines, group by group."""
         self.rounds += 1
+        demand = self.leasing.store.queued_demand(DEMAND_ROWS)
+        if not demand:
+            return []
         groups: dict[tuple[Any, ...], list[tuple[Link, MachineView]]] = {}
         for link, offer in idle:
             groups.setdefault(shape(offer), []).append((link, offer))
         leased = []
         for members in groups.values():
+            if not any(may_hold(need, members[0][1]) for need in demand):
+                continue  # nothing queued is for these machines: no claim asks the database
             start = next(self._turn) % len(members)
             misses = 0
             for link, offer in itertools.chain(members[start:], members[:start]):

@@ -58,6 +58,31 @@ def _sizes(need: Resources, m: MachineView) -> list[tuple[str, float, float]]:
             ("disk", need.disk_needed_mb, m.disk_mb)]
 
 
+@dataclasses.dataclass(frozen=True)
+class Demand:
+    """What a queued job needs of one machine, as the claim reads it (claims.queued_demand):
+    the dispatcher claims only for machines that may hold some of what is queued."""
+
+    limits: int  # spec.limits_mask of the limits it requires
+    cpus: float
+    memory_mb: int
+    disk_mb: int
+    gpus: int
+    share: str | None
+
+
+def may_hold(need: Demand, machine: MachineView) -> bool:
+    """Whether a claim for this machine could take a job with this need: everything the claim
+    checks but what only the database knows (its refusals, replicas kept apart, each GPU's
+    memory and kind). A machine this says no to would get nothing from a claim."""
+    return (need.limits & machine.lacks_mask == 0
+            and all(not has or asked <= has for asked, has in (
+                (need.cpus, machine.cpus), (need.memory_mb, machine.memory_mb),
+                (need.disk_mb, machine.disk_mb)))
+            and (need.gpus == 0 or (machine.gpu_isolation and len(machine.gpus) >= need.gpus))
+            and (need.share is None or need.share in machine.shares))
+
+
 def too_small(need: Resources, machine: MachineView) -> str:
     """What this machine has too little of for the job ("" if it can give it all)."""
     return next((name for name, asked, has in _sizes(need, machine) if has and asked > has), "")

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 from campugrid.coordinator import checks, verified
 from campugrid.coordinator.apps import Apps, Nonces
 from campugrid.coordinator.checkpoint_records import CheckpointRecords
-from campugrid.coordinator.claims import REFUSAL_TTL_S, Claimer
+from campugrid.coordinator.claims import REFUSAL_TTL_S, Claimer, queued_demand
 from campugrid.coordinator.db import Database, job_row, side_database
 from campugrid.coordinator.fence import attempt_guard, attempt_held, refusal
 from campugrid.coordinator.gpu_history import GpuHistories
@@ -41,7 +41,7 @@ from campugrid.coordinator.models import (
 )
 from campugrid.coordinator.moves import kind_of, move_job
 from campugrid.coordinator.ratelimits import DatabaseCounters, Limiter
-from campugrid.coordinator.scheduler import MachineView
+from campugrid.coordinator.scheduler import Demand, MachineView
 from campugrid.coordinator.sharding import ShardStore, cancel_shards, insert_shards
 from campugrid.coordinator.uploads import Uploads
 from campugrid.coordinator.uploads import take as take_uploads
@@ -278,6 +278,10 @@ class Store:
               machine: MachineView | None = None, *, heavy_first: bool = True) -> Claim | None:
         """Lease the oldest queued job this machine can hold (see campugrid.coordinator.claims)."""
         return self._claims.claim(machine_id, lease_s, machine, heavy_first=heavy_first)
+
+    def queued_demand(self, rows: int) -> frozenset[Demand]:
+        """What the oldest `rows` claimable jobs need of a machine, each need once."""
+        return queued_demand(self.db, rows)
 
     def reserved_gpus(self, job_id: str, attempt: int) -> list[str]:
         with self.read() as s:
