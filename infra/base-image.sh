@@ -8,7 +8,7 @@ set -euo pipefail
 
 user=${1:-${CAMPUGRID_AGENT_USER:-campugrid}}
 image=localhost/campugrid/python:bookworm
-version=2  # bump when the package list changes: the image is then made again
+version=3  # bump when the package list or the root changes: the image is then made again
 packages=python3,python3-numpy
 cache=${CAMPUGRID_IMAGE_CACHE:-/var/cache/campugrid}
 tarball=$cache/bookworm-python3-v$version.tar
@@ -29,6 +29,9 @@ if [ ! -s "$tarball" ]; then
   debootstrap --variant=minbase --include="$packages" bookworm "$root" >"$cache/debootstrap.log" 2>&1 \
     || { tail -20 "$cache/debootstrap.log" >&2; exit 1; }
   rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
+  # The root folder as every image has it (mktemp made it 0700): a builder that records "/"
+  # in a layer (Kaniko does) would otherwise keep anyone but root out of the whole image.
+  chmod 0755 "$root"
   tar --numeric-owner -C "$root" -cf "$tarball.tmp" .
   chmod 0644 "$tarball.tmp"
   mv "$tarball.tmp" "$tarball"

@@ -169,6 +169,9 @@ fi
 if [ "${CAMPUGRID_TEST_TOOLS:-}" = 1 ] && [ "$(id -u)" = 0 ]; then
   "$repo/infra/base-image.sh" "$second_user"
 fi
+if [ "${CAMPUGRID_TEST_TOOLS:-}" = 1 ] && [ "$(id -u)" = 0 ]; then  # the kaniko builder's executor
+  "$repo/infra/kaniko.sh" "$user" "$second_user"
+fi
 if [ "${CAMPUGRID_TEST_TOOLS:-}" = 1 ]; then  # the frameworks the checkpoint hooks are tested on
   "$repo/infra/frameworks-image.sh" "$(if [ "$(id -u)" = 0 ]; then echo "$user"; else id -un; fi)"
 fi

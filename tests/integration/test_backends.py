@@ -8,7 +8,7 @@ import pytest
 
 from campugrid.agent import backends
 from campugrid.builders.buildah import BuildahBuilder
-from campugrid.builders.kaniko import KanikoBuilder
+from campugrid.builders.kaniko import EXECUTOR_IMAGE, KanikoBuilder
 from campugrid.protocol.errors import CampugridError
 from campugrid.sandbox.podman_runsc import PodmanRunsc
 
@@ -21,7 +21,6 @@ def test_each_backend_is_registered_under_its_own_name():
 @pytest.mark.parametrize(("runtime", "builder", "words"), [
     ("gvisor", "buildah", "--runtime 'gvisor': no such sandbox runtime (known: podman-runsc)"),
     ("podman-runsc", "docker", "--builder 'docker': no such image builder (known: buildah, kaniko)"),
-    ("podman-runsc", "kaniko", "--builder kaniko needs --kaniko-image"),
 ])
 def test_an_unknown_or_incomplete_choice_is_refused_before_anything_is_made(runtime, builder, words):
     with pytest.raises(CampugridError) as e:
@@ -35,3 +34,9 @@ def test_the_command_line_names_the_known_backends():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert "no such sandbox runtime (known: podman-runsc)" in out.stderr
+
+
+def test_kaniko_builds_with_the_executor_image_infra_makes_unless_told_another():
+    assert backends.choose("podman-runsc", "kaniko")[1].executor_image == EXECUTOR_IMAGE
+    options = backends.BackendOptions(kaniko_image="localhost/mine:1")
+    assert backends.choose("podman-runsc", "kaniko", options)[1].executor_image == "localhost/mine:1"

@@ -1,5 +1,5 @@
-"""The image Builder contract: one body per case, run against Buildah, Kaniko (where an
-executor image is present) and the fake builder (which takes what the build does from
+"""The image Builder contract: one body per case, run against Buildah, Kaniko (its executor
+image made by infra/kaniko.sh) and the fake builder (which takes what the build does from
 Dockerfile comments, which real builders ignore)."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import pytest
 
 from campugrid.builders.fake import FakeBuilder
+from campugrid.builders.kaniko import EXECUTOR_IMAGE
 from campugrid.cli.platform import ProviderUser
 from campugrid.protocol.errors import BuildFailed
 from campugrid.sandbox.fake import FakeRuntime
@@ -23,7 +24,7 @@ from tests.support.provider import run_as_provider
 
 pytestmark = pytest.mark.integration
 BASE = "FROM localhost/campugrid/python:bookworm\n"
-KANIKO_IMAGE = os.environ.get("CAMPUGRID_KANIKO_IMAGE", "localhost/kaniko-executor:latest")
+KANIKO_IMAGE = os.environ.get("CAMPUGRID_KANIKO_IMAGE", EXECUTOR_IMAGE)
 
 BUILD_SCRIPT = """
 import json, sys, threading, time
@@ -123,8 +124,8 @@ def backend(request: pytest.FixtureRequest) -> Backend:
         present = subprocess.run(provider.command(["podman", "image", "exists", KANIKO_IMAGE]),
                                  capture_output=True).returncode == 0
         if not present:
-            pytest.skip(f"no Kaniko executor image ({KANIKO_IMAGE}) on this machine: no registry "
-                        "to pull one from; set CAMPUGRID_KANIKO_IMAGE to a local one")
+            pytest.fail(f"no Kaniko executor image ({KANIKO_IMAGE}) for {provider.name}: run "
+                        "infra/kaniko.sh (infra/setup.sh does, for the test users)")
     return Real(request.param, provider)
 
 

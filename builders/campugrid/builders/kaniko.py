@@ -2,8 +2,17 @@
 
 Kaniko runs RUN steps directly in its own root filesystem, so the executor container itself
 must be the sandbox: the Podman service it is started on runs runsc as its runtime with no
-network, and the builder refuses to start a build whose container did not get runsc.
-The executor image is configuration: upstream Kaniko is archived, maintained forks exist.
+network, and the builder refuses to start a build whose container did not get runsc (as
+Podman itself records it, not as the Docker API reports it, which says "oci" for every
+runtime). The executor image is made from a maintained fork's Go module (infra/kaniko.sh;
+upstream Kaniko is archived).
+
+The sandbox has no registry, so the bases come with the build: each allowed base the
+Dockerfile starts from is copied out of the provider's store into Kaniko's base-image cache
+(a docker-archive named by the base's digest, mounted read-only), and Kaniko is given the
+Dockerfile with those FROM lines pinned to that digest (dockerfiles.pin_bases: lines
+replaced, nothing parsed again), which is how its cache is looked up without a registry.
+A FROM Kaniko reads differently from the policy finds no such base and fails the build.
 """
 
 from __future__ import annotations
@@ -19,10 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from campugrid.builders.base import BuilderCapabilities
-from campugrid.buildpolicy.dockerfiles import BaseUse
-from campugrid.protocol.errors import BuildFailed
+from campugrid.buildpolicy.dockerfiles import BaseUse, check_dockerfile, pin_bases
+from campugrid.protocol.errors import BuildFailed, InvalidInput
 from campugrid.sandbox.podman_runsc import RUNSC_FLAGS
 from campugrid.sandbox.process import LogFn
+
+# The executor image infra/kaniko.sh makes in a provider's store (chainguard-dev/kaniko, built
+# from its Go module at this version).
+EXECUTOR_IMAGE = "localhost/campugrid/kaniko-executor:v1.25.11"
 
 
 def default_socket() -> Path:
@@ -36,21 +49,29 @@ def service_argv(socket: Path, podman: str = "podman", runsc: str = "runsc") -> 
 
 def executor_args(tag: str) -> list[str]:
     # --reproducible: no timestamps, so equal inputs give equal digests (pushed afterwards
-    # from the provider's store, as Buildah's builds are).
-    return ["--dockerfile=/workspace/Dockerfile", "--context=dir:///workspace", "--no-push",
-            "--reproducible",
+    # from the provider's store, as Buildah's builds are). --force: gVisor hides what
+    # Kaniko's "am I in a container" check looks for. The cache is for bases only (below):
+    # no layer is cached or pushed anywhere.
+    return ["--dockerfile=/build/Dockerfile", "--context=dir:///workspace", "--no-push",
+            "--reproducible", "--force",
+            "--cache=true", "--cache-dir=/bases", "--cache-repo=oci:/kaniko/no-cache",
+            "--no-push-cache", "--cache-run-layers=false", "--cache-copy-layers=false",
+            "--cache-ttl=87600h",
             f"--destination={tag}", "--tar-path=/image/image.tar", "--snapshot-mode=redo"]
 
 
-def container_config(image: str, context_dir: Path, image_dir: Path, tag: str) -> dict[str, Any]:
-    """docker-py `containers.create` arguments for one build."""
+def container_config(image: str, context_dir: Path, work: Path, tag: str) -> dict[str, Any]:
+    """docker-py `containers.create` arguments for one build: the context and the build's
+    own files (its pinned Dockerfile, its bases) read-only; the image written to work/image."""
     return {
         "image": image,
         "command": executor_args(tag),
         "runtime": "runsc",  # asked for; the service's runtime decides, and is checked after
         "network_mode": "none",
         "volumes": {str(context_dir): {"bind": "/workspace", "mode": "ro"},
-                    str(image_dir): {"bind": "/image", "mode": "rw"}},
+                    str(work / "build"): {"bind": "/build", "mode": "ro"},
+                    str(work / "bases"): {"bind": "/bases", "mode": "ro"},
+                    str(work / "image"): {"bind": "/image", "mode": "rw"}},
         "detach": True,
         "labels": {"campugrid.build": tag},
     }
@@ -117,17 +138,26 @@ class KanikoBuilder:
         if not self.has_executor():
             raise BuildFailed(f"Kaniko executor image {self.executor_image} is not on this "
                               "provider; configure another or use the buildah builder")
+        text = (context_dir / "Dockerfile").read_text()
+        if bases is None:  # not checked by the caller: check here, with this host's policy
+            try:
+                bases = check_dockerfile(text).bases
+            except InvalidInput as e:
+                raise BuildFailed(str(e)) from e
         client = self._client()
         with tempfile.TemporaryDirectory(prefix="kaniko-") as tmp:
-            image_dir = Path(tmp)
+            work = Path(tmp)
+            for part in ("build", "bases", "image"):
+                (work / part).mkdir()
+            pinned = self._bases(bases, work / "bases")
+            (work / "build" / "Dockerfile").write_text(pin_bases(text, pinned))
             try:
                 container = client.containers.create(
-                    **container_config(self.executor_image, context_dir, image_dir, tag))
+                    **container_config(self.executor_image, context_dir, work, tag))
             except docker.errors.DockerException as e:
                 raise BuildFailed(f"cannot create the Kaniko container: {e}") from e
             try:
-                runtime = container.attrs.get("OCIRuntime") or container.attrs.get(
-                    "HostConfig", {}).get("Runtime")
+                runtime = self._runtime_of(container.id)
                 if runtime != "runsc":
                     raise BuildFailed(f"refusing to build: the executor would run under "
                                       f"{runtime!r}, not runsc")
@@ -153,8 +183,45 @@ class KanikoBuilder:
             # Not `podman load`: it applies whatever tags the (untrusted) archive names, which
             # could retag the base image for every later job. skopeo stores it as `tag` only.
             loaded = subprocess.run(
-                [self.skopeo, "copy", "--quiet", f"docker-archive:{image_dir / 'image.tar'}",
+                [self.skopeo, "copy", "--quiet", f"docker-archive:{work / 'image' / 'image.tar'}",
                  f"containers-storage:{tag}"], capture_output=True, text=True, check=False)
             if loaded.returncode != 0:
                 raise BuildFailed("cannot load the built image", loaded.stderr[-2000:])
         return tag
+
+    def _runtime_of(self, container_id: str) -> str:
+        """The OCI runtime Podman runs this container with (the Docker API's inspect says
+        "oci" whatever it is)."""
+        out = subprocess.run([self.podman, "container", "inspect", "--format", "{{.OCIRuntime}}",
+                              container_id], capture_output=True, text=True, check=False)
+        return out.stdout.strip() if out.returncode == 0 else f"unknown ({out.stderr.strip()})"
+
+    def _bases(self, bases: Sequence[BaseUse], into: Path) -> dict[BaseUse, str]:
+        """Each allowed base into Kaniko's base cache (`into`, a docker-archive named by its
+        digest), and what its FROM becomes: the base pinned to that digest."""
+        pinned: dict[BaseUse, str] = {}
+        for use in bases:
+            if use.remote or use.copy:
+                raise BuildFailed(f"{use.said}: the kaniko builder starts only from the provider's "
+                                  "own bases; use the buildah builder")
+            name = use.allowed.name
+            found = subprocess.run([self.podman, "image", "inspect", "--format", "{{.Digest}}", name],
+                                   capture_output=True, text=True, check=False)
+            digest = found.stdout.strip()
+            if found.returncode != 0 or not digest.startswith("sha256:"):
+                raise BuildFailed(f"{use.said}: not in this provider's image store")
+            if use.digest and use.digest != digest:
+                raise BuildFailed(f"{use.said}@{use.digest}: this provider's {name} is {digest}")
+            archive = into / digest
+            if not archive.exists():
+                part = into / "part.tar"  # skopeo reads a colon in the path as a reference
+                copied = subprocess.run([self.skopeo, "copy", "--quiet", f"containers-storage:{name}",
+                                         f"docker-archive:{part}"],
+                                        capture_output=True, text=True, check=False)
+                if copied.returncode != 0:
+                    raise BuildFailed(f"{use.said}: cannot copy it for Kaniko", copied.stderr[-2000:])
+                part.rename(archive)
+            last = name.rsplit("/", 1)[-1]
+            repository = name.rsplit(":", 1)[0] if ":" in last else name
+            pinned[use] = f"{repository}@{digest}"
+        return pinned

@@ -13,7 +13,7 @@ from typing import TypeVar
 
 from campugrid.builders.base import Builder
 from campugrid.builders.buildah import BuildahBuilder
-from campugrid.builders.kaniko import KanikoBuilder
+from campugrid.builders.kaniko import EXECUTOR_IMAGE, KanikoBuilder
 from campugrid.protocol.errors import CampugridError
 from campugrid.sandbox.podman_runsc import PodmanRunsc
 from campugrid.sandbox.runtime import Runtime
@@ -25,14 +25,11 @@ T = TypeVar("T")
 class BackendOptions:
     """What the factories may need from the agent's configuration."""
 
-    kaniko_image: str = ""  # Kaniko's executor image, a local one (no registry)
+    kaniko_image: str = ""  # Kaniko's executor image, a local one ("": infra/kaniko.sh's)
 
 
 def _kaniko(options: BackendOptions) -> Builder:
-    if not options.kaniko_image:
-        raise CampugridError("--builder kaniko needs --kaniko-image (no registry: it must be a "
-                             "local image)")
-    return KanikoBuilder(options.kaniko_image)
+    return KanikoBuilder(options.kaniko_image or EXECUTOR_IMAGE)
 
 
 RUNTIMES: Mapping[str, Callable[[BackendOptions], Runtime]] = {

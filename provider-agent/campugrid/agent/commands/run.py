@@ -32,8 +32,10 @@ def agent_run(
                                                   "name).")] = None,
     builder: Annotated[str, typer.Option(help="The image builder: buildah or kaniko.")] = "buildah",
     runtime: Annotated[str, typer.Option(help="The sandbox runtime.")] = "podman-runsc",
-    kaniko_image: Annotated[str, typer.Option(envvar="CAMPUGRID_KANIKO_IMAGE",
-                                              help="Kaniko executor image (a local one).")] = "",
+    kaniko_image: Annotated[str, typer.Option(
+        envvar="CAMPUGRID_KANIKO_IMAGE",
+        help="Kaniko's executor image, a local one (default: the one infra/kaniko.sh makes).")
+    ] = "",
     once: Annotated[bool, typer.Option(help="Exit after one task.")] = False,
     gpus: Annotated[str | None, typer.Option(help="GPUs to offer: indexes or UUIDs, comma-separated "
                                                   "(default: all).")] = None,
