@@ -130,6 +130,48 @@ def test_idle_streams_cost_the_database_nothing_per_machine(coordinator, tmp_pat
     assert connected - alone <= 10, (alone, connected)
 
 
+@pytest.fixture
+def looks_only_when_told(monkeypatch):
+    monkeypatch.setattr(fleet, "RECHECK_S", 60.0)  # no round of the dispatcher's own
+
+
+def test_machines_joining_while_nothing_is_queued_cost_no_round(looks_only_when_told,
+                                                                coordinator, tmp_path):
+    """After a round found nothing queued, machines that connect and say they are ready wait
+    for news of work (thousands of them come back at once after a restart); the news still
+    reaches them."""
+    running, api = coordinator
+    dispatcher = running_fleet(running)
+    machines = [client(running, tmp_path, f"m{i}") for i in range(6)]
+
+    async def scenario() -> tuple[int, int, list[pb.LeaseReply]]:
+        links = [link_of(running, c) for c in machines]
+        await links[0].open()
+        await links[0].ready(OFFER)
+        while dispatcher.rounds == 0:  # its ready's round: nothing queued
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)
+        before = dispatcher.rounds
+        for link in links[1:]:
+            await link.open()
+            await link.ready(OFFER)
+        while len(list(dispatcher.idle())) < len(links):
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)
+        joined = dispatcher.rounds
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, lambda: api.submit(tar_folder(HELLO), JobSpec()))
+        waits = [asyncio.ensure_future(link.lease()) for link in links]
+        done, _ = await asyncio.wait(waits, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        for link in links:
+            await link.close()
+        return before, joined, [w.result() for w in done]
+
+    before, joined, got = run(scenario())
+    assert joined == before, "machines joining ran rounds with nothing queued"
+    assert len(got) == 1 and got[0].has_task
+
+
 def test_a_stream_is_signed_by_an_approved_machine_and_closed_when_it_is_revoked(coordinator,
                                                                                  tmp_path):
     running, api = coordinator

@@ -87,6 +87,11 @@ class Fleet:
         self._turn = itertools.count()  # rotates which machine of a group is tried first
         self._epoch = -1
         self.rounds = 0  # dispatch rounds run (for tests and the bench)
+        # The last round found nothing queued, and no news of work came since: a machine
+        # that says it is ready then waits for news (or the next look) instead of a round.
+        # (Thousands of machines joining at once, after a restart, would each cost a round.)
+        self._nothing_queued = False
+        self._news = 0  # counts the wakes (news of work), read around a round
 
     # --- the streams ----------------------------------------------------------------------
 
@@ -105,7 +110,8 @@ class Fleet:
 
     def ready(self, link: Link, offer: MachineView, hold_kinds: bool) -> None:
         link.offer, link.hold_kinds = offer, hold_kinds
-        self.kick()
+        if not self._nothing_queued:  # else a machine joining costs no round: see _rounds
+            self.kick()
 
     def end(self, link: Link, why: str) -> None:
         """End this stream (from the loop), if it is still its machine's."""
@@ -134,9 +140,14 @@ class Fleet:
         self._loop, self._kick = asyncio.get_running_loop(), asyncio.Event()
         loop, kick = self._loop, self._kick
 
+        def news() -> None:
+            self._news += 1
+            self._nothing_queued = False
+            kick.set()
+
         def woken() -> None:
             if not loop.is_closed():
-                loop.call_soon_threadsafe(kick.set)
+                loop.call_soon_threadsafe(news)
 
         self.work.listeners.append(woken)
         try:
@@ -163,19 +174,23 @@ class Fleet:
                         if link.offer is not None]
                 if not idle:
                     continue
-                leased = await self._blocking(self._round, idle)
+                before = self._news
+                leased, queued = await self._blocking(self._round, idle)
+                self._nothing_queued = not queued and self._news == before
             except Exception:
                 log.exception("dispatch round")
                 continue
             for link, lease, took in leased:
                 self._deliver(link, lease, took)
 
-    def _round(self, idle: list[tuple[Link, MachineView]]) -> list[tuple[Link, Lease, float]]:
-        """One dispatch round (on a thread): claims for idle machines, group by group."""
+    def _round(self, idle: list[tuple[Link, MachineView]]
+               ) -> tuple[list[tuple[Link, Lease, float]], bool]:
+        """One dispatch round (on a thread): claims for idle machines, group by group; and
+        whether anything was queued."""
         self.rounds += 1
         demand = self.leasing.store.queued_demand(DEMAND_ROWS)
         if not demand:
-            return []
+            return [], False
         groups: dict[tuple[Any, ...], list[tuple[Link, MachineView]]] = {}
         for link, offer in idle:
             groups.setdefault(shape(offer), []).append((link, offer))
@@ -195,7 +210,7 @@ class Fleet:
                         break
                     continue
                 leased.append((link, lease, took))
-        return leased
+        return leased, True
 
     def _deliver(self, link: Link, lease: Lease, took: float) -> None:
         """The lease down its machine's stream; handed back if the stream ended meanwhile."""
