@@ -253,6 +253,16 @@ def test_the_agents_client_waits_on_its_stream_and_heartbeats_on_it(coordinator,
     quit_waiting.set()
     asking.join(5)
     assert later and not later[0].has_task
+    # On the stream, a heartbeat that says nothing new is not sent again within a minute;
+    # a changed one is.
+    beat = pb.Capabilities(runtime="runsc go-stream-test-2", builder="buildah", cpus=4)
+    m.heartbeat(beat)
+    wait_until(lambda: "go-stream-test-2" in str(running.coord.machines.all()))
+    sent = m.waiting._beat
+    m.heartbeat(beat)
+    assert m.waiting._beat is sent
+    m.heartbeat(pb.Capabilities(runtime="runsc go-stream-test-3", builder="buildah", cpus=4))
+    wait_until(lambda: "go-stream-test-3" in str(running.coord.machines.all()))
 
 
 def running_fleet(running: server.Running) -> Fleet:
