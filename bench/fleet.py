@@ -10,7 +10,8 @@ thousands of agents each: --simulators, by default one per AGENTS_PER_SIMULATOR 
 connect them as an idle agent does (campugrid.agent.link.Link): each agent opens its own TLS
 channel (one connection per agent, as real agents; none is shared) and on it one stream
 (AgentService.Connect, signed with the machine's own key), sends a heartbeat with its
-capabilities and says it is ready for work, then a heartbeat every 10 s on the stream. A
+capabilities and says it is ready for work, then its unchanged heartbeat every minute on the
+stream (link.STREAM_BEAT_S), as the agent does. A
 lease that comes down the stream is reported, and the agent says at once that it is ready
 again (a task that ended at once). When a stream ends, or cannot be opened, the agent tries
 again after random.uniform(0, backoff), the backoff starting at link.BACKOFF_S and doubling
@@ -77,7 +78,7 @@ from typing import Any
 import httpx
 from sqlalchemy import select
 
-from campugrid.agent.link import BACKOFF_MAX_S, BACKOFF_S, Closed, Link
+from campugrid.agent.link import BACKOFF_MAX_S, BACKOFF_S, OPEN_S, STREAM_BEAT_S, Closed, Link
 from campugrid.cli.seaweed import EmbeddedS3, free_port
 from campugrid.client import Api, tar_folder
 from campugrid.coordinator.db import make_engine, migrate
@@ -102,7 +103,7 @@ from scheduler import (  # type: ignore[import-not-found]  # noqa: E402
 )
 
 HEARTBEAT_S = 10.0  # agent/worker.py's, when idle
-OPEN_TIMEOUT_S = 30.0  # link.Waiting gives an opening stream this long
+OPEN_TIMEOUT_S = OPEN_S  # what link.Link gives an opening stream
 AGENTS_PER_SIMULATOR = 2500  # --simulators' default: one simulator process per this many
 CAPS = pb.Capabilities(runtime="runsc", builder="buildah", cpus=8, memory_mb=32_000,
                        speed_gflops=100.0, disk_mb=100_000, limits={"memory": "enforced"})
@@ -146,7 +147,9 @@ async def stream_agent(address: str, pem: str, cred: tuple[str, str], counts: Co
                 counts.joined, joined = counts.joined + 1, True
             waiting = asyncio.create_task(link.lease())
             while True:
-                done, _ = await asyncio.wait({waiting}, timeout=HEARTBEAT_S)
+                # Nothing changes on an idle simulated machine: its heartbeat says nothing
+                # new, which the agent sends on a stream every STREAM_BEAT_S only.
+                done, _ = await asyncio.wait({waiting}, timeout=STREAM_BEAT_S)
                 if waiting in done:
                     reply = waiting.result()  # Closed when the stream ended
                     print(json.dumps({"job": reply.job_id, "at": time.time()}), flush=True)

@@ -19,7 +19,7 @@ from campugrid.agent.client import CHANNEL_OPTIONS, CoordinatorClient
 from campugrid.agent.link import CONNECT, Closed, Link, Waiting
 from campugrid.cli.seaweed import EmbeddedS3
 from campugrid.client import Api, tar_folder
-from campugrid.coordinator import fleet, server
+from campugrid.coordinator import agent_calls, fleet, server
 from campugrid.coordinator.db import STATEMENTS
 from campugrid.coordinator.fleet import Fleet
 from campugrid.protocol import agent_pb2 as pb
@@ -286,6 +286,27 @@ def test_a_lost_stream_is_tried_again_after_a_jittered_backoff_that_grows():
     began = time.monotonic()
     assert waiting.wait(OFFER, 5, None) is None
     assert 0.7 <= time.monotonic() - began < 2
+
+
+def test_a_coordinator_checking_many_streams_turns_one_away_to_try_again_later(
+        coordinator, tmp_path, monkeypatch):
+    """After a restart thousands of agents open streams at once: past MAX_OPENING being
+    checked, one is refused at once, and the agent backs off as from a lost stream."""
+    running, _ = coordinator
+    m = client(running, tmp_path, "m")
+    monkeypatch.setattr(agent_calls, "MAX_OPENING", 0)
+
+    async def turned_away() -> Closed:
+        link = link_of(running, m)
+        with pytest.raises(Closed) as err:
+            await link.open()
+        await link.close()
+        return err.value
+
+    busy = run(turned_away())
+    assert busy.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "try again" in busy.reason
+    assert not m.lease(wait_s=1).has_task  # no grpc.RpcError: a wait, not a refusal
+    assert m.waiting._next_try > time.monotonic() - 1 and m.waiting._backoff == 2.0
 
 
 def test_a_stream_dropped_mid_lease_leaves_the_lease_to_its_renewals(coordinator, tmp_path):

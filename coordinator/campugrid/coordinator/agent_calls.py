@@ -37,6 +37,11 @@ from campugrid.protocol.wire import (
 
 log = logging.getLogger("campugrid.coordinator.agents")
 REGISTER = "/campugrid.v1.AgentService/Register"
+# Streams checked at once; one more is refused at once (RESOURCE_EXHAUSTED) and its agent tries
+# again after its jittered backoff. Thousands of agents reconnecting after a restart would
+# otherwise queue checks longer than an agent waits for its stream (link.OPEN_S): the work
+# would all be for agents that had given up, and none would get in (bench/fleet.py's restart).
+MAX_OPENING = 64
 # The machine whose signature SignedCalls checked, for the handler of this call.
 CALLER: contextvars.ContextVar[MachineRecord | None] = contextvars.ContextVar(
     "campugrid_machine", default=None)
@@ -99,6 +104,7 @@ class SignedCalls(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is 
         self.nonces = nonces
         self.metrics = coord.metrics
         self.blocking = blocking
+        self.opening = 0  # streams being checked now (on the server's loop: no lock)
 
     async def intercept_service(self, continuation: Any, details: Any) -> Any:
         handler = await continuation(details)
@@ -144,11 +150,19 @@ class SignedCalls(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is 
         digest = hashlib.sha256(STREAM_BODY).hexdigest()
 
         async def checked_first(requests: Any, context: Any) -> AsyncIterator[Any]:
+            if self.opening >= MAX_OPENING:  # turned away at once, not after a wait in a queue
+                self.metrics.refused("grpc", "busy")
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    "the coordinator is taking many streams at once: try again "
+                                    "after a while")
+            self.opening += 1
             try:
                 record = await asyncio.get_running_loop().run_in_executor(
                     self.blocking, self._check, method, digest, Aborts(context))
             except Abort as a:
                 await context.abort(a.code, a.details)
+            finally:
+                self.opening -= 1
             CALLER.set(record)  # this call's own context: it ends with the call
             async for reply in inner(requests, context):
                 yield reply

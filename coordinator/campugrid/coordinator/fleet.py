@@ -57,6 +57,7 @@ class Link:
     hold_kinds: bool = True
     since: float = dataclasses.field(default_factory=time.monotonic)
     heard: bytes = b""  # its last heartbeat, as sent: written to the database when it changes
+    shape: tuple[Any, ...] = ()  # shape(offer), made once as it says it is ready
 
     def close(self, why: str) -> None:
         self.outbox.put_nowait(pb.CoordinatorEvent(closing=why))
@@ -109,7 +110,7 @@ class Fleet:
             del self.links[link.machine_id]
 
     def ready(self, link: Link, offer: MachineView, hold_kinds: bool) -> None:
-        link.offer, link.hold_kinds = offer, hold_kinds
+        link.offer, link.hold_kinds, link.shape = offer, hold_kinds, shape(offer)
         if not self._nothing_queued:  # else a machine joining costs no round: see _rounds
             self.kick()
 
@@ -159,6 +160,7 @@ class Fleet:
 
     async def _rounds(self, kick: asyncio.Event) -> None:
         seen_at = looked_at = time.monotonic()
+        seeing: asyncio.Future[None] | None = None
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(kick.wait(), RECHECK_S)
@@ -167,10 +169,11 @@ class Fleet:
                 if time.monotonic() - looked_at >= RECHECK_S:
                     looked_at = time.monotonic()
                     await self._housekeeping()
-                if time.monotonic() - seen_at > SEEN_S and self.links:
+                if time.monotonic() - seen_at > SEEN_S and self.links and (
+                        seeing is None or seeing.done()):  # beside the rounds, not in their way
                     seen_at = time.monotonic()
-                    await self._blocking(self.machines.store.machines.seen, list(self.links))
-                idle = [(link, link.offer) for link in self.links.values()
+                    seeing = asyncio.ensure_future(self._seen(list(self.links)))
+                idle = [(link, link.offer, link.shape) for link in self.links.values()
                         if link.offer is not None]
                 if not idle:
                     continue
@@ -183,7 +186,7 @@ class Fleet:
             for link, lease, took in leased:
                 self._deliver(link, lease, took)
 
-    def _round(self, idle: list[tuple[Link, MachineView]]
+    def _round(self, idle: list[tuple[Link, MachineView, tuple[Any, ...]]]
                ) -> tuple[list[tuple[Link, Lease, float]], bool]:
         """One dispatch round (on a thread): claims for idle machines, group by group; and
         whether anything was queued."""
@@ -192,8 +195,8 @@ class Fleet:
         if not demand:
             return [], False
         groups: dict[tuple[Any, ...], list[tuple[Link, MachineView]]] = {}
-        for link, offer in idle:
-            groups.setdefault(shape(offer), []).append((link, offer))
+        for link, offer, key in idle:
+            groups.setdefault(key, []).append((link, offer))
         leased = []
         for members in groups.values():
             if not any(may_hold(need, members[0][1]) for need in demand):
@@ -239,6 +242,12 @@ class Fleet:
             link = self.links.pop(machine_id, None)
             if link is not None:
                 link.close("this machine is no longer approved")
+
+    async def _seen(self, machine_ids: list[str]) -> None:
+        try:
+            await self._blocking(self.machines.store.machines.seen, machine_ids)
+        except Exception:
+            log.exception("writing when the connected machines were last seen")
 
     async def _blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
         assert self._loop is not None
