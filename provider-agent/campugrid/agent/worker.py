@@ -308,6 +308,8 @@ class Agent:
                 metrics.METRICS.gpus.hold(lease.gpu_uuids, lease.gpu_memory_mb)
                 if self.stopping.is_set():  # a drain arrived between lease and start
                     self.task.drain(0)
+                elif held := self.owner.hold():  # the owner came back as the lease came
+                    self.task.drain(0, f"{held}: handed back as it was leased")
                 self.task.run()
         except grpc.RpcError as e:
             log.warning("task %s: the coordinator did not take the report (%s); its lease will "
