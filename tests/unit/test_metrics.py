@@ -105,10 +105,12 @@ def test_every_statement_an_engine_sends_is_counted(tmp_path):
             conn.execute(text("SELECT 1"))
     assert STATEMENTS.count - before == 3
     engine = make_engine(f"sqlite:///{tmp_path / 'b.db'}")  # our own BEGIN, and its PRAGMA
-    before = STATEMENTS.count
+    before, queries = STATEMENTS.count, STATEMENTS.queries
     with engine.begin() as conn:
         conn.execute(text("SELECT 1"))
     assert STATEMENTS.count - before == 3
+    assert STATEMENTS.queries - queries == 1  # the SELECT; not BEGIN IMMEDIATE nor the PRAGMA
     m = CoordinatorMetrics(Database(create_engine("sqlite://")))
-    shown = samples(generate_latest(m.registry))["campugrid_db_statements_total", ()]
-    assert shown == STATEMENTS.count  # an engine not made by make_engine is not counted
+    shown = samples(generate_latest(m.registry))
+    assert shown["campugrid_db_statements_total", ()] == STATEMENTS.count  # an engine not
+    assert shown["campugrid_db_queries_total", ()] == STATEMENTS.queries  # ours is not counted

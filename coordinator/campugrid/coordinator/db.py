@@ -58,18 +58,26 @@ def dialect_of(bind: Engine | Connection) -> Dialect:
     return SQLITE if bind.dialect.name == "sqlite" else POSTGRESQL
 
 
+_CONTROL = ("BEGIN", "PRAGMA", "COMMIT", "ROLLBACK", "SAVEPOINT", "RELEASE")
+
+
 class _Statements:
     """Statements this process sent to its databases, through every engine make_engine made
-    (BEGIN and PRAGMA included; a COMMIT is not a statement here): /metrics shows the count
-    as campugrid_db_statements_total, and bench/fleet.py reads what an idle fleet costs."""
+    (BEGIN and PRAGMA included; a COMMIT is not a statement here), and of them the queries
+    (what reads or writes rows, not a transaction's control): /metrics shows both
+    (campugrid_db_statements_total, campugrid_db_queries_total), and bench/fleet.py reads
+    what an idle fleet costs."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.count = 0
+        self.queries = 0
 
-    def sent(self, *_: Any) -> None:
+    def sent(self, _conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        query = not statement.lstrip()[:9].upper().startswith(_CONTROL)
         with self._lock:
             self.count += 1
+            self.queries += query
 
 
 STATEMENTS = _Statements()

@@ -106,6 +106,9 @@ class _StatementsSent(Collector):
                                   "Statements this process sent to the database (BEGIN and "
                                   "PRAGMA included; a scrape's own reads too)",
                                   value=STATEMENTS.count)
+        yield CounterMetricFamily("campugrid_db_queries",
+                                  "Of those, the queries: what reads or writes rows, not "
+                                  "BEGIN, PRAGMA or the like", value=STATEMENTS.queries)
 
 
 class _FromDatabase(Collector):
