@@ -309,4 +309,11 @@ class Waiting:
         return self._loop
 
     def _run(self, coroutine: Coroutine[Any, Any, T], timeout: float) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._started()).result(timeout)
+        """The coroutine's result, run on the link's loop; a stream that does not answer in
+        `timeout` counts as one the coordinator could not be reached on (Closed)."""
+        running = asyncio.run_coroutine_threadsafe(coroutine, self._started())
+        try:
+            return running.result(timeout)
+        except concurrent.futures.TimeoutError as e:
+            running.cancel()
+            raise Closed(f"no answer in {timeout:.0f} s", grpc.StatusCode.UNAVAILABLE) from e
