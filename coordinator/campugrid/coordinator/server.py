@@ -55,7 +55,7 @@ T = TypeVar("T")
 class AgentServer:
     """The agents' gRPC server, on grpc.aio in an event loop of its own (a thread). A call
     whose handler is a coroutine runs on the loop, where thousands can wait at almost no
-    cost (Lease, held until work comes); the others are plain functions and run on a pool of
+    cost (Connect, an idle machine's stream); the others are plain functions and run on a pool of
     `workers` threads, as on grpcio's threaded server."""
 
     def __init__(self, workers: int, interceptors: list[grpc.aio.ServerInterceptor],

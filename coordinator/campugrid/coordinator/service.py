@@ -30,8 +30,8 @@ log = logging.getLogger("campugrid.coordinator")
 
 class Coordinator:
     """jobs, leasing, machines, apps, inputs: the services; users: the console's people;
-    images and bases: shared images and remote FROMs; work: held asks for work, woken by new
-    work; metrics: this coordinator's /metrics."""
+    images and bases: shared images and remote FROMs; work: news of work, for the dispatcher
+    (fleet.py) and the other processes; metrics: this coordinator's /metrics."""
 
     def __init__(self, settings: Settings, store: Store, objects: ObjectStore) -> None:
         self.settings = settings
