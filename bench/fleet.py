@@ -5,17 +5,9 @@ back after a restart, and how fast new work reaches it.
                                     [--submits 20] [--burst 200] [--restart-at 10000]
 
 For each fleet size, one `campugrid coordinator serve` process (SQLite, an embedded S3
-server) gets that many approved machines, and simulator processes (asyncio, grpc.aio,
-thousands of agents each: --simulators, by default one per AGENTS_PER_SIMULATOR agents)
-connect them as an idle agent does (campugrid.agent.link.Link): each agent opens its own TLS
-channel (one connection per agent, as real agents; none is shared) and on it one stream
-(AgentService.Connect, signed with the machine's own key), sends a heartbeat with its
-capabilities and says it is ready for work, then its unchanged heartbeat every minute on the
-stream (link.STREAM_BEAT_S), as the agent does. A
-lease that comes down the stream is reported, and the agent says at once that it is ready
-again (a task that ended at once). When a stream ends, or cannot be opened, the agent tries
-again after random.uniform(0, backoff), the backoff starting at link.BACKOFF_S and doubling
-up to link.BACKOFF_MAX_S, reset by a lease, as link.Waiting does.
+server) gets that many approved machines, and simulator processes (bench/fleet_agents.py:
+thousands of agents each, --simulators, by default one per AGENTS_PER_SIMULATOR agents)
+connect them as an idle agent does, each on its own TLS connection and stream.
 
 Measured for each size, in this order, on the one coordinator process:
 
@@ -55,13 +47,9 @@ cores the simulators hold meanwhile.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import dataclasses
 import datetime as dt
-import json
 import math
 import os
-import random
 import resource
 import shutil
 import signal
@@ -69,7 +57,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -78,21 +65,20 @@ from typing import Any
 import httpx
 from sqlalchemy import select
 
-from campugrid.agent.link import BACKOFF_MAX_S, BACKOFF_S, OPEN_S, STREAM_BEAT_S, Closed, Link
+from campugrid.agent.link import BACKOFF_MAX_S, BACKOFF_S
 from campugrid.cli.seaweed import EmbeddedS3, free_port
 from campugrid.client import Api, tar_folder
 from campugrid.coordinator.db import make_engine, migrate
 from campugrid.coordinator.models import Job
-from campugrid.protocol import agent_pb2 as pb
-from campugrid.protocol import keys
 from campugrid.protocol.identities import Identity
 from campugrid.protocol.spec import JobSpec
 from campugrid.protocol.states import JobState
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-# The same helpers as bench/scheduler.py (a script beside this one, not a package mypy
-# knows of: what it gives is typed where it is used here).
+# The simulated agents (bench/fleet_agents.py) and the same helpers as bench/scheduler.py:
+# scripts beside this one, not packages mypy knows of (what they give is typed where used).
+from fleet_agents import Simulators  # type: ignore[import-not-found]  # noqa: E402
 from scheduler import (  # type: ignore[import-not-found]  # noqa: E402
     _cpu,
     _listening,
@@ -103,186 +89,9 @@ from scheduler import (  # type: ignore[import-not-found]  # noqa: E402
 )
 
 HEARTBEAT_S = 10.0  # agent/worker.py's, when idle
-OPEN_TIMEOUT_S = OPEN_S  # what link.Link gives an opening stream
 AGENTS_PER_SIMULATOR = 2500  # --simulators' default: one simulator process per this many
-CAPS = pb.Capabilities(runtime="runsc", builder="buildah", cpus=8, memory_mb=32_000,
-                       speed_gflops=100.0, disk_mb=100_000, limits={"memory": "enforced"})
-OFFER = pb.LeaseRequest(hold_kinds=True, cpus=8, memory_mb=32_000, disk_mb=100_000,
-                        enforced_limits=["memory"])
 RESTART_GIVE_UP_S = 180.0  # the goal is 30 s: past this, the restart row says how far it got
 UNARY_MACHINES, UNARY_LEASES, UNARY_THREADS, UNARY_PROCESSES = 100, 300, 4, 2
-
-
-# --- the simulator (processes of their own) ----------------------------------------------
-
-@dataclasses.dataclass
-class Counts:
-    joined: int = 0  # agents whose stream was up at least once
-    up: int = 0  # streams up now (opened, heartbeat and ready sent)
-    opens: int = 0  # streams tried
-    failed: int = 0  # tries that got no stream up (refused, unreachable, timed out)
-    ended: int = 0  # streams that ended after they were up
-    beats: int = 0
-    leases: int = 0
-    codes: dict[str, int] = dataclasses.field(default_factory=dict)  # failed and ended, why
-
-
-async def stream_agent(address: str, pem: str, cred: tuple[str, str], counts: Counts,
-                       start_s: float) -> None:
-    """One idle agent: its own link (campugrid.agent.link), opened again after a jittered
-    backoff whenever it ends. Runs until cancelled."""
-    key = keys.Ed25519PrivateKey.from_private_bytes(bytes.fromhex(cred[1]))
-    await asyncio.sleep(random.uniform(0, start_s))  # agents start at any moment
-    backoff, joined = BACKOFF_S, False
-    while True:
-        link = Link(address, pem, key, cred[0])
-        up, waiting = False, None
-        counts.opens += 1
-        try:
-            async with asyncio.timeout(OPEN_TIMEOUT_S):  # (wait_for's task would outlive a stop)
-                await _start(link)
-            up = True
-            counts.up += 1
-            if not joined:
-                counts.joined, joined = counts.joined + 1, True
-            waiting = asyncio.create_task(link.lease())
-            while True:
-                # Nothing changes on an idle simulated machine: its heartbeat says nothing
-                # new, which the agent sends on a stream every STREAM_BEAT_S only.
-                done, _ = await asyncio.wait({waiting}, timeout=STREAM_BEAT_S)
-                if waiting in done:
-                    reply = waiting.result()  # Closed when the stream ended
-                    print(json.dumps({"job": reply.job_id, "at": time.time()}), flush=True)
-                    counts.leases += 1
-                    backoff = BACKOFF_S  # as link.Waiting: a lease resets it
-                    await link.ready(OFFER)  # the task ended at once: ready again
-                    waiting = asyncio.create_task(link.lease())
-                else:
-                    await link.heartbeat(CAPS)
-                    counts.beats += 1
-        except (Closed, TimeoutError) as e:
-            why = (e.code.name if e.code else e.reason[:40]) if isinstance(e, Closed) else "timeout"
-            counts.codes[why] = counts.codes.get(why, 0) + 1
-            if up:
-                counts.ended += 1
-            else:
-                counts.failed += 1
-        finally:
-            if up:
-                counts.up -= 1
-            if waiting is not None:
-                waiting.cancel()
-            await link.close()
-        await asyncio.sleep(random.uniform(0, backoff))
-        backoff = min(BACKOFF_MAX_S, backoff * 2)
-
-
-async def _start(link: Link) -> None:
-    """What an agent sends on a new stream: its capabilities, then that it is ready."""
-    await link.open()
-    await link.heartbeat(CAPS)
-    await link.ready(OFFER)
-
-
-async def simulate(address: str) -> None:
-    """Reads the certificate, the machines and the start window from stdin, runs them,
-    reports on request: "counts" prints the counters; "stop" (or stdin's end) ends."""
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader(limit=2**30)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    given = json.loads(await reader.readline())
-    counts = Counts()
-    agents = [asyncio.create_task(stream_agent(address, given["pem"], tuple(c), counts,
-                                               given["start_s"]))
-              for c in given["creds"]]
-    while line := (await reader.readline()).decode().strip():
-        if line == "counts":
-            print(json.dumps({"counts": dataclasses.asdict(counts)}), flush=True)
-        elif line == "stop":
-            break
-    for agent in agents:
-        agent.cancel()
-    await asyncio.wait(agents, timeout=60)
-
-
-# --- the measurement ----------------------------------------------------------------------
-
-class Simulators:
-    """The agents `creds`, dealt over `processes` simulator processes."""
-
-    def __init__(self, address: str, pem: str, creds: list[tuple[str, str]], processes: int,
-                 start_s: float) -> None:
-        self.procs = [subprocess.Popen([sys.executable, __file__, "--simulate", address],
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                      for _ in range(processes)]
-        self.leased: dict[str, float] = {}  # job id -> when an agent had its lease
-        self._answers: list[list[dict[str, Any]]] = [[] for _ in self.procs]
-        self._got = threading.Condition()
-        for i, proc in enumerate(self.procs):
-            assert proc.stdin is not None
-            proc.stdin.write(json.dumps({"pem": pem, "creds": creds[i::processes],
-                                         "start_s": start_s}) + "\n")
-            proc.stdin.flush()
-            threading.Thread(target=self._read, args=(i,), daemon=True).start()
-
-    def _read(self, i: int) -> None:
-        stdout = self.procs[i].stdout
-        assert stdout is not None
-        for line in stdout:
-            said = json.loads(line)
-            with self._got:
-                if "job" in said:
-                    self.leased[said["job"]] = said["at"]
-                else:
-                    self._answers[i].append(said["counts"])
-                self._got.notify_all()
-
-    def _tell(self, what: str) -> None:
-        for proc in self.procs:
-            assert proc.stdin is not None
-            proc.stdin.write(what + "\n")
-            proc.stdin.flush()
-
-    def counts(self) -> dict[str, Any]:
-        """All the simulators' counters, added up."""
-        with self._got:
-            seen = [len(a) for a in self._answers]
-            self._tell("counts")
-            if not self._got.wait_for(lambda: all(len(a) > n for a, n in zip(self._answers, seen, strict=True)),
-                                      timeout=60):
-                raise RuntimeError("a simulator did not answer")
-            answers = [a[-1] for a in self._answers]
-        total: dict[str, Any] = {k: sum(a[k] for a in answers) for k in answers[0] if k != "codes"}
-        total["codes"] = {}
-        for a in answers:
-            for code, n in a["codes"].items():
-                total["codes"][code] = total["codes"].get(code, 0) + n
-        return total
-
-    def cpu(self) -> float:
-        return float(sum(_cpu(p.pid) for p in self.procs))
-
-    def wait_leased(self, jobs: set[str], timeout: float = 60) -> dict[str, float]:
-        """When each of `jobs` reached an agent."""
-        with self._got:
-            if not self._got.wait_for(lambda: jobs <= self.leased.keys(), timeout=timeout):
-                missing = len(jobs - self.leased.keys())
-                raise RuntimeError(f"{missing} of {len(jobs)} jobs reached no agent in {timeout} s")
-            return {job: self.leased[job] for job in jobs}
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            try:
-                assert proc.stdin is not None
-                proc.stdin.write("stop\n")
-                proc.stdin.close()
-            except OSError:
-                pass
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 class Coordinator:
@@ -495,7 +304,7 @@ def _dispatch(api: Api, sims: Simulators, context: bytes, spec: JobSpec) -> floa
     """One job submitted through REST: seconds from its record's creation to its lease."""
     job = api.submit(context, spec)
     created = dt.datetime.fromisoformat(job["created_at"]).timestamp()
-    return sims.wait_leased({job["id"]})[job["id"]] - created
+    return float(sims.wait_leased({job["id"]})[job["id"]]) - created
 
 
 def _p95(sorted_values: list[float]) -> float:
@@ -619,11 +428,7 @@ def main() -> None:
                     help="fleet sizes whose coordinator is killed and restarted (default: the "
                          "largest; 0: none)")
     ap.add_argument("--no-unary", action="store_true", help="skip the unary Lease row")
-    ap.add_argument("--simulate", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.simulate:
-        asyncio.run(simulate(args.simulate))
-        return
     sizes = [int(x) for x in args.agents.split(",")]
     args.restart_at = {int(x) for x in (args.restart_at or str(max(sizes))).split(",")}
     # A socket per agent, on both sides, in processes that inherit this one's limit.
