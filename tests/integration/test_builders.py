@@ -199,15 +199,21 @@ def test_kaniko_builds_under_runsc_and_its_image_runs(provider, shared_tmp):
                     "infra/kaniko.sh (infra/setup.sh does, for the test users)")
     ctx = context(shared_tmp, provider, "RUN uname -r > /kernel\nCMD [\"cat\", \"/kernel\"]\n")
     tag = "localhost/campugrid-test/kaniko:1"
+    work = shared_tmp / "work"  # where the build's own API service listens, and nothing after
+    work.mkdir()
+    os.chown(work, provider.uid, provider.gid) if os.geteuid() == 0 else None
     res = run_as_provider(provider, f"""
-        import json
+        import json, subprocess, tempfile
         from pathlib import Path
         from campugrid.builders.kaniko import KanikoBuilder
+        tempfile.tempdir = {str(work)!r}
         lines = []
         KanikoBuilder({image!r}).build(Path({ctx!r}), {tag!r}, log=lines.append, timeout_s=600)
-        print(json.dumps(lines))
+        left = subprocess.run(["pgrep", "-af", {str(work) + "/kaniko-[^/]*/api[.]sock"!r}], capture_output=True, text=True)
+        print(json.dumps({{"lines": lines, "left": left.stdout}}))  # the pattern matches no script
     """, timeout=900)
     try:
+        assert res["left"] == "", res  # the build's Podman API service stopped with it
         out = shared_tmp / "out"
         out.mkdir()
         os.chown(out, provider.uid, provider.gid) if os.geteuid() == 0 else None

@@ -17,13 +17,13 @@ A FROM Kaniko reads differently from the policy finds no such base and fails the
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +36,6 @@ from campugrid.sandbox.process import LogFn
 # The executor image infra/kaniko.sh makes in a provider's store (chainguard-dev/kaniko, built
 # from its Go module at this version).
 EXECUTOR_IMAGE = "localhost/campugrid/kaniko-executor:v1.25.11"
-
-
-def default_socket() -> Path:
-    return Path(f"/run/user/{os.geteuid()}/podman/campugrid-kaniko.sock")
 
 
 def service_argv(socket: Path, podman: str = "podman", runsc: str = "runsc") -> list[str]:
@@ -81,29 +77,43 @@ class KanikoBuilder:
     name = "kaniko"
     online = False  # its sandbox has no way out: builds are offline
 
-    def __init__(self, executor_image: str, socket: Path | None = None,
-                 podman: str = "podman") -> None:
+    def __init__(self, executor_image: str, podman: str = "podman") -> None:
         self.executor_image = executor_image
-        self.socket = socket or default_socket()
         self.podman = shutil.which(podman) or podman
         self.skopeo = shutil.which("skopeo") or "skopeo"
-        self._service: subprocess.Popen[bytes] | None = None
         self.scope = ""  # Kaniko's containers run under the API service, outside job cgroups
 
-    def _client(self) -> Any:
+    @contextmanager
+    def _client(self, work: Path) -> Iterator[Any]:
+        """A Podman API service of this build's own (its socket in the build's directory),
+        stopped with the build: nothing is left listening between builds, and no socket another
+        process left behind (or one that died) is ever taken for a live service."""
         import docker
 
-        if not self.socket.exists():
-            self.socket.parent.mkdir(parents=True, exist_ok=True)
-            self._service = subprocess.Popen(service_argv(self.socket, self.podman),
-                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                             start_new_session=True)
+        socket = work / "api.sock"
+        service = subprocess.Popen(service_argv(socket, self.podman), stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.PIPE)
+        try:
             deadline = time.monotonic() + 30
-            while not self.socket.exists():
+            while not socket.exists():
+                if service.poll() is not None:
+                    err = service.stderr.read().decode("utf-8", "replace") if service.stderr else ""
+                    raise BuildFailed("the Podman API service for Kaniko did not start", err[-2000:])
                 if time.monotonic() > deadline:
-                    raise BuildFailed(f"the Podman API service did not start at {self.socket}")
-                time.sleep(0.1)
-        return docker.DockerClient(base_url=f"unix://{self.socket}", version="1.41")
+                    raise BuildFailed(f"the Podman API service did not start at {socket}")
+                time.sleep(0.05)
+            client = docker.DockerClient(base_url=f"unix://{socket}", version="1.41")
+            try:
+                yield client
+            finally:
+                client.close()
+        finally:
+            service.terminate()
+            try:
+                service.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                service.kill()
+                service.wait()
 
     def has_executor(self) -> bool:
         return subprocess.run([self.podman, "image", "exists", self.executor_image],
@@ -127,8 +137,6 @@ class KanikoBuilder:
         """memory_mb and cpus are not applied: the API service's containers are outside the
         job cgroups (and rootless cgroup v1 ignores the API's limits). `bases` are checked by
         the policy only: Kaniko resolves FROM inside its own sandbox, which has no registry."""
-        import docker.errors
-
         if volumes:
             raise BuildFailed("the kaniko builder cannot give RUN steps files of the machine's "
                               "(extra certificates); use the buildah builder")
@@ -144,42 +152,15 @@ class KanikoBuilder:
                 bases = check_dockerfile(text).bases
             except InvalidInput as e:
                 raise BuildFailed(str(e)) from e
-        client = self._client()
         with tempfile.TemporaryDirectory(prefix="kaniko-") as tmp:
             work = Path(tmp)
             for part in ("build", "bases", "image"):
                 (work / part).mkdir()
             pinned = self._bases(bases, work / "bases")
             (work / "build" / "Dockerfile").write_text(pin_bases(text, pinned))
-            try:
-                container = client.containers.create(
-                    **container_config(self.executor_image, context_dir, work, tag))
-            except docker.errors.DockerException as e:
-                raise BuildFailed(f"cannot create the Kaniko container: {e}") from e
-            try:
-                runtime = self._runtime_of(container.id)
-                if runtime != "runsc":
-                    raise BuildFailed(f"refusing to build: the executor would run under "
-                                      f"{runtime!r}, not runsc")
-                container.start()
-                deadline = time.monotonic() + timeout_s
-                while True:
-                    container.reload()
-                    if container.status not in ("created", "running"):
-                        break
-                    if cancel is not None and cancel.is_set():
-                        raise BuildFailed("build cancelled")
-                    if time.monotonic() > deadline:
-                        raise BuildFailed(f"build took longer than {timeout_s:.0f} s")
-                    time.sleep(0.2)
-                lines = container.logs().decode("utf-8", "replace").splitlines()
-                for line in lines:
-                    log(line)
-                code = container.wait(timeout=10).get("StatusCode", -1)
-                if code != 0:
-                    raise BuildFailed(f"build failed (kaniko exit {code})", "\n".join(lines[-40:]))
-            finally:
-                container.remove(force=True)
+            with self._client(work) as client:
+                self._run(client, context_dir, work, tag, log=log, timeout_s=timeout_s,
+                          cancel=cancel)
             # Not `podman load`: it applies whatever tags the (untrusted) archive names, which
             # could retag the base image for every later job. skopeo stores it as `tag` only.
             loaded = subprocess.run(
@@ -188,6 +169,41 @@ class KanikoBuilder:
             if loaded.returncode != 0:
                 raise BuildFailed("cannot load the built image", loaded.stderr[-2000:])
         return tag
+
+    def _run(self, client: Any, context_dir: Path, work: Path, tag: str, *, log: LogFn,
+             timeout_s: float, cancel: threading.Event | None) -> None:
+        """The executor's container, from its creation to its removal."""
+        import docker.errors
+
+        try:
+            container = client.containers.create(
+                **container_config(self.executor_image, context_dir, work, tag))
+        except docker.errors.DockerException as e:
+            raise BuildFailed(f"cannot create the Kaniko container: {e}") from e
+        try:
+            runtime = self._runtime_of(container.id)
+            if runtime != "runsc":
+                raise BuildFailed(f"refusing to build: the executor would run under "
+                                  f"{runtime!r}, not runsc")
+            container.start()
+            deadline = time.monotonic() + timeout_s
+            while True:
+                container.reload()
+                if container.status not in ("created", "running"):
+                    break
+                if cancel is not None and cancel.is_set():
+                    raise BuildFailed("build cancelled")
+                if time.monotonic() > deadline:
+                    raise BuildFailed(f"build took longer than {timeout_s:.0f} s")
+                time.sleep(0.2)
+            lines = container.logs().decode("utf-8", "replace").splitlines()
+            for line in lines:
+                log(line)
+            code = container.wait(timeout=10).get("StatusCode", -1)
+            if code != 0:
+                raise BuildFailed(f"build failed (kaniko exit {code})", "\n".join(lines[-40:]))
+        finally:
+            container.remove(force=True)
 
     def _runtime_of(self, container_id: str) -> str:
         """The OCI runtime Podman runs this container with (the Docker API's inspect says
