@@ -37,12 +37,14 @@ args = json.loads(sys.argv[1])
 builder = (BuildahBuilder(scope="a-contract-tests") if args["kind"] == "buildah"
            else KanikoBuilder(args["kaniko_image"]))
 cancel = threading.Event()
-if args["cancel_after"] is not None:
-    threading.Timer(args["cancel_after"], cancel.set).start()
 lines = []
+def log(line):
+    lines.append(line)
+    if line == args["cancel_on"]:
+        cancel.set()
 t0 = time.monotonic()
 try:
-    builder.build(Path(args["context"]), args["tag"], log=lines.append, timeout_s=300,
+    builder.build(Path(args["context"]), args["tag"], log=log, timeout_s=300,
                   cancel=cancel, memory_mb=1024, disk_mb=512)
     out = {"ok": True}
 except BuildFailed as e:
@@ -54,7 +56,9 @@ print(json.dumps(out | {"lines": lines, "seconds": time.monotonic() - t0}))
 
 
 class Backend(Protocol):
-    def build(self, context: Path, tag: str, cancel_after: float | None) -> dict[str, Any]: ...
+    def build(self, context: Path, tag: str, cancel_on: str | None) -> dict[str, Any]:
+        """Build; a log line equal to `cancel_on` cancels the build."""
+        ...
     def exists(self, tag: str) -> bool: ...
     def remove(self, tag: str) -> None: ...
 
@@ -65,9 +69,9 @@ class Real:
     def __init__(self, kind: str, provider: ProviderUser) -> None:
         self.kind, self.provider = kind, provider
 
-    def build(self, context: Path, tag: str, cancel_after: float | None) -> dict[str, Any]:
+    def build(self, context: Path, tag: str, cancel_on: str | None) -> dict[str, Any]:
         args = {"kind": self.kind, "kaniko_image": KANIKO_IMAGE, "context": str(context),
-                "tag": tag, "cancel_after": cancel_after}
+                "tag": tag, "cancel_on": cancel_on}
         proc = subprocess.run(self.provider.command([sys.executable, "-c", BUILD_SCRIPT,
                                                      json.dumps(args)]),
                               capture_output=True, text=True, timeout=600, cwd="/")
@@ -93,16 +97,18 @@ class Fake:
         self.builder = FakeBuilder(images=self.images)
         self.runtime = FakeRuntime(images=self.images)
 
-    def build(self, context: Path, tag: str, cancel_after: float | None) -> dict[str, Any]:
+    def build(self, context: Path, tag: str, cancel_on: str | None) -> dict[str, Any]:
         cancel = threading.Event()
-        if cancel_after is not None:
-            timer = threading.Timer(cancel_after, cancel.set)
-            timer.daemon = True
-            timer.start()
         lines: list[str] = []
+
+        def log(line: str) -> None:
+            lines.append(line)
+            if line == cancel_on:
+                cancel.set()
+
         t0 = time.monotonic()
         try:
-            self.builder.build(context, tag, log=lines.append, timeout_s=300, cancel=cancel)
+            self.builder.build(context, tag, log=log, timeout_s=300, cancel=cancel)
             out: dict[str, Any] = {"ok": True}
         except BuildFailed as e:
             out = {"ok": False, "reason": e.reason, "tail": e.log_tail}
@@ -165,10 +171,12 @@ def test_a_failing_run_step_fails_the_build_with_the_log_tail(backend, provider,
     assert not backend.exists(tag)
 
 
-def test_a_cancelled_build_stops(backend, provider, shared_tmp):
-    ctx = context(shared_tmp, provider, "# fake: run_for=120\nRUN sleep 120\n")
+def test_a_cancelled_build_stops_and_its_log_came_as_it_ran(backend, provider, shared_tmp):
+    ctx = context(shared_tmp, provider, "# fake: log=waiting-9c1e\n# fake: run_for=120\n"
+                                        "RUN echo waiting-9c1e && sleep 120\n")
     tag = "localhost/campugrid-test/contract-cancelled:1"
-    res = backend.build(ctx, tag, 2.0)
+    # Cancelled by its own log line: a log read only once the step ended would never cancel it.
+    res = backend.build(ctx, tag, "waiting-9c1e")
     assert not res["ok"] and res["reason"] == "build cancelled", res
     assert res["seconds"] < 60
     assert not backend.exists(tag)

@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,7 +54,8 @@ def executor_args(tag: str) -> list[str]:
             "--cache=true", "--cache-dir=/bases", "--cache-repo=oci:/kaniko/no-cache",
             "--no-push-cache", "--cache-run-layers=false", "--cache-copy-layers=false",
             "--cache-ttl=87600h",
-            f"--destination={tag}", "--tar-path=/image/image.tar", "--snapshot-mode=redo"]
+            f"--destination={tag}", "--tar-path=/image/image.tar", "--snapshot-mode=redo",
+            "--log-format=text"]
 
 
 def container_config(image: str, context_dir: Path, work: Path, tag: str) -> dict[str, Any]:
@@ -186,6 +188,9 @@ class KanikoBuilder:
                 raise BuildFailed(f"refusing to build: the executor would run under "
                                   f"{runtime!r}, not runsc")
             container.start()
+            tail: deque[str] = deque(maxlen=40)
+            reader = threading.Thread(target=self._follow, args=(container, log, tail), daemon=True)
+            reader.start()
             deadline = time.monotonic() + timeout_s
             while True:
                 container.reload()
@@ -196,14 +201,27 @@ class KanikoBuilder:
                 if time.monotonic() > deadline:
                     raise BuildFailed(f"build took longer than {timeout_s:.0f} s")
                 time.sleep(0.2)
-            lines = container.logs().decode("utf-8", "replace").splitlines()
-            for line in lines:
-                log(line)
             code = container.wait(timeout=10).get("StatusCode", -1)
+            reader.join(timeout=10)  # the stream ends with the container
             if code != 0:
-                raise BuildFailed(f"build failed (kaniko exit {code})", "\n".join(lines[-40:]))
+                raise BuildFailed(f"build failed (kaniko exit {code})", "\n".join(tail))
         finally:
             container.remove(force=True)
+
+    @staticmethod
+    def _follow(container: Any, log: LogFn, tail: deque[str]) -> None:
+        """The executor's output, line by line as it comes (the build log a researcher watches)."""
+        pending = b""
+        for chunk in container.logs(stream=True, follow=True):
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for raw in lines:
+                line = raw.decode("utf-8", "replace")
+                tail.append(line)
+                log(line)
+        if pending:
+            tail.append(pending.decode("utf-8", "replace"))
+            log(tail[-1])
 
     def _runtime_of(self, container_id: str) -> str:
         """The OCI runtime Podman runs this container with (the Docker API's inspect says
