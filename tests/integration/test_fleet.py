@@ -265,6 +265,40 @@ def test_the_agents_client_waits_on_its_stream_and_heartbeats_on_it(coordinator,
     wait_until(lambda: "go-stream-test-3" in str(running.coord.machines.all()))
 
 
+def test_a_machine_that_connects_again_saying_the_same_costs_no_write(coordinator, tmp_path,
+                                                                       monkeypatch):
+    """After a coordinator restart thousands of machines connect again, each saying what it
+    said before: only what differs from what is stored is written (bench/fleet.py's restart)."""
+    running, _ = coordinator
+    m = client(running, tmp_path, "m")
+    said = pb.Capabilities(runtime="runsc same-again", builder="buildah", cpus=4)
+    store = running.coord.machines.store.machines
+    writes: list[str] = []
+    write = store.heartbeat
+    monkeypatch.setattr(store, "heartbeat", lambda machine, *a, **kw: (
+        writes.append(machine), write(machine, *a, **kw)))
+
+    async def connected(capabilities: pb.Capabilities) -> None:
+        link = link_of(running, m)
+        await link.open()
+        await link.heartbeat(capabilities)
+        await link.ready(OFFER)
+        await asyncio.sleep(0.5)
+        await link.close()
+
+    run(connected(said))
+    assert writes == [m.machine_id] and "same-again" in str(running.coord.machines.all())
+    run(connected(said))  # the same again: nothing to write
+    assert writes == [m.machine_id]
+    run(connected(pb.Capabilities(runtime="runsc said-otherwise", builder="buildah", cpus=4)))
+    assert writes == [m.machine_id] * 2 and "said-otherwise" in str(running.coord.machines.all())
+    # What a machine said is what is stored, not what this process last heard: the record
+    # read after a restart (here: forgotten) still tells the same from a change.
+    running.coord.machines._records.forget(m.machine_id)
+    run(connected(said))
+    assert writes == [m.machine_id] * 3 and "same-again" in str(running.coord.machines.all())
+
+
 def running_fleet(running: server.Running) -> Fleet:
     assert running.service is not None
     return running.service.fleet

@@ -23,7 +23,7 @@ from campugrid.coordinator.agent_calls import CALLER, Abort, Aborts, peer_addres
 from campugrid.coordinator.answers import answer
 from campugrid.coordinator.fleet import Fleet, Link
 from campugrid.coordinator.gpu_history import GpuMemory
-from campugrid.coordinator.machines import Status
+from campugrid.coordinator.machines import Status, reported, said_digest
 from campugrid.coordinator.scheduler import GpuView, MachineView
 from campugrid.coordinator.service import Coordinator
 from campugrid.coordinator.services.supplies import Supplies
@@ -80,6 +80,18 @@ def _gpus(gpus: Sequence[pb.Gpu]) -> tuple[GpuView, ...]:
         out.append(GpuView(g.uuid[:100], g.kind or "nvidia", g.name[:200],
                            max(0, int(g.memory_free_mb)), 0, cc))
     return tuple(out)
+
+
+def _offered(machine: str, c: pb.Capabilities) -> MachineView:
+    """The GPUs a heartbeat's capabilities say the machine has."""
+    return MachineView(machine, "", _gpus(c.gpus), c.gpu_isolation)
+
+
+def _said(machine: str, beat: pb.HeartbeatRequest) -> str:
+    """What this heartbeat would store (machines.said_digest); "" if it says nothing."""
+    if not beat.HasField("capabilities"):
+        return ""
+    return said_digest(*reported(_caps(beat.capabilities), _offered(machine, beat.capabilities)))
 
 
 def _memory(gpus: Sequence[pb.Gpu]) -> list[GpuMemory]:
@@ -167,8 +179,7 @@ class AgentService(pb_grpc.AgentServiceServicer):
         what it has now."""
         if request.HasField("capabilities"):
             c = request.capabilities
-            self.coord.machines.heartbeat(machine, _caps(c),
-                                 MachineView(machine, "", _gpus(c.gpus), c.gpu_isolation))
+            self.coord.machines.heartbeat(machine, _caps(c), _offered(machine, c))
             record = CALLER.get()
             if record is not None and record.status is Status.APPROVED:  # not a stranger's
                 self.coord.machines.note_memory(machine, _memory(c.gpus))
@@ -235,6 +246,8 @@ class AgentService(pb_grpc.AgentServiceServicer):
             return
         await context.send_initial_metadata((STREAM_TAKEN,))
         link = self.fleet.connect(machine)
+        record = CALLER.get()
+        link.heard = record.said if record is not None else ""
         reading = asyncio.create_task(self._hear(requests, link, context))
         try:
             while (event := await link.outbox.get()) is not None:
@@ -255,13 +268,17 @@ class AgentService(pb_grpc.AgentServiceServicer):
                                                        link.machine_id, event.ready)
                     self.fleet.ready(link, offer, event.ready.hold_kinds)
                 elif event.HasField("heartbeat"):
-                    if event.heartbeat.capabilities.held:
+                    beat = event.heartbeat
+                    if beat.capabilities.held:
                         link.offer = None  # its owner holds it: ready again when it says so
-                    said = event.heartbeat.SerializeToString(deterministic=True)
-                    if said != link.heard:  # the same again is news to nobody: `seen` only
+                    # Only what differs from what is stored is written (a machine reconnecting
+                    # after a restart usually says the same again); that it is alive, the
+                    # fleet writes for every connected machine at once (`seen`).
+                    said = _said(link.machine_id, beat)
+                    if said and said != link.heard:
                         link.heard = said
                         await loop.run_in_executor(self.blocking, call.run, self._heard,
-                                                   link.machine_id, event.heartbeat)
+                                                   link.machine_id, beat)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a broken stream: the agent connects again

@@ -56,7 +56,7 @@ class Link:
     offer: MachineView | None = None
     hold_kinds: bool = True
     since: float = dataclasses.field(default_factory=time.monotonic)
-    heard: bytes = b""  # its last heartbeat, as sent: written to the database when it changes
+    heard: str = ""  # what its heartbeats stored (machines.said_digest): written when it changes
     shape: tuple[Any, ...] = ()  # shape(offer), made once as it says it is ready
 
     def close(self, why: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import enum
+import hashlib
 import json
 import time
 import uuid
@@ -63,6 +64,7 @@ class MachineRecord:
     quarantine: str = ""
     owner: str = ""  # whose machine it is, as the admin who approved it said
     runtime: str = ""  # its sandbox runtime as it said (`runsc <version>`, with its date)
+    said: str = ""  # what its last heartbeat with capabilities stored (said_digest)
 
     @classmethod
     def from_row(cls, m: Machine) -> MachineRecord:
@@ -73,7 +75,20 @@ class MachineRecord:
                    int(caps.get("cpus") or 0), int(caps.get("memory_mb") or 0),
                    int(caps.get("disk_mb") or 0), m.agreed or 0, m.disagreed or 0,
                    m.streak or 0, m.quarantine or "", m.owner or "",
-                   str(caps.get("runtime") or "")[:100])
+                   str(caps.get("runtime") or "")[:100],
+                   said_digest(m.capabilities_json or "", m.gpus_json or ""))
+
+
+def reported(capabilities: dict[str, Any], offer: MachineView) -> tuple[str, str]:
+    """The machine's columns a heartbeat with capabilities writes: capabilities_json and
+    gpus_json."""
+    return json.dumps(capabilities), json.dumps({"isolation": offer.gpu_isolation, "gpus": [
+        dataclasses.asdict(g) for g in offer.gpus]})
+
+
+def said_digest(capabilities_json: str, gpus_json: str) -> str:
+    """Names what a heartbeat stored, to tell whether the next one says anything new."""
+    return hashlib.sha256(f"{capabilities_json}\0{gpus_json}".encode()).hexdigest()
 
 
 class Machines:
@@ -166,9 +181,8 @@ class Machines:
         if capabilities is not None:
             values["capabilities_json"] = json.dumps(capabilities)
         if offer is not None:
-            values["gpus_json"] = json.dumps({"isolation": offer.gpu_isolation, "gpus": [
-                dataclasses.asdict(g) for g in offer.gpus]})
-        with self.db.tx() as s:
+            values["gpus_json"] = reported({}, offer)[1]
+        with self.db.tx(durable=False) as s:  # a crash loses a heartbeat; the next one says it
             s.execute(update(Machine).where(Machine.id == machine_id).values(**values))
 
     def seen(self, machine_ids: Sequence[str], chunk: int = 10_000) -> None:
@@ -310,6 +324,12 @@ class MachineRecords:
 
     def forget(self, machine_id: str) -> None:
         self._records.pop(machine_id, None)
+
+    def heard(self, machine_id: str, said: str) -> None:
+        """What this machine's heartbeat just stored (its record's `said`), if it is held."""
+        hit = self._records.get(machine_id)
+        if hit is not None:
+            self._records[machine_id] = (dataclasses.replace(hit[0], said=said), hit[1], hit[2])
 
     def recheck(self) -> None:
         """Read the status epoch at the next call: a status may have changed in this

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from campugrid.coordinator.gpu_history import GpuHistory, GpuMemory
-from campugrid.coordinator.machines import MachineRecord, MachineRecords
+from campugrid.coordinator.machines import MachineRecord, MachineRecords, reported, said_digest
 from campugrid.coordinator.machines import Status as MachineStatus
 from campugrid.coordinator.scheduler import MachineView
 from campugrid.coordinator.store import Store
@@ -92,6 +92,8 @@ class MachineService:
         self.store.machines.heartbeat(machine_id, capabilities, offer)
         if offer is not None:
             self._remember_offer(machine_id, offer)
+            if capabilities is not None:
+                self._records.heard(machine_id, said_digest(*reported(capabilities, offer)))
 
     def note_offer(self, machine_id: str, offer: MachineView) -> None:
         """Keep the machine's GPU snapshot (for why-it-waits) fresh: written when it changes,
