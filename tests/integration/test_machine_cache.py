@@ -4,17 +4,20 @@ while calls from unchanged machines cost no read of their own. On SQLite and Pos
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 
 import pytest
-from sqlalchemy import event
+from sqlalchemy import event, update
 
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.db import make_engine
 from campugrid.coordinator.machines import MACHINE_CACHE_S, Status
+from campugrid.coordinator.models import Machine
 from campugrid.coordinator.objects import MemoryObjects
 from campugrid.coordinator.service import Coordinator
 from campugrid.coordinator.store import Store
+from campugrid.coordinator.views import utcnow
 from campugrid.protocol.errors import Unauthenticated
 from tests.support.machines import add_machine
 
@@ -58,4 +61,24 @@ def test_another_process_sees_a_status_change_within_a_second(store: Store, db_u
     time.sleep(MACHINE_CACHE_S + 0.1)
     with pytest.raises(Unauthenticated):
         ours.machines.get(pending)
+    ours.store.close()
+
+
+def test_a_starting_process_reads_the_machines_heard_from_lately_at_once(store: Store, db_url: str,
+                                                                         tmp_path):
+    """After a restart every connected machine comes back within seconds: their records are
+    read in one query as the process starts, not one read each as they come."""
+    lately = [add_machine(store, f"m{i}") for i in range(30)]
+    long_ago = add_machine(store, "gone")
+    with store.machines.db.tx() as s:
+        s.execute(update(Machine).where(Machine.id == long_ago)
+                  .values(last_seen_at=utcnow() - dt.timedelta(hours=1)))
+    ours, sql = process(db_url, tmp_path)
+    assert ours.machines.warm() == len(lately)
+    assert len(sql) == 2  # the status epoch, and the machines
+    sql.clear()
+    assert all(ours.machines.get(m).status is Status.APPROVED for m in lately)
+    assert sql == []
+    ours.machines.get(long_ago)  # not warmed: read as it calls
+    assert len(sql) == 1
     ours.store.close()

@@ -185,6 +185,13 @@ class Machines:
         with self.db.tx(durable=False) as s:  # a crash loses a heartbeat; the next one says it
             s.execute(update(Machine).where(Machine.id == machine_id).values(**values))
 
+    def seen_since(self, since: dt.datetime, limit: int) -> list[MachineRecord]:
+        """The machines heard from since `since`, the latest first, at most `limit`."""
+        with self.db.read() as s:
+            return [MachineRecord.from_row(m) for m in s.scalars(
+                select(Machine).where(Machine.last_seen_at >= since)
+                .order_by(Machine.last_seen_at.desc()).limit(limit))]
+
     def seen(self, machine_ids: Sequence[str], chunk: int = 10_000) -> None:
         """These machines are alive now (connected on a stream): one statement for up to
         `chunk` of them (SQLite takes 32,766 values in one statement)."""
@@ -321,6 +328,18 @@ class MachineRecords:
             self._records.clear()
         self._records[machine_id] = (record, now + MACHINE_RECORD_S, epoch)
         return record
+
+    def warm(self, within_s: float = MACHINE_RECORD_S, limit: int = 20_000) -> int:
+        """Read at once the records of the machines heard from within `within_s` (at a
+        start: those about to connect again, thousands at once after a restart, would each
+        read their own). How many were read."""
+        epoch = self.machines.epoch()
+        records = self.machines.seen_since(utcnow() - dt.timedelta(seconds=within_s), limit)
+        now = time.monotonic()
+        self._epoch = (epoch, now)
+        for record in records:
+            self._records[record.id] = (record, now + MACHINE_RECORD_S, epoch)
+        return len(records)
 
     def forget(self, machine_id: str) -> None:
         self._records.pop(machine_id, None)

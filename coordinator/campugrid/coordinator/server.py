@@ -224,6 +224,8 @@ def start(settings: Settings) -> Running:
     port = server.add_secure_port(f"{settings.grpc_host}:{settings.grpc_port}", credentials)
     if port == 0:
         raise CampugridError(f"cannot listen for agents on {settings.grpc_host}:{settings.grpc_port}")
+    warmed = coord.machines.warm()  # before the machines connected a moment ago come back
+    log.info("read the records of %d machines heard from lately", warmed)
     server.start()
     server.spawn(service.fleet.run())
     grpc_address = settings.public_grpc or f"{_host(settings.grpc_host)}:{port}"

@@ -43,6 +43,10 @@ class MachineService:
         """The machine a call claims to be (its key and status; see MachineRecords)."""
         return self._records.get(machine_id)
 
+    def warm(self) -> int:
+        """The records of the machines heard from lately, read at once (see MachineRecords)."""
+        return self._records.warm()
+
     def recheck(self) -> None:
         """Statuses may have changed here (a quarantine): the next check reads them again."""
         self._records.recheck()
