@@ -513,7 +513,8 @@ def report(rows: list[dict[str, Any]], unary_row: dict[str, float] | None,
     if restarts:
         print("\ncoordinator SIGKILLed with every agent connected and ready, started again on "
               f"the same ports, state and database; agents back off {BACKOFF_S:.0f} s doubling "
-              f"to {BACKOFF_MAX_S:.0f} s, jittered\n")
+              f"to {BACKOFF_MAX_S:.0f} s, jittered, while it cannot be reached; one it turns "
+              "away (busy) comes back when it says\n")
         print("| agents | listening again s | all connected s | all ready s | DB statements/s "
               "peak 1 s (mean) | stream tries/agent | dispatch after ms |")
         print("|--------|-------------------|-----------------|-------------|-----------------"

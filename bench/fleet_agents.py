@@ -8,9 +8,9 @@ that run them, as the bench drives them.
 An agent opens its stream, sends a heartbeat with its capabilities and says it is ready for
 work, then its unchanged heartbeat every link.STREAM_BEAT_S. A lease that comes down the
 stream is reported (a line of JSON on stdout), and the agent says at once that it is ready
-again. When a stream ends, or cannot be opened, the agent tries again after
-random.uniform(0, backoff), the backoff starting at link.BACKOFF_S and doubling up to
-link.BACKOFF_MAX_S, reset by a lease, as link.Waiting does.
+again. When a stream ends, or cannot be opened, the agent tries again when the agent's own
+link.Backoff says (when the coordinator said, or after a jittered backoff that grows), as
+link.Waiting does.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from campugrid.agent.link import BACKOFF_MAX_S, BACKOFF_S, OPEN_S, STREAM_BEAT_S, Closed, Link
+import grpc
+
+from campugrid.agent.link import OPEN_S, STREAM_BEAT_S, Backoff, Closed, Link
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import keys
 
@@ -60,7 +62,7 @@ async def stream_agent(address: str, pem: str, cred: tuple[str, str], counts: Co
     backoff whenever it ends. Runs until cancelled."""
     key = keys.Ed25519PrivateKey.from_private_bytes(bytes.fromhex(cred[1]))
     await asyncio.sleep(random.uniform(0, start_s))  # agents start at any moment
-    backoff, joined = BACKOFF_S, False
+    backoff, joined = Backoff(), False
     while True:
         link = Link(address, pem, key, cred[0])
         up, waiting = False, None
@@ -81,7 +83,7 @@ async def stream_agent(address: str, pem: str, cred: tuple[str, str], counts: Co
                     reply = waiting.result()  # Closed when the stream ended
                     print(json.dumps({"job": reply.job_id, "at": time.time()}), flush=True)
                     counts.leases += 1
-                    backoff = BACKOFF_S  # as link.Waiting: a lease resets it
+                    backoff.reset()  # as link.Waiting: a lease resets it
                     await link.ready(OFFER)  # the task ended at once: ready again
                     waiting = asyncio.create_task(link.lease())
                 else:
@@ -89,6 +91,7 @@ async def stream_agent(address: str, pem: str, cred: tuple[str, str], counts: Co
                     counts.beats += 1
         except (Closed, TimeoutError) as e:
             why = (e.code.name if e.code else e.reason[:40]) if isinstance(e, Closed) else "timeout"
+            ended = e if isinstance(e, Closed) else Closed("timeout", grpc.StatusCode.UNAVAILABLE)
             counts.codes[why] = counts.codes.get(why, 0) + 1
             if up:
                 counts.ended += 1
@@ -100,8 +103,7 @@ async def stream_agent(address: str, pem: str, cred: tuple[str, str], counts: Co
             if waiting is not None:
                 waiting.cancel()
             await link.close()
-        await asyncio.sleep(random.uniform(0, backoff))
-        backoff = min(BACKOFF_MAX_S, backoff * 2)
+        await asyncio.sleep(backoff.after(ended))
 
 
 async def _start(link: Link) -> None:

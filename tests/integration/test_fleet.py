@@ -314,7 +314,7 @@ def test_a_lost_stream_is_tried_again_after_a_jittered_backoff_that_grows():
         waiting._lost(Closed("gone", grpc.StatusCode.UNAVAILABLE))
         tries.append(waiting._next_try - before)
     assert all(0 <= t <= 30.5 for t in tries) and len({round(t, 3) for t in tries}) > 4
-    assert waiting._backoff == 30.0 and len(told) == 8  # the client moves to its next address
+    assert waiting._backoff.limit == 30.0 and len(told) == 8  # the client moves to its next address
     # While the next try waits, a wait for work is that wait (up to its own), and no task.
     waiting._next_try = time.monotonic() + 0.8
     began = time.monotonic()
@@ -325,10 +325,12 @@ def test_a_lost_stream_is_tried_again_after_a_jittered_backoff_that_grows():
 def test_a_coordinator_checking_many_streams_turns_one_away_to_try_again_later(
         coordinator, tmp_path, monkeypatch):
     """After a restart thousands of agents open streams at once: past MAX_OPENING being
-    checked, one is refused at once, and the agent backs off as from a lost stream."""
+    checked, one is refused at once and told when to come back, each turned-away stream a
+    moment of its own, at the rate streams are being taken; the agent comes back then."""
     running, _ = coordinator
     m = client(running, tmp_path, "m")
     monkeypatch.setattr(agent_calls, "MAX_OPENING", 0)
+    monkeypatch.setattr(agent_calls.Admission, "FLOOR_PER_S", 1.0)  # a moment every second
 
     async def turned_away() -> Closed:
         link = link_of(running, m)
@@ -337,10 +339,15 @@ def test_a_coordinator_checking_many_streams_turns_one_away_to_try_again_later(
         await link.close()
         return err.value
 
-    busy = run(turned_away())
-    assert busy.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "try again" in busy.reason
+    busy = [run(turned_away()) for _ in range(3)]
+    assert all(b.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "try again" in b.reason
+               for b in busy)
+    # Each later one a moment further (none taken meanwhile: the floor's rate).
+    assert [round(b.retry_after or 0) for b in busy] == [1, 2, 3], [b.retry_after for b in busy]
+    began = time.monotonic()
     assert not m.lease(wait_s=1).has_task  # no grpc.RpcError: a wait, not a refusal
-    assert m.waiting._next_try > time.monotonic() - 1 and m.waiting._backoff == 2.0
+    told = m.waiting._next_try - began
+    assert 3.5 < told < 4.5 and m.waiting._backoff.limit == 1.0, told  # as told, not doubled
 
 
 def test_a_stream_dropped_mid_lease_leaves_the_lease_to_its_renewals(coordinator, tmp_path):

@@ -13,6 +13,7 @@ import hashlib
 import inspect
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from typing import Any
@@ -30,6 +31,7 @@ from campugrid.protocol.wire import (
     KEY_HEADER,
     MACHINE_HEADER,
     NONCE_HEADER,
+    RETRY_AFTER_HEADER,
     SIGNATURE_HEADER,
     STREAM_BODY,
     call_base,
@@ -37,10 +39,10 @@ from campugrid.protocol.wire import (
 
 log = logging.getLogger("campugrid.coordinator.agents")
 REGISTER = "/campugrid.v1.AgentService/Register"
-# Streams checked at once; one more is refused at once (RESOURCE_EXHAUSTED) and its agent tries
-# again after its jittered backoff. Thousands of agents reconnecting after a restart would
-# otherwise queue checks longer than an agent waits for its stream (link.OPEN_S): the work
-# would all be for agents that had given up, and none would get in (bench/fleet.py's restart).
+# Streams checked at once; one more is refused at once (RESOURCE_EXHAUSTED) and told when to
+# try again (Admission). Thousands of agents reconnecting after a restart would otherwise
+# queue checks longer than an agent waits for its stream (link.OPEN_S): the work would all be
+# for agents that had given up, and none would get in (bench/fleet.py's restart).
 MAX_OPENING = 64
 # The machine whose signature SignedCalls checked, for the handler of this call.
 CALLER: contextvars.ContextVar[MachineRecord | None] = contextvars.ContextVar(
@@ -91,6 +93,35 @@ def _unary(behaviour: Callable[..., Any], handler: Any, **kw: Any) -> Any:
         response_serializer=handler.response_serializer)
 
 
+class Admission:
+    """When a stream turned away (MAX_OPENING) should come back: each one is given the next
+    free moment at the rate streams are being taken now (measured over the last WINDOW_S, at
+    least FLOOR_PER_S), so that thousands coming back at once after a restart are let in as
+    fast as they can be taken, none waiting for a backoff that grew while others got in."""
+
+    WINDOW_S = 2.0
+    FLOOR_PER_S = 100.0
+    MOST_S = 120.0
+
+    def __init__(self) -> None:
+        self._taken: deque[float] = deque()  # when recent streams were taken
+        self._next = 0.0  # the last moment given out
+
+    def taken(self) -> None:
+        now = time.monotonic()
+        self._taken.append(now)
+        while self._taken[0] < now - self.WINDOW_S:
+            self._taken.popleft()
+
+    def retry_after(self) -> float:
+        """Seconds until this refused stream's moment."""
+        now = time.monotonic()
+        recent = sum(1 for t in self._taken if t >= now - self.WINDOW_S)
+        rate = max(self.FLOOR_PER_S, recent / self.WINDOW_S)
+        self._next = min(max(self._next, now) + 1 / rate, now + self.MOST_S)
+        return self._next - now
+
+
 class SignedCalls(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
     """Every call must be signed by a machine's own key, over the method, the SHA-256 of the
     request's bytes as they came (wrapped around the deserializer, so nothing is
@@ -105,6 +136,7 @@ class SignedCalls(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is 
         self.metrics = coord.metrics
         self.blocking = blocking
         self.opening = 0  # streams being checked now (on the server's loop: no lock)
+        self.admission = Admission()
 
     async def intercept_service(self, continuation: Any, details: Any) -> Any:
         handler = await continuation(details)
@@ -152,9 +184,11 @@ class SignedCalls(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is 
         async def checked_first(requests: Any, context: Any) -> AsyncIterator[Any]:
             if self.opening >= MAX_OPENING:  # turned away at once, not after a wait in a queue
                 self.metrics.refused("grpc", "busy")
+                later = self.admission.retry_after()
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     "the coordinator is taking many streams at once: try again "
-                                    "after a while")
+                                    f"in {later:.1f} s",
+                                    trailing_metadata=((RETRY_AFTER_HEADER, str(int(later * 1000))),))
             self.opening += 1
             try:
                 record = await asyncio.get_running_loop().run_in_executor(
@@ -163,6 +197,7 @@ class SignedCalls(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is 
                 await context.abort(a.code, a.details)
             finally:
                 self.opening -= 1
+            self.admission.taken()
             CALLER.set(record)  # this call's own context: it ends with the call
             async for reply in inner(requests, context):
                 yield reply

@@ -34,6 +34,9 @@ STREAM_BODY = b""
 # agent writes nothing before it. (A client that writes while the server refuses its
 # stream can lose the refusal: gRPC then reports INTERNAL, "Internal error from Core".)
 STREAM_TAKEN = ("x-campugrid-stream", "taken")
+# In a refusal's trailing metadata: when to try again, in milliseconds (a coordinator taking
+# many streams at once spaces out those it turns away; see coordinator/agent_calls.py).
+RETRY_AFTER_HEADER = "x-campugrid-retry-after-ms"
 
 
 def call_base(method: str, body_sha256: str, created: int, nonce: str, signer: str) -> bytes:

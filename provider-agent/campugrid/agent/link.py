@@ -27,6 +27,7 @@ from campugrid.protocol import keys
 from campugrid.protocol.wire import (
     CHANNEL_OPTIONS,
     MACHINE_HEADER,
+    RETRY_AFTER_HEADER,
     STREAM_BODY,
     STREAM_TAKEN,
     signed_metadata,
@@ -48,11 +49,22 @@ T = TypeVar("T")
 
 class Closed(Exception):
     """The stream ended: `reason` is the coordinator's word (revoked, stopping) or the
-    status the call ended with."""
+    status the call ended with; `retry_after`, seconds, when the coordinator said when to
+    try again (wire.RETRY_AFTER_HEADER)."""
 
-    def __init__(self, reason: str, code: grpc.StatusCode | None = None) -> None:
+    def __init__(self, reason: str, code: grpc.StatusCode | None = None,
+                 retry_after: float | None = None) -> None:
         super().__init__(reason)
-        self.reason, self.code = reason, code
+        self.reason, self.code, self.retry_after = reason, code, retry_after
+
+
+def _retry_after(metadata: Any) -> float | None:
+    """What a refusal's trailing metadata says of when to try again (seconds, at most an
+    hour), if it says."""
+    for key, value in tuple(metadata or ()):
+        if key == RETRY_AFTER_HEADER and isinstance(value, str) and value.isdigit():
+            return min(int(value), 3_600_000) / 1000
+    return None
 
 
 class Link:
@@ -81,13 +93,15 @@ class Link:
         try:
             said = await asyncio.wait_for(self._call.initial_metadata(), OPEN_S)
         except grpc.aio.AioRpcError as e:
-            raise Closed(e.details() or e.code().name, e.code()) from e
+            raise Closed(e.details() or e.code().name, e.code(),
+                         _retry_after(e.trailing_metadata())) from e
         except TimeoutError as e:
             self._call.cancel()
             raise Closed(f"no answer in {OPEN_S:.0f} s", grpc.StatusCode.UNAVAILABLE) from e
         taken = STREAM_TAKEN in tuple(said or ())
         if not taken:
-            raise Closed(await self._ended(), await self._call.code())
+            raise Closed(await self._ended(), await self._call.code(),
+                         _retry_after(await self._call.trailing_metadata()))
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
     async def ready(self, offer: pb.LeaseRequest) -> None:
@@ -166,10 +180,28 @@ class Refused(grpc.RpcError):  # type: ignore[misc]  # grpc is untyped
 
 
 REFUSALS = frozenset({grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED})
-# After a stream ends, the next try waits a random time in [0, backoff], and the backoff
-# doubles up to BACKOFF_MAX_S: a coordinator restarting with thousands of agents connected
-# gets them back spread over that time, not all at once.
 BACKOFF_S, BACKOFF_MAX_S = 1.0, 30.0
+
+
+class Backoff:
+    """When to try a stream again after it ended or did not open. Where the coordinator said
+    when (it was taking many streams at once, and gave this one a moment of its own), then,
+    give or take a tenth; else a random time in [0, limit], the limit doubling from BACKOFF_S
+    up to BACKOFF_MAX_S, so that a coordinator restarting with thousands of agents connected
+    gets them back spread out, not all at once. A lease resets it."""
+
+    def __init__(self) -> None:
+        self.limit = BACKOFF_S
+
+    def after(self, closed: Closed) -> float:
+        if closed.retry_after is not None:
+            return closed.retry_after * random.uniform(0.95, 1.05)  # noqa: S311 - jitter
+        wait = random.uniform(0, self.limit)  # noqa: S311 - jitter
+        self.limit = min(BACKOFF_MAX_S, self.limit * 2)
+        return wait
+
+    def reset(self) -> None:
+        self.limit = BACKOFF_S
 
 
 class Waiting:
@@ -190,7 +222,7 @@ class Waiting:
         self._link: Link | None = None
         self._offered: pb.LeaseRequest | None = None  # the last `ready` sent on this link
         self._next_try = 0.0
-        self._backoff = BACKOFF_S
+        self._backoff = Backoff()
         self._beat: tuple[bytes, float] | None = None  # the last heartbeat sent, and when
         self._lock = threading.Lock()
 
@@ -219,7 +251,7 @@ class Waiting:
                             return None
                         continue  # still waiting, or it came meanwhile: take it
                     self._offered = None  # busy: ready again once the task is done
-                    self._backoff = BACKOFF_S
+                    self._backoff.reset()
                     return reply
             except Closed as e:
                 self._lost(e)
@@ -289,8 +321,7 @@ class Waiting:
             return
         if e.code is grpc.StatusCode.UNAVAILABLE:
             self.unreachable()
-        self._next_try = time.monotonic() + random.uniform(0, self._backoff)  # noqa: S311 - jitter
-        self._backoff = min(BACKOFF_MAX_S, self._backoff * 2)
+        self._next_try = time.monotonic() + self._backoff.after(e)
 
     @staticmethod
     def _pause(until: float, give_up: Callable[[], bool] | None) -> None:
