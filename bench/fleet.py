@@ -158,8 +158,11 @@ class Scraper:
         self.own_queries = b["queries"] - a["queries"]
 
     def read(self) -> dict[str, float]:
-        text = httpx.get(f"{self.url}/metrics", timeout=30,
-                         headers={"authorization": f"Bearer {self.token}"}).text
+        answer = httpx.get(f"{self.url}/metrics", timeout=30,
+                           headers={"authorization": f"Bearer {self.token}"})
+        if answer.status_code != 200:
+            raise RuntimeError(f"/metrics answered {answer.status_code}: {answer.text[:300]}")
+        text = answer.text
         found = {}
         for line in text.splitlines():
             name, _, value = line.partition(" ")

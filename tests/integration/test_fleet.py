@@ -350,6 +350,36 @@ def test_a_coordinator_checking_many_streams_turns_one_away_to_try_again_later(
     assert 3.5 < told < 4.5 and m.waiting._backoff.limit == 1.0, told  # as told, not doubled
 
 
+def test_a_stream_whose_machine_has_not_said_it_is_ready_is_still_joining(coordinator, tmp_path,
+                                                                           monkeypatch):
+    """What bounds the joins at once is the whole join (checked, taken, ready), not the
+    signature check alone: the rest of it is what crowds the server's loop after a restart."""
+    running, _ = coordinator
+    first, second = client(running, tmp_path, "a"), client(running, tmp_path, "b")
+    monkeypatch.setattr(agent_calls, "MAX_OPENING", 1)
+
+    async def scenario() -> tuple[Closed, int]:
+        a = link_of(running, first)
+        await a.open()  # taken, not ready yet: joining
+        b = link_of(running, second)
+        with pytest.raises(Closed) as busy:
+            await b.open()
+        await b.close()
+        await a.ready(OFFER)
+        while running_fleet(running).joining:
+            await asyncio.sleep(0.02)
+        b = link_of(running, second)
+        await b.open()  # a has joined: room again
+        await b.close()
+        await a.close()
+        await asyncio.sleep(0.3)
+        return busy.value, running_fleet(running).joining
+
+    busy, joining = run(scenario())
+    assert busy.code == grpc.StatusCode.RESOURCE_EXHAUSTED, busy
+    assert joining == 0  # b ended without saying it was ready: not joining any more
+
+
 def test_a_stream_dropped_mid_lease_leaves_the_lease_to_its_renewals(coordinator, tmp_path):
     """The stream is for waiting: a machine whose connection drops after its lease came keeps
     the task (renewed and completed by its calls); the coordinator forgets the stream."""

@@ -39,10 +39,11 @@ from campugrid.protocol.wire import (
 
 log = logging.getLogger("campugrid.coordinator.agents")
 REGISTER = "/campugrid.v1.AgentService/Register"
-# Streams checked at once; one more is refused at once (RESOURCE_EXHAUSTED) and told when to
-# try again (Admission). Thousands of agents reconnecting after a restart would otherwise
-# queue checks longer than an agent waits for its stream (link.OPEN_S): the work would all be
-# for agents that had given up, and none would get in (bench/fleet.py's restart).
+# Streams joining at once (being checked, or taken but their machine has not said it is
+# ready yet); one more is refused at once (RESOURCE_EXHAUSTED) and told when to try again
+# (Admission). Thousands of agents reconnecting after a restart would otherwise queue their
+# joins on the server's loop longer than an agent waits for its stream (link.OPEN_S): the
+# work would all be for agents that had given up, and none would get in (bench/fleet.py).
 MAX_OPENING = 64
 # The machine whose signature SignedCalls checked, for the handler of this call.
 CALLER: contextvars.ContextVar[MachineRecord | None] = contextvars.ContextVar(
@@ -136,6 +137,8 @@ class SignedCalls(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is 
         self.metrics = coord.metrics
         self.blocking = blocking
         self.opening = 0  # streams being checked now (on the server's loop: no lock)
+        # Streams taken whose machine has not said it is ready yet (the fleet's count).
+        self.joining: Callable[[], int] = lambda: 0
         self.admission = Admission()
 
     async def intercept_service(self, continuation: Any, details: Any) -> Any:
@@ -182,7 +185,7 @@ class SignedCalls(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is 
         digest = hashlib.sha256(STREAM_BODY).hexdigest()
 
         async def checked_first(requests: Any, context: Any) -> AsyncIterator[Any]:
-            if self.opening >= MAX_OPENING:  # turned away at once, not after a wait in a queue
+            if self.opening + self.joining() >= MAX_OPENING:  # at once, not after a wait
                 self.metrics.refused("grpc", "busy")
                 later = self.admission.retry_after()
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,

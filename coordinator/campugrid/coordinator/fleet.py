@@ -58,6 +58,7 @@ class Link:
     since: float = dataclasses.field(default_factory=time.monotonic)
     heard: str = ""  # what its heartbeats stored (machines.said_digest): written when it changes
     shape: tuple[Any, ...] = ()  # shape(offer), made once as it says it is ready
+    joined: bool = False  # it said it is ready at least once
 
     def close(self, why: str) -> None:
         self.outbox.put_nowait(pb.CoordinatorEvent(closing=why))
@@ -93,6 +94,7 @@ class Fleet:
         # (Thousands of machines joining at once, after a restart, would each cost a round.)
         self._nothing_queued = False
         self._news = 0  # counts the wakes (news of work), read around a round
+        self.joining = 0  # links whose machine has not said it is ready yet
 
     # --- the streams ----------------------------------------------------------------------
 
@@ -103,14 +105,22 @@ class Fleet:
             old.close("this machine connected again")
         link = Link(machine_id, asyncio.Queue())
         self.links[machine_id] = link
+        self.joining += 1
         return link
 
     def disconnect(self, link: Link) -> None:
+        """The stream's call ended (every stream ends here, whoever ended it)."""
         if self.links.get(link.machine_id) is link:
             del self.links[link.machine_id]
+        if not link.joined:
+            link.joined = True
+            self.joining -= 1
 
     def ready(self, link: Link, offer: MachineView, hold_kinds: bool) -> None:
         link.offer, link.hold_kinds, link.shape = offer, hold_kinds, shape(offer)
+        if not link.joined:
+            link.joined = True
+            self.joining -= 1
         if not self._nothing_queued:  # else a machine joining costs no round: see _rounds
             self.kick()
 
@@ -254,5 +264,11 @@ class Fleet:
         return await self._loop.run_in_executor(self.blocking, fn, *args)
 
     def idle(self) -> Iterator[str]:
-        """The machines waiting for work now."""
-        return (m for m, link in list(self.links.items()) if link.offer is not None)
+        """The machines waiting for work now; read from any thread (the links change on the
+        server's loop: a copy that one of its changes got in the way of is made again)."""
+        while True:
+            try:
+                links = self.links.copy()
+            except RuntimeError:
+                continue
+            return (m for m, link in links.items() if link.offer is not None)

@@ -207,7 +207,8 @@ def start(settings: Settings) -> Running:
     # 32 threads for the plain calls; the streams' checks and the dispatcher's claims on 16
     # of their own
     blocking = futures.ThreadPoolExecutor(16, thread_name_prefix="grpc-streams")
-    server = AgentServer(32, [SignedCalls(coord, coord.apps.nonces, blocking), AboutJob()], blocking)
+    signed = SignedCalls(coord, coord.apps.nonces, blocking)
+    server = AgentServer(32, [signed, AboutJob()], blocking)
     rest_tls = not local_rest if settings.rest_tls is None else settings.rest_tls
     scheme = "https" if rest_tls else "http"
     url = settings.public_url or f"{scheme}://{_host(settings.http_host)}:{settings.http_port}"
@@ -218,6 +219,7 @@ def start(settings: Settings) -> Running:
                                            rest_pem=cert.pem.decode(), egress_url=egress_url),
                            settings.registrations_per_minute, blocking)
     pb_grpc.add_AgentServiceServicer_to_server(service, server.server)
+    signed.joining = lambda: service.fleet.joining
     coord.metrics.watch_fleet(lambda: len(service.fleet.links),
                               lambda: sum(1 for _ in service.fleet.idle()))
     credentials = grpc.ssl_server_credentials([(cert.key_pem, cert.pem)])
