@@ -357,6 +357,9 @@ def restart(coordinator: Coordinator, scraper: Scraper, sims: Simulators, api: A
             time.sleep(0.1)
             continue
         now = time.monotonic() - killed
+        if not samples or now // 10 > samples[-1][0] // 10:  # minutes of it: show it coming
+            print(f"    restart + {now:.0f} s: {g['connected']:.0f} connected, "
+                  f"{g['ready']:.0f} ready", file=sys.stderr)
         samples.append((now, g["statements"], g["connected"], g["ready"]))
         if math.isnan(connected_s) and g["connected"] >= agents:
             connected_s = now
