@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import tarfile
 from pathlib import Path
@@ -219,5 +220,36 @@ def test_kaniko_builds_under_runsc_and_its_image_runs(provider, shared_tmp):
         os.chown(out, provider.uid, provider.gid) if os.geteuid() == 0 else None
         run = sandbox_run(provider, name="t-kaniko", image=tag, command=None, output_dir=str(out))
         assert len(run["lines"]) == 1 and gvisor_kernel(run["lines"][0]), (res, run)  # gVisor's
+    finally:
+        remove_image(provider, tag)
+
+
+def test_the_runsc_a_provider_names_runs_the_run_steps(provider, shared_tmp):
+    """`campugrid agent run --runsc PATH`: that runsc, not the first on PATH, runs the RUN
+    steps (and the jobs: the runtime gives podman the same path)."""
+    real = shutil.which("runsc")
+    assert real is not None
+    logged = shared_tmp / "runsc-logged"
+    calls = shared_tmp / "runsc-calls"
+    logged.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\nexec {real} \"$@\"\n")
+    calls.write_text("")
+    logged.chmod(0o755)
+    if os.geteuid() == 0:
+        os.chown(calls, provider.uid, provider.gid)
+    ctx = context(shared_tmp, provider, "RUN uname -r > /kernel\n")
+    tag = "localhost/campugrid-test/named-runsc:1"
+    try:
+        res = run_as_provider(provider, f"""
+            import json
+            from pathlib import Path
+            from campugrid.agent import backends
+            runtime, builder = backends.choose("podman-runsc", "buildah",
+                                               backends.BackendOptions(runsc={str(logged)!r}))
+            lines = []
+            builder.build(Path({ctx!r}), {tag!r}, log=lines.append, timeout_s=300)
+            print(json.dumps({{"runtime": runtime.runsc, "lines": lines}}))
+        """, timeout=600)
+        assert res["runtime"] == str(logged)
+        assert " create " in calls.read_text(), (calls.read_text(), res["lines"])
     finally:
         remove_image(provider, tag)

@@ -109,8 +109,9 @@ class BuildahBuilder:
     name = "buildah"
     online = True  # RUN steps may reach the egress proxy
 
-    def __init__(self, buildah: str = "buildah", scope: str = "") -> None:
+    def __init__(self, buildah: str = "buildah", scope: str = "", runsc: str = "runsc") -> None:
         self.buildah = shutil.which(buildah) or buildah
+        self.runsc = shutil.which(runsc) or runsc  # what runsc-build-runtime runs
         # RUN steps run in a job cgroup too, where this host can enforce one.
         self.limits = host_limits.detect()
         self.scope = scope  # this agent's folder of job cgroups (see limits.job_cgroup)
@@ -166,6 +167,7 @@ class BuildahBuilder:
              egress: Path | None = None, tmpfs: bool = True) -> list[str]:
         trust = os.environ.get(CA_ENV, "") if egress is not None else ""
         return [self.buildah, "unshare", "/usr/bin/env", f"NETNS={_NETNS}",
+                f"CAMPUGRID_RUNSC={self.runsc}",
                 *([f"SSL_CERT_FILE={trust}"] if trust else []),
                 "/bin/sh", "-c", _SCRIPT, "campugrid-build",
                 str(store), str(disk_mb if tmpfs else 0), str(layer_limit_mb(disk_mb)),

@@ -79,9 +79,10 @@ class KanikoBuilder:
     name = "kaniko"
     online = False  # its sandbox has no way out: builds are offline
 
-    def __init__(self, executor_image: str, podman: str = "podman") -> None:
+    def __init__(self, executor_image: str, podman: str = "podman", runsc: str = "runsc") -> None:
         self.executor_image = executor_image
         self.podman = shutil.which(podman) or podman
+        self.runsc = shutil.which(runsc) or runsc
         self.skopeo = shutil.which("skopeo") or "skopeo"
         self.scope = ""  # Kaniko's containers run under the API service, outside job cgroups
 
@@ -93,7 +94,8 @@ class KanikoBuilder:
         import docker
 
         socket = work / "api.sock"
-        service = subprocess.Popen(service_argv(socket, self.podman), stdout=subprocess.DEVNULL,
+        service = subprocess.Popen(service_argv(socket, self.podman, self.runsc),
+                                   stdout=subprocess.DEVNULL,
                                    stderr=subprocess.PIPE)
         try:
             deadline = time.monotonic() + 30

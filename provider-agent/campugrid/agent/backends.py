@@ -26,17 +26,18 @@ class BackendOptions:
     """What the factories may need from the agent's configuration."""
 
     kaniko_image: str = ""  # Kaniko's executor image, a local one ("": infra/kaniko.sh's)
+    runsc: str = "runsc"  # gVisor's runsc, for jobs and RUN steps alike (a path, or on PATH)
 
 
 def _kaniko(options: BackendOptions) -> Builder:
-    return KanikoBuilder(options.kaniko_image or EXECUTOR_IMAGE)
+    return KanikoBuilder(options.kaniko_image or EXECUTOR_IMAGE, runsc=options.runsc)
 
 
 RUNTIMES: Mapping[str, Callable[[BackendOptions], Runtime]] = {
-    "podman-runsc": lambda _options: PodmanRunsc(),
+    "podman-runsc": lambda options: PodmanRunsc(runsc=options.runsc),
 }
 BUILDERS: Mapping[str, Callable[[BackendOptions], Builder]] = {
-    "buildah": lambda _options: BuildahBuilder(),
+    "buildah": lambda options: BuildahBuilder(runsc=options.runsc),
     "kaniko": _kaniko,
 }
 

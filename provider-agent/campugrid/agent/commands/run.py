@@ -32,6 +32,9 @@ def agent_run(
                                                   "name).")] = None,
     builder: Annotated[str, typer.Option(help="The image builder: buildah or kaniko.")] = "buildah",
     runtime: Annotated[str, typer.Option(help="The sandbox runtime.")] = "podman-runsc",
+    runsc: Annotated[str, typer.Option(
+        help="gVisor's runsc for jobs and RUN steps, a path (default: the first on PATH).")
+    ] = "runsc",
     kaniko_image: Annotated[str, typer.Option(
         envvar="CAMPUGRID_KANIKO_IMAGE",
         help="Kaniko's executor image, a local one (default: the one infra/kaniko.sh makes).")
@@ -102,7 +105,8 @@ def agent_run(
         hours = hours if hours is not None else (cfg.hours or None)
         share = share if share else [f"{k}={v}" for k, v in cfg.shares.items()]
         sandbox, chosen = backends.choose(runtime, builder,
-                                          backends.BackendOptions(kaniko_image=kaniko_image))
+                                          backends.BackendOptions(kaniko_image=kaniko_image,
+                                                                  runsc=runsc))
         policy = GpuPolicy(allow=tuple(x.strip() for x in gpus.split(",")) if gpus else None,
                            reserve_mb=gpu_reserve_mb, protected=tuple(protect or ()))
         required = tuple(x.strip() for x in require_limits.split(",") if x.strip())
