@@ -1,6 +1,7 @@
 """Sharded throughput end to end: trivial shards per second, gVisor sandbox included.
 
-    .venv/bin/python bench/shards.py [--count 300] [--no-peer]     (as root, like ./infra/up)
+    .venv/bin/python bench/shards.py [--count 300] [--no-peer] [--runsc PATH ...]
+                                                               (as root, like ./infra/up)
 
 The platform as `campugrid up` starts it (embedded S3, coordinator on SQLite, ONE agent as the
 unprivileged provider user). A sharded job of N trivial shards (each returns i * 2) is
@@ -9,7 +10,9 @@ start included, then from its first shard's end to its last (steady state). Two 
 "serve" (the job's process stays up and serves shards through hooks.serve_shards) and
 "process" (python3 starts once per shard, inside the one warm sandbox). The peer, gpumesh
 3.2.0 from PyPI with one worker (no isolation at all), runs the same count in the same run
-(bench/peers/gpumesh_driver.py) and the ratio is printed.
+(bench/peers/gpumesh_driver.py) and the ratio is printed. With --runsc given more than once
+(by default: infra/runsc.sh's and Debian's, where present), the agent runs once with each
+(`campugrid agent run --runsc PATH`), rows side by side.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -87,40 +91,54 @@ def run_peer(count: int) -> dict[str, float] | None:
     return result
 
 
+def _release(version: str) -> str:
+    """runsc's release date from its --version ("go-20260905-…", "0.0~20240729.0")."""
+    found = re.search(r"(20\d\d)(\d\d)(\d\d)", version)
+    return "-".join(found.groups()) if found else version.split("\n")[0][-20:]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--count", type=int, default=300, help="shards per job (and for gpumesh)")
     ap.add_argument("--no-peer", action="store_true", help="skip gpumesh")
+    ap.add_argument("--runsc", action="append", help="a runsc for the agent (repeatable)")
     args = ap.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="campugrid-shards-bench-"))
-    os.chmod(root, 0o711)
-    platform = Platform(root / "state", http_port=free_port()).start()
+    runscs = args.runsc or [p for p in ("/usr/local/bin/runsc", "/usr/bin/runsc")
+                            if Path(p).exists()]
+    dated = {r: _release(subprocess.run([r, "--version"], capture_output=True, text=True,
+                                        check=True).stdout) for r in runscs}
     rows: dict[str, dict[str, float]] = {}
-    try:
-        platform.start_agent("bench-agent")
-        with Api(platform.url) as api:
-            for mode in ("serve", "process"):
-                rows[mode] = run_ours(api, root, mode, args.count)
-                print(f"  campugrid {mode}: {rows[mode]['per_s']:.1f} shards/s", file=sys.stderr)
-    finally:
-        platform.stop()
-        shutil.rmtree(root, ignore_errors=True)
+    for runsc in runscs:
+        root = Path(tempfile.mkdtemp(prefix="campugrid-shards-bench-"))
+        os.chmod(root, 0o711)
+        platform = Platform(root / "state", http_port=free_port(),
+                            admin_identity=root / "admin.json").start()
+        try:
+            platform.start_agent("bench-agent", args=("--runsc", runsc))
+            with platform.api() as api:
+                for mode in ("serve", "process"):
+                    row = f"{mode}, runsc {dated[runsc]}"
+                    rows[row] = run_ours(api, root, mode, args.count)
+                    print(f"  campugrid {row}: {rows[row]['per_s']:.1f} shards/s", file=sys.stderr)
+        finally:
+            platform.stop()
+            shutil.rmtree(root, ignore_errors=True)
     peer = None if args.no_peer else run_peer(args.count)
     print(f"\n{args.count} trivial shards, one worker/agent on this machine, timed from submit "
           "to the last result\n")
-    print("| system                                   | isolation        | shards/s | wall s "
-          "| steady shards/s | ratio to gpumesh |")
-    print("|------------------------------------------|------------------|----------|--------"
-          "|-----------------|------------------|")
+    print("| system                                              | isolation        | shards/s "
+          "| wall s | steady shards/s | ratio to gpumesh |")
+    print("|-----------------------------------------------------|------------------|----------"
+          "|--------|-----------------|------------------|")
     for mode, r in rows.items():
         ratio = f"{r['per_s'] / peer['per_s']:.2f}x" if peer and peer.get("per_s") else "n/a"
-        print(f"| campugrid, shard_mode {mode:<18} | gVisor, offline  | {r['per_s']:8.1f} "
+        print(f"| campugrid, shard_mode {mode:<29} | gVisor, offline  | {r['per_s']:8.1f} "
               f"| {r['wall_s']:6.1f} | {r['steady_per_s']:15.1f} | {ratio:>16} |")
     if peer:
-        print(f"| gpumesh 3.2.0 (baseline)                 | none             | "
+        print(f"| gpumesh 3.2.0 (baseline)                            | none             | "
               f"{peer['per_s']:8.1f} | {peer['wall_s']:6.1f} | {'n/a':>15} | {'1.00x':>16} |")
     else:
-        print("| gpumesh 3.2.0 (baseline)                 | none             | not run |")
+        print("| gpumesh 3.2.0 (baseline)                            | none             | not run |")
     print("\nratio: our shards/s over gpumesh's, same machine, same run (higher is better for "
           "campugrid). Wall includes our image build and sandbox start; steady is first to last "
           "shard end.")
