@@ -1,6 +1,7 @@
 """What building a researcher's own Dockerfile through campugrid costs, against a plain build.
 
-    .venv/bin/python bench/builds.py [--rounds 3] [--only NAME ...]    (as root, after infra/setup.sh)
+    .venv/bin/python bench/builds.py [--rounds 3] [--only NAME ...] [--runsc PATH ...]
+                                                            (as root, after infra/setup.sh)
 
 The corpus (tests/corpus, but the entries that fetch from the stand-ins for GitHub, conda and the
 PyTorch index, which a plain build cannot reach) built two ways on this machine, in the same
@@ -17,7 +18,10 @@ run, caches warm (one round first, not counted: the base pulled, the caches fill
     the agent reports as it starts the sandbox: like the baseline, this counts no container's
     start (a job's first start of a new image also pays Podman's ID-mapped copy of it for
     `--userns keep-id`: 1.3-1.7 s for this image here).
-The goal (issue 14): campugrid at most 1.5x the plain build on a warm cache.
+The goal (issue 14): campugrid at most 1.5x the plain build on a warm cache. With --runsc
+given more than once (by default: infra/runsc.sh's and Debian's, where present), campugrid's
+builds run once with each, one agent after the other (`campugrid agent run --runsc PATH`),
+side by side in the tables; the plain build runs beside the first.
 
 The first table also gives campugrid's build alone (its build and commit phases: the builder
 with every RUN step in gVisor) against the plain build: the part of the ratio that is the
@@ -34,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -125,7 +130,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--only", nargs="*", metavar="NAME", help="these corpus entries only")
+    ap.add_argument("--runsc", action="append", help="a runsc for the agent (repeatable)")
     args = ap.parse_args()
+    runscs = args.runsc or [p for p in ("/usr/local/bin/runsc", "/usr/bin/runsc")
+                            if Path(p).exists()]
+    dated = {r: "runsc " + _release(subprocess.run([r, "--version"], capture_output=True,
+                                                   text=True, check=True).stdout)
+             for r in runscs}
     root = Path(tempfile.mkdtemp(prefix="campugrid-bench-builds-"))
     os.chmod(root, 0o711)
     user = ProviderUser.resolve()
@@ -147,24 +158,29 @@ def main() -> None:
                         admin_identity=root / "admin.json", hub_upstream=f"http://{hub.address}")
     corpus = {k: v for k, v in entries().items() if not args.only or k in args.only}
     plain: dict[str, list[float]] = {name: [] for name in corpus}
-    ours: dict[str, list[float]] = {name: [] for name in corpus}
-    phases: dict[str, list[dict[str, float]]] = {name: [] for name in corpus}
+    ours = {(g, name): list[float]() for g in dated.values() for name in corpus}
+    phases = {(g, name): list[dict[str, float]]() for g in dated.values() for name in corpus}
     try:
         platform.start()
-        platform.start_agent("bench-builds")
         with platform.api() as api:
-            for r in range(args.rounds + 1):  # round 0 warms the caches, not counted
-                for name, (source, expect) in corpus.items():
-                    took_plain = plain_build(user, context_copy(source, root, user),
-                                             f"localhost/campugrid-bench/{name}:{r}")
-                    took_ours, split = campugrid_build(api, context_copy(source, root, user),
-                                                       expect)
-                    if r:
-                        plain[name].append(took_plain)
-                        ours[name].append(took_ours)
-                        phases[name].append(split)
-                    print(f"round {r} {name}: plain {took_plain:.1f} s, campugrid "
-                          f"{took_ours:.1f} s", flush=True)
+            for i, (runsc, gvisor) in enumerate(dated.items()):
+                agent = platform.start_agent(f"bench-builds-{i}", args=("--runsc", runsc))
+                for r in range(args.rounds + 1):  # round 0 warms the caches, not counted
+                    for name, (source, expect) in corpus.items():
+                        took_plain = float("nan")
+                        if i == 0:
+                            took_plain = plain_build(user, context_copy(source, root, user),
+                                                     f"localhost/campugrid-bench/{name}:{r}")
+                        took_ours, split = campugrid_build(api, context_copy(source, root, user),
+                                                           expect)
+                        if r:
+                            if i == 0:
+                                plain[name].append(took_plain)
+                            ours[gvisor, name].append(took_ours)
+                            phases[gvisor, name].append(split)
+                        print(f"round {r} {name}: plain {took_plain:.1f} s, campugrid "
+                              f"({gvisor}) {took_ours:.1f} s", flush=True)
+                platform.stop_agent(agent)  # the next runsc's agent takes the next jobs
     finally:
         platform.stop()
         hub.stop()
@@ -175,32 +191,43 @@ def main() -> None:
     print(f"\nthe corpus built on a warm cache, median of {args.rounds} rounds (campugrid: "
           "submit -> running)\n")
     w = max(17, *map(len, corpus))  # the first column fits the longest name
-    print(f"| {'Dockerfile':<{w}} | plain buildah, network | campugrid, RUN in gVisor, proxied | vs base "
-          "| its build alone | vs base |")
-    print(f"|{'-' * (w + 2)}|------------------------|-----------------------------------|---------"
-          "|-----------------|---------|")
-    ratios, alone_ratios = [], []
-    for name in corpus:
-        base, got = statistics.median(plain[name]), statistics.median(ours[name])
-        alone = statistics.median(s["build"] + s["commit"] for s in phases[name])
-        ratios.append(got / base)
-        alone_ratios.append(alone / base)
-        print(f"| {name:<{w}} | {base:20.1f} s | {got:31.1f} s | {got / base:6.2f}x "
-              f"| {alone:13.1f} s | {alone / base:6.2f}x |")
-    geo = statistics.geometric_mean(ratios)
-    print(f"| {'geometric mean':<{w}} |                        |                                   "
-          f"| {geo:6.2f}x |                 | {statistics.geometric_mean(alone_ratios):6.2f}x |")
+    for gvisor in dated.values():
+        print(f"\ncampugrid with {gvisor}\n")
+        print(f"| {'Dockerfile':<{w}} | plain buildah, network | campugrid, RUN in gVisor, "
+              "proxied | vs base | its build alone | vs base |")
+        print(f"|{'-' * (w + 2)}|------------------------|-----------------------------------"
+              "|---------|-----------------|---------|")
+        ratios, alone_ratios = [], []
+        for name in corpus:
+            base, got = statistics.median(plain[name]), statistics.median(ours[gvisor, name])
+            alone = statistics.median(s["build"] + s["commit"] for s in phases[gvisor, name])
+            ratios.append(got / base)
+            alone_ratios.append(alone / base)
+            print(f"| {name:<{w}} | {base:20.1f} s | {got:31.1f} s | {got / base:6.2f}x "
+                  f"| {alone:13.1f} s | {alone / base:6.2f}x |")
+        geo = statistics.geometric_mean(ratios)
+        print(f"| {'geometric mean':<{w}} |                        |                          "
+              f"         | {geo:6.2f}x |                 "
+              f"| {statistics.geometric_mean(alone_ratios):6.2f}x |")
     print("\nits build alone: the build and commit phases below, the builder's own time with every "
           "RUN step in gVisor\n(bench/run_steps.py measures that sandbox's cost per step); the "
           "rest is the lease, the context and the bases")
     print("\ncampugrid's time by phase, seconds (median of the rounds; build: the base check, "
           "RUN steps under gVisor; commit: the image into the machine's own store)\n")
-    print(f"| {'Dockerfile':<{w}} | " + " | ".join(f"{p:>7}" for p in PHASES) + " |")
-    print(f"|{'-' * (w + 2)}|" + "|".join("-" * (max(7, len(p)) + 2) for p in PHASES) + "|")
+    print(f"| {'Dockerfile':<{w}} | {'runsc':<16} | " + " | ".join(f"{p:>7}" for p in PHASES) + " |")
+    print(f"|{'-' * (w + 2)}|------------------|"
+          + "|".join("-" * (max(7, len(p)) + 2) for p in PHASES) + "|")
     for name in corpus:
-        cells = [statistics.median(s[p] for s in phases[name]) for p in PHASES]
-        print(f"| {name:<{w}} | " + " | ".join(f"{c:>{max(7, len(p))}.1f}"
-                                                for c, p in zip(cells, PHASES, strict=True)) + " |")
+        for gvisor in dated.values():
+            cells = [statistics.median(s[p] for s in phases[gvisor, name]) for p in PHASES]
+            print(f"| {name:<{w}} | {gvisor[6:]:<16} | " + " | ".join(
+                f"{c:>{max(7, len(p))}.1f}" for c, p in zip(cells, PHASES, strict=True)) + " |")
+
+
+def _release(version: str) -> str:
+    """runsc's release date from its --version ("go-20260905-…", "0.0~20240729.0")."""
+    found = re.search(r"(20\d\d)(\d\d)(\d\d)", version)
+    return "-".join(found.groups()) if found else version.split("\n")[0][-20:]
 
 
 if __name__ == "__main__":

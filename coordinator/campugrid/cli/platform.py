@@ -419,25 +419,18 @@ class Platform:
         log.warning("agent %s started again (pid %d, restart %d)", agent.name, agent.proc.pid,
                     agent.restarts)
 
+    def stop_agent(self, agent: AgentHandle) -> None:
+        """Stop one agent (SIGTERM: it drains what it runs; SIGKILL after 40 s), for good."""
+        agent.restart = False
+        self._terminate([agent])
+        self.agents.remove(agent)
+
     def stop(self) -> None:
         # The supervisor first, so that it does not start again what we stop on purpose.
         self._stopping.set()
         if self._supervisor is not None:
             self._supervisor.join(timeout=10)
-        for agent in self.agents:
-            if agent.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(_agent_pid(agent.proc.pid), signal.SIGTERM)
-        for agent in self.agents:
-            try:
-                agent.proc.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(agent.proc.pid, signal.SIGKILL)
-                agent.proc.wait()
-            if agent.guard is not None:
-                release_guard(agent.guard)
-                agent.guard = None
+        self._terminate(self.agents)
         if self.running is not None:
             self.running.stop()
             if self._http_thread is not None:
@@ -449,6 +442,24 @@ class Platform:
                 service.stop()
         if self.s3 is not None:
             self.s3.stop()
+
+
+    @staticmethod
+    def _terminate(agents: list[AgentHandle]) -> None:
+        for agent in agents:
+            if agent.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(_agent_pid(agent.proc.pid), signal.SIGTERM)
+        for agent in agents:
+            try:
+                agent.proc.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(agent.proc.pid, signal.SIGKILL)
+                agent.proc.wait()
+            if agent.guard is not None:
+                release_guard(agent.guard)
+                agent.guard = None
 
 
 def joined_machine(agent_dir: Path) -> str | None:
