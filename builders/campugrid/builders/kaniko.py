@@ -82,7 +82,7 @@ class KanikoBuilder:
     def __init__(self, executor_image: str, podman: str = "podman", runsc: str = "runsc") -> None:
         self.executor_image = executor_image
         self.podman = shutil.which(podman) or podman
-        self.runsc = shutil.which(runsc) or runsc
+        self.runsc = runsc  # as Podman is given it, and records it for the container
         self.skopeo = shutil.which("skopeo") or "skopeo"
         self.scope = ""  # Kaniko's containers run under the API service, outside job cgroups
 
@@ -186,9 +186,9 @@ class KanikoBuilder:
             raise BuildFailed(f"cannot create the Kaniko container: {e}") from e
         try:
             runtime = self._runtime_of(container.id)
-            if runtime != "runsc":
+            if runtime != self.runsc:
                 raise BuildFailed(f"refusing to build: the executor would run under "
-                                  f"{runtime!r}, not runsc")
+                                  f"{runtime!r}, not {self.runsc!r}")
             container.start()
             tail: deque[str] = deque(maxlen=40)
             reader = threading.Thread(target=self._follow, args=(container, log, tail), daemon=True)
