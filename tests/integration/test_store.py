@@ -395,3 +395,20 @@ def test_a_renewal_that_crosses_its_attempts_end_is_refused_without_a_line_in_th
     with pytest.raises(StaleAttempt):  # another attempt's late call is still recorded
         store.renew_lease(attempt(job.id, 7, m), JobState.RUNNING, 30)
     assert [e.kind for e in store.events(job.id)].count("refused") == 1
+
+
+def test_a_renewal_sent_while_building_that_comes_after_the_start_renews_the_running_job(
+        store: Store):
+    """An agent's renewal from its build, retried through another coordinator after the job
+    started, must not cost the attempt (tests/acceptance/test_coordinators.py lost one so)."""
+    job = submit(store)
+    m = add_machine(store, "m", {})
+    store.claim_next(m, lease_s=30)
+    ref = attempt(job.id, 1, m)
+    store.renew_lease(ref, JobState.RUNNING, 30)  # it started
+    before = store.get(job.id).lease_expires_at
+    late = store.renew_lease(ref, JobState.BUILDING, 600)
+    assert late.state is JobState.RUNNING and late.lease_expires_at > before
+    assert "refused" not in [e.kind for e in store.events(job.id)]
+    with pytest.raises(StaleAttempt):  # another attempt's is still refused
+        store.renew_lease(attempt(job.id, 2, m), JobState.BUILDING, 30)

@@ -303,10 +303,18 @@ class Store:
                          lease_expires_at=now + dt.timedelta(seconds=lease_s), updated_at=now)
             except IllegalTransition:
                 row = job_row(s, job_id)
-                # A renewal that crossed its own attempt's last call is no one's concern: it is
-                # refused without a line in the job's history.
-                ended = row.attempt == token and row.state not in {x.value for x in ACTIVE}
-                refused = refusal(s, row, token, "renew", record=not ended)
+                if (phase is JobState.BUILDING and row.state == JobState.RUNNING.value
+                        and attempt_held(row, ref)):
+                    # Sent while it built, come after it started (retried through another
+                    # coordinator): the lease is still its own, so it is renewed as running.
+                    move_job(s, job_id, JobState.RUNNING, stay=True, within=ACTIVE,
+                             where=attempt_guard(ref), updated_at=now,
+                             lease_expires_at=now + dt.timedelta(seconds=lease_s))
+                else:
+                    # A renewal that crossed its own attempt's last call is no one's concern:
+                    # it is refused without a line in the job's history.
+                    ended = row.attempt == token and row.state not in {x.value for x in ACTIVE}
+                    refused = refusal(s, row, token, "renew", record=not ended)
             row = job_row(s, job_id)
         if refused is not None:
             raise refused
