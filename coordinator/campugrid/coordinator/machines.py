@@ -182,7 +182,7 @@ class Machines:
             values["capabilities_json"] = json.dumps(capabilities)
         if offer is not None:
             values["gpus_json"] = reported({}, offer)[1]
-        with self.db.tx(durable=False) as s:  # a crash loses a heartbeat; the next one says it
+        with self.db.tx() as s:
             s.execute(update(Machine).where(Machine.id == machine_id).values(**values))
 
     def seen_since(self, since: dt.datetime, limit: int) -> list[MachineRecord]:
