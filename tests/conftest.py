@@ -75,7 +75,7 @@ BESIDE_THE_HOST = (
         "agent_service", "bases", "claim_plan", "cli_coordinator", "egress", "images", "inputs",
         "leader", "machine_cache", "metrics", "migrations", "objects", "placement", "ratelimits",
         "seaweed_security", "services", "shards_store", "store", "users", "verified_store",
-        "checked_checkpoints", "failover", "relay", "fleet",
+        "checked_checkpoints", "failover", "relay", "fleet", "streaming",
         # what starts processes but needs no Podman (tests/unit starts none)
         "backends", "cli", "cli_spec_process", "confined_children", "coordinator_api_contract",
         "gpu_processes",

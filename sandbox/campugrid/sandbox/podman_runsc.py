@@ -133,7 +133,7 @@ class PodmanRunsc:
                 log=log,
                 timeout_s=req.wall_time_s,
                 cancel=cancel,
-                on_stop=lambda: self.stop(req.name),
+                on_stop=lambda: self.halt(req.name),
                 # If the agent dies (kill -9, OOM), the sandbox must not compute on unwatched.
                 on_orphan=self.stop_argv(req.name),
                 cgroups=cg.paths if cg is not None else (),
@@ -180,7 +180,7 @@ class PodmanRunsc:
             try:
                 yield box
             finally:
-                box.close(on_stop=lambda: self.stop(req.name))
+                box.close(on_stop=lambda: self.halt(req.name))
                 self.stop(req.name)
 
     def signal(self, name: str, sig: str = "TERM") -> None:
@@ -189,6 +189,16 @@ class PodmanRunsc:
 
     def stop_argv(self, name: str) -> list[str]:
         return [self.podman, "rm", "--force", "--ignore", "--time", "0", name]
+
+    def halt(self, name: str) -> None:
+        """Stop a sandbox whose `podman run` is still attached: SIGKILL its container and let
+        that podman clean up and exit by itself (run_streaming's grace). Removing it from
+        under that podman instead, and then killing podman half-way through its own clean-up,
+        is the race that leaves Podman 4's store "hosed": a layer left half-deleted and still
+        mounted, so that every later podman command of the user fails ("unlinkat .../merged:
+        device or resource busy") until the machine reboots (seen in CI, with every job of the
+        platform queued after it)."""
+        self.ops.kill(name, "KILL")
 
     def stop(self, name: str) -> None:
         self.ops.remove(name)

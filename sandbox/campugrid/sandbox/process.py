@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import logging
 import os
 import queue
 import signal
@@ -20,8 +21,13 @@ from pathlib import Path
 
 from campugrid.guards import guard, release_guard
 
+logger = logging.getLogger(__name__)
 LogFn = Callable[[str], None]
 MAX_LINE = 64 * 1024
+# After `on_stop`, how long the child has to finish by itself before its group is killed: a
+# podman whose container was killed still unmounts and records what it did, and killing it
+# half-way can leave the provider's whole store unusable (see PodmanRunsc.run).
+STOP_GRACE_S = 20.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +48,13 @@ def run_streaming(
     on_orphan: Sequence[str] | None = None,
     cgroups: Sequence[Path] = (),
     tail_lines: int = 40,
+    stop_grace_s: float = STOP_GRACE_S,
 ) -> Finished:
     """Run argv, send each output line to `log`, stop it at the deadline or on cancel.
 
-    `on_stop` runs first when stopping (e.g. `podman rm -f NAME`, which also tears down the
-    sandbox that podman's own process group does not contain); then the group gets SIGKILL.
+    `on_stop` runs first when stopping (e.g. killing the container, which podman's own
+    process group does not contain); the child then has `stop_grace_s` to exit by itself
+    (podman cleaning up after its container), and then the group gets SIGKILL.
     `on_orphan` is a command (possibly empty) that a guard process runs if *this* process dies
     first (even by SIGKILL): the command cleans up what lives outside the child's group, then
     the group and every process in `cgroups` are killed.
@@ -81,9 +89,7 @@ def run_streaming(
         elif time.monotonic() >= deadline:
             timed_out = True
         if timed_out or cancelled:
-            if on_stop is not None:
-                on_stop()
-            _kill_group(proc)
+            _stop(proc, on_stop, stop_grace_s)
             break
         time.sleep(0.05)
     proc.wait()
@@ -152,14 +158,28 @@ class Interactive:
         try:
             self.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            if on_stop is not None:
-                on_stop()
-            _kill_group(self.proc)
+            _stop(self.proc, on_stop, STOP_GRACE_S)
         for t in self._readers:
             t.join(timeout=5)
         if self.guard is not None:
             release_guard(self.guard)
         return self.proc.returncode
+
+
+def _stop(proc: subprocess.Popen[bytes], on_stop: Callable[[], None] | None,
+          grace_s: float) -> None:
+    """`on_stop`, a grace for the child to finish after it, then SIGKILL to whatever is left
+    of its group (at once when `on_stop` failed)."""
+    if on_stop is not None:
+        try:
+            on_stop()
+        except Exception:
+            logger.warning("stopping process %d: its on_stop failed; killing it", proc.pid,
+                        exc_info=True)
+        else:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=grace_s)
+    _kill_group(proc)
 
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
