@@ -198,7 +198,11 @@ def test_kaniko_builds_under_runsc_and_its_image_runs(provider, shared_tmp):
     if not present:
         pytest.fail(f"no Kaniko executor image ({image}) for {provider.name}: run "
                     "infra/kaniko.sh (infra/setup.sh does, for the test users)")
-    ctx = context(shared_tmp, provider, "RUN uname -r > /kernel\nCMD [\"cat\", \"/kernel\"]\n")
+    # The second step writes past the build's disk (64 MB beyond its base): gVisor's overlay
+    # of the executor's root refuses it, and what was written goes with the step.
+    ctx = context(shared_tmp, provider, "RUN uname -r > /kernel\n"
+                  "RUN dd if=/dev/zero of=/fill bs=1M count=200 || true; rm -f /fill\n"
+                  "CMD [\"cat\", \"/kernel\"]\n")
     tag = "localhost/campugrid-test/kaniko:1"
     work = shared_tmp / "work"  # where the build's own API service listens, and nothing after
     work.mkdir()
@@ -209,12 +213,14 @@ def test_kaniko_builds_under_runsc_and_its_image_runs(provider, shared_tmp):
         from campugrid.builders.kaniko import KanikoBuilder
         tempfile.tempdir = {str(work)!r}
         lines = []
-        KanikoBuilder({image!r}).build(Path({ctx!r}), {tag!r}, log=lines.append, timeout_s=600)
+        KanikoBuilder({image!r}).build(Path({ctx!r}), {tag!r}, log=lines.append, timeout_s=600,
+                                       disk_mb=64)
         left = subprocess.run(["pgrep", "-af", {str(work) + "/kaniko-[^/]*/api[.]sock"!r}], capture_output=True, text=True)
         print(json.dumps({{"lines": lines, "left": left.stdout}}))  # the pattern matches no script
     """, timeout=900)
     try:
         assert res["left"] == "", res  # the build's Podman API service stopped with it
+        assert any("No space left on device" in line for line in res["lines"]), res["lines"]
         out = shared_tmp / "out"
         out.mkdir()
         os.chown(out, provider.uid, provider.gid) if os.geteuid() == 0 else None

@@ -23,3 +23,10 @@ def test_kaniko_command_runs_offline_with_a_read_only_context():
     assert svc[:3] == ["podman", "--runtime", "runsc"]
     assert svc[3:3 + len(RUNSC_FLAGS)] == list(RUNSC_FLAGS)
     assert svc[-1] == "unix:///run/user/1/podman/k.sock"
+
+
+def test_the_executors_root_is_a_bounded_overlay_when_the_build_names_one():
+    svc = service_argv(Path("/b/api.sock"), upper=Path("/b/upper"), upper_mb=700)
+    flags = svc[3:3 + len(RUNSC_FLAGS)]
+    assert "overlay2=root:dir=/b/upper,size=700m" in flags and "overlay2=none" not in flags
+    assert "network=none" in flags  # the rest as the jobs' sandboxes have them

@@ -39,9 +39,17 @@ from campugrid.sandbox.process import LogFn
 EXECUTOR_IMAGE = "localhost/campugrid/kaniko-executor:v1.25.11"
 
 
-def service_argv(socket: Path, podman: str = "podman", runsc: str = "runsc") -> list[str]:
-    """The Podman API service whose every container runs under runsc, offline."""
-    return [podman, "--runtime", runsc, *RUNSC_FLAGS, "system", "service", "--time=0", f"unix://{socket}"]
+def service_argv(socket: Path, podman: str = "podman", runsc: str = "runsc", *,
+                 upper: Path | None = None, upper_mb: int = 0) -> list[str]:
+    """The Podman API service whose every container runs under runsc, offline. With `upper`,
+    the executor's root is gVisor's overlay of `upper_mb` (a file in `upper`, unlinked as it
+    is made): everything Kaniko writes there (the bases it unpacks, what RUN steps write, its
+    snapshots) is held to that size, and nothing of it reaches the provider's store."""
+    flags = list(RUNSC_FLAGS)
+    if upper is not None:
+        at = flags.index("overlay2=none")
+        flags[at] = f"overlay2=root:dir={upper},size={upper_mb}m"
+    return [podman, "--runtime", runsc, *flags, "system", "service", "--time=0", f"unix://{socket}"]
 
 
 def executor_args(tag: str) -> list[str]:
@@ -87,14 +95,17 @@ class KanikoBuilder:
         self.scope = ""  # Kaniko's containers run under the API service, outside job cgroups
 
     @contextmanager
-    def _client(self, work: Path) -> Iterator[Any]:
+    def _client(self, work: Path, upper_mb: int) -> Iterator[Any]:
         """A Podman API service of this build's own (its socket in the build's directory),
         stopped with the build: nothing is left listening between builds, and no socket another
-        process left behind (or one that died) is ever taken for a live service."""
+        process left behind (or one that died) is ever taken for a live service. Its
+        executor's root holds `upper_mb` (service_argv)."""
         import docker
 
         socket = work / "api.sock"
-        service = subprocess.Popen(service_argv(socket, self.podman, self.runsc),
+        (work / "upper").mkdir()
+        service = subprocess.Popen(service_argv(socket, self.podman, self.runsc,
+                                                upper=work / "upper", upper_mb=upper_mb),
                                    stdout=subprocess.DEVNULL,
                                    stderr=subprocess.PIPE)
         try:
@@ -124,7 +135,7 @@ class KanikoBuilder:
                               capture_output=True, check=False).returncode == 0
 
     def capabilities(self) -> BuilderCapabilities:
-        return BuilderCapabilities(bounded_store=False)  # the executor writes where its container does
+        return BuilderCapabilities(bounded_store=True)  # gVisor's overlay of the executor's root
 
     def inputs(self, bases: Sequence[BaseUse]) -> dict[str, str]:
         # Kaniko resolves FROM inside its sandbox; the executor image decides the rest.
@@ -140,7 +151,9 @@ class KanikoBuilder:
               store_on: Path | None = None) -> str:
         """memory_mb and cpus are not applied: the API service's containers are outside the
         job cgroups (and rootless cgroup v1 ignores the API's limits). `bases` are checked by
-        the policy only: Kaniko resolves FROM inside its own sandbox, which has no registry."""
+        the policy only: Kaniko resolves FROM inside its own sandbox, which has no registry.
+        What the build writes is held to `disk_mb` beyond its bases' own size (Kaniko unpacks
+        them into the root it builds in), and the image it hands back to that and the bases."""
         if volumes:
             raise BuildFailed("the kaniko builder cannot give RUN steps files of the machine's "
                               "(extra certificates); use the buildah builder")
@@ -162,9 +175,14 @@ class KanikoBuilder:
                 (work / part).mkdir()
             pinned = self._bases(bases, work / "bases")
             (work / "build" / "Dockerfile").write_text(pin_bases(text, pinned))
-            with self._client(work) as client:
+            bases_mb = sum(f.stat().st_size for f in (work / "bases").iterdir()) // 1024**2
+            with self._client(work, bases_mb + disk_mb) as client:
                 self._run(client, context_dir, work, tag, log=log, timeout_s=timeout_s,
-                          cancel=cancel)
+                          cancel=cancel, disk_mb=disk_mb)
+            made = (work / "image" / "image.tar").stat().st_size // 1024**2
+            if made > bases_mb + disk_mb:  # /image is the executor's one way out of its overlay
+                raise BuildFailed(f"the build used more than {disk_mb} MB of disk (its image is "
+                                  f"{made} MB, its bases {bases_mb} MB)", "")
             # Not `podman load`: it applies whatever tags the (untrusted) archive names, which
             # could retag the base image for every later job. skopeo stores it as `tag` only.
             loaded = subprocess.run(
@@ -175,7 +193,7 @@ class KanikoBuilder:
         return tag
 
     def _run(self, client: Any, context_dir: Path, work: Path, tag: str, *, log: LogFn,
-             timeout_s: float, cancel: threading.Event | None) -> None:
+             timeout_s: float, cancel: threading.Event | None, disk_mb: int) -> None:
         """The executor's container, from its creation to its removal."""
         import docker.errors
 
@@ -206,7 +224,12 @@ class KanikoBuilder:
             code = container.wait(timeout=10).get("StatusCode", -1)
             reader.join(timeout=10)  # the stream ends with the container
             if code != 0:
-                raise BuildFailed(f"build failed (kaniko exit {code})", "\n".join(tail))
+                said = "\n".join(tail)
+                if "no space left on device" in said.lower():
+                    raise BuildFailed(f"the build used more than {disk_mb} MB of disk "
+                                      "(resources.build_mb bounds what its steps write, beyond "
+                                      "the bases Kaniko unpacks)", said)
+                raise BuildFailed(f"build failed (kaniko exit {code})", said)
         finally:
             container.remove(force=True)
 
