@@ -9,19 +9,19 @@ import pytest
 pytestmark = pytest.mark.integration
 
 
-def agent(provider, *args: str, tmp: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(provider.command([sys.executable, "-m", "campugrid.cli", "agent", "run",
-                                            "--coordinator", "127.0.0.1:1", "--state-dir", tmp,
-                                            "--once", *args]),
+def agent(provider, *args: str, tmp: str, env: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(provider.command(["env", *env, sys.executable, "-m", "campugrid.cli",
+                                            "agent", "run", "--coordinator", "127.0.0.1:1",
+                                            "--state-dir", tmp, "--once", *args]),
                           capture_output=True, text=True, timeout=120, cwd="/")
 
 
 def test_a_limit_the_machine_cannot_enforce_stops_the_agent(provider, shared_tmp):
-    # The Kaniko builder has no bounded build store: build_disk is not enforced with it.
-    out = agent(provider, "--builder", "kaniko", "--kaniko-image", "localhost/none:1",
-                "--require-limits", "memory,build_disk", tmp=str(shared_tmp / "a"))
+    # Without output slots, /output is only checked, not bounded: not enforced.
+    out = agent(provider, "--require-limits", "memory,output", tmp=str(shared_tmp / "a"),
+                env=(f"CAMPUGRID_SLOTS_DIR={shared_tmp / 'no-slots'}",))
     assert out.returncode == 2, out.stderr
-    assert "cannot enforce build_disk" in out.stderr and "no bounded build store" in out.stderr
+    assert "cannot enforce output" in out.stderr and "no output slots" in out.stderr
 
 
 def test_an_unknown_limit_is_named(provider, shared_tmp):
