@@ -180,6 +180,10 @@ class Download:
     sha256: str
 
 
+KEEPALIVE_S = 2.0  # below uvicorn's 5 s (Api.__init__)
+IDEMPOTENT = frozenset({"GET", "HEAD"})
+
+
 class Api:
     """The coordinator at `server`, as the app `identity` (None: unsigned, which only a
     coordinator that opted in on its loopback address accepts)."""
@@ -194,8 +198,11 @@ class Api:
             host, port = pins.split_address(server.removeprefix("https://").split("/")[0], 443)
             verify = pins.client_context(pins.fetch_pinned(host, port, identity.pin))
         auth = Signer(identity.app_id, identity.private_key()) if identity else None
+        # An idle connection is dropped before the coordinator's server drops it (uvicorn
+        # closes one idle for 5 s): a request sent on one the server is closing at that moment
+        # is lost ("Server disconnected without sending a response").
         self.http = httpx.Client(base_url=server.rstrip("/"), timeout=timeout, auth=auth,
-                                 verify=verify)
+                                 verify=verify, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S))
         self.server = server
         self.identity = identity
 
@@ -209,7 +216,15 @@ class Api:
 
     def _send(self, method: str, url: str, **kw: Any) -> httpx.Response:
         try:
-            return self.http.request(method, url, **kw)
+            try:
+                return self.http.request(method, url, **kw)
+            except httpx.RemoteProtocolError:
+                # A kept-alive connection the server closed as the request went out: a read is
+                # asked again once, on a new connection (signed afresh); a write is not, since
+                # it may have been done.
+                if method not in IDEMPOTENT:
+                    raise
+                return self.http.request(method, url, **kw)
         except httpx.TransportError as e:
             raise CampugridError(f"cannot reach the coordinator at {self.server} "
                                  f"({type(e).__name__}); is it running?") from e
