@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 from campugrid.agent.worker import enforceable
 from campugrid.builders.buildah import BuildahBuilder
+from campugrid.builders.fake import FakeBuilder
 from campugrid.builders.kaniko import KanikoBuilder
 from campugrid.protocol.spec import ENFORCED, LIMITS
 from campugrid.sandbox import limits as host_limits
@@ -12,9 +13,10 @@ from campugrid.sandbox import limits as host_limits
 
 def test_the_agent_reports_every_limit_a_job_can_require_and_no_other():
     sandbox = SimpleNamespace(limits=host_limits.detect(), seccomp=None)
-    for builder in (BuildahBuilder(), KanikoBuilder(executor_image="")):
+    for builder in (BuildahBuilder(), KanikoBuilder(executor_image=""), FakeBuilder()):
         reported = enforceable(sandbox, builder, "enforced")  # type: ignore[arg-type]
         assert tuple(reported) == LIMITS
         assert reported["sandbox_seccomp"].startswith("not enforced")
-    assert reported["build_disk"].startswith("not enforced: the kaniko builder")
-    assert enforceable(sandbox, BuildahBuilder(), "enforced")["build_disk"] == ENFORCED  # type: ignore[arg-type]
+        # Buildah's store on a bounded disk, Kaniko's root in gVisor's bounded overlay
+        assert (reported["build_disk"] == ENFORCED) == (builder.name != "fake"), reported
+    assert reported["build_disk"].startswith("not enforced: the fake builder")
