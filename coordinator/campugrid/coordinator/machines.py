@@ -82,8 +82,13 @@ class MachineRecord:
 def reported(capabilities: dict[str, Any], offer: MachineView) -> tuple[str, str]:
     """The machine's columns a heartbeat with capabilities writes: capabilities_json and
     gpus_json."""
-    return json.dumps(capabilities), json.dumps({"isolation": offer.gpu_isolation, "gpus": [
-        dataclasses.asdict(g) for g in offer.gpus]})
+    return json.dumps(capabilities), gpus_json(offer)
+
+
+def gpus_json(offer: MachineView) -> str:
+    """The machine's GPU snapshot as its gpus_json column keeps it."""
+    return json.dumps({"isolation": offer.gpu_isolation,
+                       "gpus": [dataclasses.asdict(g) for g in offer.gpus]})
 
 
 def said_digest(capabilities_json: str, gpus_json: str) -> str:
@@ -181,7 +186,7 @@ class Machines:
         if capabilities is not None:
             values["capabilities_json"] = json.dumps(capabilities)
         if offer is not None:
-            values["gpus_json"] = reported({}, offer)[1]
+            values["gpus_json"] = gpus_json(offer)
         with self.db.tx() as s:
             s.execute(update(Machine).where(Machine.id == machine_id).values(**values))
 
