@@ -4,7 +4,7 @@ Here (a machine without a GPU), once, to make what travels with the checkout:
 
     .venv/bin/python bench/gpu_check.py --prepare
 
-writes bench/.carry/ (ignored by git; about 20 MB): the runsc that infra/runsc.sh built,
+writes bench/.carry/ (ignored by git; about 20 MB): the runsc that runsc-from-go.sh built,
 xz-compressed, and NVML's Python binding (nvidia-ml-py's pynvml.py). On the GPU machine
 (PyTorch installed, no Podman, no network), from the checkout's root:
 

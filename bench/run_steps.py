@@ -9,7 +9,7 @@ mounted read-only, pip pointed at them), built as the provider user by campugrid
 ways in the same run, alternating:
   - gVisor: as campugrid always builds, every RUN step inside runsc, once with each runsc
     given (default: both that infra/setup.sh leaves, the one built from gVisor's Go module
-    by infra/runsc.sh and Debian's, where present);
+    by runsc-from-go.sh and Debian's, where present);
   - chroot: the same builder with Buildah's `--isolation chroot`, RUN steps on the host kernel
     (a twin made here, for this measurement only: campugrid never builds that way).
 Nothing else differs, so the ratio is the sandbox's own cost for that kind of step, which no

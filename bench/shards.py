@@ -11,7 +11,7 @@ start included, then from its first shard's end to its last (steady state). Two 
 "process" (python3 starts once per shard, inside the one warm sandbox). The peer, gpumesh
 3.2.0 from PyPI with one worker (no isolation at all), runs the same count in the same run
 (bench/peers/gpumesh_driver.py) and the ratio is printed. With --runsc given more than once
-(by default: infra/runsc.sh's and Debian's, where present), the agent runs once with each
+(by default: runsc-from-go.sh's and Debian's, where present), the agent runs once with each
 (`campugrid agent run --runsc PATH`), rows side by side.
 """
 

@@ -56,7 +56,7 @@ if [ "$(id -u)" = 0 ]; then
   fi
   # And the runsc providers install today, built from gVisor's Go module where Go is here
   # (Podman then runs it as `runsc`; Debian's stays as the fallback).
-  "$repo/infra/runsc.sh"
+  bash "$repo/provider-agent/campugrid/agent/runsc-from-go.sh"
   # The packages' own services are not used; tests and `up` start their own (the registry's
   # would listen on :5000 without authentication, apt-cacher-ng's on :3142 as anyone's proxy).
   systemctl disable --now postgresql >/dev/null 2>&1 || true

@@ -133,7 +133,7 @@ def test_from_nothing_to_a_finished_job_in_the_console(page):
         # Apple unified memory over real signed gRPC is drawn to one scale.
         machines.reload()
         expect(machines.locator("#no-gpus")).to_be_visible()
-        # Which gVisor the real agent runs, dated (Debian's 0.0~20240729.0, or infra/runsc.sh's).
+        # Which gVisor the real agent runs, dated (Debian's 0.0~20240729.0, or runsc-from-go.sh's).
         expect(machines.locator("tr.machine[data-name='home-pc'] small.runtime")).to_have_text(
             re.compile(r"^runsc \S*20\d{6}"))
         rig = CoordinatorClient(Membership.join(root / "rig", p.grpc_address, p.pin))

@@ -25,3 +25,12 @@ def test_the_blocker_really_blocks():
     out = subprocess.run([sys.executable, "-c", BLOCK + "import campugrid.coordinator.api"],
                          capture_output=True, text=True)
     assert out.returncode != 0 and "fastapi" in out.stderr
+
+
+def test_this_machine_runs_the_gvisor_the_root_step_builds():
+    """infra/setup.sh ran runsc-from-go.sh (Go is part of this machine kind): the runsc Podman
+    runs is the pinned one that prereqs names, so providers' root step builds what CI tests."""
+    from campugrid.agent.prereqs import pinned_runsc
+
+    out = subprocess.run(["runsc", "--version"], capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines()[0] == f"runsc version {pinned_runsc()}", out.stdout

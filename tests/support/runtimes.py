@@ -23,7 +23,7 @@ READY = "ready"  # a case's job prints this once it is up: the action comes afte
 
 def gvisor_kernel(release: str) -> bool:
     """The kernel release gVisor reports: 4.4.0 until 2024, `<version>-gvisor` since (the runsc
-    built from its Go module: infra/runsc.sh). The host's never looks like either here."""
+    built from its Go module: runsc-from-go.sh). The host's never looks like either here."""
     return release == "4.4.0" or release.endswith("-gvisor")
 
 

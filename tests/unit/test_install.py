@@ -63,12 +63,39 @@ def test_a_runsc_without_systrap_is_a_warning_with_the_way_to_a_newer_one(tmp_pa
     h = host(tmp_path, answers=answers)
     old = prereqs.runsc(h)
     assert not old.ok and not old.blocking and "ptrace" in old.found, old.line
-    assert "bookworm-backports" in old.fix and "GOBIN=/usr/local/bin go install gvisor.dev/gvisor/runsc@go" in old.fix
+    assert "bookworm-backports" in old.fix and "install Go 1.26" in old.fix, old.fix
+    assert prereqs.pinned_runsc() in old.fix  # the gVisor prepare would build
     upstream = Answers(**{"runsc --version": (0, "runsc version release-20250106.0")})
     assert prereqs.runsc(dataclasses.replace(h, run=upstream)).ok
     built = Answers(**{"runsc --version": (0, "runsc version go-20260905-160fafc42237")})
     assert prereqs.runsc(dataclasses.replace(h, run=built)).ok
     assert prereqs.runsc_date("go-20260905-160fafc42237") == "20260905"
+
+
+def test_where_go_is_here_the_root_step_builds_the_pinned_gvisor(tmp_path):
+    """Go on the machine (on PATH, or where Go's archive puts it): a runsc older than the pin,
+    or none, is built from gVisor's Go module by the root step (runsc-from-go.sh, which
+    infra/setup.sh runs too); the pinned one passes."""
+    pinned = prereqs.pinned_runsc()
+    assert pinned.startswith("go-") and prereqs.runsc_date(pinned)
+    build = f"bash {prereqs.RUNSC_FROM_GO}"
+    for i, go in enumerate(("go", "/usr/local/go/bin/go")):
+        (tmp_path / str(i)).mkdir()
+        h = host(tmp_path / str(i), tools=("podman", "runsc", "skopeo", go))
+        old = prereqs.runsc(h)  # Debian 12 backports' 2024 runsc
+        assert (old.ok, old.blocking, old.root, old.fix) == (False, False, True, build), old.line
+        assert f"older than gVisor {pinned}" in old.found
+        assert prereqs.root_step("ada", [old]) == f"set -eu\n{build}\n"  # no apt-get for it
+        current = Answers(**{"runsc --version": (0, f"runsc version {pinned}\nspec: 1.2.1")})
+        assert prereqs.runsc(dataclasses.replace(h, run=current)).ok
+    (tmp_path / "none").mkdir()
+    none = host(tmp_path / "none", tools=("go",))
+    missing = prereqs.runsc(none)
+    assert (missing.ok, missing.blocking, missing.fix) == (False, True, build)
+    # podman missing too: Debian's packages first (its runsc the fallback), then the build
+    script = prereqs.root_step("ada", [prereqs.podman(none), missing])
+    assert script == f"set -eu\napt-get install -y {' '.join(prereqs.PACKAGES)}\n{build}\n"
+    assert prereqs.RUNSC_FROM_GO.stat().st_mode & 0o444  # shipped beside prereqs.py
 
 
 def test_each_missing_piece_is_explained_with_its_fix_and_root_fixes_go_in_one_script(tmp_path):

@@ -26,6 +26,9 @@ from campugrid.sandbox.limits import delegated_subtree as v1_subtree
 PACKAGES = ("podman", "runsc", "uidmap", "slirp4netns")
 MIN_SUBIDS = 65536
 RUNSC_FAST = "20240729"  # systrap and directfs; Debian 12's own runsc (20221219) has neither
+# gVisor built from its Go module at the commit campugrid is tested on (infra/setup.sh runs it;
+# the root step does where Go is present): its `stamp=` line is the pin.
+RUNSC_FROM_GO = Path(__file__).with_name("runsc-from-go.sh")
 MIN_FREE_GB = 10
 CGROUP = Path("/sys/fs/cgroup")
 CONTROLLERS = ("memory", "cpu", "pids")
@@ -101,29 +104,50 @@ def podman(host: Host) -> Check:
 
 
 def runsc(host: Host) -> Check:
+    """gVisor's runsc: there, and where Go is here, the one campugrid is tested on (built by
+    the root step from gVisor's Go module, once)."""
+    build = build_runsc(host)
     if host.which("runsc") is None:
         return Check("runsc (gVisor)", False, "not installed: every job runs inside gVisor, "
-                     "so nothing can run without it", "apt-get install runsc", root=True)
+                     "so nothing can run without it", build or "apt-get install runsc", root=True)
     code, text = host.output(["runsc", "--version"])
     version = text.strip().splitlines()[0] if text.strip() else "?"
     if code != 0:
         return Check("runsc (gVisor)", False, version)
-    dated = runsc_date(version)
+    dated, pinned = runsc_date(version), pinned_runsc()
+    if build and dated and dated < (runsc_date(pinned) or ""):
+        return Check("runsc (gVisor)", False, f"{version}: older than gVisor {pinned}, the one "
+                     "campugrid is tested on (newer GPU drivers under nvproxy, faster systrap)",
+                     build, root=True, blocking=False)
     if dated and dated < RUNSC_FAST:
         return Check("runsc (gVisor)", False, f"{version}: only the ptrace platform, so Python in "
                      "jobs and builds runs about 1.4x slower than on a runsc from 2024",
-                     "with Go 1.26, as root: GOBIN=/usr/local/bin go install "
-                     "gvisor.dev/gvisor/runsc@go (gVisor's Go branch; infra/runsc.sh pins a "
-                     "commit of it); on Debian 12, enable bookworm-backports "
-                     "and apt-get install -t bookworm-backports runsc; elsewhere, gVisor's "
-                     "own apt repository",
+                     "install Go 1.26 and run `campugrid provider prepare` again: it builds "
+                     f"gVisor {pinned} from gVisor's Go module; or, on Debian 12, enable "
+                     "bookworm-backports and apt-get install -t bookworm-backports runsc; "
+                     "elsewhere, gVisor's own apt repository",
                      blocking=False)
     return Check("runsc (gVisor)", True, version)
 
 
+def build_runsc(host: Host) -> str:
+    """The root step's command that builds the pinned runsc, where Go is here ("" if not)."""
+    if host.which("go") is None and host.which("/usr/local/go/bin/go") is None:
+        return ""
+    return f"bash {shlex.quote(str(RUNSC_FROM_GO))}"
+
+
+def pinned_runsc(script: Path = RUNSC_FROM_GO) -> str:
+    """The stamp of the runsc that runsc-from-go.sh builds ("go-20260905-160fafc42237")."""
+    found = re.search(r"^stamp=(\S+)$", script.read_text(), re.MULTILINE)
+    if found is None:
+        raise RuntimeError(f"{script} names no stamp")
+    return found.group(1)
+
+
 def runsc_date(version: str) -> str | None:
     """The release date in `runsc --version`'s words ("0.0~20240729.0", "release-20240729.0",
-    infra/runsc.sh's "go-20260905-160fafc42237")."""
+    runsc-from-go.sh's "go-20260905-160fafc42237")."""
     found = re.search(r"\b(20\d{6})\b", version)
     return found.group(1) if found else None
 
@@ -321,12 +345,16 @@ def root_step(user: str, checks: Sequence[Check], cgroup: Path = CGROUP,
     """The one script, for the owner to read and run as root, that fixes what needs root."""
     who = shlex.quote(check_user(user))
     wanted = {c.name for c in checks if not c.ok and c.root}
+    # runsc: Debian's package, or (where Go is here) the one built from gVisor's Go module
+    built = [c.fix for c in checks if c.name == "runsc (gVisor)" and not c.ok and c.root
+             and c.fix.startswith("bash ")]
     lines: list[str] = []
-    if wanted & {"podman", "runsc (gVisor)"}:
+    if "podman" in wanted or ("runsc (gVisor)" in wanted and not built):
         lines.append("apt-get install -y " + " ".join(PACKAGES)
                      + (" skopeo" if "skopeo" in wanted else ""))
     elif "skopeo" in wanted:
         lines.append("apt-get install -y skopeo")
+    lines += built
     if wanted & {"subuid range", "subgid range"}:
         first = free_range(subuid, subgid)
         span = f"{first}-{first + MIN_SUBIDS - 1}"

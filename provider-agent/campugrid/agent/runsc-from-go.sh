@@ -3,9 +3,10 @@
 # branch, which gVisor documents for `go install`) at a pinned commit, once per machine: about
 # 25 MB in /usr/local/lib/campugrid/runsc-STAMP, linked as /usr/local/bin/runsc, and named to
 # Podman as the runtime `runsc` (before Debian's /usr/bin/runsc, which stays as the fallback).
-# Where Go is missing or the build fails, Debian's runsc is what runs, and this says so.
+# Where Go is missing or the build fails, the runsc already there is what runs, and this says so.
 #
-#   infra/runsc.sh            (as root; infra/setup.sh runs it)
+#   bash runsc-from-go.sh     (as root: infra/setup.sh runs it, and `campugrid provider
+#                              prepare`'s root step where Go is present; prereqs.py reads the pin)
 set -euo pipefail
 
 # The pin: gVisor's go branch on 2026-09-05 (the newest the Go module proxy served on
@@ -51,6 +52,6 @@ fi
 ln -sfn "$dir/runsc" /usr/local/bin/runsc
 # Podman finds a runtime by name in this list (its default starts with /usr/bin/runsc).
 install -d -m 0755 "${conf%/*}"
-printf '%s\n' '# infra/runsc.sh: the runsc built from gVisor'"'"'s Go module first, Debian'"'"'s after.' \
+printf '%s\n' '# campugrid (runsc-from-go.sh): the runsc built from gVisor'"'"'s Go module first, Debian'"'"'s after.' \
   '[engine.runtimes]' 'runsc = ["/usr/local/bin/runsc", "/usr/bin/runsc"]' >"$conf"
 say "$(/usr/local/bin/runsc --version | head -1)"
