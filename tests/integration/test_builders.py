@@ -192,6 +192,8 @@ def test_a_pulled_base_leaves_the_builds_store_when_the_provider_evicts_it(provi
 
 
 def test_kaniko_builds_under_runsc_and_its_image_runs(provider, shared_tmp):
+    """RUN steps in gVisor, a disk that holds, the same image from the same inputs, no
+    service left behind, and an image that runs."""
     image = os.environ.get("CAMPUGRID_KANIKO_IMAGE", EXECUTOR_IMAGE)
     present = subprocess.run(provider.command(["podman", "image", "exists", image]),
                              capture_output=True).returncode == 0
@@ -203,7 +205,7 @@ def test_kaniko_builds_under_runsc_and_its_image_runs(provider, shared_tmp):
     ctx = context(shared_tmp, provider, "RUN uname -r > /kernel\n"
                   "RUN dd if=/dev/zero of=/fill bs=1M count=200 || true; rm -f /fill\n"
                   "CMD [\"cat\", \"/kernel\"]\n")
-    tag = "localhost/campugrid-test/kaniko:1"
+    tag, again = "localhost/campugrid-test/kaniko:1", "localhost/campugrid-test/kaniko:2"
     work = shared_tmp / "work"  # where the build's own API service listens, and nothing after
     work.mkdir()
     os.chown(work, provider.uid, provider.gid) if os.geteuid() == 0 else None
@@ -212,15 +214,19 @@ def test_kaniko_builds_under_runsc_and_its_image_runs(provider, shared_tmp):
         from pathlib import Path
         from campugrid.builders.kaniko import KanikoBuilder
         tempfile.tempdir = {str(work)!r}
-        lines = []
-        KanikoBuilder({image!r}).build(Path({ctx!r}), {tag!r}, log=lines.append, timeout_s=600,
-                                       disk_mb=64)
+        lines, ids = [], []
+        for tag in ({tag!r}, {again!r}):  # the same inputs twice: the same image (--reproducible)
+            KanikoBuilder({image!r}).build(Path({ctx!r}), tag, log=lines.append, timeout_s=600,
+                                           disk_mb=64)
+            ids.append(subprocess.run(["podman", "image", "inspect", "--format", "{{{{.Id}}}}", tag],
+                                      capture_output=True, text=True).stdout.strip())
         left = subprocess.run(["pgrep", "-af", {str(work) + "/kaniko-[^/]*/api[.]sock"!r}], capture_output=True, text=True)
-        print(json.dumps({{"lines": lines, "left": left.stdout}}))  # the pattern matches no script
+        print(json.dumps({{"lines": lines, "left": left.stdout, "ids": ids}}))  # the pattern matches no script
     """, timeout=900)
     try:
         assert res["left"] == "", res  # the build's Podman API service stopped with it
         assert any("No space left on device" in line for line in res["lines"]), res["lines"]
+        assert res["ids"][0] and res["ids"] == [res["ids"][0]] * 2, res["ids"]
         out = shared_tmp / "out"
         out.mkdir()
         os.chown(out, provider.uid, provider.gid) if os.geteuid() == 0 else None
@@ -228,6 +234,7 @@ def test_kaniko_builds_under_runsc_and_its_image_runs(provider, shared_tmp):
         assert len(run["lines"]) == 1 and gvisor_kernel(run["lines"][0]), (res, run)  # gVisor's
     finally:
         remove_image(provider, tag)
+        remove_image(provider, again)
 
 
 def test_the_runsc_a_provider_names_runs_the_run_steps(provider, shared_tmp):
