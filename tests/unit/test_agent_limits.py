@@ -20,3 +20,10 @@ def test_the_agent_reports_every_limit_a_job_can_require_and_no_other():
         # Buildah's store on a bounded disk, Kaniko's root in gVisor's bounded overlay
         assert (reported["build_disk"] == ENFORCED) == (builder.name != "fake"), reported
     assert reported["build_disk"].startswith("not enforced: the fake builder")
+    # Kaniko's /image is bounded by the output slot it is put on: without one, not enforced
+    slotless = enforceable(sandbox, KanikoBuilder(executor_image=""),  # type: ignore[arg-type]
+                           "not enforced exactly: no slot")
+    assert slotless["build_disk"].startswith("not enforced: the kaniko builder is bounded on an "
+                                             "output slot only"), slotless
+    tmpfs = enforceable(sandbox, BuildahBuilder(), "not enforced exactly")  # type: ignore[arg-type]
+    assert tmpfs["build_disk"] == ENFORCED  # Buildah's store goes on a tmpfs of disk_mb

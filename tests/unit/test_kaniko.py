@@ -8,13 +8,17 @@ from campugrid.sandbox.podman_runsc import RUNSC_FLAGS
 
 
 def test_kaniko_command_runs_offline_with_a_read_only_context():
-    cfg = container_config("kaniko:test", Path("/w/ctx"), Path("/w/b"), "localhost/job:1")
+    cfg = container_config("kaniko:test", Path("/w/ctx"), Path("/w/b"), "localhost/job:1",
+                           Path("/slot/kaniko-image-x"))
     assert cfg["network_mode"] == "none" and cfg["runtime"] == "runsc"
     assert cfg["volumes"]["/w/ctx"] == {"bind": "/workspace", "mode": "ro"}
     # The pinned Dockerfile and the bases it starts from are the build's, read-only.
     assert cfg["volumes"]["/w/b/build"] == {"bind": "/build", "mode": "ro"}
     assert cfg["volumes"]["/w/b/bases"] == {"bind": "/bases", "mode": "ro"}
-    assert cfg["volumes"]["/w/b/image"] == {"bind": "/image", "mode": "rw"}
+    # The one host folder its RUN steps could write to: on the output slot's bounded disk
+    assert cfg["volumes"]["/slot/kaniko-image-x"] == {"bind": "/image", "mode": "rw"}
+    writable = [host for host, v in cfg["volumes"].items() if v["mode"] == "rw"]
+    assert writable == ["/slot/kaniko-image-x"]
     assert "--no-push" in cfg["command"] and "--destination=localhost/job:1" in cfg["command"]
     assert "--tar-path=/image/image.tar" in cfg["command"]
     assert "--dockerfile=/build/Dockerfile" in cfg["command"] and "--cache-dir=/bases" in cfg["command"]

@@ -19,6 +19,8 @@ class BuilderCapabilities:
     """What a builder can do on this machine, for the agent to ask rather than test names."""
 
     bounded_store: bool  # what a build writes is held to its disk_mb
+    # ... also where the agent has no output slot to give it (`store_on` None)
+    bounded_without_slot: bool = True
 
 
 class Builder(Protocol):

@@ -66,9 +66,11 @@ def executor_args(tag: str) -> list[str]:
             "--log-format=text"]
 
 
-def container_config(image: str, context_dir: Path, work: Path, tag: str) -> dict[str, Any]:
+def container_config(image: str, context_dir: Path, work: Path, tag: str,
+                     image_dir: Path) -> dict[str, Any]:
     """docker-py `containers.create` arguments for one build: the context and the build's
-    own files (its pinned Dockerfile, its bases) read-only; the image written to work/image."""
+    own files (its pinned Dockerfile, its bases) read-only; the image written to `image_dir`
+    (which RUN steps can write to as well: it is the only host folder they can)."""
     return {
         "image": image,
         "command": executor_args(tag),
@@ -77,7 +79,7 @@ def container_config(image: str, context_dir: Path, work: Path, tag: str) -> dic
         "volumes": {str(context_dir): {"bind": "/workspace", "mode": "ro"},
                     str(work / "build"): {"bind": "/build", "mode": "ro"},
                     str(work / "bases"): {"bind": "/bases", "mode": "ro"},
-                    str(work / "image"): {"bind": "/image", "mode": "rw"}},
+                    str(image_dir): {"bind": "/image", "mode": "rw"}},
         "detach": True,
         "labels": {"campugrid.build": tag},
     }
@@ -135,7 +137,9 @@ class KanikoBuilder:
                               capture_output=True, check=False).returncode == 0
 
     def capabilities(self) -> BuilderCapabilities:
-        return BuilderCapabilities(bounded_store=True)  # gVisor's overlay of the executor's root
+        # gVisor's overlay of the executor's root; /image, the one host folder its RUN steps
+        # can write to, only on the output slot's bounded disk (`store_on`)
+        return BuilderCapabilities(bounded_store=True, bounded_without_slot=False)
 
     def inputs(self, bases: Sequence[BaseUse]) -> dict[str, str]:
         # Kaniko resolves FROM inside its sandbox; the executor image decides the rest.
@@ -153,7 +157,8 @@ class KanikoBuilder:
         job cgroups (and rootless cgroup v1 ignores the API's limits). `bases` are checked by
         the policy only: Kaniko resolves FROM inside its own sandbox, which has no registry.
         What the build writes is held to `disk_mb` beyond its bases' own size (Kaniko unpacks
-        them into the root it builds in), and the image it hands back to that and the bases."""
+        them into the root it builds in); the folder it writes the image to (where a RUN step
+        can write too) is on `store_on`, the output slot's bounded disk, when there is one."""
         if volumes:
             raise BuildFailed("the kaniko builder cannot give RUN steps files of the machine's "
                               "(extra certificates); use the buildah builder")
@@ -169,37 +174,38 @@ class KanikoBuilder:
                 bases = check_dockerfile(text).bases
             except InvalidInput as e:
                 raise BuildFailed(str(e)) from e
-        with tempfile.TemporaryDirectory(prefix="kaniko-") as tmp:
-            work = Path(tmp)
-            for part in ("build", "bases", "image"):
+        with tempfile.TemporaryDirectory(prefix="kaniko-") as tmp, \
+                tempfile.TemporaryDirectory(prefix="kaniko-image-", dir=store_on) as out:
+            work, image_dir = Path(tmp), Path(out)
+            for part in ("build", "bases"):
                 (work / part).mkdir()
             pinned = self._bases(bases, work / "bases")
             (work / "build" / "Dockerfile").write_text(pin_bases(text, pinned))
             bases_mb = sum(f.stat().st_size for f in (work / "bases").iterdir()) // 1024**2
             with self._client(work, bases_mb + disk_mb) as client:
-                self._run(client, context_dir, work, tag, log=log, timeout_s=timeout_s,
-                          cancel=cancel, disk_mb=disk_mb)
-            made = (work / "image" / "image.tar").stat().st_size // 1024**2
+                self._run(client, context_dir, work, image_dir, tag, log=log,
+                          timeout_s=timeout_s, cancel=cancel, disk_mb=disk_mb)
+            made = (image_dir / "image.tar").stat().st_size // 1024**2
             if made > bases_mb + disk_mb:  # /image is the executor's one way out of its overlay
                 raise BuildFailed(f"the build used more than {disk_mb} MB of disk (its image is "
                                   f"{made} MB, its bases {bases_mb} MB)", "")
             # Not `podman load`: it applies whatever tags the (untrusted) archive names, which
             # could retag the base image for every later job. skopeo stores it as `tag` only.
             loaded = subprocess.run(
-                [self.skopeo, "copy", "--quiet", f"docker-archive:{work / 'image' / 'image.tar'}",
+                [self.skopeo, "copy", "--quiet", f"docker-archive:{image_dir / 'image.tar'}",
                  f"containers-storage:{tag}"], capture_output=True, text=True, check=False)
             if loaded.returncode != 0:
                 raise BuildFailed("cannot load the built image", loaded.stderr[-2000:])
         return tag
 
-    def _run(self, client: Any, context_dir: Path, work: Path, tag: str, *, log: LogFn,
-             timeout_s: float, cancel: threading.Event | None, disk_mb: int) -> None:
+    def _run(self, client: Any, context_dir: Path, work: Path, image_dir: Path, tag: str, *,
+             log: LogFn, timeout_s: float, cancel: threading.Event | None, disk_mb: int) -> None:
         """The executor's container, from its creation to its removal."""
         import docker.errors
 
         try:
             container = client.containers.create(
-                **container_config(self.executor_image, context_dir, work, tag))
+                **container_config(self.executor_image, context_dir, work, tag, image_dir))
         except docker.errors.DockerException as e:
             raise BuildFailed(f"cannot create the Kaniko container: {e}") from e
         try:

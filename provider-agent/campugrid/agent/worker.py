@@ -342,8 +342,12 @@ def enforceable(sandbox: Runtime, builder: Builder, output: str) -> dict[str, st
     """Every limit this machine can or cannot enforce, as reported to the coordinator:
     the sandbox's, the build's disk, the confinement of untrusted bytes, and how /output is
     bounded (`output`, from slots.acquire)."""
-    build_disk = (ENFORCED if builder.capabilities().bounded_store else
-                  f"not enforced: the {builder.name} builder has no bounded build store")
+    can = builder.capabilities()
+    build_disk = (f"not enforced: the {builder.name} builder has no bounded build store"
+                  if not can.bounded_store else ENFORCED
+                  if can.bounded_without_slot or output == ENFORCED else
+                  f"not enforced: the {builder.name} builder is bounded on an output slot only, "
+                  "and this agent holds none")
     layers = confine.layers()
     missing = [f"{name} {how}" for name, how in layers.items() if not how.startswith(ENFORCED)]
     seccomp = (ENFORCED if sandbox.seccomp else
