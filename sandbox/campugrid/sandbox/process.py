@@ -26,7 +26,7 @@ LogFn = Callable[[str], None]
 MAX_LINE = 64 * 1024
 # After `on_stop`, how long the child has to finish by itself before its group is killed: a
 # podman whose container was killed still unmounts and records what it did, and killing it
-# half-way can leave the provider's whole store unusable (see PodmanRunsc.run).
+# half-way can leave the provider's whole store unusable (see PodmanRunsc.halt).
 STOP_GRACE_S = 20.0
 
 
@@ -175,7 +175,7 @@ def _stop(proc: subprocess.Popen[bytes], on_stop: Callable[[], None] | None,
             on_stop()
         except Exception:
             logger.warning("stopping process %d: its on_stop failed; killing it", proc.pid,
-                        exc_info=True)
+                           exc_info=True)
         else:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=grace_s)
