@@ -215,18 +215,22 @@ def test_kaniko_builds_under_runsc_and_its_image_runs(provider, shared_tmp):
         from campugrid.builders.kaniko import KanikoBuilder
         tempfile.tempdir = {str(work)!r}
         lines, ids = [], []
-        for tag in ({tag!r}, {again!r}):  # the same inputs twice: the same image (--reproducible)
+        slot = Path({str(work)!r}) / "slot"  # as the agent's output slot: the image folder's disk
+        slot.mkdir()
+        for tag, on in (({tag!r}, None), ({again!r}, slot)):  # the same inputs twice: the same image
             KanikoBuilder({image!r}).build(Path({ctx!r}), tag, log=lines.append, timeout_s=600,
-                                           disk_mb=64)
+                                           disk_mb=64, store_on=on)
             ids.append(subprocess.run(["podman", "image", "inspect", "--format", "{{{{.Id}}}}", tag],
                                       capture_output=True, text=True).stdout.strip())
         left = subprocess.run(["pgrep", "-af", {str(work) + "/kaniko-[^/]*/api[.]sock"!r}], capture_output=True, text=True)
-        print(json.dumps({{"lines": lines, "left": left.stdout, "ids": ids}}))  # the pattern matches no script
+        print(json.dumps({{"lines": lines, "left": left.stdout, "ids": ids,
+                          "slot": [p.name for p in slot.iterdir()]}}))  # the pattern matches no script
     """, timeout=900)
     try:
         assert res["left"] == "", res  # the build's Podman API service stopped with it
         assert any("No space left on device" in line for line in res["lines"]), res["lines"]
-        assert res["ids"][0] and res["ids"] == [res["ids"][0]] * 2, res["ids"]
+        assert res["ids"][0] and res["ids"] == [res["ids"][0]] * 2, res["ids"]  # --reproducible
+        assert res["slot"] == [], res["slot"]  # the image folder went with the build
         out = shared_tmp / "out"
         out.mkdir()
         os.chown(out, provider.uid, provider.gid) if os.geteuid() == 0 else None
