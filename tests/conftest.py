@@ -84,11 +84,9 @@ BESIDE_THE_HOST = (
 
 # These modules run agents and jobs but look at nothing of the provider's beyond their own
 # platform: with a second user, each is a scope of its own too, run as its worker's user.
-ANY_PROVIDER = (*(f"tests/acceptance/test_{name}.py" for name in (
+ANY_PROVIDER = tuple(f"tests/acceptance/test_{name}.py" for name in (
     "console", "coordinators", "handback", "images", "resilience", "shards", "submit_boundary",
-    "trust_flow", "verified")),
-    # builds as its worker's user, with that user's bases and Kaniko executor (infra/setup.sh)
-    "tests/integration/test_builder_contract.py")
+    "trust_flow", "verified"))
 # The security suite runs first on the first worker, before the second has finished the modules
 # beside it and starts the ones above (whose images would count against its disk check); the
 # host's heaviest builds run last, when the other worker is done: beside its CPU-bound tests
