@@ -29,6 +29,7 @@ RUNSC_FAST = "20240729"  # systrap and directfs; Debian 12's own runsc (20221219
 # gVisor built from its Go module at the commit campugrid is tested on (infra/setup.sh runs it;
 # the root step does where Go is present): its `stamp=` line is the pin.
 RUNSC_FROM_GO = Path(__file__).with_name("runsc-from-go.sh")
+BUILD_RUNSC = f"bash {shlex.quote(str(RUNSC_FROM_GO))}"  # the root step's line that runs it
 MIN_FREE_GB = 10
 CGROUP = Path("/sys/fs/cgroup")
 CONTROLLERS = ("memory", "cpu", "pids")
@@ -134,7 +135,7 @@ def build_runsc(host: Host) -> str:
     """The root step's command that builds the pinned runsc, where Go is here ("" if not)."""
     if host.which("go") is None and host.which("/usr/local/go/bin/go") is None:
         return ""
-    return f"bash {shlex.quote(str(RUNSC_FROM_GO))}"
+    return BUILD_RUNSC
 
 
 def pinned_runsc(script: Path = RUNSC_FROM_GO) -> str:
@@ -346,8 +347,7 @@ def root_step(user: str, checks: Sequence[Check], cgroup: Path = CGROUP,
     who = shlex.quote(check_user(user))
     wanted = {c.name for c in checks if not c.ok and c.root}
     # runsc: Debian's package, or (where Go is here) the one built from gVisor's Go module
-    built = [c.fix for c in checks if c.name == "runsc (gVisor)" and not c.ok and c.root
-             and c.fix.startswith("bash ")]
+    built = [c.fix for c in checks if not c.ok and c.fix == BUILD_RUNSC]
     lines: list[str] = []
     if "podman" in wanted or ("runsc (gVisor)" in wanted and not built):
         lines.append("apt-get install -y " + " ".join(PACKAGES)
