@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from campugrid.agent.images import COPIES, ImageCache
+from campugrid.sandbox import store_lock
 from campugrid.sandbox.podman_ops import CliOps
 from tests.support.provider import DEFAULT_IMAGE, sandbox_run
 
@@ -70,6 +71,12 @@ def test_the_size_bound_and_what_the_index_lost(tmp_path: Path, image: str):
     try:
         one = cached(cache, ops, 1, image)  # in use: kept although over the size bound
         assert ops.image_size(one) is not None
+        with store_lock.writing():  # another agent of this user is building: left for now
+            assert cache.release("task") == []
+        assert ops.image_size(one) is not None and cache.lookup(digest(1)) == one
+        assert cache.trim() == [digest(1)]  # a later trim, the store quiet: it goes
+        assert ops.image_size(one) is None and cache.lookup(digest(1)) is None
+        one = cached(cache, ops, 1, image)
         assert cache.release("task") == [digest(1)]  # its task ended: it goes at once
         assert ops.image_size(one) is None
         stray = cache.name(digest(9))  # pulled, then the agent died before recording it

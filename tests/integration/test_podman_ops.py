@@ -104,9 +104,17 @@ try:
     ops.tag(a, b)
     out["sizes_equal"] = ops.image_size(a) == ops.image_size(b) == ops.image_size(image) > 0
     out["listed"] = a in ops.images() and b in ops.images()
-    ops.remove_image(a)
+    out["removed"] = ops.remove_image(a)
     out["after_one_name"] = [ops.image_size(a), ops.image_size(b) is not None,
                              ops.image_size(image) is not None]
+    # while another agent of this user writes to the store, a removal waits, then leaves it
+    from campugrid.sandbox import store_lock
+    with store_lock.writing():
+        t0 = time.monotonic()
+        left = ops.remove_image(b)
+        waited = time.monotonic() - t0
+    out["left_while_writing"] = [left, ops.image_size(b) is not None,
+                                 store_lock.REMOVE_WAIT_S <= waited < store_lock.REMOVE_WAIT_S + 5]
     ops.remove_image(b)
     out["after_both"] = [ref for ref in ops.images() if ref.startswith(f"localhost/ops-{mark}/")]
     out["base_kept"] = ops.image_size(image) is not None
@@ -137,7 +145,8 @@ def test_both_paths_answer_alike(kind: str):
         "env": [True, None], "id": [True, None],
         "file": [True, True, None, None, None, "refused", []],
         "sizes_equal": True, "listed": True,
-        "after_one_name": [None, True, True], "after_both": [], "base_kept": True,
+        "removed": True, "after_one_name": [None, True, True],
+        "left_while_writing": [False, True, True], "after_both": [], "base_kept": True,
     }
 
 

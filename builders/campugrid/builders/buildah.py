@@ -48,7 +48,7 @@ from campugrid.buildpolicy.dockerfiles import BaseUse, check_dockerfile
 from campugrid.egress.policy import CA_ENV
 from campugrid.protocol.errors import BuildFailed, CannotRunHere, InvalidInput
 from campugrid.sandbox import limits as host_limits
-from campugrid.sandbox import profile, slots
+from campugrid.sandbox import profile, slots, store_lock
 from campugrid.sandbox.podman_runsc import RUNSC_FLAGS, runtime_dir
 from campugrid.sandbox.process import LogFn, run_streaming
 
@@ -216,10 +216,11 @@ class BuildahBuilder:
             # A tmpfs store is memory: the build may then use its memory and its disk.
             # Not waited for at the end: the build runtime's last `runsc delete` goes on in
             # the background for seconds (runsc-build-runtime); the reaper removes the cgroup.
+            # The store lock for the whole build: where its commit begins is Buildah's to know.
             with host_limits.job_cgroup(self.limits, name,
                                         memory_mb=memory_mb + (0 if store_on else disk_mb),
                                         cpus=cpus, pids=4096, scope=self.scope,
-                                        wait_s=0.0) as cg:
+                                        wait_s=0.0) as cg, store_lock.writing():
                 done = run_streaming(
                     host_limits.launcher(cg, self.argv(store, disk_mb, context_dir, tag,
                                                        dockerfile, volumes, egress,
@@ -233,8 +234,11 @@ class BuildahBuilder:
             slots.remove_tree(store)
         if done.cancelled or done.timed_out or done.returncode != 0:
             # A build can fail after its image is committed (Buildah cleaning up on a full
-            # tmpfs): a failed build leaves no image.
-            self._buildah("rmi", "-f", tag)
+            # tmpfs): a failed build leaves no image (or, if the store is busy, one for the
+            # agent's sweep, which removes its job images by name).
+            with store_lock.removing() as held:
+                if held:
+                    self._buildah("rmi", "-f", tag)
         tail = done.tail.replace(dest, tag)
         if done.cancelled:
             raise BuildFailed("build cancelled", tail)

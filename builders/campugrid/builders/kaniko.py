@@ -31,6 +31,7 @@ from typing import Any
 from campugrid.builders.base import BuilderCapabilities
 from campugrid.buildpolicy.dockerfiles import BaseUse, check_dockerfile, pin_bases
 from campugrid.protocol.errors import BuildFailed, InvalidInput
+from campugrid.sandbox import store_lock
 from campugrid.sandbox.podman_runsc import RUNSC_FLAGS
 from campugrid.sandbox.process import LogFn
 
@@ -191,9 +192,10 @@ class KanikoBuilder:
                                   f"{made} MB, its bases {bases_mb} MB)", "")
             # Not `podman load`: it applies whatever tags the (untrusted) archive names, which
             # could retag the base image for every later job. skopeo stores it as `tag` only.
-            loaded = subprocess.run(
-                [self.skopeo, "copy", "--quiet", f"docker-archive:{image_dir / 'image.tar'}",
-                 f"containers-storage:{tag}"], capture_output=True, text=True, check=False)
+            with store_lock.writing():
+                loaded = subprocess.run(
+                    [self.skopeo, "copy", "--quiet", f"docker-archive:{image_dir / 'image.tar'}",
+                     f"containers-storage:{tag}"], capture_output=True, text=True, check=False)
             if loaded.returncode != 0:
                 raise BuildFailed("cannot load the built image", loaded.stderr[-2000:])
         return tag

@@ -36,6 +36,7 @@ from campugrid.builders.base import Builder
 from campugrid.buildpolicy.dockerfiles import BaseUse
 from campugrid.protocol.errors import BuildFailed, SandboxError
 from campugrid.protocol.spec import BuildOptions
+from campugrid.sandbox import store_lock
 from campugrid.sandbox.podman_ops import PodmanOps
 from campugrid.sandbox.process import LogFn, run_streaming
 
@@ -163,8 +164,9 @@ class ImageCache:
                 if victim is None:
                     break
                 order.remove(victim)
+                if not self.ops.remove_image(self.name(victim)):
+                    break  # another agent of this user is writing to the store: next time
                 del index[victim]
-                self.ops.remove_image(self.name(victim))
                 gone.append(victim)
             self._save(index)
         return gone
@@ -202,8 +204,9 @@ class ImageCache:
                                f"pulling {repository}@{digest}", cancel)
                 unpacked_bytes(staged, limit_bytes, skip=attempt)
                 try:
-                    self._copy([f"oci:{staged}:pulled", f"containers-storage:{image}"],
-                               f"storing {repository}@{digest}", cancel)
+                    with store_lock.writing():
+                        self._copy([f"oci:{staged}:pulled", f"containers-storage:{image}"],
+                                   f"storing {repository}@{digest}", cancel)
                     break
                 except SandboxError:
                     if not attempt or (cancel is not None and cancel.is_set()):
@@ -316,10 +319,8 @@ class ImageCache:
         """Cached images the index does not know (a crash between pull and record)."""
         prefix = f"{CACHE_PREFIX}{self.scope}:"
         known = {self.name(d) for d in self._index()}
-        gone = [ref for ref in self.ops.images() if ref.startswith(prefix) and ref not in known]
-        for ref in gone:
-            self.ops.remove_image(ref)
-        return gone
+        return [ref for ref in self.ops.images()
+                if ref.startswith(prefix) and ref not in known and self.ops.remove_image(ref)]
 
 
 @contextlib.contextmanager

@@ -237,10 +237,11 @@ class FakeRuntime:
             self.remove_image(image)
         return gone
 
-    def remove_image(self, image: str) -> None:
+    def remove_image(self, image: str) -> bool:
         self.removed_images.append(image)
         if self.images is not None:
             self.images.discard(image)
+        return True
 
 
 class FakeOps:
@@ -307,9 +308,10 @@ class FakeOps:
         self.runtime.images.add(new)
         self.env.setdefault(new, self.env.get(ref, []))
 
-    def remove_image(self, ref: str) -> None:
+    def remove_image(self, ref: str) -> bool:
         if self._has(ref):
             self.runtime.remove_image(ref)
+        return True
 
 
 class FakeSession:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from campugrid.guards import guard, release_guard
+from campugrid.sandbox import store_lock
 
 log = logging.getLogger(__name__)
 NEVER = "0001-01-01"  # Podman's StartedAt for a container that never started
@@ -87,10 +88,14 @@ class PodmanOps(Protocol):
         ValueError past `max_bytes`."""
         ...
 
-    def tag(self, ref: str, new: str) -> None: ...
+    def tag(self, ref: str, new: str) -> None:
+        """Give the image another name (under store_lock.writing)."""
+        ...
 
-    def remove_image(self, ref: str) -> None:
-        """Remove this name (the image goes with its last name), if it is there."""
+    def remove_image(self, ref: str) -> bool:
+        """Remove this name (the image goes with its last name), if it is there; False if
+        it was left because another agent of this user is writing to the store (see
+        store_lock): a later sweep removes it."""
         ...
 
 
@@ -193,10 +198,14 @@ class CliOps:
             self.remove(name)
 
     def tag(self, ref: str, new: str) -> None:
-        self._run("tag", ref, new)
+        with store_lock.writing():
+            self._run("tag", ref, new)
 
-    def remove_image(self, ref: str) -> None:
-        self._run("rmi", "--force", ref, timeout=120)
+    def remove_image(self, ref: str) -> bool:
+        with store_lock.removing() as held:
+            if held:
+                self._run("rmi", "--force", ref, timeout=120)
+            return held
 
 
 class ApiOps:
@@ -362,13 +371,17 @@ class ApiOps:
 
     def tag(self, ref: str, new: str) -> None:
         repo, _, tag = new.rpartition(":")
-        self.client.images.get(ref).tag(repo, tag)
+        with store_lock.writing():
+            self.client.images.get(ref).tag(repo, tag)
 
-    def remove_image(self, ref: str) -> None:
+    def remove_image(self, ref: str) -> bool:
         from podman.errors import APIError, ImageNotFound
 
-        with contextlib.suppress(ImageNotFound, APIError):
-            self.client.images.remove(ref, force=True)
+        with store_lock.removing() as held:
+            if held:
+                with contextlib.suppress(ImageNotFound, APIError):
+                    self.client.images.remove(ref, force=True)
+            return held
 
 
 def _reader_name() -> str:

@@ -226,17 +226,16 @@ class PodmanRunsc:
         return found
 
     def sweep_images(self, prefix: str, keep: str = "") -> list[str]:
-        """Remove images whose name starts with `prefix` (this agent's job images), but `keep`."""
-        gone = [ref for ref in self.ops.images() if ref.startswith(prefix) and ref != keep]
-        for ref in gone:
-            self.remove_image(ref)
-        return gone
+        """Remove images whose name starts with `prefix` (this agent's job images), but `keep`;
+        returns those removed (not those left for a later sweep: see store_lock)."""
+        return [ref for ref in self.ops.images()
+                if ref.startswith(prefix) and ref != keep and self.remove_image(ref)]
 
     def exists(self, name: str) -> bool:
         return self.ops.state(name) is not None
 
-    def remove_image(self, image: str) -> None:
-        self.ops.remove_image(image)
+    def remove_image(self, image: str) -> bool:
+        return self.ops.remove_image(image)
 
 
 CDI_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))

@@ -137,7 +137,11 @@ class Runtime(Protocol):
         ...
 
     def sweep_images(self, prefix: str, keep: str = "") -> list[str]:
-        """Remove the images whose name starts with `prefix`, but `keep`."""
+        """Remove the images whose name starts with `prefix`, but `keep`; returns those
+        removed."""
         ...
 
-    def remove_image(self, image: str) -> None: ...
+    def remove_image(self, image: str) -> bool:
+        """False: left for a later sweep (another agent of this user is writing to the
+        store)."""
+        ...
