@@ -18,6 +18,7 @@ import subprocess
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,6 +65,18 @@ def log_of(api: Api, job_id: str) -> str:
     return "\n".join([*(line for line in text.splitlines() if "[campugrid]" in line), events])
 
 
+def ended(p: Platform, api: Api, job_id: str, timeout_s: float = 240) -> dict[str, Any]:
+    """The job once it has ended; if it has not within `timeout_s` (less than the test's own
+    limit, so that this is what fails), what happened to it so far, and the agents' last
+    lines (their logs go with the platform's folder)."""
+    try:
+        return api.wait(job_id, timeout_s=timeout_s, poll_s=0.3)
+    except TimeoutError as e:
+        tails = [f"--- {log.name} ---\n" + "\n".join(log.read_text().splitlines()[-25:])
+                 for log in sorted((p.state_dir / "agents").glob("*.log"))]
+        raise AssertionError("\n".join([str(e), log_of(api, job_id), *tails])) from None
+
+
 def test_a_liar_is_outvoted_quarantined_and_its_earlier_result_tainted(grid, request):
     p, api, context = grid
     # Before anyone checks it, the liar runs an unverified job: its word is taken. A second
@@ -75,12 +88,12 @@ def test_a_liar_is_outvoted_quarantined_and_its_earlier_result_tainted(grid, req
     twin = api.submit(packed, JobSpec(command=COMMAND))["id"]
     lies = (str(LIAR), "--lie", "output,shards,image")
     liar = p.start_agent("liar", program=lies, args=("--once",))
-    plain_final = api.wait(plain, timeout_s=240, poll_s=0.2)
+    plain_final = ended(p, api, plain)
     assert plain_final["machine_id"] == liar.machine_id() and plain_final["result"] == "42"
     assert answer_in(api, plain) != b"42\n" and not plain_final.get("tainted")
     assert liar.proc.wait(timeout=60) == 0
     honest_a = p.start_agent("honest-a")
-    twin_final = api.wait(twin, timeout_s=240, poll_s=0.2)
+    twin_final = ended(p, api, twin)
     shown = f"\nthe liar's log:\n{log_of(api, plain)}\nhonest-a's log:\n{log_of(api, twin)}"
     assert twin_final["machine_id"] == honest_a.machine_id(), shown
     assert twin_final["result"] == "43" and not twin_final.get("tainted"), shown  # the forgery
@@ -94,7 +107,7 @@ def test_a_liar_is_outvoted_quarantined_and_its_earlier_result_tainted(grid, req
     wait_for("the liar to hold a replica", lambda: any(
         r["machine_id"] == liar.machine_id() for r in api.job(job)["replicas"]))
     p.start_agent("honest-b")
-    final = api.wait(job, timeout_s=300, poll_s=0.3)
+    final = ended(p, api, job)
     assert final["state"] == "succeeded" and final["result"] == "42"
     assert answer_in(api, job) == b"42\n"  # the output served is the quorum's
     by_machine = {r["machine_id"]: r for r in final["replicas"]}
@@ -115,7 +128,7 @@ def test_a_liar_is_outvoted_quarantined_and_its_earlier_result_tainted(grid, req
 
     # Its remedy: run it again; the quarantined liar gets none of it.
     # Its build is withdrawn: the rerun pulls an honest machine's (or builds), never the forgery.
-    again = api.wait(api.rerun(twin)["id"], timeout_s=240, poll_s=0.2)
+    again = ended(p, api, api.rerun(twin)["id"])
     assert again["machine_id"] != liar.machine_id() and again["result"] == "42"
     assert answer_in(api, again["id"]) == b"42\n"
     assert liar.proc.poll() is None  # still running, asking in vain
@@ -147,7 +160,7 @@ def test_a_liar_is_outvoted_quarantined_and_its_earlier_result_tainted(grid, req
     sweep = api.submit(tar_folder(context), JobSpec.from_dict({
         "command": ["sh", "-c", 'echo $(( $(echo "$CAMPUGRID_SHARD_PAYLOAD" | tr -dc 0-9) * 2 ))'],
         "verify": "adaptive", "shards": [{"payload": i} for i in range(6)]}))["id"]
-    done = api.wait(sweep, timeout_s=300, poll_s=0.3)
+    done = ended(p, api, sweep)
     shards = list(api.shards(sweep))
     assert [s["result"] for s in shards] == [i * 2 for i in range(6)], shards
     assert all(len(s["copies"]) >= 2 for s in shards)  # no machine had earned trust
@@ -167,7 +180,7 @@ def test_a_poisoned_checkpoint_is_caught_and_the_job_resumes_from_a_checked_one(
     wait_for("the liar to take the job", lambda: api.job(job)["machine_id"] == liar.machine_id())
     for name in ("honest-a", "honest-b"):
         p.start_agent(name)
-    final = api.wait(job, timeout_s=300, poll_s=0.5)
+    final = ended(p, api, job)
     assert final["state"] == "succeeded", final
     assert json.loads(final["result"])["epochs"] == 20
     assert final["machine_id"] != liar.machine_id()
@@ -223,7 +236,7 @@ def test_a_jobs_own_compare_command_accepts_outputs_that_differ_only_where_it_al
         "command": ["sh", "-c", "mkdir -p /output && echo 42 > /output/answer.txt && "
                                 "date +%s%N > /output/when.txt && echo 42"],
         "verify": {"replicas": 2, "compare": ["python3", "/cmp.py"]}}))["id"]
-    final = api.wait(job, timeout_s=300, poll_s=0.3)
+    final = ended(p, api, job)
     assert final["state"] == "succeeded" and final["result"] == "42", final
     with tarfile.open(fileobj=io.BytesIO(api.output(job)), mode="r:gz") as tar:
         assert (tar.extractfile("answer.txt") or io.BytesIO()).read() == b"42\n"
