@@ -20,20 +20,22 @@ from campugrid.builders.kaniko import EXECUTOR_IMAGE
 from campugrid.cli.platform import ProviderUser
 from campugrid.protocol.errors import BuildFailed
 from campugrid.sandbox.fake import FakeRuntime
+from tests.support.oci import BUSYBOX, busybox_image
 from tests.support.provider import run_as_provider
 
 pytestmark = pytest.mark.integration
-BASE = "FROM localhost/campugrid/python:bookworm\n"
+BASE = f"FROM {BUSYBOX}\n"  # what a builder does, not what it builds: the smallest base
 KANIKO_IMAGE = os.environ.get("CAMPUGRID_KANIKO_IMAGE", EXECUTOR_IMAGE)
 
 BUILD_SCRIPT = """
-import json, sys, threading, time
+import json, os, sys, threading, time
 from pathlib import Path
 from campugrid.builders.buildah import BuildahBuilder
 from campugrid.builders.kaniko import KanikoBuilder
 from campugrid.protocol.errors import BuildFailed
 from campugrid.sandbox import limits
 args = json.loads(sys.argv[1])
+os.environ["CAMPUGRID_ALLOWED_BASES"] = args["base"]
 builder = (BuildahBuilder(scope="a-contract-tests") if args["kind"] == "buildah"
            else KanikoBuilder(args["kaniko_image"]))
 cancel = threading.Event()
@@ -71,7 +73,8 @@ class Real:
 
     def build(self, context: Path, tag: str, cancel_on: str | None) -> dict[str, Any]:
         args = {"kind": self.kind, "kaniko_image": KANIKO_IMAGE, "context": str(context),
-                "tag": tag, "cancel_on": cancel_on}
+                "tag": tag, "cancel_on": cancel_on,
+                "base": busybox_image(self.provider.command([]))}
         proc = subprocess.run(self.provider.command([sys.executable, "-c", BUILD_SCRIPT,
                                                      json.dumps(args)]),
                               capture_output=True, text=True, timeout=600, cwd="/")
