@@ -222,9 +222,17 @@ def test_kaniko_builds_under_runsc_and_its_image_runs(provider, shared_tmp):
         lines, ids = [], []
         slot = Path({str(work)!r}) / "slot"  # as the agent's output slot: the image folder's disk
         slot.mkdir()
-        for tag, on in (({tag!r}, None), ({again!r}, slot)):  # the same inputs twice: the same image
-            KanikoBuilder({image!r}).build(Path({ctx!r}), tag, log=lines.append, timeout_s=600,
-                                           disk_mb=64, store_on=on)
+        from campugrid.buildpolicy.dockerfiles import check_dockerfile, pin_bases
+        builder = KanikoBuilder({image!r})
+        text = (Path({ctx!r}) / "Dockerfile").read_text()
+        bases = check_dockerfile(text).bases
+        prepared = Path({str(work)!r}) / "Dockerfile.prepared"  # as the agent hands it over
+        prepared.write_text(pin_bases(text, builder.pins(bases)))
+        for tag, on, dockerfile in (({tag!r}, None, None), ({again!r}, slot, prepared)):
+            # the same inputs twice (the second as the agent builds: its copy of the
+            # Dockerfile, the bases named as Kaniko finds them): the same image
+            builder.build(Path({ctx!r}), tag, log=lines.append, timeout_s=600, disk_mb=64,
+                          store_on=on, bases=bases, dockerfile=dockerfile)
             ids.append(subprocess.run(["podman", "image", "inspect", "--format", "{{{{.Id}}}}", tag],
                                       capture_output=True, text=True).stdout.strip())
         left = subprocess.run(["pgrep", "-af", {str(work) + "/kaniko-[^/]*/api[.]sock"!r}], capture_output=True, text=True)

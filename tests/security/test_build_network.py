@@ -20,6 +20,7 @@ from tests.security.test_build_side import (
     listener,  # noqa: F401 - a fixture
     make_context,
 )
+from tests.support.oci import busybox_image
 from tests.support.runtimes import gvisor_kernel
 
 pytestmark = pytest.mark.integration
@@ -67,6 +68,7 @@ via_proxy("allowed name, private address", f"http://localhost:{port}/name")
 via_proxy("allowed name on loopback port 80", "http://localhost/name80")
 via_proxy("not allowed", "http://example.org/")
 via_proxy("https not allowed", "https://example.org/")
+via_proxy("allowed registry", "http://registry.test/allowed")
 raw("raw TCP to the listener", ("127.0.0.1", port))
 raw("raw TCP to the host", (host, port))
 raw("raw TCP outside", ("93.184.215.14", 80))
@@ -93,13 +95,16 @@ def test_a_build_reaches_nothing_but_what_the_proxy_allows(provider, shared_tmp,
                        f"FROM {BASE}\nCOPY attempts.py /\n"
                        f"RUN python3 /attempts.py {listener} {host}\n",
                        **{"attempts.py": ATTEMPTS})
-    # "localhost" is on the list here: a name an operator allowed that resolves to loopback
-    res = build(provider, ctx, TAG, hosts=("localhost", "pypi.org"))
+    # "localhost" is on the list here: a name an operator allowed that resolves to loopback;
+    # so is a registry the operator pinned to an address (the listener stands in for it)
+    res = build(provider, ctx, TAG, hosts=("localhost", "pypi.org", "registry.test"),
+                pins=f"registry.test:80=127.0.0.1:{listener}")
     assert res["ok"], res
     lines = res["lines"]
     said = {n: w for n, _, w in (line.partition(": ") for line in lines) if n in
             {*EXPECTED_REFUSALS, "raw TCP to the listener", "raw TCP to the host",
-             "raw TCP outside", "DNS outside"}}
+             "raw TCP outside", "DNS outside", "allowed registry"}}
+    assert said.pop("allowed registry", "") == "REACHED", said  # the way out is there
     assert not [n for n, w in said.items() if "REACHED" in w], said
     for name, why in EXPECTED_REFUSALS.items():
         assert said.get(name, "").startswith("refused"), (name, said)  # 403, or no tunnel
@@ -108,7 +113,8 @@ def test_a_build_reaches_nothing_but_what_the_proxy_allows(provider, shared_tmp,
     for name in ("raw TCP to the listener", "raw TCP to the host", "raw TCP outside",
                  "DNS outside"):  # no proxy in the way: the network has nowhere to go
         assert said.get(name, "").startswith("failed"), (name, said)
-    assert Recorder.seen == [], Recorder.seen  # nothing reached the provider's loopback
+    # nothing reached the provider's loopback but the one request the proxy let through
+    assert Recorder.seen == ["/allowed"], Recorder.seen
 
 
 def test_an_sdists_build_hook_runs_only_inside_the_build(provider, shared_tmp):
@@ -147,3 +153,55 @@ def test_an_offline_build_has_no_proxy_at_all(provider, shared_tmp, listener):  
     assert res["ok"], res
     assert "no-proxy-set" in res["lines"] and "no-relay" in res["lines"], res["lines"]
     assert not any(line.startswith("[egress]") for line in res["lines"])
+
+
+# The same attempts in BusyBox's shell, for Kaniko (which unpacks and snapshots its whole
+# base for each build: the Python one took a minute): "<name>: REACHED" or "<name>: failed".
+# (Not `wget -T`: Debian's static BusyBox crashes on it.)
+SHELL_ATTEMPTS = """\
+try() { name=$1; shift; if "$@" >/dev/null 2>&1; then echo "$name: REACHED"; else echo "$name: failed"; fi; }
+try 'allowed registry' wget -q -O- http://registry.test/allowed
+try 'loopback' wget -q -O- http://127.0.0.1:PORT/loopback
+try 'host address' wget -q -O- http://HOST:PORT/host
+try 'not allowed' wget -q -O- http://example.org/
+try 'direct to the listener' wget -Y off -q -O- http://127.0.0.1:PORT/direct
+try 'direct to the host' wget -Y off -q -O- http://HOST:PORT/direct
+try 'raw TCP outside' nc 93.184.215.14 80
+try 'DNS outside' nslookup example.org 8.8.8.8
+env | grep -i _proxy || echo no-proxy-set
+cat /dev/campugrid-build-ca.pem 2>/dev/null && echo || echo no-extra-certificates
+"""
+
+
+@pytest.mark.parametrize("online", [True, False], ids=["online", "offline"])
+def test_a_kaniko_build_reaches_nothing_but_what_the_proxy_allows(provider, shared_tmp,
+                                                                  listener, online):  # noqa: F811
+    """Kaniko's executor in the build's own network namespace: its RUN steps reach the egress
+    proxy through the relay, which lets an allowed (pinned) registry through and refuses the
+    rest, and nothing else; offline, not even the proxy."""
+    base = busybox_image(provider.command([]))
+    host = host_address()
+    script = SHELL_ATTEMPTS.replace("PORT", str(listener)).replace("HOST", host)
+    ctx = make_context(shared_tmp, provider, f"FROM {base}\nCOPY attempts.sh /\n"
+                                             "RUN sh /attempts.sh\n", **{"attempts.sh": script})
+    ca = "operator-ca-" + uuid.uuid4().hex  # what RUN steps must find at CA_MOUNT, online
+    res = build(provider, ctx, TAG, hosts=("registry.test",), builder="kaniko", base=base,
+                pins=f"registry.test:80=127.0.0.1:{listener}", online=online, ca=ca)
+    assert res["ok"], res
+    said = dict(line.partition(": ")[::2] for line in res["lines"] if ": " in line)
+    names = ("allowed registry", "loopback", "host address", "not allowed",
+             "direct to the listener", "direct to the host", "raw TCP outside", "DNS outside")
+    reached = [n for n in names if said.get(n) == "REACHED"]
+    assert all(said.get(n) in ("REACHED", "failed") for n in names), res["lines"]
+    refusals = [line for line in res["lines"] if line.startswith("[egress] refused")]
+    if online:
+        assert reached == ["allowed registry"], "\n".join(res["lines"])
+        assert Recorder.seen == ["/allowed"], Recorder.seen
+        assert any("an address, not a name" in line for line in refusals), refusals
+        assert any("example.org is not on this platform's list" in line for line in refusals)
+        assert "http_proxy=http://127.0.0.1:3128" in res["lines"], res["lines"]
+        assert ca in res["lines"], "\n".join(res["lines"])
+    else:
+        assert reached == [] and Recorder.seen == [] and refusals == [], res["lines"]
+        assert "no-proxy-set" in res["lines"], res["lines"]
+        assert "no-extra-certificates" in res["lines"], res["lines"]

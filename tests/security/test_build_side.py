@@ -43,14 +43,24 @@ from campugrid.builders.buildah import BuildahBuilder
 from campugrid.buildpolicy.dockerfiles import check_dockerfile
 from campugrid.protocol.errors import BuildFailed
 args = json.loads(sys.argv[1])
-builder = BuildahBuilder(scope=args["scope"])
+__import__("os").environ["CAMPUGRID_ALLOWED_BASES"] = args["base"]
+if args.get("builder") == "kaniko":
+    from campugrid.builders.kaniko import EXECUTOR_IMAGE, KanikoBuilder
+    builder = KanikoBuilder(EXECUTOR_IMAGE)
+else:
+    builder = BuildahBuilder(scope=args["scope"])
 # Around the check: the bases of a harmless file, whatever the real one says.
 bases = check_dockerfile("FROM " + args["base"]).bases if args["around_check"] else None
 lines = []
-out = {"limits": builder.limits.as_dict()}
+out = {"limits": builder.limits.as_dict() if hasattr(builder, "limits") else {}}
 print(json.dumps({"pid": __import__("os").getpid()}), flush=True)
 from campugrid.agent import buildnet
-from campugrid.egress.policy import Policy, parse_pins
+from campugrid.egress.policy import CA_ENV, Policy, parse_pins
+if args.get("ca"):  # the operator's extra certificates for builds, which RUN steps see
+    import tempfile
+    ca = Path(tempfile.mkdtemp()) / "ca.pem"
+    ca.write_text(args["ca"])
+    __import__("os").environ[CA_ENV] = str(ca)
 # As the agent builds: online through its egress proxy (here in local mode: this machine's
 # own way out, by the platform's rules), unless the test asks for an offline build.
 policy = Policy(hosts=tuple(args.get("hosts") or Policy().hosts), pins=parse_pins(args.get("pins", "")))
@@ -66,7 +76,7 @@ with buildnet.open_network([], wanted="default" if args.get("online", True) else
     except BuildFailed as e:
         out.update(ok=False, reason=e.reason, tail=e.log_tail)
 out["lines"] = lines
-if args["sweep"]:  # as the agent does after every task
+if args["sweep"] and hasattr(builder, "limits"):  # as the agent does after every task
     from campugrid.sandbox import limits
     limits.sweep(builder.limits, args["scope"])
 print(json.dumps(out))
@@ -112,10 +122,12 @@ def make_context(root: Path, provider, dockerfile: str, **files: str) -> str:
 
 def build(provider, context: str, tag: str, *, around_check: bool = True, disk_mb: int = 256,
           memory_mb: int = 1024, timeout_s: float = 300, online: bool = True,
-          hosts: tuple[str, ...] = (), pins: str = "") -> dict:
+          hosts: tuple[str, ...] = (), pins: str = "", builder: str = "buildah",
+          base: str = BASE, ca: str = "") -> dict:
     args = {"context": context, "tag": tag, "timeout_s": timeout_s, "memory_mb": memory_mb,
-            "disk_mb": disk_mb, "scope": SCOPE, "base": BASE, "around_check": around_check,
-            "sweep": True, "online": online, "hosts": list(hosts), "pins": pins}
+            "disk_mb": disk_mb, "scope": SCOPE, "base": base, "around_check": around_check,
+            "sweep": True, "online": online, "hosts": list(hosts), "pins": pins,
+            "builder": builder, "ca": ca}
     proc = subprocess.run(provider.command([sys.executable, "-c", BUILD, json.dumps(args)]),
                           capture_output=True, text=True, timeout=timeout_s + 120, cwd="/")
     if proc.returncode != 0:

@@ -117,14 +117,15 @@ def python_slim(as_user: list[str]) -> str:
     return made_once(PYTHON_SLIM, as_user, fill)
 
 
-BUSYBOX = "localhost/campugrid-test/busybox:1.35-v1"  # bump when its recipe changes
+BUSYBOX = "localhost/campugrid-test/busybox:1.35-v2"  # bump when its recipe changes
 
 
 def busybox_image(as_user: list[str]) -> str:
     """A 2 MB base (Debian's static BusyBox as /bin's tools) for tests of how a builder
     works, not of what it builds: a Kaniko build of the 440 MB Python base spent most of its
     35 s unpacking and snapshotting that base. Made once in the provider's store."""
-    tools = ("sh", "cat", "echo", "sleep", "dd", "uname", "rm", "mkdir", "ls", "true")
+    tools = ("sh", "cat", "echo", "sleep", "dd", "uname", "rm", "mkdir", "ls", "true", "env",
+             "grep", "wget", "nc", "nslookup")
 
     def fill(context: Path) -> None:
         folder = context / "bin"

@@ -34,3 +34,23 @@ def test_the_executors_root_is_a_bounded_overlay_when_the_build_names_one():
     flags = svc[3:3 + len(RUNSC_FLAGS)]
     assert "overlay2=root:dir=/b/upper,size=700m" in flags and "overlay2=none" not in flags
     assert "network=none" in flags  # the rest as the jobs' sandboxes have them
+
+
+def test_online_the_executor_shares_the_services_namespace_and_gets_the_relay_as_its_proxy():
+    """The namespace (a loopback and the relay) is made around the service (KanikoBuilder's
+    _client); the executor joins it (runsc on its sockets) and names the relay as its proxy,
+    for its own fetches and, as Docker's predefined build arguments, for its RUN steps."""
+    cfg = container_config("kaniko:test", Path("/w/ctx"), Path("/w/b"), "localhost/job:1",
+                           Path("/slot/i"), online=True,
+                           volumes=[(Path("/etc/ca.pem"), "/dev/campugrid-build-ca.pem")])
+    assert cfg["network_mode"] == "host"
+    assert cfg["environment"]["https_proxy"] == "http://127.0.0.1:3128"
+    assert "--build-arg=http_proxy=http://127.0.0.1:3128" in cfg["command"]
+    assert cfg["volumes"]["/etc/ca.pem"] == {"bind": "/dev/campugrid-build-ca.pem", "mode": "ro"}
+    writable = [host for host, v in cfg["volumes"].items() if v["mode"] == "rw"]
+    assert writable == ["/slot/i"]
+    flags = service_argv(Path("/b/api.sock"), online=True)[3:3 + len(RUNSC_FLAGS)]
+    assert "network=host" in flags and "network=none" not in flags
+    offline = container_config("kaniko:test", Path("/w/ctx"), Path("/w/b"), "t:1", Path("/s"))
+    assert offline["network_mode"] == "none" and offline["environment"] == {}
+    assert not any(a.startswith("--build-arg") for a in offline["command"])

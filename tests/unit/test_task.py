@@ -296,3 +296,25 @@ def test_one_file_past_output_mb_is_stopped_by_the_file_size_limit(setup: Setup)
     assert not done.succeeded and done.exit_code == 153
     assert done.reason.startswith("a file the job wrote reached 1 MB (resources.output_mb")
     setup.after(task)
+
+
+def test_the_builders_names_for_bases_replace_the_checked_lines_pulled_bases_included():
+    """A pulled base (a multi-line FROM) is named by its local image, unless the builder names
+    it by digest (Kaniko); the key stays the checked use, whose lines pin_bases replaces."""
+    from campugrid.agent.task import base_pins
+    from campugrid.buildpolicy.dockerfiles import AllowedBase, BaseUse, check_dockerfile, pin_bases
+
+    text = ("FROM localhost/campugrid/python:bookworm AS a\nRUN true\n"
+            "FROM \\\n  docker.io/library/python:3.11-slim\nCOPY --from=a /x /x\n")
+    checked = check_dockerfile(text, registries=("docker.io",)).bases
+    own, remote = checked
+    assert remote.remote and remote.end_line == 4
+    pulled = {remote: "localhost/campugrid-cache/s:abc"}
+    given = [own, BaseUse(remote.line, AllowedBase(pulled[remote]), None)]  # as the builder gets them
+    assert base_pins(pulled, {}) == pulled  # Buildah: the pulled base by its local name
+    named = {given[0]: "localhost/campugrid/python@sha256:1", given[1]: "localhost/campugrid-cache/s@sha256:2"}
+    pins = base_pins(pulled, named)
+    assert pins == {own: "localhost/campugrid/python@sha256:1", remote: "localhost/campugrid-cache/s@sha256:2"}
+    assert pin_bases(text, pins).split("\n")[:4] == [
+        "FROM localhost/campugrid/python@sha256:1 AS a", "RUN true",
+        "FROM localhost/campugrid-cache/s@sha256:2", "COPY --from=a /x /x"]

@@ -52,6 +52,12 @@ class Builder(Protocol):
 
     def capabilities(self) -> BuilderCapabilities: ...
 
+    def pins(self, bases: Sequence[BaseUse]) -> dict[BaseUse, str]:
+        """What each of `bases` (allowed bases the checked Dockerfile uses) must be named in the
+        Dockerfile this builder is given for it to find it ({}: as the Dockerfile names it).
+        Raises BuildFailed for one it cannot build from."""
+        ...
+
     def inputs(self, bases: Sequence[BaseUse]) -> dict[str, str]:
         """What besides the context decides this builder's result here: the builder and its
         version, and each base image's digest as this provider has it. Two machines with the

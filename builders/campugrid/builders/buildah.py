@@ -264,6 +264,9 @@ class BuildahBuilder:
         # its store sits on the output slot's bounded disk, or on a tmpfs of disk_mb
         return BuilderCapabilities(bounded_store=True)
 
+    def pins(self, bases: Sequence[BaseUse]) -> dict[BaseUse, str]:
+        return {}  # its store of allowed bases has them under their own names
+
     def inputs(self, bases: Sequence[BaseUse]) -> dict[str, str]:
         out = {"builder": f"buildah {self.version()}"}
         main = _listing(self._buildah("images", "--json")) if bases else None

@@ -42,6 +42,9 @@ class FakeBuilder:
     def capabilities(self) -> BuilderCapabilities:
         return BuilderCapabilities(bounded_store=False)  # it writes nothing
 
+    def pins(self, bases: Sequence[BaseUse]) -> dict[BaseUse, str]:
+        return {}
+
     def inputs(self, bases: Sequence[BaseUse]) -> dict[str, str]:
         return {"builder": "fake", **{f"base {u.allowed.name}": "fake" for u in bases}}
 

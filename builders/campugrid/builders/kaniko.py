@@ -1,11 +1,18 @@
 """Kaniko builds through the Docker-compatible API of the provider's rootless Podman.
 
 Kaniko runs RUN steps directly in its own root filesystem, so the executor container itself
-must be the sandbox: the Podman service it is started on runs runsc as its runtime with no
-network, and the builder refuses to start a build whose container did not get runsc (as
-Podman itself records it, not as the Docker API reports it, which says "oci" for every
-runtime). The executor image is made from a maintained fork's Go module (infra/kaniko.sh;
-upstream Kaniko is archived).
+must be the sandbox: the Podman service it is started on runs runsc as its runtime, and the
+builder refuses to start a build whose container did not get runsc (as Podman itself records
+it, not as the Docker API reports it, which says "oci" for every runtime). The executor image
+is made from a maintained fork's Go module (infra/kaniko.sh; upstream Kaniko is archived).
+
+Its network is the Buildah builder's (buildah.py): offline, the container has none; with the
+agent's egress proxy, the Podman service runs in a network namespace of its own (in the
+provider's user namespace: `podman unshare unshare --net`) whose only interface is its
+loopback, where relay.py carries each connection to the proxy's unix socket. The executor
+shares that namespace (runsc `network=host`: its sockets are the namespace's), and its RUN
+steps get the relay as their HTTP(S) proxy (Docker's predefined proxy build arguments);
+nothing else there leads anywhere.
 
 The sandbox has no registry, so the bases come with the build: each allowed base the
 Dockerfile starts from is copied out of the provider's store into Kaniko's base-image cache
@@ -17,8 +24,12 @@ A FROM Kaniko reads differently from the policy finds no such base and fails the
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -29,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from campugrid.builders.base import BuilderCapabilities
+from campugrid.builders.buildah import NETWORK_FLAGS, PROXY_PORT, RELAY
 from campugrid.buildpolicy.dockerfiles import BaseUse, check_dockerfile, pin_bases
 from campugrid.protocol.errors import BuildFailed, InvalidInput
 from campugrid.sandbox import store_lock
@@ -41,24 +53,48 @@ EXECUTOR_IMAGE = "localhost/campugrid/kaniko-executor:v1.25.11"
 
 
 def service_argv(socket: Path, podman: str = "podman", runsc: str = "runsc", *,
-                 upper: Path | None = None, upper_mb: int = 0) -> list[str]:
-    """The Podman API service whose every container runs under runsc, offline. With `upper`,
-    the executor's root is gVisor's overlay of `upper_mb` (a file in `upper`, unlinked as it
-    is made): everything Kaniko writes there (the bases it unpacks, what RUN steps write, its
+                 upper: Path | None = None, upper_mb: int = 0,
+                 online: bool = False) -> list[str]:
+    """The Podman API service whose every container runs under runsc, offline (`online`: on
+    the sockets of the namespace the service runs in, see `_NETNS`). With `upper`, the
+    executor's root is gVisor's overlay of `upper_mb` (a file in `upper`, unlinked as it is
+    made): everything Kaniko writes there (the bases it unpacks, what RUN steps write, its
     snapshots) is held to that size, and nothing of it reaches the provider's store."""
-    flags = list(RUNSC_FLAGS)
+    flags = list(NETWORK_FLAGS if online else RUNSC_FLAGS)
     if upper is not None:
         at = flags.index("overlay2=none")
         flags[at] = f"overlay2=root:dir={upper},size={upper_mb}m"
     return [podman, "--runtime", runsc, *flags, "system", "service", "--time=0", f"unix://{socket}"]
 
 
-def executor_args(tag: str) -> list[str]:
+# Run in a new network namespace of the provider's user namespace: $1 a Python for the relay,
+# $2 its file, $3 the egress proxy's socket, $4 the relay's output file; the rest is the
+# service's command line. The relay brings the loopback up and listens on it at PORT.
+_NETNS = """
+set -e
+python=$1 relay=$2 egress=$3 out=$4
+shift 4
+"$python" "$relay" PORT "$egress" >"$out" 2>&1 &
+i=0
+until grep -q ready "$out" 2>/dev/null; do
+  i=$((i + 1)); [ $i -lt 200 ] && kill -0 $! 2>/dev/null || { cat "$out" >&2; exit 1; }
+  sleep 0.05
+done
+exec "$@"
+""".replace("PORT", str(PROXY_PORT))
+PROXY = f"http://127.0.0.1:{PROXY_PORT}"
+# Docker's predefined proxy arguments: RUN steps see them without an ARG line, images keep none
+PROXY_ARGS = tuple((name, PROXY) for name in ("http_proxy", "https_proxy", "HTTP_PROXY",
+                                              "HTTPS_PROXY"))
+
+
+def executor_args(tag: str, online: bool = False) -> list[str]:
     # --reproducible: no timestamps, so equal inputs give equal digests (pushed afterwards
     # from the provider's store, as Buildah's builds are). --force: gVisor hides what
     # Kaniko's "am I in a container" check looks for. The cache is for bases only (below):
     # no layer is cached or pushed anywhere.
-    return ["--dockerfile=/build/Dockerfile", "--context=dir:///workspace", "--no-push",
+    proxies = [f"--build-arg={name}={value}" for name, value in PROXY_ARGS] if online else []
+    return [*proxies, "--dockerfile=/build/Dockerfile", "--context=dir:///workspace", "--no-push",
             "--reproducible", "--force",
             "--cache=true", "--cache-dir=/bases", "--cache-repo=oci:/kaniko/no-cache",
             "--no-push-cache", "--cache-run-layers=false", "--cache-copy-layers=false",
@@ -67,28 +103,40 @@ def executor_args(tag: str) -> list[str]:
             "--log-format=text"]
 
 
-def container_config(image: str, context_dir: Path, work: Path, tag: str,
-                     image_dir: Path) -> dict[str, Any]:
+def container_config(image: str, context_dir: Path, work: Path, tag: str, image_dir: Path,
+                     *, online: bool = False,
+                     volumes: Sequence[tuple[Path, str]] = ()) -> dict[str, Any]:
     """docker-py `containers.create` arguments for one build: the context and the build's
-    own files (its pinned Dockerfile, its bases) read-only; the image written to `image_dir`
-    (which RUN steps can write to as well: it is the only host folder they can)."""
+    own files (its pinned Dockerfile, its bases) read-only, as are `volumes` (extra
+    certificates, at the paths RUN steps find them); the image written to `image_dir` (which
+    RUN steps can write to as well: it is the only host folder they can). `online`: in the
+    service's own network namespace (the relay's loopback), the executor's own fetches (ADD's
+    URLs) through the relay too."""
     return {
         "image": image,
-        "command": executor_args(tag),
+        "command": executor_args(tag, online),
         "runtime": "runsc",  # asked for; the service's runtime decides, and is checked after
-        "network_mode": "none",
+        "network_mode": "host" if online else "none",
+        "environment": dict(PROXY_ARGS) if online else {},
         "volumes": {str(context_dir): {"bind": "/workspace", "mode": "ro"},
                     str(work / "build"): {"bind": "/build", "mode": "ro"},
                     str(work / "bases"): {"bind": "/bases", "mode": "ro"},
+                    **{str(host): {"bind": inside, "mode": "ro"} for host, inside in volumes},
                     str(image_dir): {"bind": "/image", "mode": "rw"}},
         "detach": True,
         "labels": {"campugrid.build": tag},
     }
 
 
+def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    """`sig` to the process's session's group (the pid stays its id while any member lives)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, sig)
+
+
 class KanikoBuilder:
     name = "kaniko"
-    online = False  # its sandbox has no way out: builds are offline
+    online = True  # RUN steps may reach the egress proxy
 
     def __init__(self, executor_image: str, podman: str = "podman", runsc: str = "runsc") -> None:
         self.executor_image = executor_image
@@ -98,19 +146,25 @@ class KanikoBuilder:
         self.scope = ""  # Kaniko's containers run under the API service, outside job cgroups
 
     @contextmanager
-    def _client(self, work: Path, upper_mb: int) -> Iterator[Any]:
+    def _client(self, work: Path, upper_mb: int, egress: Path | None = None) -> Iterator[Any]:
         """A Podman API service of this build's own (its socket in the build's directory),
         stopped with the build: nothing is left listening between builds, and no socket another
         process left behind (or one that died) is ever taken for a live service. Its
-        executor's root holds `upper_mb` (service_argv)."""
+        executor's root holds `upper_mb` (service_argv). With `egress`, it runs in a network
+        namespace of its own with the relay to that socket (`_NETNS`)."""
         import docker
 
         socket = work / "api.sock"
         (work / "upper").mkdir()
-        service = subprocess.Popen(service_argv(socket, self.podman, self.runsc,
-                                                upper=work / "upper", upper_mb=upper_mb),
-                                   stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.PIPE)
+        argv = service_argv(socket, self.podman, self.runsc, upper=work / "upper",
+                            upper_mb=upper_mb, online=egress is not None)
+        if egress is not None:
+            argv = [self.podman, "unshare", "unshare", "--net", "--", "/bin/sh", "-c", _NETNS,
+                    "campugrid-kaniko-netns", sys.executable, str(RELAY), str(egress),
+                    str(work / "relay.out"), *argv]
+        # A session of its own: stopped as a whole (the relay too) when the build ends.
+        service = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                   start_new_session=True)
         try:
             deadline = time.monotonic() + 30
             while not socket.exists():
@@ -126,12 +180,13 @@ class KanikoBuilder:
             finally:
                 client.close()
         finally:
-            service.terminate()
+            _signal_group(service, signal.SIGTERM)
             try:
                 service.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                service.kill()
+                _signal_group(service, signal.SIGKILL)
                 service.wait()
+            _signal_group(service, signal.SIGKILL)  # whatever of it outlived its leader
 
     def has_executor(self) -> bool:
         return subprocess.run([self.podman, "image", "exists", self.executor_image],
@@ -159,13 +214,8 @@ class KanikoBuilder:
         the policy only: Kaniko resolves FROM inside its own sandbox, which has no registry.
         What the build writes is held to `disk_mb` beyond its bases' own size (Kaniko unpacks
         them into the root it builds in); the folder it writes the image to (where a RUN step
-        can write too) is on `store_on`, the output slot's bounded disk, when there is one."""
-        if volumes:
-            raise BuildFailed("the kaniko builder cannot give RUN steps files of the machine's "
-                              "(extra certificates); use the buildah builder")
-        if dockerfile is not None:
-            raise BuildFailed("the kaniko builder cannot start from images on registries (its "
-                              "sandbox has none); use the buildah builder")
+        can write too) is on `store_on`, the output slot's bounded disk, when there is one.
+        `dockerfile`, the agent's copy, must name the bases as `pins` says."""
         if not self.has_executor():
             raise BuildFailed(f"Kaniko executor image {self.executor_image} is not on this "
                               "provider; configure another or use the buildah builder")
@@ -175,17 +225,21 @@ class KanikoBuilder:
                 bases = check_dockerfile(text).bases
             except InvalidInput as e:
                 raise BuildFailed(str(e)) from e
+        text = dockerfile.read_text() if dockerfile is not None else \
+            pin_bases(text, self.pins(bases))
         with tempfile.TemporaryDirectory(prefix="kaniko-") as tmp, \
                 tempfile.TemporaryDirectory(prefix="kaniko-image-", dir=store_on) as out:
             work, image_dir = Path(tmp), Path(out)
             for part in ("build", "bases"):
                 (work / part).mkdir()
-            pinned = self._bases(bases, work / "bases")
-            (work / "build" / "Dockerfile").write_text(pin_bases(text, pinned))
+            self._archives(bases, work / "bases")
+            (work / "build" / "Dockerfile").write_text(text)
             bases_mb = sum(f.stat().st_size for f in (work / "bases").iterdir()) // 1024**2
-            with self._client(work, bases_mb + disk_mb) as client:
-                self._run(client, context_dir, work, image_dir, tag, log=log,
-                          timeout_s=timeout_s, cancel=cancel, disk_mb=disk_mb)
+            config = container_config(self.executor_image, context_dir, work, tag, image_dir,
+                                      online=egress is not None, volumes=volumes)
+            with self._client(work, bases_mb + disk_mb, egress) as client:
+                self._run(client, config, log=log, timeout_s=timeout_s, cancel=cancel,
+                          disk_mb=disk_mb)
             made = (image_dir / "image.tar").stat().st_size // 1024**2
             if made > bases_mb + disk_mb:  # /image is the executor's one way out of its overlay
                 raise BuildFailed(f"the build used more than {disk_mb} MB of disk (its image is "
@@ -200,14 +254,14 @@ class KanikoBuilder:
                 raise BuildFailed("cannot load the built image", loaded.stderr[-2000:])
         return tag
 
-    def _run(self, client: Any, context_dir: Path, work: Path, image_dir: Path, tag: str, *,
-             log: LogFn, timeout_s: float, cancel: threading.Event | None, disk_mb: int) -> None:
-        """The executor's container, from its creation to its removal."""
+    def _run(self, client: Any, config: dict[str, Any], *, log: LogFn, timeout_s: float,
+             cancel: threading.Event | None, disk_mb: int) -> None:
+        """The executor's container (`config`: container_config's), from its creation to its
+        removal."""
         import docker.errors
 
         try:
-            container = client.containers.create(
-                **container_config(self.executor_image, context_dir, work, tag, image_dir))
+            container = client.containers.create(**config)
         except docker.errors.DockerException as e:
             raise BuildFailed(f"cannot create the Kaniko container: {e}") from e
         try:
@@ -263,22 +317,36 @@ class KanikoBuilder:
                               container_id], capture_output=True, text=True, check=False)
         return out.stdout.strip() if out.returncode == 0 else f"unknown ({out.stderr.strip()})"
 
-    def _bases(self, bases: Sequence[BaseUse], into: Path) -> dict[BaseUse, str]:
-        """Each allowed base into Kaniko's base cache (`into`, a docker-archive named by its
-        digest), and what its FROM becomes: the base pinned to that digest."""
+    def pins(self, bases: Sequence[BaseUse]) -> dict[BaseUse, str]:
+        """What each FROM must become for Kaniko to find its base without a registry: the
+        provider's base pinned to its digest, which names it in Kaniko's base cache."""
         pinned: dict[BaseUse, str] = {}
         for use in bases:
-            if use.remote or use.copy:
-                raise BuildFailed(f"{use.said}: the kaniko builder starts only from the provider's "
-                                  "own bases; use the buildah builder")
             name = use.allowed.name
-            found = subprocess.run([self.podman, "image", "inspect", "--format", "{{.Digest}}", name],
-                                   capture_output=True, text=True, check=False)
-            digest = found.stdout.strip()
-            if found.returncode != 0 or not digest.startswith("sha256:"):
-                raise BuildFailed(f"{use.said}: not in this provider's image store")
-            if use.digest and use.digest != digest:
-                raise BuildFailed(f"{use.said}@{use.digest}: this provider's {name} is {digest}")
+            last = name.rsplit("/", 1)[-1]
+            repository = name.rsplit(":", 1)[0] if ":" in last else name
+            pinned[use] = f"{repository}@{self._digest(use)}"
+        return pinned
+
+    def _digest(self, use: BaseUse) -> str:
+        if use.remote or use.copy:
+            raise BuildFailed(f"{use.said}: the kaniko builder starts only from the provider's "
+                              "own bases; use the buildah builder")
+        name = use.allowed.name
+        found = subprocess.run([self.podman, "image", "inspect", "--format", "{{.Digest}}", name],
+                               capture_output=True, text=True, check=False)
+        digest = found.stdout.strip()
+        if found.returncode != 0 or not digest.startswith("sha256:"):
+            raise BuildFailed(f"{use.said}: not in this provider's image store")
+        if use.digest and use.digest != digest:
+            raise BuildFailed(f"{use.said}@{use.digest}: this provider's {name} is {digest}")
+        return digest
+
+    def _archives(self, bases: Sequence[BaseUse], into: Path) -> None:
+        """Each allowed base into Kaniko's base cache (`into`), a docker-archive named by its
+        digest."""
+        for use in bases:
+            name, digest = use.allowed.name, self._digest(use)
             archive = into / digest
             if not archive.exists():
                 part = into / "part.tar"  # skopeo reads a colon in the path as a reference
@@ -288,7 +356,3 @@ class KanikoBuilder:
                 if copied.returncode != 0:
                     raise BuildFailed(f"{use.said}: cannot copy it for Kaniko", copied.stderr[-2000:])
                 part.rename(archive)
-            last = name.rsplit("/", 1)[-1]
-            repository = name.rsplit(":", 1)[0] if ":" in last else name
-            pinned[use] = f"{repository}@{digest}"
-        return pinned

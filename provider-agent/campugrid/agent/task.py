@@ -389,10 +389,11 @@ class Task:
                 buildnet.open_network(lease.mirrors, wanted=online, mode=self.build_network,
                                       disk_mb=plan.disk_mb, log=plan.log) as net:
             dockerfile = None
-            if plan.local or net.run_args:  # the agent's copy: bases pinned, pip pointed at
-                dockerfile = self.work / "Dockerfile.prepared"  # the platform's cache
+            pins = base_pins(plan.local, self.builder.pins(plan.uses))
+            if pins or net.run_args:  # the agent's copy: bases pinned, pip pointed at the
+                dockerfile = self.work / "Dockerfile.prepared"  # platform's cache
                 dockerfile.write_text(pin_bases((plan.context_dir / "Dockerfile").read_text(),
-                                                plan.local, plan.froms, net.run_args))
+                                                pins, plan.froms, net.run_args))
             cpus = build_cpus(spec.resources.cpus)
             disk = "on disk" if self.slot is not None else "a tmpfs (memory)"
             plan.log(f"[campugrid] building with {self.builder.name} on {cpus:g} CPUs and "
@@ -520,6 +521,18 @@ class Task:
             name=self.name, image=self.image, spec=self.spec, lease=self.lease,
             agent=self.client.machine_id, files=self.files if writable else None,
             data_dir=self.work / "data", command=command, env=env, mapped=mapped)
+
+
+def base_pins(pulled: dict[BaseUse, str], named: dict[BaseUse, str]) -> dict[BaseUse, str]:
+    """What each checked FROM (or COPY --from) becomes in the Dockerfile the builder gets: a
+    pulled base's local name (`pulled`, keyed by the checked use), unless the builder names
+    the base otherwise (`named`, keyed by the use as the builder was given it: Kaniko pins
+    every base to its digest); keyed by the checked use, whose lines pin_bases replaces."""
+    pins = dict(pulled)
+    checked = {(use.line, use.copy): use for use in pulled}
+    for use, name in named.items():
+        pins[checked.get((use.line, use.copy), use)] = name
+    return pins
 
 
 def job_image_prefix(scope: str) -> str:
