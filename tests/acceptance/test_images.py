@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -130,3 +131,44 @@ def test_two_jobs_of_one_context_build_once_and_the_other_pulls(three, tmp_path)
                    for line in lines), lines
         assert any(f"pulled image {digest}" in line or f"image {digest}" in line
                    for line in build_lines(api, puller)), build_lines(api, puller)
+
+
+def test_an_image_kaniko_built_is_pushed_and_another_machine_pulls_it(tmp_path):
+    """A provider on the Kaniko builder (`agent run --builder kaniko`) builds a job's image
+    through the agent's whole path (its copy of the Dockerfile, the build network) and shares
+    it; another Kaniko machine that takes the second job of the same context pulls that build
+    by digest rather than building its own. (A Buildah machine builds its own: the builder is
+    one of a build's inputs, coordinator/images.py.)"""
+    root = Path(tempfile.mkdtemp(prefix="campugrid-kaniko-"))
+    os.chmod(root, 0o711)
+    p = Platform(root / "state", http_port=free_port(), lease_seconds=4.0,
+                 admin_identity=root / "admin.json").start()
+    try:
+        kaniko = ("--metrics-port", "0", "--builder", "kaniko")
+        first = p.start_agent("kaniko-1", args=kaniko)
+        with p.api() as api:
+            ctx = context(tmp_path, "by-kaniko")
+            spec = JobSpec.from_dict({"command": ["cat", "/built.txt"]})
+            jobs = [api.submit(ctx, spec)["id"] for _ in range(2)]
+            # The second job waits for the first one's build, on a machine that came later.
+            deadline = time.monotonic() + 120
+            while not any("building with kaniko" in line for line in build_lines(api, jobs[0])):
+                assert time.monotonic() < deadline, api.job(jobs[0])
+                time.sleep(0.3)
+            second = p.start_agent("kaniko-2", args=kaniko)
+            finals = [api.wait(job, timeout_s=300, poll_s=0.3) for job in jobs]
+            assert [f["result"] for f in finals] == ["by-kaniko"] * 2, finals
+            assert finals[0]["machine_id"] == first.machine_id(), finals[0]
+            assert finals[1]["machine_id"] == second.machine_id(), finals[1]
+            [built] = [e for e in image_events(api, jobs[0]) if "built and pushed" in e]
+            digest = re.search(DIGEST, built).group(0)
+            lines = build_lines(api, jobs[1])
+            assert any(f"pulled image {digest}" in line for line in lines), lines
+            assert not any("building with" in line for line in lines), lines
+    finally:
+        p.stop()
+        for name in ("kaniko-1", "kaniko-2"):
+            log = root / "state" / "agents" / f"{name}.log"
+            if log.exists():
+                print(f"--- {name} (tail) ---\n" + "\n".join(log.read_text().splitlines()[-15:]))
+        shutil.rmtree(root, ignore_errors=True)
