@@ -165,6 +165,11 @@ def test_an_image_kaniko_built_is_pushed_and_another_machine_pulls_it(tmp_path):
             lines = build_lines(api, jobs[1])
             assert any(f"pulled image {digest}" in line for line in lines), lines
             assert not any("building with" in line for line in lines), lines
+            # One agent stopped for good (as bench/builds.py hands over between runscs): it
+            # exits, and the platform neither keeps nor restarts it.
+            p.stop_agent(first)
+            assert first.proc.poll() is not None and first not in p.agents
+            assert second in p.agents and second.proc.poll() is None
     finally:
         p.stop()
         for name in ("kaniko-1", "kaniko-2"):
