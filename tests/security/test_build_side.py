@@ -37,13 +37,13 @@ BASE = "localhost/campugrid/python:bookworm"
 SCOPE = "a-security-tests"
 
 BUILD = """
-import json, sys
+import json, os, sys
 from pathlib import Path
 from campugrid.builders.buildah import BuildahBuilder
 from campugrid.buildpolicy.dockerfiles import check_dockerfile
 from campugrid.protocol.errors import BuildFailed
 args = json.loads(sys.argv[1])
-__import__("os").environ["CAMPUGRID_ALLOWED_BASES"] = args["base"]
+os.environ["CAMPUGRID_ALLOWED_BASES"] = args["base"]
 if args.get("builder") == "kaniko":
     from campugrid.builders.kaniko import EXECUTOR_IMAGE, KanikoBuilder
     builder = KanikoBuilder(EXECUTOR_IMAGE)
@@ -53,14 +53,14 @@ else:
 bases = check_dockerfile("FROM " + args["base"]).bases if args["around_check"] else None
 lines = []
 out = {"limits": builder.limits.as_dict() if hasattr(builder, "limits") else {}}
-print(json.dumps({"pid": __import__("os").getpid()}), flush=True)
+print(json.dumps({"pid": os.getpid()}), flush=True)
 from campugrid.agent import buildnet
 from campugrid.egress.policy import CA_ENV, Policy, parse_pins
 if args.get("ca"):  # the operator's extra certificates for builds, which RUN steps see
     import tempfile
     ca = Path(tempfile.mkdtemp()) / "ca.pem"
     ca.write_text(args["ca"])
-    __import__("os").environ[CA_ENV] = str(ca)
+    os.environ[CA_ENV] = str(ca)
 # As the agent builds: online through its egress proxy (here in local mode: this machine's
 # own way out, by the platform's rules), unless the test asks for an offline build.
 policy = Policy(hosts=tuple(args.get("hosts") or Policy().hosts), pins=parse_pins(args.get("pins", "")))

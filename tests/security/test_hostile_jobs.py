@@ -280,32 +280,10 @@ def test_a_memory_bomb_is_oom_killed_at_memory_mb(api, guard):
 
 
 def test_a_busy_loop_is_throttled_to_its_cpu_quota(api, guard, provider):
-    """The kernel's own account of the job's cgroup, read from the host while the job runs:
-    its quota is what the job asked for, and a busy loop is held back in most periods. (Not
-    loop counts against an uncapped run's: whatever else loads the host moves those too.)"""
-    seen: dict[str, dict[str, int]] = {}
-    ended = threading.Event()
-
-    def watch() -> None:
-        base = hostile.delegated(provider, "cpu")
-        while not ended.wait(0.1):
-            for stat in base.rglob("cpu.stat"):
-                try:
-                    got = {k: int(v) for k, v in (line.split() for line in
-                                                  stat.read_text().splitlines())}
-                    got["quota"] = int((stat.parent / "cpu.cfs_quota_us").read_text())
-                    got["period"] = int((stat.parent / "cpu.cfs_period_us").read_text())
-                except (OSError, ValueError):
-                    continue  # gone as it was read
-                seen[str(stat.parent.relative_to(base))] = got
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
+    """The kernel's count of the job's cgroup, read from the host as it runs (hostile.cpu_stats):
+    its quota is what the job asked for, and a busy loop is held back in most periods."""
+    with hostile.cpu_stats(provider) as seen:
         job = run_python(api, jobs.BUSY_LOOP, {"resources": {"cpus": 0.25}})
-    finally:
-        ended.set()
-        watcher.join(timeout=10)
     if job["limits"].get("cpu") != "enforced":
         pytest.skip(f"cpu limit on this host: {job['limits'].get('cpu')}")
     assert job["state"] == "succeeded", brief(job)

@@ -23,7 +23,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 from campugrid.cli.platform import ProviderUser
@@ -212,6 +212,37 @@ def _address(hexaddr: str) -> str:
 def delegated(user: ProviderUser, ctrl: str) -> Path:
     """The cgroup folder root delegated to the provider user for one controller."""
     return CGROUP_ROOT / ctrl / delegated_subtree(user.name)
+
+
+@contextlib.contextmanager
+def cpu_stats(user: ProviderUser) -> Iterator[dict[str, dict[str, int]]]:
+    """While the block runs, the kernel's own account of every cgroup below the provider's
+    delegated cpu folder (cpu.stat: nr_periods, nr_throttled, throttled_time; and its quota
+    and period), read every 0.1 s, each as last read, keyed by its path below that folder.
+    What a CPU cap did, whatever else loads the host (loop counts move with that too)."""
+    seen: dict[str, dict[str, int]] = {}
+    ended = threading.Event()
+    base = delegated(user, "cpu")
+
+    def watch() -> None:
+        while not ended.wait(0.1):
+            for stat in base.rglob("cpu.stat"):
+                try:
+                    got = {k: int(v) for k, v in (line.split() for line in
+                                                  stat.read_text().splitlines())}
+                    got["quota"] = int((stat.parent / "cpu.cfs_quota_us").read_text())
+                    got["period"] = int((stat.parent / "cpu.cfs_period_us").read_text())
+                except (OSError, ValueError):
+                    continue  # gone as it was read
+                seen[str(stat.parent.relative_to(base))] = got
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield seen
+    finally:
+        ended.set()
+        watcher.join(timeout=10)
 
 
 def cgroup_children(user: ProviderUser) -> dict[str, frozenset[str]]:

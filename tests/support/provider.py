@@ -30,7 +30,6 @@ cancel = threading.Event()
 cancel_after = args.pop("cancel_after", None)
 if cancel_after is not None:
     threading.Timer(cancel_after, cancel.set).start()
-watch_cpu = args.pop("watch_cpu", False)
 for k in ("output_dir", "data_dir"):
     if args.get(k):
         args[k] = Path(args[k])
@@ -38,25 +37,9 @@ args["command"] = tuple(args["command"]) if args.get("command") else None
 args["env"] = tuple(tuple(e) for e in args.get("env", ()))
 sandbox = PodmanRunsc()
 lines = []
-cpu_stat = {}
-ended = threading.Event()
-
-def watch():  # the kernel's own count of the job cgroup's CFS periods, read while it runs
-    lim = sandbox.limits
-    path = lim.v1_delegated / "cpu" / lim.subtree / sandbox.scope / args["name"] / "cpu.stat"
-    while not ended.wait(0.1):
-        try:
-            cpu_stat.update(line.split() for line in path.read_text().splitlines())
-        except OSError:
-            pass
-
-if watch_cpu and sandbox.limits.v1_delegated is not None:
-    threading.Thread(target=watch, daemon=True).start()
 t0 = time.monotonic()
 res = sandbox.run(RunRequest(**args), log=lines.append, cancel=cancel)
-ended.set()
 out = dataclasses.asdict(res)
-out["cpu_stat"] = {k: int(v) for k, v in cpu_stat.items()}
 out.update(lines=lines, seconds=time.monotonic() - t0, still_exists=sandbox.exists(args["name"]))
 print(json.dumps(out))
 """
@@ -67,13 +50,10 @@ DEFAULT_IMAGE = "localhost/campugrid/python:bookworm"
 def sandbox_run(user: ProviderUser, *, name: str, command: list[str], output_dir: str,
                 data_dir: str | None = None, memory_mb: int = 512, cpus: float = 1.0,
                 tmp_mb: int = 64, wall_time_s: int = 120, env: tuple = (),
-                cancel_after: float | None = None, image: str = DEFAULT_IMAGE,
-                watch_cpu: bool = False) -> Any:
-    """The run's result; with `watch_cpu`, also `cpu_stat`: the job cgroup's cpu.stat as last
-    read while it ran (nr_periods, nr_throttled, throttled_time), empty without one."""
+                cancel_after: float | None = None, image: str = DEFAULT_IMAGE) -> Any:
     args = {"name": name, "image": image, "command": command, "env": list(env),
             "output_dir": output_dir, "data_dir": data_dir, "memory_mb": memory_mb,
-            "cpus": cpus, "tmp_mb": tmp_mb, "wall_time_s": wall_time_s, "watch_cpu": watch_cpu}
+            "cpus": cpus, "tmp_mb": tmp_mb, "wall_time_s": wall_time_s}
     if cancel_after is not None:
         args["cancel_after"] = cancel_after
     proc = subprocess.run(user.command([sys.executable, "-c", SANDBOX_SCRIPT, json.dumps(args)]),
