@@ -163,13 +163,77 @@ def test_machines_joining_while_nothing_is_queued_cost_no_round(looks_only_when_
         await loop.run_in_executor(None, lambda: api.submit(tar_folder(HELLO), JobSpec()))
         waits = [asyncio.ensure_future(link.lease()) for link in links]
         done, _ = await asyncio.wait(waits, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.sleep(0.3)  # the round's end: claims it would try after the lease
         for link in links:
             await link.close()
         return before, joined, [w.result() for w in done]
 
+    claims = counted_claims(dispatcher)
     before, joined, got = run(scenario())
     assert joined == before, "machines joining ran rounds with nothing queued"
     assert len(got) == 1 and got[0].has_task
+    # One job read queued, one claim: not a claim for each idle machine until some miss.
+    assert claims == [True], claims
+
+
+def counted_claims(dispatcher: Fleet) -> list[bool]:
+    """Each claim the dispatcher tries from now on: whether it found work."""
+    tried: list[bool] = []
+    real = dispatcher.leasing.timed_lease
+
+    def counting(machine_id, offer=None):
+        lease, took = real(machine_id, offer)
+        tried.append(lease is not None)
+        return lease, took
+
+    dispatcher.leasing.timed_lease = counting  # type: ignore[method-assign]
+    return tried
+
+
+def test_a_lease_goes_down_its_stream_before_the_round_claims_the_next(looks_only_when_told,
+                                                                       coordinator, tmp_path):
+    """A round that claims for several machines sends each lease as soon as it is claimed,
+    not once the round is over: the first machine has its lease while the round still
+    claims for the second."""
+    running, _ = coordinator
+    dispatcher = running_fleet(running)
+    machines = [client(running, tmp_path, f"m{i}") for i in range(2)]
+    first_arrived = threading.Event()
+    seen_by_second: list[bool] = []
+    real = dispatcher.leasing.timed_lease
+    claimed: list[str] = []  # the machines the round has claimed for
+
+    def spying(machine_id, offer=None):
+        if claimed:  # the round's second claim: has the first lease reached its machine?
+            seen_by_second.append(first_arrived.wait(5))
+        lease, took = real(machine_id, offer)
+        if lease is not None:
+            claimed.append(machine_id)
+        return lease, took
+
+    async def scenario() -> list[pb.LeaseReply]:
+        links = [link_of(running, c) for c in machines]
+        for link in links:
+            await link.open()
+            await link.ready(OFFER)
+        while len(list(dispatcher.idle())) < len(links) or dispatcher.rounds == 0:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)  # the readies' round found nothing queued
+        for _ in links:  # two jobs queued at once, then one wake: one round for both
+            dispatcher.leasing.store.submit(JobSpec(), "contexts/x.tar", "ab" * 32)
+        dispatcher.leasing.timed_lease = spying  # type: ignore[method-assign]
+        dispatcher.work.notify()
+        waits = [asyncio.ensure_future(link.lease()) for link in links]
+        await asyncio.wait(waits, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        first_arrived.set()
+        await asyncio.wait(waits, timeout=10)
+        for link in links:
+            await link.close()
+        return [w.result() for w in waits if w.done()]
+
+    got = run(scenario())
+    assert len(got) == 2 and all(g.has_task for g in got), got
+    assert seen_by_second == [True], "the first lease waited for the round's next claim"
 
 
 def test_a_stream_is_signed_by_an_approved_machine_and_closed_when_it_is_revoked(coordinator,

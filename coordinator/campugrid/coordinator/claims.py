@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import threading
+from collections import Counter
 from types import SimpleNamespace
 from typing import Any
 
@@ -238,13 +239,13 @@ _DEMAND = (select(_JOBS.c.limits_needed, _JOBS.c.cpus_needed, _JOBS.c.memory_nee
            .order_by(_JOBS.c.created_at, _JOBS.c.id).limit(bindparam("rows")))
 
 
-def queued_demand(db: Database, rows: int) -> frozenset[Demand]:
-    """What the oldest `rows` claimable jobs need of a machine (scheduler.Demand), each need
-    once: empty when nothing is queued. One statement, whatever the fleet."""
+def queued_demand(db: Database, rows: int) -> Counter[Demand]:
+    """What the oldest `rows` claimable jobs need of a machine (scheduler.Demand), and how
+    many of them need each: empty when nothing is queued. One statement, whatever the fleet."""
     with db.read() as s:
-        return frozenset(Demand(limits or 0, cpus or 0.0, memory or 0, disk or 0, gpus or 0, share)
-                         for limits, cpus, memory, disk, gpus, share
-                         in s.execute(_DEMAND, {"rows": rows}))
+        return Counter(Demand(limits or 0, cpus or 0.0, memory or 0, disk or 0, gpus or 0, share)
+                       for limits, cpus, memory, disk, gpus, share
+                       in s.execute(_DEMAND, {"rows": rows}))
 
 
 def _party_of(conn: Connection, job_id: str, pair: str) -> str:

@@ -9,10 +9,11 @@ queued jobs need of a machine (claims.queued_demand, one statement; nothing queu
 more). The idle machines are grouped by what they offer (machines that offer the same are
 offered the same jobs); a group none of those needs fits (scheduler.may_hold) is passed
 over, and for the others the claim (claims.py, the one guarded place) is tried for its
-machines in turn while it finds work; claims that find nothing end that group's turn. The
-lease goes down the machine's stream, and the machine is busy until it says it is ready
-again. A fleet of machines that all differ (each says its own free memory) thus costs a
-round one statement and an in-memory pass, not a claim per machine.
+machines in turn while it finds work; claims that find nothing end that group's turn, and a
+round claims no more than the jobs it read queued. Each lease goes down its machine's stream
+as soon as it is claimed, and the machine is busy until it says it is ready again. A fleet
+of machines that all differ (each says its own free memory) thus costs a round one statement
+and an in-memory pass, not a claim per machine.
 
 Idle, the fleet sends the database: the queue's demand every RECHECK_S and when woken, a
 status read when a machine's status may have changed (the status epoch, read every
@@ -188,32 +189,34 @@ class Fleet:
                 if not idle:
                     continue
                 before = self._news
-                leased, queued = await self._blocking(self._round, idle)
+                queued = await self._blocking(self._round, idle)
                 self._nothing_queued = not queued and self._news == before
             except Exception:
                 log.exception("dispatch round")
-                continue
-            for link, lease, took in leased:
-                self._deliver(link, lease, took)
 
-    def _round(self, idle: list[tuple[Link, MachineView, tuple[Any, ...]]]
-               ) -> tuple[list[tuple[Link, Lease, float]], bool]:
-        """One dispatch round (on a thread): claims for idle machines, group by group; and
-        whether anything was queued."""
+    def _round(self, idle: list[tuple[Link, MachineView, tuple[Any, ...]]]) -> bool:
+        """One dispatch round (on a thread): claims for idle machines, group by group, each
+        lease sent down its stream as soon as it is claimed; and whether anything was queued."""
         self.rounds += 1
         demand = self.leasing.store.queued_demand(DEMAND_ROWS)
         if not demand:
-            return [], False
+            return False
+        # No more claims than the jobs read queued (work queued since wakes another round),
+        # unless the read stopped at DEMAND_ROWS.
+        queued = sum(demand.values())
+        bound = queued if queued < DEMAND_ROWS else len(idle)
         groups: dict[tuple[Any, ...], list[tuple[Link, MachineView]]] = {}
         for link, offer, key in idle:
             groups.setdefault(key, []).append((link, offer))
-        leased = []
+        leased = 0
         for members in groups.values():
             if not any(may_hold(need, members[0][1]) for need in demand):
                 continue  # nothing queued is for these machines: no claim asks the database
             start = next(self._turn) % len(members)
             misses = 0
             for link, offer in itertools.chain(members[start:], members[:start]):
+                if leased >= bound:
+                    return True
                 if self.machines.get(link.machine_id).status is not Status.APPROVED:
                     continue
                 lease, took = self.leasing.timed_lease(link.machine_id, offer)
@@ -222,8 +225,20 @@ class Fleet:
                     if misses >= TRIES_PER_GROUP:
                         break
                     continue
-                leased.append((link, lease, took))
-        return leased, True
+                leased += 1
+                self._hand(link, lease, took)
+        return True
+
+    def _hand(self, link: Link, lease: Lease, took: float) -> None:
+        """A lease claimed on the round's thread goes down its stream now, not after the
+        round's other claims."""
+        try:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._deliver, link, lease, took)
+        except RuntimeError:  # the loop closed under the round: the process is stopping
+            self.leasing.holds.of(lease.hold).release(
+                "the coordinator process stopped before the lease reached its machine",
+                failed=False)
 
     def _deliver(self, link: Link, lease: Lease, took: float) -> None:
         """The lease down its machine's stream; handed back if the stream ended meanwhile."""

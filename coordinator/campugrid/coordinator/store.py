@@ -11,6 +11,7 @@ import datetime as dt
 import json
 import re
 import uuid
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -279,8 +280,8 @@ class Store:
         """Lease the oldest queued job this machine can hold (see campugrid.coordinator.claims)."""
         return self._claims.claim(machine_id, lease_s, machine, heavy_first=heavy_first)
 
-    def queued_demand(self, rows: int) -> frozenset[Demand]:
-        """What the oldest `rows` claimable jobs need of a machine, each need once."""
+    def queued_demand(self, rows: int) -> Counter[Demand]:
+        """What the oldest `rows` claimable jobs need of a machine, and how many need each."""
         return queued_demand(self.db, rows)
 
     def reserved_gpus(self, job_id: str, attempt: int) -> list[str]:
