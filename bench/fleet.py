@@ -81,6 +81,7 @@ sys.path.insert(0, str(BENCH))
 from fleet_agents import Simulators  # type: ignore[import-not-found]  # noqa: E402
 from scheduler import (  # type: ignore[import-not-found]  # noqa: E402
     _cpu,
+    _fresh_database,
     _listening,
     join,
     measure,
@@ -88,8 +89,11 @@ from scheduler import (  # type: ignore[import-not-found]  # noqa: E402
     seed_machines,
 )
 
+from tests.support.postgres import TempPostgres  # noqa: E402  (scheduler put the repository on the path)
+
 HEARTBEAT_S = 10.0  # agent/worker.py's, when idle
 AGENTS_PER_SIMULATOR = 2500  # --simulators' default: one simulator process per this many
+FILES = 262_144  # open files a process may have, where this one may raise its limit
 RESTART_GIVE_UP_S = 180.0  # the goal is 30 s: past this, the restart row says how far it got
 UNARY_MACHINES, UNARY_LEASES, UNARY_THREADS, UNARY_PROCESSES = 100, 300, 4, 2
 
@@ -98,8 +102,9 @@ class Coordinator:
     """`campugrid coordinator serve` on fixed ports (as bench/scheduler.py's _coordinators
     starts it), so that it can be killed and started again where its agents look for it."""
 
-    def __init__(self, state: Path, url: str, s3: EmbeddedS3) -> None:
+    def __init__(self, state: Path, url: str, s3: EmbeddedS3, name: str = "coordinator") -> None:
         self.state, self.url, self.s3 = state, url, s3
+        self.log = state.parent / f"{name}.log"  # kept across restarts
         self.grpc_port, self.http_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.grpc_port}"
         self.rest = f"http://127.0.0.1:{self.http_port}"
@@ -115,7 +120,7 @@ class Coordinator:
         env = {**os.environ, "CAMPUGRID_DATABASE_URL": self.url,
                "CAMPUGRID_S3_ENDPOINT": self.s3.endpoint, "CAMPUGRID_S3_ACCESS_KEY": self.s3.access_key,
                "CAMPUGRID_S3_SECRET_KEY": self.s3.secret_key}
-        with open(self.state.parent / "coordinator.log", "ab") as log:  # kept across restarts
+        with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "campugrid.cli", "coordinator", "serve",
                  "--state-dir", str(self.state), "--http-port", str(self.http_port),
@@ -125,7 +130,7 @@ class Coordinator:
         deadline = time.monotonic() + 60
         while not _listening(self.grpc_port):
             if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise RuntimeError(f"the coordinator did not start: see {self.state.parent}/coordinator.log")
+                raise RuntimeError(f"the coordinator did not start: see {self.log}")
             time.sleep(0.05)
 
     def kill(self) -> None:
@@ -174,26 +179,27 @@ class Scraper:
         return self.read()["statements"]
 
 
-    def wait_fleet(self, agents: int, timeout: float, stall_s: float = 60) -> float:
-        """Seconds until every agent is connected and ready here; RuntimeError when none
-        joined for `stall_s` or `timeout` passed."""
-        started = progressed = said = time.monotonic()
-        best = -1.0
-        while True:
-            g = self.read()
-            if g["connected"] >= agents and g["ready"] >= agents:
-                return time.monotonic() - started
-            now = time.monotonic()
-            if g["ready"] > best:
-                best, progressed = g["ready"], now
-            if now - said >= 10:  # a fleet of thousands takes minutes: show it coming
-                print(f"    {now - started:.0f} s: {g['connected']:.0f} connected, "
-                      f"{g['ready']:.0f} ready", file=sys.stderr)
-                said = now
-            if now - progressed > stall_s or now - started > timeout:
-                raise RuntimeError(f"only {g['connected']:.0f} connected, {g['ready']:.0f} ready of "
-                                   f"{agents} agents after {now - started:.0f} s")
-            time.sleep(0.5)
+def wait_fleet(scrapers: list[Scraper], agents: int, timeout: float, stall_s: float = 60) -> float:
+    """Seconds until every agent is connected and ready, over these processes together;
+    RuntimeError when none joined for `stall_s` or `timeout` passed."""
+    started = progressed = said = time.monotonic()
+    best = -1.0
+    while True:
+        reads = [s.read() for s in scrapers]
+        g = {k: sum(r[k] for r in reads) for k in ("connected", "ready")}
+        if g["connected"] >= agents and g["ready"] >= agents:
+            return time.monotonic() - started
+        now = time.monotonic()
+        if g["ready"] > best:
+            best, progressed = g["ready"], now
+        if now - said >= 10:  # a fleet of thousands takes minutes: show it coming
+            print(f"    {now - started:.0f} s: {g['connected']:.0f} connected, "
+                  f"{g['ready']:.0f} ready", file=sys.stderr)
+            said = now
+        if now - progressed > stall_s or now - started > timeout:
+            raise RuntimeError(f"only {g['connected']:.0f} connected, {g['ready']:.0f} ready of "
+                               f"{agents} agents after {now - started:.0f} s")
+        time.sleep(0.5)
 
 
 def rss_bytes(pid: int) -> int:
@@ -254,7 +260,7 @@ def row(agents: int, args: argparse.Namespace, root: Path, s3: EmbeddedS3) -> di
         start_s = max(HEARTBEAT_S, agents / args.join_rate)
         j_cpu, j_statements = _cpu(coordinator.pid), scraper.statements()
         sims = Simulators(coordinator.address, pem, creds, processes, start_s)
-        join_s = scraper.wait_fleet(agents, timeout=start_s + 120)
+        join_s = wait_fleet([scraper], agents, timeout=start_s + 120)
         j_cpu = _cpu(coordinator.pid) - j_cpu
         j_statements = scraper.statements() - j_statements - scraper.own
         sims_cpu = sims.cpu()  # they did nothing but join so far
@@ -303,6 +309,82 @@ def row(agents: int, args: argparse.Namespace, root: Path, s3: EmbeddedS3) -> di
         engine.dispose()
 
 
+def cluster_row(agents: int, processes: int, args: argparse.Namespace, root: Path,
+                s3: EmbeddedS3, pg: TempPostgres) -> dict[str, Any]:
+    """`processes` coordinator processes on one PostgreSQL (one state folder, so one
+    certificate), the agents dealt evenly over them: each process's CPU, queries and memory
+    per agent, the fleet's queries together, and the dispatch of jobs submitted through the
+    first process to agents connected anywhere (PostgreSQL's LISTEN/NOTIFY tells the others)."""
+    state = root / f"pg-{agents}x{processes}" / "state"
+    state.parent.mkdir()
+    os.chmod(state.parent, 0o711)
+    url = _fresh_database(pg, f"fleet_{agents}_{processes}")
+    engine = make_engine(url)
+    migrate(engine)
+    creds: list[tuple[str, str]] = seed_machines(engine, agents)
+    coordinators = [Coordinator(state, url, s3, name=f"coordinator-{i}") for i in range(processes)]
+    sims = None
+    try:
+        for c in coordinators:  # the first makes the certificate and the admin, then the rest
+            c.start()
+            identity = state.parent / "admin.json"
+            while not identity.exists():
+                time.sleep(0.2)
+        pem = (state / "tls" / "coordinator.crt").read_text()
+        api = Api(coordinators[0].rest, Identity.load(state.parent / "admin.json"))
+        token = api.mint_scrape_token(f"fleet-pg-{agents}")["token"]
+        scrapers = [Scraper(c.rest, token) for c in coordinators]
+        rss_before = [rss_bytes(c.pid) for c in coordinators]
+        b0, t_b = [x.read() for x in scrapers], time.monotonic()
+        time.sleep(min(args.seconds, 10.0))
+        b1, wall_b = [x.read() for x in scrapers], time.monotonic() - t_b
+        baseline_q = [(b["queries"] - a["queries"] - x.own_queries) / wall_b
+                      for a, b, x in zip(b0, b1, scrapers, strict=True)]
+
+        # One simulator process per AGENTS_PER_SIMULATOR, at least one per coordinator:
+        # simulator i's agents are creds[i::n] and connect to coordinator i modulo processes.
+        n = processes * max(1, math.ceil(agents / processes / AGENTS_PER_SIMULATOR))
+        start_s = max(HEARTBEAT_S, agents / args.join_rate)
+        sims = Simulators([c.address for c in coordinators], pem, creds, n, start_s)
+        join_s = wait_fleet(scrapers, agents, timeout=start_s + 180)
+
+        time.sleep(HEARTBEAT_S)
+        c0, m0, t0 = [_cpu(c.pid) for c in coordinators], [x.read() for x in scrapers], time.monotonic()
+        n0 = sims.counts()
+        time.sleep(args.seconds)
+        c1, m1, t1 = [_cpu(c.pid) for c in coordinators], [x.read() for x in scrapers], time.monotonic()
+        n1 = sims.counts()
+        wall = t1 - t0
+        shares = [m["connected"] for m in m1]
+        rss = [rss_bytes(c.pid) for c in coordinators]
+        cpu = [(b - a) / wall for a, b in zip(c0, c1, strict=True)]
+        queries = [(b["queries"] - a["queries"] - x.own_queries) / wall
+                   for a, b, x in zip(m0, m1, scrapers, strict=True)]
+
+        spec = JobSpec.from_dict({"command": ["true"]})
+        context = tar_folder(_hello(root))
+        dispatch = []
+        for _ in range(args.submits):
+            dispatch.append(_dispatch(api, sims, context, spec))
+            time.sleep(0.3)
+        dispatch.sort()
+        return {"agents": agents, "processes": processes, "simulators": n, "join_s": join_s,
+                "start_s": start_s, "shares": shares, "cpu": cpu, "queries": queries,
+                "baseline_queries": baseline_q,
+                "kb_per_agent": [max(0, r - b) / max(1.0, k) / 1024
+                                 for r, b, k in zip(rss, rss_before, shares, strict=True)],
+                "beats_per_s": (n1["beats"] - n0["beats"]) / wall,
+                "ended": n1["ended"] - n0["ended"] + n1["failed"] - n0["failed"],
+                "dispatch_p50_ms": statistics.median(dispatch) * 1000,
+                "dispatch_p95_ms": _p95(dispatch) * 1000, "codes": sims.counts()["codes"]}
+    finally:
+        if sims is not None:
+            sims.stop()
+        for c in coordinators:
+            c.stop()
+        engine.dispose()
+
+
 def _dispatch(api: Api, sims: Simulators, context: bytes, spec: JobSpec) -> float:
     """One job submitted through REST: seconds from its record's creation to its lease."""
     job = api.submit(context, spec)
@@ -341,7 +423,7 @@ def restart(coordinator: Coordinator, scraper: Scraper, sims: Simulators, api: A
             context: bytes, spec: JobSpec) -> dict[str, Any]:
     """SIGKILL with every agent connected and ready, the same process started again, and
     the agents' way back read from its gauges every half second."""
-    scraper.wait_fleet(agents, timeout=60)
+    wait_fleet([scraper], agents, timeout=60)
     before = sims.counts()
     killed = time.monotonic()
     coordinator.kill()
@@ -434,15 +516,25 @@ def main() -> None:
                     help="fleet sizes whose coordinator is killed and restarted (default: the "
                          "largest; 0: none)")
     ap.add_argument("--no-unary", action="store_true", help="skip the unary Lease row")
+    ap.add_argument("--postgres", default="10000x4",
+                    help="AGENTSxPROCESSES rows on one PostgreSQL, comma-separated (0: none)")
     args = ap.parse_args()
     sizes = [int(x) for x in args.agents.split(",")]
+    clusters = [tuple(int(y) for y in x.split("x")) for x in args.postgres.split(",")
+                if x.strip() not in ("", "0")]
     args.restart_at = {int(x) for x in (args.restart_at or str(max(sizes))).split(",")}
-    # A socket per agent, on both sides, in processes that inherit this one's limit.
+    # A socket per agent, on both sides, in processes that inherit this one's limit; root
+    # may raise the hard limit too (a process of 20,000 agents needs more than Debian's).
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(hard, FILES), max(hard, FILES)))
+    except (ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     root = Path(tempfile.mkdtemp(prefix="campugrid-fleet-"))
+    os.chmod(root, 0o711)  # PostgreSQL's own user keeps its cluster in here
     s3 = EmbeddedS3(root / "s3", "bench", uuid.uuid4().hex).start()
-    rows, unary_row = [], None
+    rows, unary_row, cluster_rows = [], None, []
+    pg = None
     try:
         if args.burst and not args.no_unary:
             try:
@@ -453,10 +545,19 @@ def main() -> None:
         for n in sizes:
             rows.append(row(n, args, root, s3))
             print(f"  measured {n} idle agents", file=sys.stderr)
+        if clusters:
+            pg = TempPostgres(root / "pg").start()
+        for n, k in clusters:
+            assert pg is not None
+            cluster_rows.append(cluster_row(n, k, args, root, s3, pg))
+            print(f"  measured {n} idle agents over {k} processes on PostgreSQL", file=sys.stderr)
     finally:
+        if pg is not None:
+            pg.stop()
         s3.stop()
         shutil.rmtree(root, ignore_errors=True)
     report(rows, unary_row, args)
+    report_clusters(cluster_rows, args)
 
 
 def report(rows: list[dict[str, Any]], unary_row: dict[str, float] | None,
@@ -557,6 +658,52 @@ def report(rows: list[dict[str, Any]], unary_row: dict[str, float] | None,
             checks.append(("all back and ready <= 30 s after a restart",
                            not math.isnan(ready_s) and ready_s <= 30, f"{ready_s:.1f} s"))
         print(f"\ngoals, {r['agents']} agents: " + "; ".join(
+            f"{name}: {got} ({'met' if ok else 'MISSED'})" for name, ok, got in checks))
+
+
+def _each(values: list[float], fmt: str) -> str:
+    return " ".join(fmt.format(v) for v in values)
+
+
+def report_clusters(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    if not rows:
+        return
+    print(f"\nidle agents over several coordinator processes on one PostgreSQL, {args.seconds:.0f} s "
+          f"window; dispatch over {args.submits} submits through the first process, one at a time\n")
+    print("| idle agents | processes | agents/process | join s (agents/s) | coordinator CPU "
+          "(cores, each process) | DB queries/s, each process (none connected) | DB queries/s, "
+          "whole fleet | heartbeats/s | dispatch p50 ms | p95 ms | KB/agent, each process "
+          "| streams lost |")
+    print("|-------------|-----------|----------------|-------------------|----------------"
+          "-----------------------|----------------------------------------------|---------------"
+          "----------|--------------|-----------------|--------|-----------------------"
+          "|--------------|")
+    for r in rows:
+        queries = (_each(r["queries"], "{:.1f}") + " ("
+                   + _each(r["baseline_queries"], "{:.1f}") + ")")
+        joined = f"{r['join_s']:.1f} ({r['agents'] / r['join_s']:.0f})"
+        print(f"| {r['agents']:>11} | {r['processes']:>9} | {_each(r['shares'], '{:.0f}'):>14} "
+              f"| {joined:>17} | {_each(r['cpu'], '{:.2f}'):>37} | {queries:>44} "
+              f"| {sum(r['queries']):23.1f} | {r['beats_per_s']:12.0f} "
+              f"| {r['dispatch_p50_ms']:15.1f} | {r['dispatch_p95_ms']:6.1f} "
+              f"| {_each(r['kb_per_agent'], '{:.0f}'):>21} | {r['ended']:>12} |")
+    print("\nagents/process: what each process's gauge counted connected; queries: what each "
+          "process sent PostgreSQL that reads or writes rows (its /metrics, scrapes' own taken "
+          "off), idle, and in brackets before any agent connected (its reaper and its look for "
+          "work every 5 s); whole fleet: the processes' idle queries added up.")
+    for r in rows:
+        if r["codes"]:
+            print(f"streams ended or refused ({r['agents']} agents over {r['processes']} "
+                  f"processes, whole row), by why: {r['codes']}")
+        over = [q - b for q, b in zip(r["queries"], r["baseline_queries"], strict=True)]
+        checks = [("coordinator CPU <= 0.2 cores a process", max(r["cpu"]) <= 0.2,
+                   f"{max(r['cpu']):.2f} at most"),
+                  ("idle fleet's DB queries/s <= 1 a process", max(over) <= 1,
+                   f"{max(over):.1f} at most over the baseline"),
+                  ("dispatch p95 <= 50 ms", r["dispatch_p95_ms"] <= 50, f"{r['dispatch_p95_ms']:.1f}"),
+                  ("memory < 50 KB/agent", max(r["kb_per_agent"]) < 50,
+                   f"{max(r['kb_per_agent']):.1f} at most")]
+        print(f"\ngoals, {r['agents']} agents over {r['processes']} processes: " + "; ".join(
             f"{name}: {got} ({'met' if ok else 'MISSED'})" for name, ok, got in checks))
 
 

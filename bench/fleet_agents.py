@@ -137,13 +137,16 @@ async def simulate(address: str) -> None:
 # --- the processes, as the bench drives them -------------------------------------------
 
 class Simulators:
-    """The agents `creds`, dealt over `processes` simulator processes."""
+    """The agents `creds`, dealt over `processes` simulator processes; with several
+    coordinator addresses (processes of one database, one certificate), simulator i's agents
+    connect to address i modulo their number."""
 
-    def __init__(self, address: str, pem: str, creds: list[tuple[str, str]], processes: int,
-                 start_s: float) -> None:
-        self.procs = [subprocess.Popen([sys.executable, __file__, address],
+    def __init__(self, address: str | list[str], pem: str, creds: list[tuple[str, str]],
+                 processes: int, start_s: float) -> None:
+        addresses = [address] if isinstance(address, str) else address
+        self.procs = [subprocess.Popen([sys.executable, __file__, addresses[i % len(addresses)]],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                      for _ in range(processes)]
+                      for i in range(processes)]
         self.leased: dict[str, float] = {}  # job id -> when an agent had its lease
         self._answers: list[list[dict[str, Any]]] = [[] for _ in self.procs]
         self._got = threading.Condition()
