@@ -236,6 +236,36 @@ def test_a_lease_goes_down_its_stream_before_the_round_claims_the_next(looks_onl
     assert seen_by_second == [True], "the first lease waited for the round's next claim"
 
 
+def test_a_sharded_job_spreads_over_the_idle_machines_in_one_round(looks_only_when_told,
+                                                                    coordinator, tmp_path):
+    """A round claims no more than the work it read queued can take, and a sharded job of
+    three shards can take three machines: all three get a lease at once, not one a round."""
+    running, _ = coordinator
+    dispatcher = running_fleet(running)
+    machines = [client(running, tmp_path, f"m{i}") for i in range(3)]
+
+    async def scenario() -> list[pb.LeaseReply]:
+        links = [link_of(running, c) for c in machines]
+        for link in links:
+            await link.open()
+            await link.ready(OFFER)
+        while len(list(dispatcher.idle())) < len(links) or dispatcher.rounds == 0:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)
+        dispatcher.leasing.store.submit(JobSpec.from_dict(
+            {"command": ["x"], "shards": [{"payload": i} for i in range(3)]}),
+            "contexts/x.tar", "ab" * 32)
+        dispatcher.work.notify()
+        waits = [asyncio.ensure_future(link.lease()) for link in links]
+        await asyncio.wait(waits, timeout=5)  # the next round of its own is 60 s away
+        for link in links:
+            await link.close()
+        return [w.result() for w in waits if w.done()]
+
+    got = run(scenario())
+    assert len(got) == 3 and len({g.job_id for g in got}) == 1, got
+
+
 def test_a_stream_is_signed_by_an_approved_machine_and_closed_when_it_is_revoked(coordinator,
                                                                                  tmp_path):
     running, api = coordinator

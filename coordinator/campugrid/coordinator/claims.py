@@ -234,18 +234,21 @@ _SUITS_LIMITS = ((_JOBS.c.limits_needed.op("&")(bindparam("lacks")) == 0)
                                    _REPLICA_MACHINES.c.machine_id == bindparam("machine_id"),
                                    _REPLICA_MACHINES.c.replica_id != _JOBS.c.id))
 _DEMAND = (select(_JOBS.c.limits_needed, _JOBS.c.cpus_needed, _JOBS.c.memory_needed_mb,
-                  _JOBS.c.disk_needed_mb, _JOBS.c.gpus_needed, _JOBS.c.share)
+                  _JOBS.c.disk_needed_mb, _JOBS.c.gpus_needed, _JOBS.c.share, _JOBS.c.shards_total)
            .where(_JOBS.c.state == _CLAIMABLE.value, _JOBS.c.replicas == 0)
            .order_by(_JOBS.c.created_at, _JOBS.c.id).limit(bindparam("rows")))
 
 
 def queued_demand(db: Database, rows: int) -> Counter[Demand]:
-    """What the oldest `rows` claimable jobs need of a machine (scheduler.Demand), and how
-    many of them need each: empty when nothing is queued. One statement, whatever the fleet."""
+    """What the oldest `rows` claimable jobs need of a machine (scheduler.Demand), and at
+    most how many machines can take work of each need (a sharded job's shards each count):
+    empty when nothing is queued. One statement, whatever the fleet."""
+    needs: Counter[Demand] = Counter()
     with db.read() as s:
-        return Counter(Demand(limits or 0, cpus or 0.0, memory or 0, disk or 0, gpus or 0, share)
-                       for limits, cpus, memory, disk, gpus, share
-                       in s.execute(_DEMAND, {"rows": rows}))
+        for limits, cpus, memory, disk, gpus, share, shards in s.execute(_DEMAND, {"rows": rows}):
+            needs[Demand(limits or 0, cpus or 0.0, memory or 0, disk or 0, gpus or 0, share)] += (
+                shards or 1)
+    return needs
 
 
 def _party_of(conn: Connection, job_id: str, pair: str) -> str:

@@ -10,10 +10,11 @@ more). The idle machines are grouped by what they offer (machines that offer the
 offered the same jobs); a group none of those needs fits (scheduler.may_hold) is passed
 over, and for the others the claim (claims.py, the one guarded place) is tried for its
 machines in turn while it finds work; claims that find nothing end that group's turn, and a
-round claims no more than the jobs it read queued. Each lease goes down its machine's stream
-as soon as it is claimed, and the machine is busy until it says it is ready again. A fleet
-of machines that all differ (each says its own free memory) thus costs a round one statement
-and an in-memory pass, not a claim per machine.
+round claims no more than the work it read queued can take (a job, or a sharded job's
+shards). Each lease goes down its machine's stream as soon as it is claimed, and the machine
+is busy until it says it is ready again. A fleet of machines that all differ (each says its
+own free memory) thus costs a round one statement and an in-memory pass, not a claim per
+machine.
 
 Idle, the fleet sends the database: the queue's demand every RECHECK_S and when woken, a
 status read when a machine's status may have changed (the status epoch, read every
@@ -201,8 +202,8 @@ class Fleet:
         demand = self.leasing.store.queued_demand(DEMAND_ROWS)
         if not demand:
             return False
-        # No more claims than the jobs read queued (work queued since wakes another round),
-        # unless the read stopped at DEMAND_ROWS.
+        # No more claims than the work read queued can take (work queued since wakes another
+        # round), unless the read stopped at DEMAND_ROWS.
         queued = sum(demand.values())
         bound = queued if queued < DEMAND_ROWS else len(idle)
         groups: dict[tuple[Any, ...], list[tuple[Link, MachineView]]] = {}

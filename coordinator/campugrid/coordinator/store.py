@@ -281,7 +281,8 @@ class Store:
         return self._claims.claim(machine_id, lease_s, machine, heavy_first=heavy_first)
 
     def queued_demand(self, rows: int) -> Counter[Demand]:
-        """What the oldest `rows` claimable jobs need of a machine, and how many need each."""
+        """What the oldest `rows` claimable jobs need of a machine, and at most how many
+        machines can take work of each need."""
         return queued_demand(self.db, rows)
 
     def reserved_gpus(self, job_id: str, attempt: int) -> list[str]:
