@@ -275,14 +275,9 @@ def row(agents: int, args: argparse.Namespace, root: Path, s3: EmbeddedS3) -> di
         rss, connections = rss_bytes(coordinator.pid), tcp_connections(coordinator.grpc_port)
         wall = t1 - t0
 
-        # Dispatch, one job at a time.
         spec = JobSpec.from_dict({"command": ["true"]})
         context = tar_folder(_hello(root))
-        dispatch = []
-        for _ in range(args.submits):
-            dispatch.append(_dispatch(api, sims, context, spec))
-            time.sleep(0.3)
-        dispatch.sort()
+        dispatch = _dispatches(api, sims, context, spec, args.submits)
 
         result: dict[str, Any] = {
             "agents": agents, "simulators": processes, "join_s": join_s, "start_s": start_s,
@@ -361,13 +356,8 @@ def cluster_row(agents: int, processes: int, args: argparse.Namespace, root: Pat
         queries = [(b["queries"] - a["queries"] - x.own_queries) / wall
                    for a, b, x in zip(m0, m1, scrapers, strict=True)]
 
-        spec = JobSpec.from_dict({"command": ["true"]})
-        context = tar_folder(_hello(root))
-        dispatch = []
-        for _ in range(args.submits):
-            dispatch.append(_dispatch(api, sims, context, spec))
-            time.sleep(0.3)
-        dispatch.sort()
+        dispatch = _dispatches(api, sims, tar_folder(_hello(root)),
+                               JobSpec.from_dict({"command": ["true"]}), args.submits)
         return {"agents": agents, "processes": processes, "simulators": n, "join_s": join_s,
                 "start_s": start_s, "shares": shares, "cpu": cpu, "queries": queries,
                 "baseline_queries": baseline_q,
@@ -383,6 +373,15 @@ def cluster_row(agents: int, processes: int, args: argparse.Namespace, root: Pat
         for c in coordinators:
             c.stop()
         engine.dispose()
+
+
+def _dispatches(api: Api, sims: Simulators, context: bytes, spec: JobSpec, count: int) -> list[float]:
+    """`count` jobs submitted one at a time, each one's dispatch (seconds), sorted."""
+    dispatch = []
+    for _ in range(count):
+        dispatch.append(_dispatch(api, sims, context, spec))
+        time.sleep(0.3)
+    return sorted(dispatch)
 
 
 def _dispatch(api: Api, sims: Simulators, context: bytes, spec: JobSpec) -> float:

@@ -176,6 +176,20 @@ def test_machines_joining_while_nothing_is_queued_cost_no_round(looks_only_when_
     assert claims == [True], claims
 
 
+async def waiting_with_nothing_queued(running: server.Running, dispatcher: Fleet,
+                                      machines: list[CoordinatorClient]) -> list[Link]:
+    """These machines' streams, each ready for work, once the round their readiness woke
+    has found nothing queued."""
+    links = [link_of(running, c) for c in machines]
+    for link in links:
+        await link.open()
+        await link.ready(OFFER)
+    while len(list(dispatcher.idle())) < len(links) or dispatcher.rounds == 0:
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.3)
+    return links
+
+
 def counted_claims(dispatcher: Fleet) -> list[bool]:
     """Each claim the dispatcher tries from now on: whether it found work."""
     tried: list[bool] = []
@@ -212,13 +226,7 @@ def test_a_lease_goes_down_its_stream_before_the_round_claims_the_next(looks_onl
         return lease, took
 
     async def scenario() -> list[pb.LeaseReply]:
-        links = [link_of(running, c) for c in machines]
-        for link in links:
-            await link.open()
-            await link.ready(OFFER)
-        while len(list(dispatcher.idle())) < len(links) or dispatcher.rounds == 0:
-            await asyncio.sleep(0.02)
-        await asyncio.sleep(0.3)  # the readies' round found nothing queued
+        links = await waiting_with_nothing_queued(running, dispatcher, machines)
         for _ in links:  # two jobs queued at once, then one wake: one round for both
             dispatcher.leasing.store.submit(JobSpec(), "contexts/x.tar", "ab" * 32)
         dispatcher.leasing.timed_lease = spying  # type: ignore[method-assign]
@@ -245,13 +253,7 @@ def test_a_sharded_job_spreads_over_the_idle_machines_in_one_round(looks_only_wh
     machines = [client(running, tmp_path, f"m{i}") for i in range(3)]
 
     async def scenario() -> list[pb.LeaseReply]:
-        links = [link_of(running, c) for c in machines]
-        for link in links:
-            await link.open()
-            await link.ready(OFFER)
-        while len(list(dispatcher.idle())) < len(links) or dispatcher.rounds == 0:
-            await asyncio.sleep(0.02)
-        await asyncio.sleep(0.3)
+        links = await waiting_with_nothing_queued(running, dispatcher, machines)
         dispatcher.leasing.store.submit(JobSpec.from_dict(
             {"command": ["x"], "shards": [{"payload": i} for i in range(3)]}),
             "contexts/x.tar", "ab" * 32)
