@@ -63,7 +63,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from sqlalchemy import select
+from sqlalchemy import select, text
 
 from campugrid.agent.link import BACKOFF_MAX_S, BACKOFF_S
 from campugrid.cli.seaweed import EmbeddedS3, free_port
@@ -93,6 +93,7 @@ from tests.support.postgres import TempPostgres  # noqa: E402  (scheduler put th
 
 HEARTBEAT_S = 10.0  # agent/worker.py's, when idle
 AGENTS_PER_SIMULATOR = 2500  # --simulators' default: one simulator process per this many
+PGSTAT_S = 11.0  # PostgreSQL's backends report their counts at least this often, idle or not
 FILES = 262_144  # open files a process may have, where this one may raise its limit
 RESTART_GIVE_UP_S = 180.0  # the goal is 30 s: past this, the restart row says how far it got
 UNARY_MACHINES, UNARY_LEASES, UNARY_THREADS, UNARY_PROCESSES = 100, 300, 4, 2
@@ -344,10 +345,13 @@ def cluster_row(agents: int, processes: int, args: argparse.Namespace, root: Pat
         join_s = wait_fleet(scrapers, agents, timeout=start_s + 180)
 
         time.sleep(HEARTBEAT_S)
+        w0 = rows_written(engine)
         c0, m0, t0 = [_cpu(c.pid) for c in coordinators], [x.read() for x in scrapers], time.monotonic()
         n0 = sims.counts()
         time.sleep(args.seconds)
         c1, m1, t1 = [_cpu(c.pid) for c in coordinators], [x.read() for x in scrapers], time.monotonic()
+        time.sleep(PGSTAT_S)  # what the backends counted in the window, flushed
+        w1 = rows_written(engine)
         n1 = sims.counts()
         wall = t1 - t0
         shares = [m["connected"] for m in m1]
@@ -363,7 +367,7 @@ def cluster_row(agents: int, processes: int, args: argparse.Namespace, root: Pat
                 "baseline_queries": baseline_q,
                 "kb_per_agent": [max(0, r - b) / max(1.0, k) / 1024
                                  for r, b, k in zip(rss, rss_before, shares, strict=True)],
-                "beats_per_s": (n1["beats"] - n0["beats"]) / wall,
+                "beats_per_s": (n1["beats"] - n0["beats"]) / wall, "rows_per_s": (w1 - w0) / wall,
                 "ended": n1["ended"] - n0["ended"] + n1["failed"] - n0["failed"],
                 "dispatch_p50_ms": statistics.median(dispatch) * 1000,
                 "dispatch_p95_ms": _p95(dispatch) * 1000, "codes": sims.counts()["codes"]}
@@ -373,6 +377,14 @@ def cluster_row(agents: int, processes: int, args: argparse.Namespace, root: Pat
         for c in coordinators:
             c.stop()
         engine.dispose()
+
+
+def rows_written(engine: Any) -> int:
+    """Rows PostgreSQL has inserted, updated and deleted in this database, by its own count."""
+    with engine.connect() as conn:
+        return int(conn.scalar(text(
+            "SELECT tup_inserted + tup_updated + tup_deleted FROM pg_stat_database "
+            "WHERE datname = current_database()")) or 0)
 
 
 def _dispatches(api: Api, sims: Simulators, context: bytes, spec: JobSpec, count: int) -> list[float]:
@@ -671,25 +683,27 @@ def report_clusters(rows: list[dict[str, Any]], args: argparse.Namespace) -> Non
           f"window; dispatch over {args.submits} submits through the first process, one at a time\n")
     print("| idle agents | processes | agents/process | join s (agents/s) | coordinator CPU "
           "(cores, each process) | DB queries/s, each process (none connected) | DB queries/s, "
-          "whole fleet | heartbeats/s | dispatch p50 ms | p95 ms | KB/agent, each process "
-          "| streams lost |")
+          "whole fleet | rows written/s | heartbeats/s | dispatch p50 ms | p95 ms | KB/agent, "
+          "each process | streams lost |")
     print("|-------------|-----------|----------------|-------------------|----------------"
           "-----------------------|----------------------------------------------|---------------"
-          "----------|--------------|-----------------|--------|-----------------------"
-          "|--------------|")
+          "----------|----------------|--------------|-----------------|--------|-----------"
+          "------------|--------------|")
     for r in rows:
         queries = (_each(r["queries"], "{:.1f}") + " ("
                    + _each(r["baseline_queries"], "{:.1f}") + ")")
         joined = f"{r['join_s']:.1f} ({r['agents'] / r['join_s']:.0f})"
         print(f"| {r['agents']:>11} | {r['processes']:>9} | {_each(r['shares'], '{:.0f}'):>14} "
               f"| {joined:>17} | {_each(r['cpu'], '{:.2f}'):>37} | {queries:>44} "
-              f"| {sum(r['queries']):23.1f} | {r['beats_per_s']:12.0f} "
+              f"| {sum(r['queries']):23.1f} | {r['rows_per_s']:14.0f} | {r['beats_per_s']:12.0f} "
               f"| {r['dispatch_p50_ms']:15.1f} | {r['dispatch_p95_ms']:6.1f} "
               f"| {_each(r['kb_per_agent'], '{:.0f}'):>21} | {r['ended']:>12} |")
     print("\nagents/process: what each process's gauge counted connected; queries: what each "
           "process sent PostgreSQL that reads or writes rows (its /metrics, scrapes' own taken "
           "off), idle, and in brackets before any agent connected (its reaper and its look for "
-          "work every 5 s); whole fleet: the processes' idle queries added up.")
+          "work every 5 s); whole fleet: the processes' idle queries added up; rows written: "
+          "what PostgreSQL counted inserted, updated and deleted in the window (pg_stat_database), "
+          "most of it the connected machines' last-seen time, written every 10 s.")
     for r in rows:
         if r["codes"]:
             print(f"streams ended or refused ({r['agents']} agents over {r['processes']} "
