@@ -204,46 +204,6 @@ def counted_claims(dispatcher: Fleet) -> list[bool]:
     return tried
 
 
-def test_a_lease_goes_down_its_stream_before_the_round_claims_the_next(looks_only_when_told,
-                                                                       coordinator, tmp_path):
-    """A round that claims for several machines sends each lease as soon as it is claimed,
-    not once the round is over: the first machine has its lease while the round still
-    claims for the second."""
-    running, _ = coordinator
-    dispatcher = running_fleet(running)
-    machines = [client(running, tmp_path, f"m{i}") for i in range(2)]
-    first_arrived = threading.Event()
-    seen_by_second: list[bool] = []
-    real = dispatcher.leasing.timed_lease
-    claimed: list[str] = []  # the machines the round has claimed for
-
-    def spying(machine_id, offer=None):
-        if claimed:  # the round's second claim: has the first lease reached its machine?
-            seen_by_second.append(first_arrived.wait(5))
-        lease, took = real(machine_id, offer)
-        if lease is not None:
-            claimed.append(machine_id)
-        return lease, took
-
-    async def scenario() -> list[pb.LeaseReply]:
-        links = await waiting_with_nothing_queued(running, dispatcher, machines)
-        for _ in links:  # two jobs queued at once, then one wake: one round for both
-            dispatcher.leasing.store.submit(JobSpec(), "contexts/x.tar", "ab" * 32)
-        dispatcher.leasing.timed_lease = spying  # type: ignore[method-assign]
-        dispatcher.work.notify()
-        waits = [asyncio.ensure_future(link.lease()) for link in links]
-        await asyncio.wait(waits, timeout=10, return_when=asyncio.FIRST_COMPLETED)
-        first_arrived.set()
-        await asyncio.wait(waits, timeout=10)
-        for link in links:
-            await link.close()
-        return [w.result() for w in waits if w.done()]
-
-    got = run(scenario())
-    assert len(got) == 2 and all(g.has_task for g in got), got
-    assert seen_by_second == [True], "the first lease waited for the round's next claim"
-
-
 def test_a_sharded_job_spreads_over_the_idle_machines_in_one_round(looks_only_when_told,
                                                                     coordinator, tmp_path):
     """A round claims no more than the work it read queued can take, and a sharded job of

@@ -11,8 +11,8 @@ offered the same jobs); a group none of those needs fits (scheduler.may_hold) is
 over, and for the others the claim (claims.py, the one guarded place) is tried for its
 machines in turn while it finds work; claims that find nothing end that group's turn, and a
 round claims no more than the work it read queued can take (a job, or a sharded job's
-shards). Each lease goes down its machine's stream as soon as it is claimed, and the machine
-is busy until it says it is ready again. A fleet of machines that all differ (each says its
+shards). The leases go down their machines' streams when the round ends, and a machine is
+busy until it says it is ready again. A fleet of machines that all differ (each says its
 own free memory) thus costs a round one statement and an in-memory pass, not a claim per
 machine.
 
@@ -190,18 +190,25 @@ class Fleet:
                 if not idle:
                     continue
                 before = self._news
-                queued = await self._blocking(self._round, idle)
+                leased, queued = await self._blocking(self._round, idle)
                 self._nothing_queued = not queued and self._news == before
             except Exception:
                 log.exception("dispatch round")
+                continue
+            # After the round, all at once: sent while it still claims, each lease's machine
+            # says it is ready again in the middle of the claims, and a burst of 200 queued
+            # jobs went out at 460 leases/s instead of 740 (bench/fleet.py, 1,000 agents).
+            for link, lease, took in leased:
+                self._deliver(link, lease, took)
 
-    def _round(self, idle: list[tuple[Link, MachineView, tuple[Any, ...]]]) -> bool:
-        """One dispatch round (on a thread): claims for idle machines, group by group, each
-        lease sent down its stream as soon as it is claimed; and whether anything was queued."""
+    def _round(self, idle: list[tuple[Link, MachineView, tuple[Any, ...]]]
+               ) -> tuple[list[tuple[Link, Lease, float]], bool]:
+        """One dispatch round (on a thread): claims for idle machines, group by group; and
+        whether anything was queued."""
         self.rounds += 1
         demand = self.leasing.store.queued_demand(DEMAND_ROWS)
         if not demand:
-            return False
+            return [], False
         # No more claims than the work read queued can take (work queued since wakes another
         # round), unless the read stopped at DEMAND_ROWS.
         queued = sum(demand.values())
@@ -209,15 +216,15 @@ class Fleet:
         groups: dict[tuple[Any, ...], list[tuple[Link, MachineView]]] = {}
         for link, offer, key in idle:
             groups.setdefault(key, []).append((link, offer))
-        leased = 0
+        leased: list[tuple[Link, Lease, float]] = []
         for members in groups.values():
             if not any(may_hold(need, members[0][1]) for need in demand):
                 continue  # nothing queued is for these machines: no claim asks the database
             start = next(self._turn) % len(members)
             misses = 0
             for link, offer in itertools.chain(members[start:], members[:start]):
-                if leased >= bound:
-                    return True
+                if len(leased) >= bound:
+                    return leased, True
                 if self.machines.get(link.machine_id).status is not Status.APPROVED:
                     continue
                 lease, took = self.leasing.timed_lease(link.machine_id, offer)
@@ -226,20 +233,8 @@ class Fleet:
                     if misses >= TRIES_PER_GROUP:
                         break
                     continue
-                leased += 1
-                self._hand(link, lease, took)
-        return True
-
-    def _hand(self, link: Link, lease: Lease, took: float) -> None:
-        """A lease claimed on the round's thread goes down its stream now, not after the
-        round's other claims."""
-        try:
-            assert self._loop is not None
-            self._loop.call_soon_threadsafe(self._deliver, link, lease, took)
-        except RuntimeError:  # the loop closed under the round: the process is stopping
-            self.leasing.holds.of(lease.hold).release(
-                "the coordinator process stopped before the lease reached its machine",
-                failed=False)
+                leased.append((link, lease, took))
+        return leased, True
 
     def _deliver(self, link: Link, lease: Lease, took: float) -> None:
         """The lease down its machine's stream; handed back if the stream ended meanwhile."""
