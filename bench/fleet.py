@@ -324,7 +324,7 @@ def cluster_row(agents: int, processes: int, args: argparse.Namespace, root: Pat
         for c in coordinators:  # the first makes the certificate and the admin, then the rest
             c.start()
             identity = state.parent / "admin.json"
-            while not identity.exists():
+            while not identity.exists() or not _listening(c.http_port):  # REST comes after gRPC
                 time.sleep(0.2)
         pem = (state / "tls" / "coordinator.crt").read_text()
         api = Api(coordinators[0].rest, Identity.load(state.parent / "admin.json"))
@@ -344,7 +344,7 @@ def cluster_row(agents: int, processes: int, args: argparse.Namespace, root: Pat
         sims = Simulators([c.address for c in coordinators], pem, creds, n, start_s)
         join_s = wait_fleet(scrapers, agents, timeout=start_s + 180)
 
-        time.sleep(HEARTBEAT_S)
+        time.sleep(max(HEARTBEAT_S, PGSTAT_S))  # the join's own writes counted before the window
         w0 = rows_written(engine)
         c0, m0, t0 = [_cpu(c.pid) for c in coordinators], [x.read() for x in scrapers], time.monotonic()
         n0 = sims.counts()
@@ -560,8 +560,12 @@ def main() -> None:
             pg = TempPostgres(root / "pg").start()
         for n, k in clusters:
             assert pg is not None
-            cluster_rows.append(cluster_row(n, k, args, root, s3, pg))
-            print(f"  measured {n} idle agents over {k} processes on PostgreSQL", file=sys.stderr)
+            try:
+                cluster_rows.append(cluster_row(n, k, args, root, s3, pg))
+                print(f"  measured {n} idle agents over {k} processes on PostgreSQL", file=sys.stderr)
+            except Exception as e:  # the rows measured so far are still reported
+                print(f"  {n} agents over {k} processes not measured: {type(e).__name__}: {e}",
+                      file=sys.stderr)
     finally:
         if pg is not None:
             pg.stop()
