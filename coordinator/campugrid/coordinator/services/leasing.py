@@ -1,5 +1,6 @@
 """What machines hold: a lease hands out a hold (holds.py), and every later call about it
-goes through the hold's verbs; an ask for work may wait for work to come (wakeup.py)."""
+goes through the hold's verbs; what may queue work again (a hand-back, an expiry) tells the
+dispatchers (wakeup.py)."""
 
 from __future__ import annotations
 
