@@ -345,13 +345,13 @@ def cluster_row(agents: int, processes: int, args: argparse.Namespace, root: Pat
         join_s = wait_fleet(scrapers, agents, timeout=start_s + 180)
 
         time.sleep(max(HEARTBEAT_S, PGSTAT_S))  # the join's own writes counted before the window
-        w0 = rows_written(engine)
+        w0, tw0 = rows_written(engine), time.monotonic()
         c0, m0, t0 = [_cpu(c.pid) for c in coordinators], [x.read() for x in scrapers], time.monotonic()
         n0 = sims.counts()
         time.sleep(args.seconds)
         c1, m1, t1 = [_cpu(c.pid) for c in coordinators], [x.read() for x in scrapers], time.monotonic()
         time.sleep(PGSTAT_S)  # what the backends counted in the window, flushed
-        w1 = rows_written(engine)
+        w1, tw1 = rows_written(engine), time.monotonic()
         n1 = sims.counts()
         wall = t1 - t0
         shares = [m["connected"] for m in m1]
@@ -367,7 +367,7 @@ def cluster_row(agents: int, processes: int, args: argparse.Namespace, root: Pat
                 "baseline_queries": baseline_q,
                 "kb_per_agent": [max(0, r - b) / max(1.0, k) / 1024
                                  for r, b, k in zip(rss, rss_before, shares, strict=True)],
-                "beats_per_s": (n1["beats"] - n0["beats"]) / wall, "rows_per_s": (w1 - w0) / wall,
+                "beats_per_s": (n1["beats"] - n0["beats"]) / wall, "rows_per_s": (w1 - w0) / (tw1 - tw0),
                 "ended": n1["ended"] - n0["ended"] + n1["failed"] - n0["failed"],
                 "dispatch_p50_ms": statistics.median(dispatch) * 1000,
                 "dispatch_p95_ms": _p95(dispatch) * 1000, "codes": sims.counts()["codes"]}
