@@ -52,9 +52,7 @@ import math
 import os
 import resource
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,10 +61,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from sqlalchemy import select, text
+from sqlalchemy import select
 
 from campugrid.agent.link import BACKOFF_MAX_S, BACKOFF_S
-from campugrid.cli.seaweed import EmbeddedS3, free_port
+from campugrid.cli.seaweed import EmbeddedS3
 from campugrid.client import Api, tar_folder
 from campugrid.coordinator.db import make_engine, migrate
 from campugrid.coordinator.models import Job
@@ -76,9 +74,18 @@ from campugrid.protocol.states import JobState
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-# The simulated agents (bench/fleet_agents.py) and the same helpers as bench/scheduler.py:
+# The simulated agents (bench/fleet_agents.py), the coordinator processes and what is read
+# of them (bench/fleet_coordinators.py) and the same helpers as bench/scheduler.py:
 # scripts beside this one, not packages mypy knows of (what they give is typed where used).
 from fleet_agents import Simulators  # type: ignore[import-not-found]  # noqa: E402
+from fleet_coordinators import (  # type: ignore[import-not-found]  # noqa: E402
+    Coordinator,
+    Scraper,
+    rows_written,
+    rss_bytes,
+    tcp_connections,
+    wait_fleet,
+)
 from scheduler import (  # type: ignore[import-not-found]  # noqa: E402
     _cpu,
     _fresh_database,
@@ -97,130 +104,6 @@ PGSTAT_S = 11.0  # PostgreSQL's backends report their counts at least this often
 FILES = 262_144  # open files a process may have, where this one may raise its limit
 RESTART_GIVE_UP_S = 180.0  # the goal is 30 s: past this, the restart row says how far it got
 UNARY_MACHINES, UNARY_LEASES, UNARY_THREADS, UNARY_PROCESSES = 100, 300, 4, 2
-
-
-class Coordinator:
-    """`campugrid coordinator serve` on fixed ports (as bench/scheduler.py's _coordinators
-    starts it), so that it can be killed and started again where its agents look for it."""
-
-    def __init__(self, state: Path, url: str, s3: EmbeddedS3, name: str = "coordinator") -> None:
-        self.state, self.url, self.s3 = state, url, s3
-        self.log = state.parent / f"{name}.log"  # kept across restarts
-        self.grpc_port, self.http_port = free_port(), free_port()
-        self.address = f"127.0.0.1:{self.grpc_port}"
-        self.rest = f"http://127.0.0.1:{self.http_port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def start(self) -> None:
-        """Started; returns once its gRPC port takes connections."""
-        env = {**os.environ, "CAMPUGRID_DATABASE_URL": self.url,
-               "CAMPUGRID_S3_ENDPOINT": self.s3.endpoint, "CAMPUGRID_S3_ACCESS_KEY": self.s3.access_key,
-               "CAMPUGRID_S3_SECRET_KEY": self.s3.secret_key}
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "campugrid.cli", "coordinator", "serve",
-                 "--state-dir", str(self.state), "--http-port", str(self.http_port),
-                 "--grpc-port", str(self.grpc_port), "--lease-seconds", "600",
-                 "--admin-identity", str(self.state.parent / "admin.json")],
-                env=env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while not _listening(self.grpc_port):
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise RuntimeError(f"the coordinator did not start: see {self.log}")
-            time.sleep(0.05)
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-class Scraper:
-    """The coordinator's /metrics: its statements sent (less what the scrapes themselves
-    cost: `own` a scrape) and its fleet's gauges."""
-
-    NAMES = {"campugrid_db_statements_total": "statements", "campugrid_db_queries_total": "queries",
-             "campugrid_fleet_connected": "connected", "campugrid_fleet_ready": "ready"}
-
-    def __init__(self, url: str, token: str) -> None:
-        self.url, self.token = url, token
-        a, b = self.read(), self.read()
-        self.own = b["statements"] - a["statements"]  # one scrape's own (the jobs per state)
-        self.own_queries = b["queries"] - a["queries"]
-
-    def read(self) -> dict[str, float]:
-        answer = httpx.get(f"{self.url}/metrics", timeout=30,
-                           headers={"authorization": f"Bearer {self.token}"})
-        if answer.status_code != 200:
-            raise RuntimeError(f"/metrics answered {answer.status_code}: {answer.text[:300]}")
-        text = answer.text
-        found = {}
-        for line in text.splitlines():
-            name, _, value = line.partition(" ")
-            if name in self.NAMES:
-                found[self.NAMES[name]] = float(value)
-        return found
-
-    def statements(self) -> float:
-        return self.read()["statements"]
-
-
-def wait_fleet(scrapers: list[Scraper], agents: int, timeout: float, stall_s: float = 60) -> float:
-    """Seconds until every agent is connected and ready, over these processes together;
-    RuntimeError when none joined for `stall_s` or `timeout` passed."""
-    started = progressed = said = time.monotonic()
-    best = -1.0
-    while True:
-        reads = [s.read() for s in scrapers]
-        g = {k: sum(r[k] for r in reads) for k in ("connected", "ready")}
-        if g["connected"] >= agents and g["ready"] >= agents:
-            return time.monotonic() - started
-        now = time.monotonic()
-        if g["ready"] > best:
-            best, progressed = g["ready"], now
-        if now - said >= 10:  # a fleet of thousands takes minutes: show it coming
-            print(f"    {now - started:.0f} s: {g['connected']:.0f} connected, "
-                  f"{g['ready']:.0f} ready", file=sys.stderr)
-            said = now
-        if now - progressed > stall_s or now - started > timeout:
-            raise RuntimeError(f"only {g['connected']:.0f} connected, {g['ready']:.0f} ready of "
-                               f"{agents} agents after {now - started:.0f} s")
-        time.sleep(0.5)
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def tcp_connections(port: int) -> int:
-    """TCP connections established to this local port (the server's side of each)."""
-    count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            next(f)
-            for line in f:
-                fields = line.split()
-                if fields[3] == "01" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                    count += 1
-    return count
 
 
 def row(agents: int, args: argparse.Namespace, root: Path, s3: EmbeddedS3) -> dict[str, Any]:
@@ -278,7 +161,7 @@ def row(agents: int, args: argparse.Namespace, root: Path, s3: EmbeddedS3) -> di
 
         spec = JobSpec.from_dict({"command": ["true"]})
         context = tar_folder(_hello(root))
-        dispatch = _dispatches(api, sims, context, spec, args.submits)
+        dispatch = sims.dispatches(api, context, spec, args.submits)
 
         result: dict[str, Any] = {
             "agents": agents, "simulators": processes, "join_s": join_s, "start_s": start_s,
@@ -360,7 +243,7 @@ def cluster_row(agents: int, processes: int, args: argparse.Namespace, root: Pat
         queries = [(b["queries"] - a["queries"] - x.own_queries) / wall
                    for a, b, x in zip(m0, m1, scrapers, strict=True)]
 
-        dispatch = _dispatches(api, sims, tar_folder(_hello(root)),
+        dispatch = sims.dispatches(api, tar_folder(_hello(root)),
                                JobSpec.from_dict({"command": ["true"]}), args.submits)
         return {"agents": agents, "processes": processes, "simulators": n, "join_s": join_s,
                 "start_s": start_s, "shares": shares, "cpu": cpu, "queries": queries,
@@ -377,30 +260,6 @@ def cluster_row(agents: int, processes: int, args: argparse.Namespace, root: Pat
         for c in coordinators:
             c.stop()
         engine.dispose()
-
-
-def rows_written(engine: Any) -> int:
-    """Rows PostgreSQL has inserted, updated and deleted in this database, by its own count."""
-    with engine.connect() as conn:
-        return int(conn.scalar(text(
-            "SELECT tup_inserted + tup_updated + tup_deleted FROM pg_stat_database "
-            "WHERE datname = current_database()")) or 0)
-
-
-def _dispatches(api: Api, sims: Simulators, context: bytes, spec: JobSpec, count: int) -> list[float]:
-    """`count` jobs submitted one at a time, each one's dispatch (seconds), sorted."""
-    dispatch = []
-    for _ in range(count):
-        dispatch.append(_dispatch(api, sims, context, spec))
-        time.sleep(0.3)
-    return sorted(dispatch)
-
-
-def _dispatch(api: Api, sims: Simulators, context: bytes, spec: JobSpec) -> float:
-    """One job submitted through REST: seconds from its record's creation to its lease."""
-    job = api.submit(context, spec)
-    created = dt.datetime.fromisoformat(job["created_at"]).timestamp()
-    return float(sims.wait_leased({job["id"]})[job["id"]]) - created
 
 
 def _p95(sorted_values: list[float]) -> float:
@@ -474,7 +333,7 @@ def restart(coordinator: Coordinator, scraper: Scraper, sims: Simulators, api: A
               "opens": (after["opens"] - before["opens"]) / agents,
               "failed": after["failed"] - before["failed"], "dispatch_ms": float("nan")}
     if not math.isnan(ready_s):
-        result["dispatch_ms"] = _dispatch(api, sims, context, spec) * 1000
+        result["dispatch_ms"] = sims.dispatch(api, context, spec) * 1000
     return result
 
 
@@ -672,8 +531,13 @@ def report(rows: list[dict[str, Any]], unary_row: dict[str, float] | None,
             ready_s = r["restart"]["ready_s"]
             checks.append(("all back and ready <= 30 s after a restart",
                            not math.isnan(ready_s) and ready_s <= 30, f"{ready_s:.1f} s"))
-        print(f"\ngoals, {r['agents']} agents: " + "; ".join(
-            f"{name}: {got} ({'met' if ok else 'MISSED'})" for name, ok, got in checks))
+        _goals(f"{r['agents']} agents", checks)
+
+
+def _goals(what: str, checks: list[tuple[str, bool, str]]) -> None:
+    """Each goal (its name, whether met, what was measured) on one line."""
+    print(f"\ngoals, {what}: " + "; ".join(
+        f"{name}: {got} ({'met' if ok else 'MISSED'})" for name, ok, got in checks))
 
 
 def _each(values: list[float], fmt: str) -> str:
@@ -720,8 +584,7 @@ def report_clusters(rows: list[dict[str, Any]], args: argparse.Namespace) -> Non
                   ("dispatch p95 <= 50 ms", r["dispatch_p95_ms"] <= 50, f"{r['dispatch_p95_ms']:.1f}"),
                   ("memory < 50 KB/agent", max(r["kb_per_agent"]) < 50,
                    f"{max(r['kb_per_agent']):.1f} at most")]
-        print(f"\ngoals, {r['agents']} agents over {r['processes']} processes: " + "; ".join(
-            f"{name}: {got} ({'met' if ok else 'MISSED'})" for name, ok, got in checks))
+        _goals(f"{r['agents']} agents over {r['processes']} processes", checks)
 
 
 if __name__ == "__main__":

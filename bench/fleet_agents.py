@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime as dt
 import json
 import random
 import subprocess
@@ -29,8 +30,10 @@ from typing import Any
 import grpc
 
 from campugrid.agent.link import OPEN_S, STREAM_BEAT_S, Backoff, Closed, Link
+from campugrid.client import Api
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import keys
+from campugrid.protocol.spec import JobSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scheduler import _cpu  # type: ignore[import-not-found]
@@ -201,6 +204,20 @@ class Simulators:
                 missing = len(jobs - self.leased.keys())
                 raise RuntimeError(f"{missing} of {len(jobs)} jobs reached no agent in {timeout} s")
             return {job: self.leased[job] for job in jobs}
+
+    def dispatch(self, api: Api, context: bytes, spec: JobSpec) -> float:
+        """One job submitted through REST: seconds from its record's creation to its lease."""
+        job = api.submit(context, spec)
+        created = dt.datetime.fromisoformat(job["created_at"]).timestamp()
+        return float(self.wait_leased({job["id"]})[job["id"]]) - created
+
+    def dispatches(self, api: Api, context: bytes, spec: JobSpec, count: int) -> list[float]:
+        """`count` jobs submitted one at a time, each one's dispatch (seconds), sorted."""
+        taken = []
+        for _ in range(count):
+            taken.append(self.dispatch(api, context, spec))
+            time.sleep(0.3)
+        return sorted(taken)
 
     def stop(self) -> None:
         for proc in self.procs:

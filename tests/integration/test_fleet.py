@@ -163,7 +163,6 @@ def test_machines_joining_while_nothing_is_queued_cost_no_round(looks_only_when_
         await loop.run_in_executor(None, lambda: api.submit(tar_folder(HELLO), JobSpec()))
         waits = [asyncio.ensure_future(link.lease()) for link in links]
         done, _ = await asyncio.wait(waits, timeout=10, return_when=asyncio.FIRST_COMPLETED)
-        await asyncio.sleep(0.3)  # the round's end: claims it would try after the lease
         for link in links:
             await link.close()
         return before, joined, [w.result() for w in done]
