@@ -339,8 +339,10 @@ class EmbeddedS3:
             f"-s3.localSocket={self.data_dir / 's3.sock'}",
             f"-filer.localSocket={self.data_dir / 'filer.sock'}",
             "-master.volumeSizeLimitMB=256", "-volume.max=0", "-metricsPort=0",
-            # One master: no need to wait 10 s for an election on a restart.
-            "-master.electionTimeout=2s", "-master.telemetry=false",
+            # One master: no need to wait 10 s for an election on a restart, nor 1.5-1.9 s
+            # for other masters before a new cluster is made (peers=none: it is the cluster;
+            # a state made without it is taken as it is).
+            "-master.electionTimeout=2s", "-master.telemetry=false", "-master.peers=none",
             # One volume server: nobody to hand writes to before it stops, so no 10 s wait
             # for that on SIGTERM.
             "-volume.preStopSeconds=0",
