@@ -7,6 +7,7 @@ bound to its machine and closed when the machine is revoked."""
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import threading
 import time
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from sqlalchemy import select, update
 
 from campugrid.agent.client import CHANNEL_OPTIONS, CoordinatorClient
 from campugrid.agent.link import CONNECT, Closed, Link, Waiting
@@ -22,6 +24,8 @@ from campugrid.client import Api, tar_folder
 from campugrid.coordinator import agent_calls, fleet, server
 from campugrid.coordinator.db import STATEMENTS
 from campugrid.coordinator.fleet import Fleet
+from campugrid.coordinator.models import Machine
+from campugrid.coordinator.views import utcnow
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import keys
 from campugrid.protocol.spec import JobSpec
@@ -357,6 +361,45 @@ def test_a_machine_that_connects_again_saying_the_same_costs_no_write(coordinato
 def running_fleet(running: server.Running) -> Fleet:
     assert running.service is not None
     return running.service.fleet
+
+
+def test_idle_machines_are_seen_through_their_process_not_written_one_by_one(coordinator,
+                                                                             tmp_path, monkeypatch):
+    """Every SEEN_S the process says it is alive (one row) and names the machines that came
+    or went since; a machine that stays connected is not written again, and stays online."""
+    monkeypatch.setattr(fleet, "SEEN_S", 0.3)
+    monkeypatch.setattr(fleet, "RECHECK_S", 0.3)
+    running, _ = coordinator
+    dispatcher = running_fleet(running)
+    machines = [client(running, tmp_path, f"m{i}") for i in range(3)]
+    ids = {c.machine_id for c in machines}
+    store = running.coord.machines.store.machines
+
+    def rows() -> dict[str, tuple[str | None, dt.datetime]]:
+        with store.db.read() as s:
+            return {m.id: (m.connected_to, m.last_seen_at) for m in s.scalars(
+                select(Machine).where(Machine.id.in_(ids)))}
+
+    async def scenario() -> None:
+        links = [link_of(running, c) for c in machines]
+        for link in links:
+            await link.open()
+            await link.ready(OFFER)
+        await asyncio.to_thread(wait_until, lambda: all(
+            to == dispatcher.process for to, _ in rows().values()))
+        long_ago = utcnow() - dt.timedelta(hours=1)
+        with store.db.tx() as s:  # connected an hour ago
+            s.execute(update(Machine).where(Machine.id.in_(ids)).values(last_seen_at=long_ago))
+        await asyncio.sleep(1.0)  # three turns of SEEN_S
+        assert {seen for _, seen in rows().values()} == {long_ago}  # not written again
+        assert ids <= {m.id for m in store.online()}  # and online: its process is alive
+        await links[0].close()
+        await asyncio.to_thread(wait_until, lambda: rows()[machines[0].machine_id][0] is None)
+        assert rows()[machines[0].machine_id][1] > long_ago + dt.timedelta(minutes=59)
+        for link in links[1:]:
+            await link.close()
+
+    run(scenario())
 
 
 def test_a_lost_stream_is_tried_again_after_a_jittered_backoff_that_grows():

@@ -13,7 +13,7 @@ from sqlalchemy import event, update
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.db import make_engine
 from campugrid.coordinator.machines import MACHINE_CACHE_S, Status
-from campugrid.coordinator.models import Machine
+from campugrid.coordinator.models import FleetProcess, Machine
 from campugrid.coordinator.objects import MemoryObjects
 from campugrid.coordinator.service import Coordinator
 from campugrid.coordinator.store import Store
@@ -82,3 +82,44 @@ def test_a_starting_process_reads_the_machines_heard_from_lately_at_once(store: 
     ours.machines.get(long_ago)  # not warmed: read as it calls
     assert len(sql) == 1
     ours.store.close()
+
+
+def test_a_machine_on_a_stream_is_seen_while_its_process_is_alive(store: Store):
+    """An idle fleet's "seen": each process says it is alive (one row), not each of its
+    machines; a machine that left a process after it connected to another stays the other's;
+    a process that stopped saying it is alive takes its machines offline with it."""
+    one, two, three = (add_machine(store, f"m{i}") for i in range(3))
+    machines = store.machines
+
+    def an_hour_ago() -> None:  # what the machines' own rows say: offline
+        with machines.db.tx() as s:
+            s.execute(update(Machine).values(last_seen_at=utcnow() - dt.timedelta(hours=1)))
+
+    def stored_seen(machine_id: str) -> dt.datetime:
+        with machines.db.read() as s:
+            return s.get(Machine, machine_id).last_seen_at
+
+    an_hour_ago()
+    assert machines.online() == []
+    machines.alive("process-a", {one: True, two: True})
+    machines.alive("process-b", {three: True})
+    an_hour_ago()  # they connected long ago: seen only through their processes now
+    assert {m.id for m in machines.online()} == {one, two, three}
+    written = stored_seen(one)
+    machines.alive("process-a", {})  # nothing came or went: the process's row alone
+    assert stored_seen(one) == written
+    assert machines.get(one).last_seen_at > written + dt.timedelta(minutes=59)
+    # `two` moves to process-b; process-a hears it leave only afterwards.
+    machines.alive("process-b", {two: True})
+    machines.alive("process-a", {two: False})
+    an_hour_ago()
+    with store.db.tx() as s:  # process-a is gone (killed): its last word was an hour ago
+        s.execute(update(FleetProcess).where(FleetProcess.id == "process-a")
+                  .values(alive_at=utcnow() - dt.timedelta(hours=1)))
+    assert {m.id for m in machines.online()} == {two, three}
+    # A machine that leaves its stream is seen until then, by its own row.
+    machines.alive("process-b", {three: False})
+    assert stored_seen(three) > written
+    assert {m.id for m in machines.online()} == {two, three}
+    assert [m.id for m in machines.seen_since(utcnow() - dt.timedelta(minutes=5), 10)
+            ] in ([two, three], [three, two])

@@ -18,7 +18,9 @@ machine.
 
 Idle, the fleet sends the database: the queue's demand every RECHECK_S and when woken, a
 status read when a machine's status may have changed (the status epoch, read every
-RECHECK_S), and the connected machines' "seen" time in one statement every SEEN_S.
+RECHECK_S), and every SEEN_S that this process is alive (one row: its connected machines
+are seen as long as it is, models.Machine.seen_at), with the machines that connected or
+left since.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import dataclasses
 import itertools
 import logging
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from typing import Any
@@ -43,7 +46,7 @@ from campugrid.protocol import agent_pb2 as pb
 
 log = logging.getLogger("campugrid.coordinator.fleet")
 RECHECK_S = 5.0  # a round even without news (a lost notification, SQLite's other processes)
-SEEN_S = 10.0  # how often the connected machines' "last seen" is written, all in one statement
+SEEN_S = 10.0  # how often this process says it is alive (and which machines came and went)
 TRIES_PER_GROUP = 2  # machines of one group tried before its turn ends on a claim finding none
 DEMAND_ROWS = 500  # the queued jobs whose needs a round reads (the oldest, as claims take them)
 
@@ -97,6 +100,9 @@ class Fleet:
         self._nothing_queued = False
         self._news = 0  # counts the wakes (news of work), read around a round
         self.joining = 0  # links whose machine has not said it is ready yet
+        self.process = str(uuid.uuid4())  # this process, as the machines' rows name it
+        # The machines that connected (True) or left (False) since the last SEEN_S write.
+        self._changed: dict[str, bool] = {}
 
     # --- the streams ----------------------------------------------------------------------
 
@@ -107,13 +113,17 @@ class Fleet:
             old.close("this machine connected again")
         link = Link(machine_id, asyncio.Queue())
         self.links[machine_id] = link
+        self._changed[machine_id] = True
         self.joining += 1
         return link
 
     def disconnect(self, link: Link) -> None:
         """The stream's call ended (every stream ends here, whoever ended it)."""
-        if self.links.get(link.machine_id) is link:
+        current = self.links.get(link.machine_id)
+        if current is link:
             del self.links[link.machine_id]
+        if current is None or current is link:  # else it connected again meanwhile
+            self._changed[link.machine_id] = False
         if not link.joined:
             link.joined = True
             self.joining -= 1
@@ -171,7 +181,8 @@ class Fleet:
                 link.close("the coordinator process is stopping")
 
     async def _rounds(self, kick: asyncio.Event) -> None:
-        seen_at = looked_at = time.monotonic()
+        looked_at = time.monotonic()
+        seen_at = looked_at - SEEN_S  # alive from the start
         seeing: asyncio.Future[None] | None = None
         while True:
             with contextlib.suppress(TimeoutError):
@@ -181,10 +192,10 @@ class Fleet:
                 if time.monotonic() - looked_at >= RECHECK_S:
                     looked_at = time.monotonic()
                     await self._housekeeping()
-                if time.monotonic() - seen_at > SEEN_S and self.links and (
+                if time.monotonic() - seen_at >= SEEN_S and (self.links or self._changed) and (
                         seeing is None or seeing.done()):  # beside the rounds, not in their way
                     seen_at = time.monotonic()
-                    seeing = asyncio.ensure_future(self._seen(list(self.links)))
+                    seeing = asyncio.ensure_future(self._alive())
                 idle = [(link, link.offer, link.shape) for link in self.links.values()
                         if link.offer is not None]
                 if not idle:
@@ -264,11 +275,14 @@ class Fleet:
             if link is not None:
                 link.close("this machine is no longer approved")
 
-    async def _seen(self, machine_ids: list[str]) -> None:
+    async def _alive(self) -> None:
+        changed, self._changed = self._changed, {}
         try:
-            await self._blocking(self.machines.store.machines.seen, machine_ids)
+            await self._blocking(self.machines.store.machines.alive, self.process, changed)
         except Exception:
-            log.exception("writing when the connected machines were last seen")
+            log.exception("writing that this process and its machines are alive")
+            for machine_id, connected in changed.items():  # written next time, unless
+                self._changed.setdefault(machine_id, connected)  # they came or went since
 
     async def _blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
         assert self._loop is not None

@@ -22,7 +22,14 @@ from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from campugrid.coordinator.db import Database
-from campugrid.coordinator.models import GpuReservation, Job, Machine, MachineEpoch, ShardSession
+from campugrid.coordinator.models import (
+    FleetProcess,
+    GpuReservation,
+    Job,
+    Machine,
+    MachineEpoch,
+    ShardSession,
+)
 from campugrid.coordinator.scheduler import GpuView, MachineView
 from campugrid.coordinator.views import utcnow
 from campugrid.protocol import keys
@@ -71,7 +78,7 @@ class MachineRecord:
         caps = json.loads(m.capabilities_json or "{}")
         caps = caps if isinstance(caps, dict) else {}
         return cls(m.id, m.name, m.fingerprint, Status(m.status), m.public_key, m.address,
-                   m.registered_at, m.last_seen_at, str(caps.get("held") or ""),
+                   m.registered_at, m.seen_at, str(caps.get("held") or ""),
                    int(caps.get("cpus") or 0), int(caps.get("memory_mb") or 0),
                    int(caps.get("disk_mb") or 0), m.agreed or 0, m.disagreed or 0,
                    m.streak or 0, m.quarantine or "", m.owner or "",
@@ -114,6 +121,8 @@ class Machines:
                           status=Status.PENDING.value, address=address[:100],
                           capabilities_json="{}", registered_at=now, last_seen_at=now)
             s.add(row)
+            s.flush()
+            s.refresh(row, ["seen_at"])
         return MachineRecord.from_row(row)
 
     def get(self, machine_id: str) -> MachineRecord:
@@ -194,17 +203,32 @@ class Machines:
         """The machines heard from since `since`, the latest first, at most `limit`."""
         with self.db.read() as s:
             return [MachineRecord.from_row(m) for m in s.scalars(
-                select(Machine).where(Machine.last_seen_at >= since)
-                .order_by(Machine.last_seen_at.desc()).limit(limit))]
+                select(Machine).where(Machine.seen_at >= since)
+                .order_by(Machine.seen_at.desc()).limit(limit))]
 
-    def seen(self, machine_ids: Sequence[str], chunk: int = 10_000) -> None:
-        """These machines are alive now (connected on a stream): one statement for up to
-        `chunk` of them (SQLite takes 32,766 values in one statement)."""
+    def alive(self, process: str, changed: dict[str, bool], chunk: int = 10_000) -> None:
+        """This coordinator process is alive now: the machines connected on its streams are
+        seen as long as it says so (Machine.seen_at). `changed`: the machines that connected
+        to it (True) or left it (False) since it last said it; one statement for up to
+        `chunk` of each (SQLite takes 32,766 values in one statement). A machine that left
+        is written only if it has not connected to another process meanwhile."""
         now = utcnow()
-        for i in range(0, len(machine_ids), chunk):
-            with self.db.tx(durable=False) as s:
-                s.execute(update(Machine).where(Machine.id.in_(machine_ids[i:i + chunk]))
-                          .values(last_seen_at=now))
+        joined = [m for m, connected in changed.items() if connected]
+        left = [m for m, connected in changed.items() if not connected]
+        with self.db.tx(durable=False) as s:
+            if not s.execute(update(FleetProcess).where(FleetProcess.id == process)
+                             .values(alive_at=now)).rowcount:  # type: ignore[attr-defined]
+                # Its first word: the rows of processes long gone go, theirs is made.
+                s.execute(delete(FleetProcess).where(
+                    FleetProcess.alive_at < now - dt.timedelta(days=1)))
+                s.add(FleetProcess(id=process, alive_at=now))
+            for i in range(0, len(left), chunk):
+                s.execute(update(Machine).where(Machine.id.in_(left[i:i + chunk]),
+                                                Machine.connected_to == process)
+                          .values(connected_to=None, last_seen_at=now))
+            for i in range(0, len(joined), chunk):
+                s.execute(update(Machine).where(Machine.id.in_(joined[i:i + chunk]))
+                          .values(connected_to=process, last_seen_at=now))
 
     def not_approved(self, machine_ids: Sequence[str], chunk: int = 10_000) -> list[str]:
         """Those of these machines that may no longer work (revoked, quarantined, gone)."""
@@ -233,7 +257,7 @@ class Machines:
                        func.sum(GpuReservation.memory_mb))
                 .group_by(GpuReservation.machine_id, GpuReservation.gpu_uuid))}
             out = []
-            for m in s.scalars(select(Machine).where(Machine.last_seen_at >= since,
+            for m in s.scalars(select(Machine).where(Machine.seen_at >= since,
                                                      Machine.status == Status.APPROVED.value)):
                 snap = json.loads(m.gpus_json or "{}")
                 snap = snap if isinstance(snap, dict) else {}  # "[]": never reported GPUs
@@ -262,7 +286,7 @@ class Machines:
         out: dict[str, dict[tuple[str, int, str], int]] = {}
         with self.db.read() as s:
             for caps_json in s.scalars(select(Machine.capabilities_json).where(
-                    Machine.last_seen_at >= since, Machine.status == Status.APPROVED.value)):
+                    Machine.seen_at >= since, Machine.status == Status.APPROVED.value)):
                 shares = (json.loads(caps_json or "{}").get("shares") or {})
                 for name, files in (shares.items() if isinstance(shares, dict) else ()):
                     seen = out.setdefault(name, {})
@@ -274,7 +298,7 @@ class Machines:
         since = utcnow() - dt.timedelta(seconds=within_s)
         with self.db.read() as s:
             return int(s.scalar(select(func.count()).select_from(Machine).where(
-                Machine.last_seen_at >= since, Machine.status == Status.PENDING.value)) or 0)
+                Machine.seen_at >= since, Machine.status == Status.PENDING.value)) or 0)
 
 
 def _is_uuid(text: str) -> bool:

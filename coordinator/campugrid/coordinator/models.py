@@ -15,9 +15,12 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    case,
+    select,
+    type_coerce,
 )
 from sqlalchemy.engine import Dialect
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import DeclarativeBase, Mapped, column_property, mapped_column
 from sqlalchemy.types import TypeDecorator
 
 
@@ -178,6 +181,17 @@ class LogChunk(Base):
     )
 
 
+class FleetProcess(Base):
+    """A coordinator process holding agents' streams (fleet.py), and when it last said it is
+    alive: a machine connected to it is seen as long as it is, so an idle fleet costs the
+    database one row per process every SEEN_S, not one per machine."""
+
+    __tablename__ = "fleet_processes"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    alive_at: Mapped[dt.datetime] = mapped_column()
+
+
 class Machine(Base):
     __tablename__ = "machines"
 
@@ -196,6 +210,15 @@ class Machine(Base):
     gpus_json: Mapped[str] = mapped_column(Text, default="[]", server_default="[]")
     registered_at: Mapped[dt.datetime] = mapped_column()
     last_seen_at: Mapped[dt.datetime] = mapped_column()
+    # The process whose stream it is connected on (None: none since it last left one).
+    connected_to: Mapped[str | None] = mapped_column(String(36))
+    # When it was last heard from: last_seen_at (a call; its stream's start or end), or while
+    # its stream's process is alive, when that process last said so, whichever is later.
+    seen_at: Mapped[dt.datetime] = column_property(type_coerce(case(
+        (select(FleetProcess.alive_at).where(FleetProcess.id == connected_to)
+         .scalar_subquery() > last_seen_at,
+         select(FleetProcess.alive_at).where(FleetProcess.id == connected_to)
+         .scalar_subquery()), else_=last_seen_at), UTCDateTime), expire_on_flush=False)
     # Its record against quorums (coordinator/quorum.py): answers that agreed and that did
     # not, the agreeing answers in a row since its last disagreement (adaptive verification
     # trusts it from quorum.TRUSTED_AFTER on), when it last agreed, and why it is quarantined.
