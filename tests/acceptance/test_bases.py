@@ -174,6 +174,9 @@ def corpus_jobs(hubbed, tmp_path_factory, request) -> dict[str, str]:
     return jobs
 
 
+# The first entry waits for the jobs queued before it (the corpus's longest, two agents at a
+# time): one run took 175 s, another passed pytest's 300 s. Its own wait (1200 s) is the bound.
+@pytest.mark.timeout(1300)
 @pytest.mark.parametrize("name", list(corpus()))
 def test_a_researchers_dockerfile_builds_unchanged(hubbed, corpus_jobs, name):
     """tests/corpus (its README lists the entries). Each builds as written, its RUN steps
