@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Beside this script, as bench/fleet.py has them.
+from fleet_coordinators import rss_bytes  # type: ignore[import-not-found]
+from scheduler import _cpu  # type: ignore[import-not-found]
 
 METHOD = "/floor.Floor/Connect"
 BATCH = 100  # streams opened at once by the client
@@ -83,18 +87,6 @@ def _connect(port: int, folder: Path, tls: bool, streams: int, done: Path) -> No
     asyncio.run(main())
 
 
-def _rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def floor(streams: int, tls: bool) -> dict[str, float]:
     """The bare server's memory (KB) and CPU (ms) per stream, `streams` of them held."""
     with tempfile.TemporaryDirectory(prefix="campugrid-floor-") as tmp:
@@ -110,7 +102,7 @@ def floor(streams: int, tls: bool) -> dict[str, float]:
                     raise RuntimeError("the bare gRPC server did not start")
                 time.sleep(0.05)
             time.sleep(0.5)  # settled
-            rss0, cpu0 = _rss(server.pid), _cpu_s(server.pid)
+            rss0, cpu0 = rss_bytes(server.pid), _cpu(server.pid)
             client = subprocess.Popen([*me, "connect", port_file.read_text(), tmp, mode,
                                        str(streams), str(done)])
             deadline = time.monotonic() + 30 + streams / 50
@@ -119,8 +111,8 @@ def floor(streams: int, tls: bool) -> dict[str, float]:
                     raise RuntimeError(f"the client did not open {streams} streams")
                 time.sleep(0.2)
             time.sleep(2)  # the last ones' first messages read
-            return {"kb": (_rss(server.pid) - rss0) / streams / 1024,
-                    "cpu_ms": (_cpu_s(server.pid) - cpu0) / streams * 1000}
+            return {"kb": (rss_bytes(server.pid) - rss0) / streams / 1024,
+                    "cpu_ms": (_cpu(server.pid) - cpu0) / streams * 1000}
         finally:
             for p in (client, server):
                 if p is not None:
