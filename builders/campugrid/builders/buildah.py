@@ -116,8 +116,7 @@ class BuildahBuilder:
         self.limits = host_limits.detect()
         self.scope = scope  # this agent's folder of job cgroups (see limits.job_cgroup)
         runtime = runtime_dir()
-        data = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local/share")
-        self.bases_store = (data / "campugrid" / "bases", runtime / "campugrid-bases")
+        self.bases_store = (store_lock.data_dir() / "bases", runtime / "campugrid-bases")
         # RUN steps get the same seccomp profile inside gVisor as jobs do.
         self.seccomp = profile.write_profile(runtime / "campugrid" / "seccomp.json")
         self._main: tuple[str, str] | None = None

@@ -23,11 +23,16 @@ from pathlib import Path
 REMOVE_WAIT_S = 2.0  # how long a removal waits for writers to finish before it is left
 
 
+def data_dir() -> Path:
+    """The user's campugrid data, which every agent of the user shares (not a state folder):
+    $XDG_DATA_HOME/campugrid, by default ~/.local/share/campugrid."""
+    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local/share") / "campugrid"
+
+
 def path() -> Path:
-    """The user's lock file, beside their other campugrid data (not in a state folder: every
-    agent of the user must find the same one)."""
-    data = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local/share")
-    return data / "campugrid" / "store.lock"
+    """The user's lock file, beside their other campugrid data (every agent of the user must
+    find the same one)."""
+    return data_dir() / "store.lock"
 
 
 def _open() -> int:
