@@ -104,19 +104,20 @@ class Admission:
     FLOOR_PER_S = 100.0
     MOST_S = 120.0
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self._taken: deque[float] = deque()  # when recent streams were taken
         self._next = 0.0  # the last moment given out
 
     def taken(self) -> None:
-        now = time.monotonic()
+        now = self._clock()
         self._taken.append(now)
         while self._taken[0] < now - self.WINDOW_S:
             self._taken.popleft()
 
     def retry_after(self) -> float:
         """Seconds until this refused stream's moment."""
-        now = time.monotonic()
+        now = self._clock()
         recent = sum(1 for t in self._taken if t >= now - self.WINDOW_S)
         rate = max(self.FLOOR_PER_S, recent / self.WINDOW_S)
         self._next = min(max(self._next, now) + 1 / rate, now + self.MOST_S)
