@@ -164,6 +164,7 @@ def row(agents: int, args: argparse.Namespace, root: Path, s3: EmbeddedS3) -> di
         spec = JobSpec.from_dict({"command": ["true"]})
         context = tar_folder(_hello(root))
         dispatch = sims.dispatches(api, context, spec, args.submits)
+        full_gcs = scraper.read()["full_gcs"] - m0["full_gcs"]  # idle and dispatching
 
         result: dict[str, Any] = {
             "agents": agents, "simulators": processes, "join_s": join_s, "start_s": start_s,
@@ -173,7 +174,7 @@ def row(agents: int, args: argparse.Namespace, root: Path, s3: EmbeddedS3) -> di
             "baseline_per_s": baseline, "queries_per_s": (m1["queries"] - m0["queries"] - scraper.own_queries) / wall,
             "baseline_queries_per_s": baseline_q, "beats_per_s": (n1["beats"] - n0["beats"]) / wall,
             "ended": n1["ended"] - n0["ended"] + n1["failed"] - n0["failed"], "codes": n1["codes"],
-            "connections": connections,
+            "connections": connections, "full_gcs": full_gcs,
             "dispatch_p50_ms": statistics.median(dispatch) * 1000,
             "dispatch_p95_ms": _p95(dispatch) * 1000,
             "kb_per_agent": max(0, rss - rss_before) / agents / 1024}
@@ -449,10 +450,10 @@ def report(rows: list[dict[str, Any]], unary_row: dict[str, float] | None,
           f"window; dispatch over {args.submits} submits, one at a time\n")
     print("| idle agents | simulators | started over s | join s (agents/s) "
           "| coordinator CPU ms/join (simulators') | DB statements/join | coordinator CPU (cores) | DB statements/s (none connected) | DB queries/s (none connected) | heartbeats/s "
-          "| TCP connections | dispatch p50 ms | p95 ms | coordinator KB/agent | streams lost |")
+          "| TCP connections | dispatch p50 ms | p95 ms | full GCs | coordinator KB/agent | streams lost |")
     print("|-------------|------------|----------------|-------------------"
           "|--------------------------------------|--------------------|-------------------------|----------------------------------|-------------------------------|--------------"
-          "|-----------------|-----------------|--------|----------------------|--------------|")
+          "|-----------------|-----------------|--------|----------|----------------------|--------------|")
     for r in rows:
         joined = f"{r['join_s']:.1f} ({r['agents'] / r['join_s']:.0f})"
         join_cpu = f"{r['join_cpu_ms']:.2f} ({r['sims_cpu_ms']:.2f})"
@@ -462,13 +463,15 @@ def report(rows: list[dict[str, Any]], unary_row: dict[str, float] | None,
               f"| {join_cpu:>36} | {r['join_statements']:18.1f} | {r['cpu']:23.2f} | {statements:>32} "
               f"| {queries:>29} | {r['beats_per_s']:12.0f} "
               f"| {r['connections']:>15} | {r['dispatch_p50_ms']:15.1f} | {r['dispatch_p95_ms']:6.1f} "
-              f"| {r['kb_per_agent']:20.1f} | {r['ended']:>12} |")
+              f"| {r['full_gcs']:8.0f} | {r['kb_per_agent']:20.1f} | {r['ended']:>12} |")
     print("\njoin: from the simulators' start (agents start at random over the time in 'started "
           f"over', {HEARTBEAT_S:.0f} s or agents / --join-rate {args.join_rate:.0f}) to the "
           "coordinator's gauges counting every agent connected and ready; CPU per join: the coordinator's, and the simulators' in brackets. Statements: "
           "what the coordinator sent to SQLite (BEGIN and PRAGMA included), idle, and in "
           "brackets with no agent connected (its lease reaper); queries: of those, what reads "
-          "or writes rows. Streams lost: streams that "
+          "or writes rows. Full GCs: the coordinator's full garbage collections over the idle "
+          "window and the dispatches (python_gc_collections_total, generation 2; each walks "
+          "every object its streams hold). Streams lost: streams that "
           "ended or failed to open in the idle window.")
     for r in rows:
         if r["codes"]:

@@ -78,7 +78,8 @@ class Scraper:
     cost: `own` a scrape) and its fleet's gauges."""
 
     NAMES = {"campugrid_db_statements_total": "statements", "campugrid_db_queries_total": "queries",
-             "campugrid_fleet_connected": "connected", "campugrid_fleet_ready": "ready"}
+             "campugrid_fleet_connected": "connected", "campugrid_fleet_ready": "ready",
+             'python_gc_collections_total{generation="2"}': "full_gcs"}
 
     def __init__(self, url: str, token: str) -> None:
         self.url, self.token = url, token

@@ -15,7 +15,14 @@ import logging
 import secrets
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    ProcessCollector,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -170,6 +177,7 @@ class CoordinatorMetrics:
         r.register(_StatementsSent())
         r.register(_FromDatabase(db))
         ProcessCollector(registry=r)  # the coordinator's own CPU and memory
+        GCCollector(registry=r)  # its garbage collections (server.tune_gc), by generation
 
     def watch_fleet(self, connected: Callable[[], int], ready: Callable[[], int]) -> None:
         """The machines connected to this process (fleet.py), and those of them waiting for
