@@ -4,8 +4,6 @@ and what the registries expose, read back with prometheus_client's own text pars
 from __future__ import annotations
 
 import hashlib
-import subprocess
-import sys
 
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -13,7 +11,6 @@ from sqlalchemy import create_engine, text
 
 from campugrid.agent import metrics as agent_metrics
 from campugrid.agent.gpus import GpuPolicy
-from campugrid.coordinator import server
 from campugrid.coordinator.db import STATEMENTS, Database, make_engine
 from campugrid.coordinator.metrics import CoordinatorMetrics, bearer, token_digest
 from tests.unit.test_gpus import FakeNvml
@@ -100,19 +97,6 @@ def test_coordinator_counters_move_and_a_scrape_survives_an_unreadable_database(
     # Its garbage collections, by generation: a full one walks every stream's objects.
     assert {labels for name, labels in got if name == "python_gc_collections_total"} == {
         (("generation", str(g)),) for g in range(3)}
-
-
-def test_a_serving_coordinator_freezes_its_imports_and_collects_rarely():
-    """server.tune_gc, in a process of its own (it changes the whole process's collector):
-    with 10,000 agents, full collections every 15 s held dispatches up to 0.8 s each
-    (bench/fleet.py)."""
-    code = ("import gc; from campugrid.coordinator import server; server.tune_gc(); "
-            "print(gc.get_freeze_count(), *gc.get_threshold())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=True).stdout.split()
-    frozen, thresholds = int(out[0]), tuple(int(x) for x in out[1:])
-    assert frozen > 50_000  # the coordinator's imports: never walked again
-    assert thresholds == server.GC_THRESHOLDS and thresholds[0] >= 10_000
 
 
 def test_every_statement_an_engine_sends_is_counted(tmp_path):
