@@ -87,7 +87,7 @@ from fleet_coordinators import (  # type: ignore[import-not-found]  # noqa: E402
     tcp_connections,
     wait_fleet,
 )
-from grpc_floor import floor  # type: ignore[import-not-found]  # noqa: E402
+from grpc_floor import Floor  # type: ignore[import-not-found]  # noqa: E402
 from scheduler import (  # type: ignore[import-not-found]  # noqa: E402
     _cpu,
     _fresh_database,
@@ -407,7 +407,6 @@ def main() -> None:
     os.chmod(root, 0o711)  # PostgreSQL's own user keeps its cluster in here
     s3 = EmbeddedS3(root / "s3", "bench", uuid.uuid4().hex).start()
     rows, unary_row, cluster_rows = [], None, []
-    args.floor = None
     pg = None
     try:
         if args.burst and not args.no_unary:
@@ -419,12 +418,7 @@ def main() -> None:
         for n in sizes:
             rows.append(row(n, args, root, s3))
             print(f"  measured {n} idle agents", file=sys.stderr)
-        # gRPC's own cost per stream, without campugrid, as many streams as the largest row.
-        try:
-            args.floor = {"n": max(sizes), "tls": floor(max(sizes), tls=True),
-                          "plain": floor(max(sizes), tls=False)}
-        except Exception as e:  # the rows measured are still reported
-            print(f"  gRPC's floor not measured: {type(e).__name__}: {e}", file=sys.stderr)
+        args.floor = Floor.measure(max(sizes))  # gRPC's own, as many streams as the largest row
         if clusters:
             pg = TempPostgres(root / "pg").start()
         for n, k in clusters:
@@ -476,12 +470,7 @@ def report(rows: list[dict[str, Any]], unary_row: dict[str, float] | None,
     for r in rows:
         if r["codes"]:
             print(f"streams ended or refused ({r['agents']} agents, whole row), by why: {r['codes']}")
-    f = args.floor or {"n": 0, "tls": {"kb": math.nan, "cpu_ms": math.nan},
-                       "plain": {"kb": math.nan, "cpu_ms": math.nan}}
-    print(f"gRPC's own floor (bench/grpc_floor.py): a bare grpc.aio server holding {f['n']} idle "
-          f"streams, one connection each, on the coordinator's kind of certificate: "
-          f"{f['tls']['kb']:.1f} KB and {f['tls']['cpu_ms']:.2f} ms of CPU per stream over TLS, "
-          f"{f['plain']['kb']:.1f} KB and {f['plain']['cpu_ms']:.2f} ms over plain TCP.")
+    print(args.floor.sentence())
 
     bursts = [r for r in rows if "burst" in r]
     if bursts:
@@ -546,7 +535,7 @@ def report(rows: list[dict[str, Any]], unary_row: dict[str, float] | None,
                   ("dispatch p95 <= 50 ms", r["dispatch_p95_ms"] <= 50, f"{r['dispatch_p95_ms']:.1f}"),
                   ("memory < 50 KB/agent", r["kb_per_agent"] < 50,
                    f"{r['kb_per_agent']:.1f}, of which gRPC's own TLS stream "
-                   f"{f['tls']['kb']:.1f}")]
+                   f"{args.floor.tls_kb:.1f}")]
         if "restart" in r:
             ready_s = r["restart"]["ready_s"]
             checks.append(("all back and ready <= 30 s after a restart",
