@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 from sqlalchemy import (
     BigInteger,
@@ -192,6 +193,12 @@ class FleetProcess(Base):
     alive_at: Mapped[dt.datetime] = mapped_column()
 
 
+def _later_of_own_and_process(connected_to: Any, last_seen_at: Any) -> Any:
+    """Machine.seen_at's expression: the process's alive_at while it is the later."""
+    alive = select(FleetProcess.alive_at).where(FleetProcess.id == connected_to).scalar_subquery()
+    return type_coerce(case((alive > last_seen_at, alive), else_=last_seen_at), UTCDateTime)
+
+
 class Machine(Base):
     __tablename__ = "machines"
 
@@ -214,11 +221,8 @@ class Machine(Base):
     connected_to: Mapped[str | None] = mapped_column(String(36))
     # When it was last heard from: last_seen_at (a call; its stream's start or end), or while
     # its stream's process is alive, when that process last said so, whichever is later.
-    seen_at: Mapped[dt.datetime] = column_property(type_coerce(case(
-        (select(FleetProcess.alive_at).where(FleetProcess.id == connected_to)
-         .scalar_subquery() > last_seen_at,
-         select(FleetProcess.alive_at).where(FleetProcess.id == connected_to)
-         .scalar_subquery()), else_=last_seen_at), UTCDateTime), expire_on_flush=False)
+    seen_at: Mapped[dt.datetime] = column_property(
+        _later_of_own_and_process(connected_to, last_seen_at), expire_on_flush=False)
     # Its record against quorums (coordinator/quorum.py): answers that agreed and that did
     # not, the agreeing answers in a row since its last disagreement (adaptive verification
     # trusts it from quorum.TRUSTED_AFTER on), when it last agreed, and why it is quarantined.
