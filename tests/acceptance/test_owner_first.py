@@ -95,6 +95,9 @@ def test_the_owner_takes_the_machine_back_and_the_job_moves_on(owned_agents, tmp
         assert answer["handed_back"]["how"] == (
             "handed back: its owner paused the machine (campugrid provider pause)")
         assert seconds_after(drained(api, job, 2), paused_at) <= HANDOVER_S
+        # the coordinator heard of the hold before the hand-back, not at the agent's next beat
+        assert {m["id"]: m["held"] for m in api.machines()}[second.machine_id()] == (
+            "its owner paused the machine (campugrid provider pause)")
         assert not provider(second, "pause")["changed"]  # twice: harmless
         state = provider(second, "status")
         assert state["running"] and state["paused_since"] and state["agent"]["task"] is None

@@ -226,11 +226,7 @@ class Agent:
         told_pending = 0.0
         while not self.stopping.is_set():
             held = self.owner.hold()
-            if held != self.held:
-                log.info("the owner holds this machine: %s", held or "no more; taking work again")
-                self.held = held
-                self.status.update(held=held)
-                self.last_beat = 0.0  # the coordinator hears of it now, not in 10 s
+            self._heed(held)
             try:
                 self.beat()
                 if held:
@@ -263,6 +259,15 @@ class Agent:
             if once:
                 return
 
+    def _heed(self, held: str) -> None:
+        """Note why the owner holds the machine now ("": it takes work); the next heartbeat,
+        sent at once, tells the coordinator."""
+        if held != self.held:
+            log.info("the owner holds this machine: %s", held or "no more; taking work again")
+            self.held = held
+            self.status.update(held=held)
+            self.last_beat = 0.0  # the coordinator hears of it now, not in 10 s
+
     def _idle_room(self) -> Room:
         self.idle_room = self.room()
         return self.idle_room
@@ -290,6 +295,13 @@ class Agent:
             if why and self.task is task:
                 log.info("%s: handing task %s back (grace %.0f s)", why, task.lease.job_id,
                          self.settings.owner.grace_seconds)
+                # The coordinator hears of the hold before the hand-back: the job it queues
+                # again is not offered back here, and its waiting reason names the hold.
+                self._heed(self.owner.hold())
+                try:
+                    self.beat()
+                except grpc.RpcError as e:
+                    log.debug("heartbeat before the hand-back: %s", e.code())
                 task.drain(self.settings.owner.grace_seconds, why)
 
     def run_task(self, lease: Lease) -> None:
