@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from campugrid.agent.install import scope_of
+from campugrid.agent.task import job_image_prefix
 from campugrid.cli.platform import ProviderUser
 from campugrid.client import tar_folder
 from campugrid.protocol.spec import JobSpec
@@ -303,3 +305,46 @@ def test_the_sdk_snippet_in_the_docs_runs_as_printed(platform, tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 1 and "JobFailed: job " in out.stderr, out.stderr[-2000:]
     assert "failed: the job's command exited with status 3" in out.stderr, out.stderr[-2000:]
+
+
+def test_the_next_job_of_the_same_context_starts_from_the_kept_image_which_goes_once_idle(
+        api, platform):
+    """Rootless Podman starts a sandbox (`--userns keep-id`) from an ID-mapped copy of its
+    whole image, written at the image's first start and deleted with it. Builds are
+    reproducible, so the next job of the same context (a sweep's) builds the same image: the
+    agent keeps a task's image until the next task has ended, and that job starts from the
+    copy already there. Once the agent waits idle, no job image of it is left."""
+    provider = ProviderUser.resolve()
+    graph = subprocess.run(provider.command(["podman", "info", "--format",
+                                             "{{.Store.GraphRoot}}"]),
+                           capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    prefix = job_image_prefix(scope_of(platform.agents[0].state_dir))
+
+    def job_images() -> dict[str, tuple[str, list[str]]]:
+        """This agent's job images: name -> (image ID, its ID-mapped layers)."""
+        records = json.loads((Path(graph) / "overlay-images" / "images.json").read_text())
+        return {name: (r["id"], r.get("mapped-layers") or []) for r in records
+                for name in r.get("names") or [] if name.startswith(prefix)}
+
+    def run(n: int) -> str:
+        job = api.submit(tar_folder(HELLO), JobSpec.from_dict(
+            {"command": ["python3", "-c", f"print({n})"], "env": {"N": str(n)}}))
+        assert api.wait(job["id"], timeout_s=240, poll_s=0.2)["state"] == "succeeded"
+        return str(job["id"])
+
+    def only(job: str) -> tuple[str, list[str]]:
+        """Once the agent has swept after `job`: its image, the only one left."""
+        deadline = time.monotonic() + 30
+        while [n.split(":")[0] for n in job_images()] != [prefix + job]:
+            assert time.monotonic() < deadline, f"{job}'s image is not the only one: {job_images()}"
+            time.sleep(0.2)
+        return next(iter(job_images().values()))
+
+    first = run(1)
+    image, copies = only(first)
+    assert copies  # the copy its start made
+    assert only(run(2)) == (image, copies)  # the same image, started from the same copy
+    deadline = time.monotonic() + 60
+    while job_images():
+        assert time.monotonic() < deadline, f"job images left while idle: {job_images()}"
+        time.sleep(0.5)

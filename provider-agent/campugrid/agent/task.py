@@ -296,7 +296,7 @@ class Task:
         finally:
             self.stage = Stage.ENDED
             self.renewer.stop()
-            self.sandbox.remove_image(self.tag)  # a cached copy stays under its digest
+            # Its image stays, for the agent to remove (worker.JobImages).
             if self.cache is not None:
                 self.cache.release(self.user)
             shutil.rmtree(self.work, ignore_errors=True)  # the agent's sweep catches the rest

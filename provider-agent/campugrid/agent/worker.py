@@ -122,6 +122,7 @@ class Agent:
         self.shares = Shares(settings.shares)
         self.stopping = threading.Event()
         self.task: Task | None = None
+        self.job_images = JobImages(sandbox)
         self.revoked = False  # its owner revoked this machine: run() returned for good
         self.gpu_note = sandbox.gpu_isolation_note()
         self.gpu_isolation = not self.gpu_note
@@ -186,6 +187,7 @@ class Agent:
         try:
             self._run(once=once)
         finally:
+            self.job_images.drop()
             if served is not None:
                 served.stop()
 
@@ -230,6 +232,7 @@ class Agent:
             try:
                 self.beat()
                 if held:
+                    self.job_images.drop()
                     self.stopping.wait(OWNER_POLL_S)
                     continue
                 offer = gpus.discover(self.settings.gpu_policy).gpus
@@ -253,6 +256,7 @@ class Agent:
                 self.stopping.wait(2)
                 continue
             if lease is None:  # the wait on the stream counts as the wait between two asks
+                self.job_images.drop()  # idle: the last task's image need not stay warm
                 self.stopping.wait(self.settings.poll_seconds - (time.monotonic() - asked))
                 continue
             self.run_task(lease)
@@ -330,16 +334,21 @@ class Agent:
             metrics.METRICS.gpus.hold((), 0)
             if self.task is not None:  # None: it failed before it was made, and never started
                 self.status.task_ended(self.task.ended)
+            ended = self.task.tag if self.task is not None else ""
             self.task = None
-            self.sweep(f"task {lease.job_id}", logging.INFO)
+            self.sweep(f"task {lease.job_id}", logging.INFO, ended)
 
-    def sweep(self, whose: str, level: int) -> None:
+    def sweep(self, whose: str, level: int, ended: str = "") -> None:
         """Between tasks nothing of a task may remain: its cgroups (and whatever still runs in
-        them, e.g. a build runtime's last `runsc delete`), its work folder, its image. Also at
-        start, for an earlier life's leftovers."""
+        them, e.g. a build runtime's last `runsc delete`), its work folder; its image (`ended`)
+        only until the next task has ended (JobImages). Without `ended` (at start, or after a
+        task that was never made) every job image of this agent goes: an earlier life's
+        leftovers."""
         for name in host_limits.sweep(self.sandbox.limits, self.scope):
             log.log(level, "removed cgroup %s left by %s", name, whose)
-        for image in self.sandbox.sweep_images(job_image_prefix(self.scope)):
+        images = (self.job_images.ended(ended) if ended else
+                  self.sandbox.sweep_images(job_image_prefix(self.scope)))
+        for image in images:
             log.log(level, "removed image %s left by %s", image, whose)
         for folder in sorted(self.work_root.glob("*")) if self.work_root.is_dir() else []:
             slots.remove_tree(folder)
@@ -348,6 +357,37 @@ class Agent:
             slots.remove_tree(path)
             log.log(level, "removed %s from output slot %s, left by %s", path.name,
                     path.parent, whose)
+
+
+class JobImages:
+    """The job images this agent still holds. A task's image stays until the next task has
+    ended, or the agent waits idle: rootless Podman runs a job (`--userns keep-id`) from an
+    ID-mapped copy of its whole image, written at the image's first start (2 s for the 236 MB
+    Python base here, more for larger ones) and deleted with it (1.2 s). Builds are
+    reproducible: a job built from the same inputs as the one before (each job of a sweep)
+    gets the same image ID, which then still has its copy; removing the earlier job's name
+    only untags it. A removal the store lock put off (store_lock) is tried again each time."""
+
+    def __init__(self, sandbox: Runtime) -> None:
+        self.sandbox = sandbox
+        self.kept = ""  # the last task's image (a name; the task may have run another image)
+        self.left: set[str] = set()  # removals put off
+
+    def ended(self, image: str) -> list[str]:
+        """`image`'s task has ended: keep it, remove the others; those of them whose removal
+        had been put off before are returned."""
+        return self._keep_only(image)
+
+    def drop(self) -> list[str]:
+        """Remove every job image held (the agent is idle, or stops)."""
+        return self._keep_only("")
+
+    def _keep_only(self, image: str) -> list[str]:
+        names = (self.left | {self.kept}) - {image, ""}
+        removed = {name for name in names if self.sandbox.remove_image(name)}
+        earlier = sorted(self.left & removed)
+        self.left, self.kept = names - removed, image
+        return earlier
 
 
 def enforceable(sandbox: Runtime, builder: Builder, output: str) -> dict[str, str]:
