@@ -29,7 +29,7 @@ from typing import Any
 
 import grpc
 
-from campugrid.agent.link import OPEN_S, STREAM_BEAT_S, Backoff, Closed, Link
+from campugrid.agent.link import BUSY, OPEN_S, STREAM_BEAT_S, Backoff, Closed, Link
 from campugrid.client import Api
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import keys
@@ -65,10 +65,12 @@ async def stream_agent(address: str, pem: str, cred: tuple[str, str], counts: Co
     backoff whenever it ends. Runs until cancelled."""
     key = keys.Ed25519PrivateKey.from_private_bytes(bytes.fromhex(cred[1]))
     await asyncio.sleep(random.uniform(0, start_s))  # agents start at any moment
-    backoff, joined = Backoff(), False
+    backoff, joined, kept = Backoff(), False, None
     while True:
-        link = Link(address, pem, key, cred[0])
-        up, waiting = False, None
+        # As link.Waiting: a stream turned away for being busy is tried again on its link's
+        # connection; any other end makes a new one.
+        link, kept = kept or Link(address, pem, key, cred[0]), None
+        up, waiting, ended = False, None, None
         counts.opens += 1
         try:
             async with asyncio.timeout(OPEN_TIMEOUT_S):  # (wait_for's task would outlive a stop)
@@ -105,7 +107,12 @@ async def stream_agent(address: str, pem: str, cred: tuple[str, str], counts: Co
                 counts.up -= 1
             if waiting is not None:
                 waiting.cancel()
-            await link.close()
+            if not up and ended is not None and ended.code is BUSY:
+                await link.end()
+                kept = link
+            else:
+                await link.close()
+        assert ended is not None  # the stream ended (a stop cancels, and ends the loop)
         await asyncio.sleep(backoff.after(ended))
 
 

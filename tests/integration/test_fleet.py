@@ -519,3 +519,39 @@ def test_a_serving_coordinator_freezes_its_imports_and_collects_rarely():
     frozen, thresholds = int(out[0]), tuple(int(x) for x in out[1:])
     assert frozen > 50_000  # the coordinator's imports: never walked again
     assert thresholds == server.GC_THRESHOLDS and thresholds[0] >= 10_000
+
+
+def _connections_to(port: int) -> set[int]:
+    """The local ports of this host's established TCP connections to `port` (the clients'
+    sides of them): /proc/net/tcp and tcp6."""
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, remote, state = fields[1], fields[2], fields[3]
+            if state == "01" and int(remote.rsplit(":", 1)[1], 16) == port:
+                ports.add(int(local.rsplit(":", 1)[1], 16))
+    return ports
+
+
+def test_a_stream_turned_away_as_busy_is_tried_again_on_the_same_connection(
+        coordinator, tmp_path, monkeypatch):
+    """A refusal for being busy ends the stream, not the connection: the next try is a new
+    stream on it. A new TLS connection for each try cost the coordinator several times more
+    than the stream (bench/fleet.py's restart: 3.5 tries per agent)."""
+    running, _ = coordinator
+    m = client(running, tmp_path, "m")
+    port = int(running.grpc_address.rpartition(":")[2])
+    monkeypatch.setattr(agent_calls, "MAX_OPENING", 0)
+    monkeypatch.setattr(agent_calls.Admission, "FLOOR_PER_S", 20.0)  # come back in 50 ms
+    before = _connections_to(port)
+    assert not m.lease(wait_s=0.3).has_task  # turned away: a wait
+    assert m.waiting._link is None
+    turned_away = _connections_to(port) - before
+    assert len(turned_away) == 1, turned_away  # the stream's connection, still open
+    monkeypatch.setattr(agent_calls, "MAX_OPENING", 64)
+    time.sleep(0.2)
+    assert not m.lease(wait_s=0.3).has_task  # taken this time: nothing queued
+    assert m.waiting._link is not None
+    assert _connections_to(port) - before == turned_away  # the same connection
+    m.waiting.close()

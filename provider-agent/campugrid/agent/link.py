@@ -80,9 +80,14 @@ class Link:
         self._reader: asyncio.Task[None] | None = None
 
     async def open(self) -> None:
-        credentials = grpc.ssl_channel_credentials(root_certificates=self.certificate.encode())
-        self._channel = grpc.aio.secure_channel(self.address, credentials,
-                                                options=list(STREAM_OPTIONS))
+        """A new stream, on this link's connection (made by the first `open`, and kept when
+        the coordinator turned the stream away for being busy: see `end`)."""
+        if self._channel is None:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=self.certificate.encode())
+            self._channel = grpc.aio.secure_channel(self.address, credentials,
+                                                    options=list(STREAM_OPTIONS))
+        self._events = asyncio.Queue()
         connect = self._channel.stream_stream(
             CONNECT, request_serializer=pb.AgentEvent.SerializeToString,
             response_deserializer=pb.CoordinatorEvent.FromString)
@@ -140,13 +145,22 @@ class Link:
             self._events.put_nowait(Closed("closed by this agent"))
             raise
 
-    async def close(self) -> None:
+    async def end(self) -> None:
+        """End this stream and keep the connection for the next `open`: after a refusal for
+        being busy (BUSY) the next try is a new stream on it, not a new TLS connection, which
+        costs the coordinator (and the agent) several times more."""
         if self._reader is not None:
             self._reader.cancel()
+            self._reader = None
         if self._call is not None:
             self._call.cancel()
+            self._call = None
+
+    async def close(self) -> None:
+        await self.end()
         if self._channel is not None:
             await self._channel.close()
+            self._channel = None
 
     async def _write(self, event: pb.AgentEvent) -> None:
         assert self._call is not None, "open() first"
@@ -180,6 +194,7 @@ class Refused(grpc.RpcError):  # type: ignore[misc]  # grpc is untyped
 
 
 REFUSALS = frozenset({grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED})
+BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED  # turned away for now, told when to come back
 BACKOFF_S, BACKOFF_MAX_S = 1.0, 30.0
 
 
@@ -220,6 +235,7 @@ class Waiting:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._link: Link | None = None
+        self._kept: Link | None = None  # a turned-away stream's link: its connection stays
         self._offered: pb.LeaseRequest | None = None  # the last `ready` sent on this link
         self._next_try = 0.0
         self._backoff = Backoff()
@@ -282,9 +298,10 @@ class Waiting:
 
     def close(self) -> None:
         with self._lock:
-            if self._link is not None:
-                self._run(self._link.close(), 10)
-                self._link = None
+            for link in (self._link, self._kept):
+                if link is not None:
+                    self._run(link.close(), 10)
+            self._link = self._kept = None
             if self._loop is not None:
                 self._loop.call_soon_threadsafe(self._loop.stop)
                 if self._thread is not None:
@@ -299,11 +316,19 @@ class Waiting:
             return self._link
         if time.monotonic() < self._next_try or not self.machine_id():
             return None
-        link = Link(self.address(), self.certificate, self.key, self.machine_id())
+        link, self._kept = self._kept, None
+        if link is None or link.address != self.address():
+            if link is not None:
+                self._run(link.close(), 10)
+            link = Link(self.address(), self.certificate, self.key, self.machine_id())
         try:
             self._run(link.open(), 30)
-        except Closed:
-            self._run(link.close(), 10)
+        except Closed as e:
+            if e.code is BUSY:
+                self._run(link.end(), 10)
+                self._kept = link
+            else:
+                self._run(link.close(), 10)
             raise
         self._link, self._offered, self._beat = link, None, None
         return link
