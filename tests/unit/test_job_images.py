@@ -12,10 +12,13 @@ class Store:
     def __init__(self, *names: str) -> None:
         self.names = set(names)
         self.busy = False
+        self.down = False  # Podman's service cannot be reached
         self.asked: list[str] = []
 
     def remove_image(self, name: str) -> bool:
         self.asked.append(name)
+        if self.down:
+            raise ConnectionError("podman.sock: connection refused")
         if self.busy:
             return False
         self.names.discard(name)
@@ -41,3 +44,13 @@ def test_a_removal_the_store_lock_put_off_is_tried_again_and_reported_once_done(
     assert images.drop() == [] and store.names == {"a", "b", "c"}  # still busy: both put off
     store.busy = False
     assert images.ended("c") == ["a", "b"] and store.names == {"c"}
+
+
+def test_a_store_that_cannot_be_asked_leaves_the_image_for_later_and_the_agent_goes_on() -> None:
+    store = Store("a", "b")
+    images = JobImages(store)  # type: ignore[arg-type]
+    images.ended("a")
+    store.down = True
+    assert images.drop() == [] and store.names == {"a", "b"}  # no exception: put off
+    store.down = False
+    assert images.ended("b") == ["a"] and store.names == {"b"}

@@ -14,6 +14,7 @@ import importlib
 import logging
 import os
 import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -384,10 +385,19 @@ class JobImages:
 
     def _keep_only(self, image: str) -> list[str]:
         names = (self.left | {self.kept}) - {image, ""}
-        removed = {name for name in names if self.sandbox.remove_image(name)}
+        removed = {name for name in names if self._removed(name)}
         earlier = sorted(self.left & removed)
         self.left, self.kept = names - removed, image
         return earlier
+
+    def _removed(self, name: str) -> bool:
+        """Whether `name` is gone now; a store that cannot be asked (Podman's service gone,
+        a command that hung) leaves it for the next time, as a busy store lock does."""
+        try:
+            return self.sandbox.remove_image(name)
+        except (OSError, subprocess.SubprocessError) as e:
+            log.warning("cannot remove image %s now (%s); it is tried again later", name, e)
+            return False
 
 
 def enforceable(sandbox: Runtime, builder: Builder, output: str) -> dict[str, str]:
