@@ -16,8 +16,7 @@ run, caches warm (one round first, not counted: the base pulled, the caches fill
     and Debian through the agent's and the platform's egress proxies and the platform's
     package caches, up to the job's "running", which
     the agent reports as it starts the sandbox: like the baseline, this counts no container's
-    start (a job's first start of a new image also pays Podman's ID-mapped copy of it for
-    `--userns keep-id`: 1.3-1.7 s for this image here).
+    start.
 The goal (issue 14): campugrid at most 1.5x the plain build on a warm cache. With --runsc
 given more than once (by default: runsc-from-go.sh's and Debian's, where present), campugrid's
 builds run once with each, one agent after the other (`campugrid agent run --runsc PATH`),

@@ -30,6 +30,12 @@ def network():
     return {"interfaces": interfaces, "reached_127.0.0.1:%d" % port: reached}
 
 
+def capabilities():
+    """The effective capabilities this process has, as a number (0: none)."""
+    with open("/proc/self/status") as f:
+        return int(next(line.split()[1] for line in f if line.startswith("CapEff:")), 16)
+
+
 if "--build" in sys.argv:
     print(json.dumps({**facts(), "squares": sum(i * i for i in range(1, 101))}))
     sys.exit(0)
@@ -43,6 +49,7 @@ result = {
     "run": run,
     "primes_below_1000": sum(1 for n in range(2, 1000) if all(n % d for d in range(2, int(n**0.5) + 1))),
     "uid_inside": os.getuid(),
+    "capabilities": capabilities(),
     "network": network(),
 }
 os.makedirs("/output", exist_ok=True)

@@ -47,7 +47,7 @@ def sandbox_uids(stop: threading.Event, seen: list[int]) -> None:
         time.sleep(0.05)
 
 
-def test_the_sample_job_builds_and_runs_in_gvisor_offline_as_non_root(api, platform):
+def test_the_sample_job_builds_and_runs_in_gvisor_offline_unprivileged(api, platform):
     stop, uids = threading.Event(), []
     watcher = threading.Thread(target=sandbox_uids, args=(stop, uids))
     watcher.start()
@@ -69,7 +69,9 @@ def test_the_sample_job_builds_and_runs_in_gvisor_offline_as_non_root(api, platf
     assert result["network"]["interfaces"] == ["lo"]
     assert result["network"][f"reached_127.0.0.1:{platform.http_port}"] is False
     provider = ProviderUser.resolve()
-    assert result["uid_inside"] == provider.uid != 0
+    # Inside, the job is the root of rootless Podman's user namespace, without a capability:
+    # on the host, that is the provider's own uid (the files it wrote to /output are theirs).
+    assert (result["uid_inside"], result["capabilities"]) == (0, 0), result
     # Every sandbox on the host (the other test worker's user has its own) runs as a user that
     # lends the machine or one of its subordinate ids, never as root; this job's among them.
     assert set(uids) & provider_uids(provider), f"no sandbox of {provider.name} seen: {uids}"
@@ -307,13 +309,11 @@ def test_the_sdk_snippet_in_the_docs_runs_as_printed(platform, tmp_path):
     assert "failed: the job's command exited with status 3" in out.stderr, out.stderr[-2000:]
 
 
-def test_the_next_job_of_the_same_context_starts_from_the_kept_image_which_goes_once_idle(
-        api, platform):
-    """Rootless Podman starts a sandbox (`--userns keep-id`) from an ID-mapped copy of its
-    whole image, written at the image's first start and deleted with it. Builds are
-    reproducible, so the next job of the same context (a sweep's) builds the same image: the
-    agent keeps a task's image until the next task has ended, and that job starts from the
-    copy already there. Once the agent waits idle, no job image of it is left."""
+def test_a_job_starts_from_its_image_as_stored_and_the_image_goes_with_its_task(api, platform):
+    """A sandbox starts from its image as the store holds it: Podman writes no ID-mapped copy
+    of it (with `--userns keep-id` it wrote one of the whole image at the image's first start:
+    2 s for this one, 12 s for the 6 GB frameworks image with its files cached, as much disk
+    again). The image goes as its task ends."""
     provider = ProviderUser.resolve()
     graph = subprocess.run(provider.command(["podman", "info", "--format",
                                              "{{.Store.GraphRoot}}"]),
@@ -326,25 +326,17 @@ def test_the_next_job_of_the_same_context_starts_from_the_kept_image_which_goes_
         return {name: (r["id"], r.get("mapped-layers") or []) for r in records
                 for name in r.get("names") or [] if name.startswith(prefix)}
 
-    def run(n: int) -> str:
-        job = api.submit(tar_folder(HELLO), JobSpec.from_dict(
-            {"command": ["python3", "-c", f"print({n})"], "env": {"N": str(n)}}))
-        assert api.wait(job["id"], timeout_s=240, poll_s=0.2)["state"] == "succeeded"
-        return str(job["id"])
-
-    def only(job: str) -> tuple[str, list[str]]:
-        """Once the agent has swept after `job`: its image, the only one left."""
-        deadline = time.monotonic() + 30
-        while [n.split(":")[0] for n in job_images()] != [prefix + job]:
-            assert time.monotonic() < deadline, f"{job}'s image is not the only one: {job_images()}"
-            time.sleep(0.2)
-        return next(iter(job_images().values()))
-
-    first = run(1)
-    image, copies = only(first)
-    assert copies  # the copy its start made
-    assert only(run(2)) == (image, copies)  # the same image, started from the same copy
-    deadline = time.monotonic() + 60
+    job = api.submit(tar_folder(HELLO), JobSpec.from_dict({"command": ["sleep", "3"]}))
+    seen: list[tuple[str, list[str]]] = []  # its image's records while it runs
+    deadline = time.monotonic() + 240
+    while (state := api.job(job["id"])["state"]) in ("queued", "building", "running"):
+        assert time.monotonic() < deadline, state
+        if state == "running":
+            seen += [v for k, v in job_images().items() if k.startswith(prefix + job["id"])]
+        time.sleep(0.1)
+    assert state == "succeeded", api.job(job["id"])
+    assert seen and all(copies == [] for _, copies in seen), seen  # started without a copy
+    deadline = time.monotonic() + 30
     while job_images():
-        assert time.monotonic() < deadline, f"job images left while idle: {job_images()}"
-        time.sleep(0.5)
+        assert time.monotonic() < deadline, f"job images left after the task: {job_images()}"
+        time.sleep(0.2)

@@ -151,7 +151,7 @@ def test_a_pull_too_big_to_unpack_here_is_refused(hub, mirror, tmp_path):
 
 
 def test_a_base_is_pulled_only_if_it_fits_the_cache_counted_twice(hub, mirror, tmp_path):
-    """A cached image takes twice its size on disk once used (agent/images.py, COPIES): a
+    """A cached base takes twice its size on disk once used (agent/images.py, COPIES): a
     base that fits a 40 MB cache once, but not twice, is not pulled."""
     reg, tokens = mirror
     # a layer of its own (a store that holds a layer already neither fetches nor counts it)

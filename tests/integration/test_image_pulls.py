@@ -107,7 +107,7 @@ def test_a_pulled_image_the_cache_cannot_keep_stays_only_while_its_task_runs(reg
             assert got == cache.name(digest) and cache.ops.image_size(got) is not None
             said = [line for line in lines if "it is removed when this task ends" in line]
             assert said == ([] if kept else [
-                f"[campugrid] the image takes 2 x 3 MB on disk once run, more than this "
+                f"[campugrid] the image's 3 MB, counted 2 times, are more than this "
                 f"machine's image cache holds ({max_mb} MB, --image-cache-mb): it is removed "
                 "when this task ends"]), lines
             assert cache.release(task_user(lease)) == ([] if kept else [digest])

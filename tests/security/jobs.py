@@ -45,7 +45,7 @@ def read(path):
     if os.path.isdir(path):
         return sorted(os.listdir(path))
     with open(path, "rb") as f:
-        return f.read(300).decode("utf-8", "replace")
+        return f.read(4096).decode("utf-8", "replace")
 report(**{p: attempt(lambda p=p: read(p)) for p in json.loads(os.environ["TARGETS"])})
 '''
 
@@ -188,10 +188,19 @@ def attack():
     os.mknod("/tmp/mem", 0o600 | 0o020000, os.makedev(1, 1))
     return open("/tmp/mem", "rb").read(64)
 """,
-    "setuid-root": """
+    # The job is the root of its user namespace without a capability: it can neither become
+    # another user nor give itself a capability back (CAP_SYS_ADMIN, by capset).
+    "setuid-other": """
 def attack():
-    os.setresuid(0, 0, 0)
+    os.setresuid(1000, 1000, 1000)
     return os.getuid()
+""",
+    "capset-sys-admin": """
+def attack():
+    header = ctypes.create_string_buffer((0x20080522).to_bytes(4, "little") + bytes(4))
+    admin = (1 << 21).to_bytes(4, "little")
+    data = ctypes.create_string_buffer(admin + admin + bytes(4) + bytes(12))
+    return syscall(126, header, data)
 """,
 }
 

@@ -63,11 +63,10 @@ class ImageCache:
     agent's state folder; images are named under CACHE_PREFIX and this agent's scope, which
     its sweeps do not touch.
 
-    Each image counts COPIES times its size, which is what it takes on disk once used: a job
-    image's first run makes rootless Podman write an ID-mapped copy of the whole image for
-    `--userns keep-id`, which Podman's image size leaves out (tests/integration/
-    test_image_cache.py holds Podman to that); a base image is copied into the builder's
-    store of allowed bases. Both copies go with the cached image."""
+    Each image counts COPIES times its size, which is what a base takes on disk once used: it
+    is copied into the builder's store of allowed bases (the copy goes with the cached
+    image). A job image takes its size once (a sandbox starts from its layers as stored:
+    tests/integration/test_image_cache.py holds Podman to that) but is counted the same."""
 
     def __init__(self, state_dir: Path, scope: str, ops: PodmanOps, max_images: int = 8,
                  max_mb: int = 20480, skopeo: str = "skopeo") -> None:
@@ -491,8 +490,8 @@ def _pull(cache: ImageCache, job: ImageJob, step: ImageStep) -> str:
             f"in {time.monotonic() - began:.1f} s")
     size = cache.ops.image_size(found) or 0
     if size > cache.largest_bytes:
-        job.log(f"[campugrid] the image takes {COPIES} x {size // 1024**2} MB on disk once "
-                f"run, more than this machine's image cache holds ({cache.max_mb} MB, "
+        job.log(f"[campugrid] the image's {size // 1024**2} MB, counted {COPIES} times, are "
+                f"more than this machine's image cache holds ({cache.max_mb} MB, "
                 "--image-cache-mb): it is removed when this task ends")
     return found
 

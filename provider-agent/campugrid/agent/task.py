@@ -296,7 +296,7 @@ class Task:
         finally:
             self.stage = Stage.ENDED
             self.renewer.stop()
-            # Its image stays, for the agent to remove (worker.JobImages).
+            # Its image goes with the agent's sweep (worker.JobImages).
             if self.cache is not None:
                 self.cache.release(self.user)
             shutil.rmtree(self.work, ignore_errors=True)  # the agent's sweep catches the rest

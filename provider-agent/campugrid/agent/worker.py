@@ -188,7 +188,7 @@ class Agent:
         try:
             self._run(once=once)
         finally:
-            self.job_images.drop()
+            self.job_images.retry()
             if served is not None:
                 served.stop()
 
@@ -233,7 +233,7 @@ class Agent:
             try:
                 self.beat()
                 if held:
-                    self.job_images.drop()
+                    self.job_images.retry()
                     self.stopping.wait(OWNER_POLL_S)
                     continue
                 offer = gpus.discover(self.settings.gpu_policy).gpus
@@ -257,7 +257,7 @@ class Agent:
                 self.stopping.wait(2)
                 continue
             if lease is None:  # the wait on the stream counts as the wait between two asks
-                self.job_images.drop()  # idle: the last task's image need not stay warm
+                self.job_images.retry()
                 self.stopping.wait(self.settings.poll_seconds - (time.monotonic() - asked))
                 continue
             self.run_task(lease)
@@ -341,10 +341,9 @@ class Agent:
 
     def sweep(self, whose: str, level: int, ended: str = "") -> None:
         """Between tasks nothing of a task may remain: its cgroups (and whatever still runs in
-        them, e.g. a build runtime's last `runsc delete`), its work folder; its image (`ended`)
-        only until the next task has ended (JobImages). Without `ended` (at start, or after a
-        task that was never made) every job image of this agent goes: an earlier life's
-        leftovers."""
+        them, e.g. a build runtime's last `runsc delete`), its work folder, its image
+        (`ended`: JobImages). Without `ended` (at start, or after a task that was never made)
+        every job image of this agent goes: an earlier life's leftovers."""
         for name in host_limits.sweep(self.sandbox.limits, self.scope):
             log.log(level, "removed cgroup %s left by %s", name, whose)
         images = (self.job_images.ended(ended) if ended else
@@ -361,33 +360,33 @@ class Agent:
 
 
 class JobImages:
-    """The job images this agent still holds. A task's image stays until the next task has
-    ended, or the agent waits idle: rootless Podman runs a job (`--userns keep-id`) from an
-    ID-mapped copy of its whole image, written at the image's first start (2 s for the 236 MB
-    Python base here, more for larger ones) and deleted with it (1.2 s). Builds are
-    reproducible: a job built from the same inputs as the one before (each job of a sweep)
-    gets the same image ID, which then still has its copy; removing the earlier job's name
-    only untags it. A removal the store lock put off (store_lock) is tried again each time."""
+    """Job images this agent has yet to remove. A task's image goes as its task ends (the
+    agent's sweep); one whose removal the store lock put off (store_lock), or that the store
+    could not be asked to remove, is tried again at the next task's end, while the agent waits
+    idle or its owner holds the machine, and as it stops. (Until 2026-12-07 a task's image
+    stayed until the next task had ended: sandboxes ran `--userns keep-id`, for which Podman
+    wrote an ID-mapped copy of the whole image at its first start and deleted it with the
+    image, and the next job of the same context found the copy there. Without the copy,
+    keeping it changes nothing that bench/turns.py can measure.)"""
 
     def __init__(self, sandbox: Runtime) -> None:
         self.sandbox = sandbox
-        self.kept = ""  # the last task's image (a name; the task may have run another image)
         self.left: set[str] = set()  # removals put off
 
     def ended(self, image: str) -> list[str]:
-        """`image`'s task has ended: keep it, remove the others; those of them whose removal
-        had been put off before are returned."""
-        return self._keep_only(image)
+        """`image`'s task has ended: remove it, and those put off before; returns the latter
+        that are now gone."""
+        return self._remove({image} - {""})
 
-    def drop(self) -> list[str]:
-        """Remove every job image held (the agent is idle, or stops)."""
-        return self._keep_only("")
+    def retry(self) -> list[str]:
+        """Try again the removals put off."""
+        return self._remove(set())
 
-    def _keep_only(self, image: str) -> list[str]:
-        names = (self.left | {self.kept}) - {image, ""}
+    def _remove(self, names: set[str]) -> list[str]:
+        names |= self.left
         removed = {name for name in names if self._removed(name)}
         earlier = sorted(self.left & removed)
-        self.left, self.kept = names - removed, image
+        self.left = names - removed
         return earlier
 
     def _removed(self, name: str) -> bool:

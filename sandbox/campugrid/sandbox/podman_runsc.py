@@ -93,7 +93,11 @@ class PodmanRunsc:
             "--network", "none",
             "--read-only", "--read-only-tmpfs=false",
             "--tmpfs", f"/tmp:rw,size={req.tmp_mb}m,mode=1777",
-            "--userns", "keep-id",  # the job runs as the provider's uid, also inside
+            # Rootless Podman's own user namespace: the container's root is the provider's
+            # uid on the host (and every other uid one of its subordinate ids), without a
+            # capability. `keep-id` (the provider's uid inside too) made Podman write an
+            # ID-mapped copy of the whole image at its first start (docs/builds.md).
+            "--userns", "host", "--user", "0:0",
             "--cap-drop", "all", "--security-opt", "no-new-privileges",
             *(["--security-opt", f"seccomp={self.seccomp}"] if self.seccomp else []),
             "--ulimit", f"nproc={GUEST_NPROC}:{GUEST_NPROC}",
