@@ -117,7 +117,10 @@ def test_unchanged_scripts_killed_midway_finish_elsewhere_as_if_never_stopped(gr
 
     with ThreadPoolExecutor(2) as pool:  # meanwhile, on the host
         expected = {f: pool.submit(never_stopped, f, tmp_path) for f in JOBS}
-        each_as_soon_as(api, ids, lambda f: len(checkpoints_of(api, ids[f])) >= 1, kill)
+        # On a machine that never built FROM the frameworks image, the first build copies its
+        # 6 GB into the builder's store of allowed bases first (2-3 minutes here).
+        each_as_soon_as(api, ids, lambda f: len(checkpoints_of(api, ids[f])) >= 1, kill,
+                        timeout=420)
         for f, job in ids.items():
             final = api.wait(job, timeout_s=300, poll_s=0.3, check=False)
             assert final["state"] == "succeeded", explain(api, job)
