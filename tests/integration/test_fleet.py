@@ -7,7 +7,6 @@ bound to its machine and closed when the machine is revoked."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import subprocess
 import sys
@@ -366,11 +365,6 @@ def running_fleet(running: server.Running) -> Fleet:
     return running.service.fleet
 
 
-def running_signed(running: server.Running) -> agent_calls.SignedCalls:
-    assert running.signed is not None
-    return running.signed
-
-
 def test_idle_machines_are_seen_through_their_process_not_written_one_by_one(coordinator,
                                                                              tmp_path, monkeypatch):
     """Every SEEN_S the process says it is alive (one row) and names the machines that came
@@ -431,13 +425,11 @@ def test_a_lost_stream_is_tried_again_after_a_jittered_backoff_that_grows():
 def test_a_coordinator_checking_many_streams_turns_one_away_to_try_again_later(
         coordinator, tmp_path, monkeypatch):
     """After a restart thousands of agents open streams at once: past MAX_OPENING being
-    checked and as many waiting as can be taken in Admission.QUEUE_S, one is refused at once
-    and told when to come back, each turned-away stream a moment of its own, at the rate
-    streams are being taken; the agent comes back then."""
+    checked, one is refused at once and told when to come back, each turned-away stream a
+    moment of its own, at the rate streams are being taken; the agent comes back then."""
     running, _ = coordinator
     m = client(running, tmp_path, "m")
     monkeypatch.setattr(agent_calls, "MAX_OPENING", 0)
-    monkeypatch.setattr(agent_calls.Admission, "QUEUE_S", 0.0)  # none may wait
     monkeypatch.setattr(agent_calls.Admission, "FLOOR_PER_S", 1.0)  # a moment every second
 
     async def turned_away() -> Closed:
@@ -465,7 +457,6 @@ def test_a_stream_whose_machine_has_not_said_it_is_ready_is_still_joining(coordi
     running, _ = coordinator
     first, second = client(running, tmp_path, "a"), client(running, tmp_path, "b")
     monkeypatch.setattr(agent_calls, "MAX_OPENING", 1)
-    monkeypatch.setattr(agent_calls.Admission, "QUEUE_S", 0.0)  # none may wait
 
     async def scenario() -> tuple[Closed, int]:
         a = link_of(running, first)
@@ -487,43 +478,6 @@ def test_a_stream_whose_machine_has_not_said_it_is_ready_is_still_joining(coordi
     busy, joining = run(scenario())
     assert busy.code == grpc.StatusCode.RESOURCE_EXHAUSTED, busy
     assert joining == 0  # b ended without saying it was ready: not joining any more
-
-
-def test_a_stream_past_the_joins_at_once_waits_its_turn_and_is_let_in_when_one_has_joined(
-        coordinator, tmp_path, monkeypatch):
-    """Past MAX_OPENING, a stream waits (first come, first served) instead of being turned
-    away, as long as the queue can be taken soon: it is let in when a joining machine says it
-    is ready, and a stream whose agent gave up waiting leaves the queue without holding up
-    the next."""
-    running, _ = coordinator
-    a, b, c = (client(running, tmp_path, name) for name in "abc")
-    monkeypatch.setattr(agent_calls, "MAX_OPENING", 1)
-    signed = running_signed(running)
-
-    async def scenario() -> tuple[bool, bool, int, int]:
-        first = link_of(running, a)
-        await first.open()  # taken, not ready yet: joining
-        gives_up, waits = link_of(running, b), link_of(running, c)
-        giving_up = asyncio.ensure_future(gives_up.open())
-        await asyncio.sleep(0.3)
-        opening = asyncio.ensure_future(waits.open())
-        await asyncio.sleep(0.5)
-        queued = signed.admission.waiting
-        held = not giving_up.done() and not opening.done()  # neither refused nor taken
-        giving_up.cancel()  # its agent gives up (as after link.OPEN_S)
-        with contextlib.suppress(asyncio.CancelledError):
-            await giving_up
-        await asyncio.sleep(0.3)
-        still = not opening.done()  # c waits for room, not for b
-        await first.ready(OFFER)  # a has joined: room for c
-        await asyncio.wait_for(opening, 5)
-        for link in (first, gives_up, waits):
-            await link.close()
-        return held and still, signed.admission.waiting == 0, queued, signed.woken
-
-    waited, emptied, queued, woken = run(scenario())
-    assert waited and queued == 2, queued
-    assert emptied and woken == 0
 
 
 def test_a_stream_dropped_mid_lease_leaves_the_lease_to_its_renewals(coordinator, tmp_path):
@@ -589,7 +543,6 @@ def test_a_stream_turned_away_as_busy_is_tried_again_on_the_same_connection(
     m = client(running, tmp_path, "m")
     port = int(running.grpc_address.rpartition(":")[2])
     monkeypatch.setattr(agent_calls, "MAX_OPENING", 0)
-    monkeypatch.setattr(agent_calls.Admission, "QUEUE_S", 0.0)  # none may wait
     monkeypatch.setattr(agent_calls.Admission, "FLOOR_PER_S", 20.0)  # come back in 50 ms
     before = _connections_to(port)
     assert not m.lease(wait_s=0.3).has_task  # turned away: a wait

@@ -1,9 +1,7 @@
-"""The queue of streams waiting to join, and the moments a coordinator gives the streams it
-turns away (agent_calls.Admission): spaced at the rate streams are being taken, after those
-waiting, never closer than its floor allows, never too far.
+"""The moments a coordinator gives the streams it turns away (agent_calls.Admission): spaced
+at the rate streams are being taken, never closer than its floor allows, never too far.
 On a clock of the test's own: the spacing is arithmetic, not a race with a loaded machine."""
 
-import asyncio
 import itertools
 
 import pytest
@@ -47,25 +45,3 @@ def test_no_stream_is_told_to_wait_longer_than_the_most():
     admission = Admission(Clock())
     told = [admission.retry_after() for _ in range(int(Admission.FLOOR_PER_S * Admission.MOST_S) + 50)]
     assert max(told) == pytest.approx(Admission.MOST_S)
-
-
-def test_streams_wait_first_come_first_served_while_the_queue_can_be_taken_soon():
-    async def scenario() -> None:
-        clock = Clock()
-        admission = Admission(clock)  # nothing taken lately: the floor's rate
-        most = int(Admission.FLOOR_PER_S * Admission.QUEUE_S)
-        places = []
-        while admission.may_wait():
-            places.append(admission.turn())
-        assert len(places) == most  # QUEUE_S of them at the rate
-        # One more is turned away, told to come back once those waiting have been taken.
-        assert admission.retry_after() == pytest.approx((most + 1) / Admission.FLOOR_PER_S)
-        places[0].cancel()  # its agent gave up: the next is let in instead
-        assert admission.wake() and places[1].done() and not places[2].done()
-        assert admission.waiting == most - 2
-        while admission.wake():
-            pass
-        assert all(p.done() for p in places) and admission.waiting == 0
-        assert not admission.wake()
-
-    asyncio.run(scenario())

@@ -40,11 +40,10 @@ from campugrid.protocol.wire import (
 log = logging.getLogger("campugrid.coordinator.agents")
 REGISTER = "/campugrid.v1.AgentService/Register"
 # Streams joining at once (being checked, or taken but their machine has not said it is
-# ready yet); more wait their turn, as many as can be taken within Admission.QUEUE_S, and one
-# more is refused at once (RESOURCE_EXHAUSTED) and told when to try again (Admission).
-# Thousands of agents reconnecting after a restart would otherwise queue their joins on the
-# server's loop longer than an agent waits for its stream (link.OPEN_S): the work would all
-# be for agents that had given up, and none would get in (bench/fleet.py).
+# ready yet); one more is refused at once (RESOURCE_EXHAUSTED) and told when to try again
+# (Admission). Thousands of agents reconnecting after a restart would otherwise queue their
+# joins on the server's loop longer than an agent waits for its stream (link.OPEN_S): the
+# work would all be for agents that had given up, and none would get in (bench/fleet.py).
 MAX_OPENING = 64
 # The machine whose signature SignedCalls checked, for the handler of this call.
 CALLER: contextvars.ContextVar[MachineRecord | None] = contextvars.ContextVar(
@@ -96,26 +95,19 @@ def _unary(behaviour: Callable[..., Any], handler: Any, **kw: Any) -> Any:
 
 
 class Admission:
-    """Streams past MAX_OPENING joining at once wait their turn, first come first served, as
-    long as those waiting can be taken within QUEUE_S at the rate streams are being taken
-    (measured over the last WINDOW_S, at least FLOOR_PER_S): a stream that waits costs the
-    coordinator nothing until its turn, and its agent one try. Past that, a stream is turned
-    away and told when to come back: each such stream a moment of its own after the queue has
-    been taken, so that thousands coming back at once after a restart are let in as fast as
-    they can be taken, none waiting for a backoff that grew while others got in. (Turned-away
-    streams cost both sides a stream each time: 3-5 per agent in a restart of 10,000, when
-    every stream past MAX_OPENING was turned away.)"""
+    """When a stream turned away (MAX_OPENING) should come back: each one is given the next
+    free moment at the rate streams are being taken now (measured over the last WINDOW_S, at
+    least FLOOR_PER_S), so that thousands coming back at once after a restart are let in as
+    fast as they can be taken, none waiting for a backoff that grew while others got in."""
 
     WINDOW_S = 2.0
     FLOOR_PER_S = 100.0
     MOST_S = 120.0
-    QUEUE_S = 8.0  # well within an agent's wait for its stream (link.OPEN_S)
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._taken: deque[float] = deque()  # when recent streams were taken
         self._next = 0.0  # the last moment given out
-        self._waiting: deque[asyncio.Future[None]] = deque()
 
     def taken(self) -> None:
         now = self._clock()
@@ -123,39 +115,12 @@ class Admission:
         while self._taken[0] < now - self.WINDOW_S:
             self._taken.popleft()
 
-    def _rate(self, now: float) -> float:
-        recent = sum(1 for t in self._taken if t >= now - self.WINDOW_S)
-        return max(self.FLOOR_PER_S, recent / self.WINDOW_S)
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waiting)
-
-    def may_wait(self) -> bool:
-        """Whether one more stream may wait its turn (else it is turned away)."""
-        return len(self._waiting) < self._rate(self._clock()) * self.QUEUE_S
-
-    def turn(self) -> asyncio.Future[None]:
-        """A place at the end of the queue: done when `wake` lets it in."""
-        place: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting.append(place)
-        return place
-
-    def wake(self) -> bool:
-        """Let the first stream still waiting in; False if none is."""
-        while self._waiting:
-            place = self._waiting.popleft()
-            if not place.done():  # else its agent gave up meanwhile (cancelled)
-                place.set_result(None)
-                return True
-        return False
-
     def retry_after(self) -> float:
-        """Seconds until this turned-away stream's moment: after those waiting are taken."""
+        """Seconds until this refused stream's moment."""
         now = self._clock()
-        rate = self._rate(now)
-        start = max(self._next, now + len(self._waiting) / rate)
-        self._next = min(start + 1 / rate, now + self.MOST_S)
+        recent = sum(1 for t in self._taken if t >= now - self.WINDOW_S)
+        rate = max(self.FLOOR_PER_S, recent / self.WINDOW_S)
+        self._next = min(max(self._next, now) + 1 / rate, now + self.MOST_S)
         return self._next - now
 
 
@@ -173,9 +138,7 @@ class SignedCalls(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is 
         self.metrics = coord.metrics
         self.blocking = blocking
         self.opening = 0  # streams being checked now (on the server's loop: no lock)
-        self.woken = 0  # waiting streams let in that have not begun their check yet
-        # Streams taken whose machine has not said it is ready yet (the fleet's count; the
-        # fleet calls let_in when one has).
+        # Streams taken whose machine has not said it is ready yet (the fleet's count).
         self.joining: Callable[[], int] = lambda: 0
         self.admission = Admission()
 
@@ -223,16 +186,13 @@ class SignedCalls(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is 
         digest = hashlib.sha256(STREAM_BODY).hexdigest()
 
         async def checked_first(requests: Any, context: Any) -> AsyncIterator[Any]:
-            if self.admission.waiting or not self._room():
-                if not self.admission.may_wait():  # at once, not after a wait
-                    self.metrics.refused("grpc", "busy")
-                    later = self.admission.retry_after()
-                    await context.abort(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"the coordinator is taking many streams at once: try again in "
-                        f"{later:.1f} s",
-                        trailing_metadata=((RETRY_AFTER_HEADER, str(int(later * 1000))),))
-                await self._wait_turn()
+            if self.opening + self.joining() >= MAX_OPENING:  # at once, not after a wait
+                self.metrics.refused("grpc", "busy")
+                later = self.admission.retry_after()
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    "the coordinator is taking many streams at once: try again "
+                                    f"in {later:.1f} s",
+                                    trailing_metadata=((RETRY_AFTER_HEADER, str(int(later * 1000))),))
             self.opening += 1
             try:
                 record = await asyncio.get_running_loop().run_in_executor(
@@ -241,7 +201,6 @@ class SignedCalls(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is 
                 await context.abort(a.code, a.details)
             finally:
                 self.opening -= 1
-                self.let_in()
             self.admission.taken()
             CALLER.set(record)  # this call's own context: it ends with the call
             async for reply in inner(requests, context):
@@ -250,31 +209,6 @@ class SignedCalls(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is 
         return grpc.stream_stream_rpc_method_handler(
             checked_first, request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer)
-
-    def _room(self) -> bool:
-        return self.opening + self.joining() + self.woken < MAX_OPENING
-
-    async def _wait_turn(self) -> None:
-        """Wait in the queue until let in (let_in); a stream whose agent gives up meanwhile
-        leaves it, and one let in just then passes its room on."""
-        place = self.admission.turn()
-        self.let_in()  # room left by streams that gave up waiting
-        try:
-            await place
-        except asyncio.CancelledError:
-            if place.done() and not place.cancelled():
-                self.woken -= 1
-                self.let_in()
-            else:
-                place.cancel()
-            raise
-        self.woken -= 1
-
-    def let_in(self) -> None:
-        """Let waiting streams in while there is room (a check ended, or a machine that
-        joined said it is ready or left)."""
-        while self.admission.waiting and self._room() and self.admission.wake():
-            self.woken += 1
 
     def _check(self, method: str, digest: str, context: grpc.ServicerContext) -> MachineRecord | None:
         md = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}

@@ -100,7 +100,6 @@ class Fleet:
         self._nothing_queued = False
         self._news = 0  # counts the wakes (news of work), read around a round
         self.joining = 0  # links whose machine has not said it is ready yet
-        self.joined: Callable[[], None] = lambda: None  # told when `joining` went down
         self.process = str(uuid.uuid4())  # this process, as the machines' rows name it
         # The machines that connected (True) or left (False) since the last SEEN_S write.
         self._changed: dict[str, bool] = {}
@@ -128,14 +127,12 @@ class Fleet:
         if not link.joined:
             link.joined = True
             self.joining -= 1
-            self.joined()
 
     def ready(self, link: Link, offer: MachineView, hold_kinds: bool) -> None:
         link.offer, link.hold_kinds, link.shape = offer, hold_kinds, shape(offer)
         if not link.joined:
             link.joined = True
             self.joining -= 1
-            self.joined()
         if not self._nothing_queued:  # else a machine joining costs no round: see _rounds
             self.kick()
 

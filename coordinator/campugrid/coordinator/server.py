@@ -131,7 +131,6 @@ class Running:
     relay: PostgresRelay | None = None  # held leases hear of other processes' work
     egress: Serving | None = None  # the platform's egress proxy for builds
     service: AgentService | None = None  # the agents' service (its fleet: the streams)
-    signed: SignedCalls | None = None  # its check of every call (and its streams' queue)
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -222,7 +221,6 @@ def start(settings: Settings) -> Running:
                            settings.registrations_per_minute, blocking)
     pb_grpc.add_AgentServiceServicer_to_server(service, server.server)
     signed.joining = lambda: service.fleet.joining
-    service.fleet.joined = signed.let_in
     coord.metrics.watch_fleet(lambda: len(service.fleet.links),
                               lambda: sum(1 for _ in service.fleet.idle()))
     credentials = grpc.ssl_server_credentials([(cert.key_pem, cert.pem)])
@@ -248,7 +246,7 @@ def start(settings: Settings) -> Running:
     log.info("coordinator: REST %s/v1  console %s/console  gRPC %s (TLS, certificate %s)", url,
              url, grpc_address, cert.fingerprint)
     return Running(coord, server, http, stop, port, cert, url, grpc_address, admin, lead,
-                   relayed, egress, service, signed)
+                   relayed, egress, service)
 
 
 def start_egress(coord: Coordinator, settings: Settings, cert: Certificate,
