@@ -18,6 +18,7 @@ import io
 import json
 import os
 import socket
+import subprocess
 import tarfile
 import threading
 import time
@@ -228,6 +229,14 @@ HOST_SYSCTLS = ("kernel/core_pattern", "kernel/hostname", "vm/overcommit_memory"
                 "net/ipv4/ip_forward", "kernel/sysrq")
 
 
+def host_sysrq_lines() -> list[str] | None:
+    """The host kernel's log lines about sysrq (None: a log this user may not read)."""
+    out = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=30, check=False)
+    if out.returncode != 0:
+        return None
+    return [line for line in out.stdout.splitlines() if "sysrq" in line.lower()]
+
+
 def loaded_modules() -> str | None:
     """The host kernel's modules (None: a kernel without module support, as on Firecracker)."""
     modules = Path("/proc/modules")
@@ -240,6 +249,7 @@ def test_privileged_operations_are_refused(api, guard, agent):
     sysctls = {k: Path("/proc/sys", k).read_text() for k in HOST_SYSCTLS
                if Path("/proc/sys", k).exists()}
     modules = loaded_modules()
+    sysrq = host_sysrq_lines()
     disk = os.stat(agent.state_dir).st_dev
     env = {"AGENT_PID": str(agent.pid()), "HOST_DISK": f"{os.major(disk)}:{os.minor(disk)}",
            "ATTACKS": json.dumps({a: jobs.privileged(a) for a in jobs.PRIVILEGED})}
@@ -256,6 +266,7 @@ def test_privileged_operations_are_refused(api, guard, agent):
     # host's /proc/sys, or a loaded module, shows here).
     assert {k: Path("/proc/sys", k).read_text() for k in sysctls} == sysctls
     assert loaded_modules() == modules
+    assert host_sysrq_lines() == sysrq  # a sysrq that reached the host's kernel logs a line
     assert "TracerPid:\t0" in Path(f"/proc/{agent.pid()}/status").read_text()
     guard.check(probe=False)
 
