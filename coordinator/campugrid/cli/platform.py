@@ -390,9 +390,9 @@ class Platform:
     def _look_after(self, agent: AgentHandle) -> None:
         if agent.proc.poll() is None:
             return
-        if agent.guard is not None:  # reaped: its group is gone, nothing left to guard
-            release_guard(agent.guard)
-            agent.guard = None
+        guard, agent.guard = agent.guard, None  # (under the lock, as in _terminate)
+        if guard is not None:  # reaped: its group is gone, nothing left to guard
+            release_guard(guard)
         if not agent.restart:
             return
         now = time.monotonic()
@@ -423,7 +423,8 @@ class Platform:
         """Stop one agent (SIGTERM: it drains what it runs; SIGKILL after 40 s), for good."""
         agent.restart = False
         self._terminate([agent])
-        self.agents.remove(agent)
+        with self._lock:
+            self.agents.remove(agent)
 
     def stop(self) -> None:
         # The supervisor first, so that it does not start again what we stop on purpose.
@@ -444,8 +445,7 @@ class Platform:
             self.s3.stop()
 
 
-    @staticmethod
-    def _terminate(agents: list[AgentHandle]) -> None:
+    def _terminate(self, agents: list[AgentHandle]) -> None:
         for agent in agents:
             if agent.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -457,9 +457,11 @@ class Platform:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(agent.proc.pid, signal.SIGKILL)
                 agent.proc.wait()
-            if agent.guard is not None:
-                release_guard(agent.guard)
-                agent.guard = None
+            # The supervisor may be reaping it too: whoever takes the guard releases it.
+            with self._lock:
+                guard, agent.guard = agent.guard, None
+            if guard is not None:
+                release_guard(guard)
 
 
 def joined_machine(agent_dir: Path) -> str | None:
