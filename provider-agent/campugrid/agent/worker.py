@@ -383,7 +383,7 @@ class JobImages:
         return self._remove(set())
 
     def _remove(self, names: set[str]) -> list[str]:
-        names |= self.left
+        names = names | self.left
         removed = {name for name in names if self._removed(name)}
         earlier = sorted(self.left & removed)
         self.left = names - removed
