@@ -96,32 +96,54 @@ def _unary(behaviour: Callable[..., Any], handler: Any, **kw: Any) -> Any:
 
 class Admission:
     """When a stream turned away (MAX_OPENING) should come back: each one is given the next
-    free moment at the rate streams are being taken now (measured over the last WINDOW_S, at
-    least FLOOR_PER_S), so that thousands coming back at once after a restart are let in as
-    fast as they can be taken, none waiting for a backoff that grew while others got in."""
+    free moment at the rate this process can take streams, so that thousands coming back at
+    once after a restart are let in as fast as it can take them, none waiting for a backoff
+    that grew while others got in.
+
+    That rate is what CORES of its CPU take at what a stream taken has cost it lately: all
+    the process's CPU time over the last WINDOW_S (TLS, the checks, the refusals, whatever
+    else it did: the estimate errs slow) over the streams taken meanwhile. Never below the
+    rate streams are being taken, nor FLOOR_PER_S. (Spaced at the rate taken alone, as
+    before 2026-12-08, the first moments were given at the floor, the streams came back at
+    that rate, and so it stayed: 10,000 agents back after a restart 100 s later, with a
+    third of the CPU idle meanwhile; bench/fleet.py.)"""
 
     WINDOW_S = 2.0
     FLOOR_PER_S = 100.0
     MOST_S = 120.0
+    CORES = 1.0  # what the joins may take: one core, as much as the server's one loop can use
+    SAMPLE = 16  # streams taken within the window before what they cost is trusted
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._taken: deque[float] = deque()  # when recent streams were taken
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 cpu: Callable[[], float] = time.process_time) -> None:
+        self._clock, self._cpu = clock, cpu
+        self._taken: deque[tuple[float, float]] = deque()  # recent streams: when, CPU then
         self._next = 0.0  # the last moment given out
 
     def taken(self) -> None:
         now = self._clock()
-        self._taken.append(now)
-        while self._taken[0] < now - self.WINDOW_S:
-            self._taken.popleft()
+        self._taken.append((now, self._cpu()))
+        self._forget(now)
+
+    def rate(self) -> float:
+        """Streams a second this process can take now."""
+        self._forget(self._clock())
+        taken = len(self._taken)
+        rate = taken / self.WINDOW_S
+        if taken >= self.SAMPLE and (spent := self._cpu() - self._taken[0][1]) > 0:
+            rate = max(rate, self.CORES * taken / spent)
+        return max(self.FLOOR_PER_S, rate)
 
     def retry_after(self) -> float:
         """Seconds until this refused stream's moment."""
+        rate = self.rate()
         now = self._clock()
-        recent = sum(1 for t in self._taken if t >= now - self.WINDOW_S)
-        rate = max(self.FLOOR_PER_S, recent / self.WINDOW_S)
         self._next = min(max(self._next, now) + 1 / rate, now + self.MOST_S)
         return self._next - now
+
+    def _forget(self, now: float) -> None:
+        while self._taken and self._taken[0][0] < now - self.WINDOW_S:
+            self._taken.popleft()
 
 
 class SignedCalls(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
