@@ -29,7 +29,7 @@ from typing import Any
 
 import grpc
 
-from campugrid.agent.link import BUSY, OPEN_S, STREAM_BEAT_S, Backoff, Closed, Link
+from campugrid.agent.link import OPEN_S, STREAM_BEAT_S, TURNED_AWAY, Backoff, Closed, Link
 from campugrid.client import Api
 from campugrid.protocol import agent_pb2 as pb
 from campugrid.protocol import keys
@@ -67,7 +67,7 @@ async def stream_agent(address: str, pem: str, cred: tuple[str, str], counts: Co
     await asyncio.sleep(random.uniform(0, start_s))  # agents start at any moment
     backoff, joined, kept = Backoff(), False, None
     while True:
-        # As link.Waiting: a stream turned away for being busy is tried again on its link's
+        # As link.Waiting: a stream turned away (link.TURNED_AWAY) is tried again on its link's
         # connection; any other end makes a new one.
         link, kept = kept or Link(address, pem, key, cred[0]), None
         up, waiting, ended = False, None, None
@@ -107,7 +107,7 @@ async def stream_agent(address: str, pem: str, cred: tuple[str, str], counts: Co
                 counts.up -= 1
             if waiting is not None:
                 waiting.cancel()
-            if not up and ended is not None and ended.code is BUSY:
+            if not up and ended is not None and ended.code in TURNED_AWAY:
                 await link.end()
                 kept = link
             else:

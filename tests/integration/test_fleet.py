@@ -555,3 +555,34 @@ def test_a_stream_turned_away_as_busy_is_tried_again_on_the_same_connection(
     assert m.waiting._link is not None
     assert _connections_to(port) - before == turned_away  # the same connection
     m.waiting.close()
+
+
+def test_a_stream_cancelled_before_it_was_taken_is_tried_again_on_the_same_connection(
+        coordinator, tmp_path, monkeypatch):
+    """gRPC cancels a call that waited longer than its server keeps calls the handlers have
+    not taken up (30 s: thousands of agents coming back at once after a restart). The
+    connection works: the next try is a new stream on it, as after a refusal for being busy.
+    (A new TLS connection for each of those tries was what kept a restart of 10,000 agents
+    from getting anywhere for 40 s: bench/fleet.py.)"""
+    running, _ = coordinator
+    m = client(running, tmp_path, "m")
+    port = int(running.grpc_address.rpartition(":")[2])
+    checked = agent_calls.SignedCalls._check
+
+    def cancelled(self: agent_calls.SignedCalls, method: str, digest: str, context: object) -> object:
+        if method == CONNECT:  # as gRPC ends a call it dropped from its queue: CANCELLED
+            context.abort(grpc.StatusCode.CANCELLED, "")  # type: ignore[attr-defined]
+        return checked(self, method, digest, context)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(agent_calls.SignedCalls, "_check", cancelled)
+    before = _connections_to(port)
+    assert not m.lease(wait_s=0.3).has_task  # cancelled: a wait, not an error
+    assert m.waiting._link is None and m.waiting._kept is not None
+    kept = _connections_to(port) - before
+    assert len(kept) == 1, kept  # the stream's connection, still open
+    monkeypatch.setattr(agent_calls.SignedCalls, "_check", checked)
+    m.waiting._next_try = 0.0  # (its jittered backoff is another test's)
+    assert not m.lease(wait_s=0.3).has_task  # taken this time: nothing queued
+    assert m.waiting._link is not None
+    assert _connections_to(port) - before == kept  # the same connection
+    m.waiting.close()

@@ -146,9 +146,9 @@ class Link:
             raise
 
     async def end(self) -> None:
-        """End this stream and keep the connection for the next `open`: after a refusal for
-        being busy (BUSY) the next try is a new stream on it, not a new TLS connection, which
-        costs the coordinator (and the agent) several times more."""
+        """End this stream and keep the connection for the next `open`: after a stream was
+        turned away (TURNED_AWAY) the next try is a new stream on it, not a new TLS
+        connection, which costs the coordinator (and the agent) several times more."""
         if self._reader is not None:
             self._reader.cancel()
             self._reader = None
@@ -195,6 +195,12 @@ class Refused(grpc.RpcError):  # type: ignore[misc]  # grpc is untyped
 
 REFUSALS = frozenset({grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED})
 BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED  # turned away for now, told when to come back
+# A stream turned away before it was taken, over a connection that works: the coordinator
+# was busy (BUSY: ours, or gRPC's own "too many pending requests"), or gRPC cancelled the
+# call after it waited longer than the server keeps calls its handlers have not taken up
+# yet (CANCELLED; 30 s, when thousands come back at once after a restart). The next try is
+# a new stream on the same connection (Link.end), not a new TLS connection.
+TURNED_AWAY = frozenset({BUSY, grpc.StatusCode.CANCELLED})
 BACKOFF_S, BACKOFF_MAX_S = 1.0, 30.0
 
 
@@ -324,7 +330,7 @@ class Waiting:
         try:
             self._run(link.open(), 30)
         except Closed as e:
-            if e.code is BUSY:
+            if e.code in TURNED_AWAY:
                 self._run(link.end(), 10)
                 self._kept = link
             else:
