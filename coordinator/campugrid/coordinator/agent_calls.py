@@ -103,10 +103,10 @@ class Admission:
     That rate is what CORES of its CPU take at what a stream taken has cost it lately: all
     the process's CPU time over the last WINDOW_S (TLS, the checks, the refusals, whatever
     else it did: the estimate errs slow) over the streams taken meanwhile. Never below the
-    rate streams are being taken, nor FLOOR_PER_S. (Spaced at the rate taken alone, as
-    before 2026-12-08, the first moments were given at the floor, the streams came back at
-    that rate, and so it stayed: 10,000 agents back after a restart 100 s later, with a
-    third of the CPU idle meanwhile; bench/fleet.py.)"""
+    rate streams are being taken, nor FLOOR_PER_S. (Spaced at the rate taken alone, as it
+    was, the first moments were given at the floor, the streams came back at that rate, and
+    so it stayed: 10,000 agents back after a restart 100 s later, with a third of the CPU
+    idle meanwhile; bench/fleet.py.)"""
 
     WINDOW_S = 2.0
     FLOOR_PER_S = 100.0
