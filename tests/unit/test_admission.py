@@ -51,8 +51,8 @@ def test_no_stream_is_told_to_wait_longer_than_the_most():
 
 
 @pytest.mark.parametrize(("taken_per_s", "cpu_ms", "spaced_per_s"), [
-    (150, 2.0, 500),  # 150 taken a second, each 2 ms of CPU: one core takes 500
-    (150, 10.0, 150),  # 10 ms each: one core takes 100, fewer than are being taken
+    (150, 1.0, 1000),  # 150 taken a second, each 1 ms of CPU: one core takes 1,000
+    (250, 10.0, 250),  # 10 ms each: one core takes 100, fewer than are being taken
     (50, 20.0, Admission.FLOOR_PER_S),  # neither reaches the floor
 ])
 def test_turned_away_streams_are_spaced_at_what_one_core_takes_at_their_cost(

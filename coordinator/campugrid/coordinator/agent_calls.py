@@ -109,7 +109,11 @@ class Admission:
     idle meanwhile; bench/fleet.py.)"""
 
     WINDOW_S = 2.0
-    FLOOR_PER_S = 100.0
+    # What one core takes at the least: a join costs a process about 4.5 ms of CPU
+    # (bench/fleet.py), so about 200 a second. While thousands are being turned away at once
+    # (a restart), their TLS handshakes and refusals cost it more than the joins: what a
+    # stream taken then costs says too little, and the moments given out then are most of them.
+    FLOOR_PER_S = 200.0
     MOST_S = 120.0
     CORES = 1.0  # what the joins may take: one core, as much as the server's one loop can use
     SAMPLE = 16  # streams taken within the window before what they cost is trusted
