@@ -152,9 +152,11 @@ class Simulators:
     connect to address i modulo their number."""
 
     def __init__(self, address: str | list[str], pem: str, creds: list[tuple[str, str]],
-                 processes: int, start_s: float) -> None:
+                 processes: int, start_s: float, nice: int = 0) -> None:
         addresses = [address] if isinstance(address, str) else address
-        self.procs = [subprocess.Popen([sys.executable, __file__, addresses[i % len(addresses)]],
+        # `nice` execs the simulator: its pid is the simulator's (cpu() reads it).
+        self.procs = [subprocess.Popen(["nice", "-n", str(nice), sys.executable, __file__,
+                                        addresses[i % len(addresses)]],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                       for i in range(processes)]
         self.leased: dict[str, float] = {}  # job id -> when an agent had its lease
