@@ -47,7 +47,11 @@ def grid(tmp_path: Path) -> Iterator[tuple[Platform, Api, Path]]:
     (context / "answer.txt").write_text("42\n")
     (context / "Dockerfile").write_text("FROM localhost/campugrid/python:bookworm\n"
                                         "COPY answer.txt /answer.txt\n")
-    with platform_with({}) as (p, api):
+    # Leases of 10 s, not the other platforms' 4 s (whose renewals time out after 1 s): none
+    # of these tests waits for a lease to run out (a caught liar's leases are ended), and a
+    # liar that loses its one task (--once) to a slow renewal while the other test worker
+    # loads the host left its job queued with no machine to run it (a red full run).
+    with platform_with({}, lease_seconds=10.0) as (p, api):
         yield p, api, context
 
 
