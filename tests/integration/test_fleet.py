@@ -7,6 +7,7 @@ bound to its machine and closed when the machine is revoked."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import subprocess
 import sys
@@ -430,7 +431,9 @@ def test_a_coordinator_checking_many_streams_turns_one_away_to_try_again_later(
     running, _ = coordinator
     m = client(running, tmp_path, "m")
     monkeypatch.setattr(agent_calls, "MAX_OPENING", 0)
-    monkeypatch.setattr(agent_calls.Admission, "FLOOR_PER_S", 1.0)  # a moment every second
+    monkeypatch.setattr(agent_calls.Admission, "LINE_S", 0.0)  # no line to wait in
+    # A moment every second: given at AHEAD times the floor's rate.
+    monkeypatch.setattr(agent_calls.Admission, "FLOOR_PER_S", 1.0 / agent_calls.Admission.AHEAD)
 
     async def turned_away() -> Closed:
         link = link_of(running, m)
@@ -453,31 +456,103 @@ def test_a_coordinator_checking_many_streams_turns_one_away_to_try_again_later(
 def test_a_stream_whose_machine_has_not_said_it_is_ready_is_still_joining(coordinator, tmp_path,
                                                                            monkeypatch):
     """What bounds the joins at once is the whole join (checked, taken, ready), not the
-    signature check alone: the rest of it is what crowds the server's loop after a restart."""
+    signature check alone: the rest of it is what crowds the server's loop after a restart.
+    A stream that comes while there is no room waits in line and is taken as a machine
+    joins; past the line, one is turned away."""
     running, _ = coordinator
-    first, second = client(running, tmp_path, "a"), client(running, tmp_path, "b")
+    first, second, third = (client(running, tmp_path, n) for n in "abc")
     monkeypatch.setattr(agent_calls, "MAX_OPENING", 1)
+    monkeypatch.setattr(agent_calls.Admission, "LINE_S", 0.0)  # a line of MAX_OPENING
+    monkeypatch.setattr(fleet, "JOIN_S", 60.0)
+    signed = running.signed
+    assert signed is not None
 
-    async def scenario() -> tuple[Closed, int]:
+    async def scenario() -> tuple[Closed, bool, int]:
         a = link_of(running, first)
         await a.open()  # taken, not ready yet: joining
         b = link_of(running, second)
-        with pytest.raises(Closed) as busy:
-            await b.open()
-        await b.close()
-        await a.ready(OFFER)
-        while running_fleet(running).joining:
+        waits = asyncio.ensure_future(b.open())  # no room: in line
+        while not signed.waiting:
             await asyncio.sleep(0.02)
-        b = link_of(running, second)
-        await b.open()  # a has joined: room again
+        c = link_of(running, third)
+        with pytest.raises(Closed) as busy:
+            await c.open()  # the line is full
+        await c.close()
+        taken_early = waits.done()
+        await a.ready(OFFER)  # a has joined: room for b
+        await asyncio.wait_for(waits, 10)
         await b.close()
         await a.close()
         await asyncio.sleep(0.3)
-        return busy.value, running_fleet(running).joining
+        return busy.value, taken_early, running_fleet(running).joining
 
-    busy, joining = run(scenario())
-    assert busy.code == grpc.StatusCode.RESOURCE_EXHAUSTED, busy
+    busy, taken_early, joining = run(scenario())
+    assert not taken_early  # b waited for a to join
+    assert busy.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "try again" in busy.reason, busy
     assert joining == 0  # b ended without saying it was ready: not joining any more
+    assert signed.waiting == 0 and signed.opening == 0
+
+
+def test_a_machine_that_does_not_say_it_is_ready_holds_its_place_for_join_s_only(
+        coordinator, tmp_path, monkeypatch):
+    """One that never says so (slow, or keeping others out on purpose) stops counting as
+    joining after JOIN_S: the next in line is taken then, its own stream still open."""
+    running, _ = coordinator
+    first, second = client(running, tmp_path, "a"), client(running, tmp_path, "b")
+    monkeypatch.setattr(agent_calls, "MAX_OPENING", 1)
+    monkeypatch.setattr(agent_calls.Admission, "LINE_S", 0.0)
+    monkeypatch.setattr(fleet, "JOIN_S", 1.0)
+
+    async def scenario() -> float:
+        a = link_of(running, first)
+        await a.open()  # taken; says nothing
+        began = time.monotonic()
+        b = link_of(running, second)
+        await asyncio.wait_for(b.open(), 10)  # in line until a's JOIN_S
+        waited = time.monotonic() - began
+        assert first.machine_id in running_fleet(running).links  # a's stream stays
+        await b.close()
+        await a.close()
+        return waited
+
+    assert 0.7 < run(scenario()) < 5
+
+
+def test_a_stream_that_gives_up_in_line_leaves_it(coordinator, tmp_path, monkeypatch):
+    """An agent that stops waiting (its OPEN_S, or it stops) is out of the line: the room
+    goes to the next one, and none is counted for it."""
+    running, _ = coordinator
+    first, second, third = (client(running, tmp_path, n) for n in "abc")
+    monkeypatch.setattr(agent_calls, "MAX_OPENING", 1)
+    monkeypatch.setattr(agent_calls.Admission, "LINE_S", 0.0)
+    monkeypatch.setattr(fleet, "JOIN_S", 60.0)
+    signed = running.signed
+    assert signed is not None
+
+    async def scenario() -> None:
+        a = link_of(running, first)
+        await a.open()
+        b = link_of(running, second)
+        waits = asyncio.ensure_future(b.open())
+        while not signed.waiting:
+            await asyncio.sleep(0.02)
+        waits.cancel()  # b gives up
+        with contextlib.suppress(asyncio.CancelledError):
+            await waits
+        await b.close()
+        while signed.waiting:
+            await asyncio.sleep(0.02)
+        c = link_of(running, third)
+        third_waits = asyncio.ensure_future(c.open())  # the line has room again
+        while not signed.waiting:
+            await asyncio.sleep(0.02)
+        await a.ready(OFFER)
+        await asyncio.wait_for(third_waits, 10)  # taken as a joined, not b
+        await c.close()
+        await a.close()
+
+    run(scenario())
+    wait_until(lambda: signed.opening == 0 and signed.waiting == 0)
 
 
 def test_a_stream_dropped_mid_lease_leaves_the_lease_to_its_renewals(coordinator, tmp_path):
@@ -543,7 +618,8 @@ def test_a_stream_turned_away_as_busy_is_tried_again_on_the_same_connection(
     m = client(running, tmp_path, "m")
     port = int(running.grpc_address.rpartition(":")[2])
     monkeypatch.setattr(agent_calls, "MAX_OPENING", 0)
-    monkeypatch.setattr(agent_calls.Admission, "FLOOR_PER_S", 20.0)  # come back in 50 ms
+    monkeypatch.setattr(agent_calls.Admission, "LINE_S", 0.0)  # no line to wait in
+    monkeypatch.setattr(agent_calls.Admission, "FLOOR_PER_S", 10.0)  # come back in 50 ms
     before = _connections_to(port)
     assert not m.lease(wait_s=0.3).has_task  # turned away: a wait
     assert m.waiting._link is None

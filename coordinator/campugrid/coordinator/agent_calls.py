@@ -40,10 +40,12 @@ from campugrid.protocol.wire import (
 log = logging.getLogger("campugrid.coordinator.agents")
 REGISTER = "/campugrid.v1.AgentService/Register"
 # Streams joining at once (being checked, or taken but their machine has not said it is
-# ready yet); one more is refused at once (RESOURCE_EXHAUSTED) and told when to try again
-# (Admission). Thousands of agents reconnecting after a restart would otherwise queue their
-# joins on the server's loop longer than an agent waits for its stream (link.OPEN_S): the
-# work would all be for agents that had given up, and none would get in (bench/fleet.py).
+# ready yet, for up to fleet.JOIN_S); one more waits in line, first come first taken, up to
+# what is being taken in Admission.LINE_S; past that it is refused at once
+# (RESOURCE_EXHAUSTED) and told when to try again (Admission). Thousands of agents
+# reconnecting after a restart would otherwise queue their joins on the server's loop longer
+# than an agent waits for its stream (link.OPEN_S): the work would all be for agents that had
+# given up, and none would get in (bench/fleet.py).
 MAX_OPENING = 64
 # The machine whose signature SignedCalls checked, for the handler of this call.
 CALLER: contextvars.ContextVar[MachineRecord | None] = contextvars.ContextVar(
@@ -95,10 +97,14 @@ def _unary(behaviour: Callable[..., Any], handler: Any, **kw: Any) -> Any:
 
 
 class Admission:
-    """When a stream turned away (MAX_OPENING) should come back: each one is given the next
-    free moment at the rate this process can take streams, so that thousands coming back at
-    once after a restart are let in as fast as it can take them, none waiting for a backoff
-    that grew while others got in.
+    """When a stream turned away (MAX_OPENING, and the line full) should come back: each one
+    is given the next free moment at AHEAD times the rate this process can take streams, so
+    that thousands coming back at once after a restart are let in as fast as it can take
+    them, none waiting for a backoff that grew while others got in. Those that come back
+    before there is room wait in line (SignedCalls), up to what is taken in LINE_S: a moment
+    too early costs a wait, one too late costs idle CPU. (Moments given at the rate alone were
+    mostly given while thousands were being turned away at once, when the rate says least:
+    at 10,000 agents, half the CPU stood idle while they came back at 254 a second.)
 
     That rate is what CORES of its CPU take at what a stream taken has cost it lately: all
     the process's CPU time over the last WINDOW_S (TLS, the checks, the refusals, whatever
@@ -117,6 +123,10 @@ class Admission:
     MOST_S = 120.0
     CORES = 1.0  # what the joins may take: one core, as much as the server's one loop can use
     SAMPLE = 16  # streams taken within the window before what they cost is trusted
+    AHEAD = 2.0
+    # The longest wait in line: its length, at the rate streams are being taken. Well
+    # under what an agent waits for its stream to be taken (link.OPEN_S, 20 s).
+    LINE_S = 8.0
 
     def __init__(self, clock: Callable[[], float] = time.monotonic,
                  cpu: Callable[[], float] = time.process_time) -> None:
@@ -138,9 +148,14 @@ class Admission:
             rate = max(rate, self.CORES * taken / spent)
         return max(self.FLOOR_PER_S, rate)
 
+    def line(self) -> int:
+        """How many streams may wait in line: what is being taken in LINE_S."""
+        self._forget(self._clock())
+        return int(len(self._taken) / self.WINDOW_S * self.LINE_S)
+
     def retry_after(self) -> float:
         """Seconds until this refused stream's moment."""
-        rate = self.rate()
+        rate = self.AHEAD * self.rate()
         now = self._clock()
         self._next = min(max(self._next, now) + 1 / rate, now + self.MOST_S)
         return self._next - now
@@ -164,9 +179,12 @@ class SignedCalls(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is 
         self.metrics = coord.metrics
         self.blocking = blocking
         self.opening = 0  # streams being checked now (on the server's loop: no lock)
-        # Streams taken whose machine has not said it is ready yet (the fleet's count).
+        # Streams taken whose machine has not said it is ready yet (the fleet's count; it
+        # calls `room` as one says so or ends).
         self.joining: Callable[[], int] = lambda: 0
         self.admission = Admission()
+        self._line: deque[asyncio.Future[None]] = deque()  # streams waiting for room, in turn
+        self.waiting = 0  # of those, not given up
 
     async def intercept_service(self, continuation: Any, details: Any) -> Any:
         handler = await continuation(details)
@@ -212,14 +230,13 @@ class SignedCalls(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is 
         digest = hashlib.sha256(STREAM_BODY).hexdigest()
 
         async def checked_first(requests: Any, context: Any) -> AsyncIterator[Any]:
-            if self.opening + self.joining() >= MAX_OPENING:  # at once, not after a wait
+            if not await self._enter():  # at once, not after a wait
                 self.metrics.refused("grpc", "busy")
                 later = self.admission.retry_after()
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                     "the coordinator is taking many streams at once: try again "
                                     f"in {later:.1f} s",
                                     trailing_metadata=((RETRY_AFTER_HEADER, str(int(later * 1000))),))
-            self.opening += 1
             try:
                 record = await asyncio.get_running_loop().run_in_executor(
                     self.blocking, self._check, method, digest, Aborts(context))
@@ -227,6 +244,7 @@ class SignedCalls(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is 
                 await context.abort(a.code, a.details)
             finally:
                 self.opening -= 1
+                self.room()
             self.admission.taken()
             CALLER.set(record)  # this call's own context: it ends with the call
             async for reply in inner(requests, context):
@@ -235,6 +253,40 @@ class SignedCalls(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is 
         return grpc.stream_stream_rpc_method_handler(
             checked_first, request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer)
+
+    async def _enter(self) -> bool:
+        """Room for one more stream to join: now, or after a wait in line (first come, first
+        taken); False when the line is full (the stream is turned away)."""
+        if not self.waiting and self.opening + self.joining() < MAX_OPENING:
+            self.opening += 1
+            return True
+        if self.waiting >= max(MAX_OPENING, self.admission.line()):
+            return False
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._line.append(turn)
+        self.waiting += 1
+        try:
+            await turn  # `room` counted it as opening
+        except asyncio.CancelledError:  # the agent gave up, or the call ended
+            if turn.done() and not turn.cancelled():  # its turn came as it went
+                self.opening -= 1
+                self.room()
+            else:
+                self.waiting -= 1
+                turn.cancel()
+            raise
+        return True
+
+    def room(self) -> None:
+        """A stream was checked, or a machine joined or left: the first in line take the
+        room there is (on the server's loop)."""
+        while self._line and self.opening + self.joining() < MAX_OPENING:
+            turn = self._line.popleft()
+            if turn.done():
+                continue  # given up
+            self.waiting -= 1
+            self.opening += 1
+            turn.set_result(None)
 
     def _check(self, method: str, digest: str, context: grpc.ServicerContext) -> MachineRecord | None:
         md = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}

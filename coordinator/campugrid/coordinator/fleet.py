@@ -49,6 +49,11 @@ RECHECK_S = 5.0  # a round even without news (a lost notification, SQLite's othe
 SEEN_S = 10.0  # how often this process says it is alive (and which machines came and went)
 TRIES_PER_GROUP = 2  # machines of one group tried before its turn ends on a claim finding none
 DEMAND_ROWS = 500  # the queued jobs whose needs a round reads (the oldest, as claims take them)
+# A machine taken that has not said it is ready within this no longer counts as joining
+# (agent_calls.MAX_OPENING): an agent says so at once; one that does not (slow, or holding
+# places on purpose) must not keep others out. After a restart of 10,000 simulated agents,
+# the first 64 taken held every place for 20 s while their simulators were busy.
+JOIN_S = 1.0
 
 
 @dataclasses.dataclass(eq=False)
@@ -63,7 +68,7 @@ class Link:
     since: float = dataclasses.field(default_factory=time.monotonic)
     heard: str = ""  # what its heartbeats stored (machines.said_digest): written when it changes
     shape: tuple[Any, ...] = ()  # shape(offer), made once as it says it is ready
-    joined: bool = False  # it said it is ready at least once
+    joined: bool = False  # no longer counted as joining (Fleet._joined)
 
     def close(self, why: str) -> None:
         self.outbox.put_nowait(pb.CoordinatorEvent(closing=why))
@@ -100,6 +105,7 @@ class Fleet:
         self._nothing_queued = False
         self._news = 0  # counts the wakes (news of work), read around a round
         self.joining = 0  # links whose machine has not said it is ready yet
+        self.joined: Callable[[], None] = lambda: None  # told as `joining` goes down
         self.process = str(uuid.uuid4())  # this process, as the machines' rows name it
         # The machines that connected (True) or left (False) since the last SEEN_S write.
         self._changed: dict[str, bool] = {}
@@ -115,6 +121,7 @@ class Fleet:
         self.links[machine_id] = link
         self._changed[machine_id] = True
         self.joining += 1
+        asyncio.get_running_loop().call_later(JOIN_S, self._joined, link)
         return link
 
     def disconnect(self, link: Link) -> None:
@@ -124,17 +131,21 @@ class Fleet:
             del self.links[link.machine_id]
         if current is None or current is link:  # else it connected again meanwhile
             self._changed[link.machine_id] = False
-        if not link.joined:
-            link.joined = True
-            self.joining -= 1
+        self._joined(link)
 
     def ready(self, link: Link, offer: MachineView, hold_kinds: bool) -> None:
         link.offer, link.hold_kinds, link.shape = offer, hold_kinds, shape(offer)
+        self._joined(link)
+        if not self._nothing_queued:  # else a machine joining costs no round: see _rounds
+            self.kick()
+
+    def _joined(self, link: Link) -> None:
+        """The link no longer counts as joining: its machine said it is ready, its stream
+        ended, or JOIN_S passed."""
         if not link.joined:
             link.joined = True
             self.joining -= 1
-        if not self._nothing_queued:  # else a machine joining costs no round: see _rounds
-            self.kick()
+            self.joined()
 
     def end(self, link: Link, why: str) -> None:
         """End this stream (from the loop), if it is still its machine's."""

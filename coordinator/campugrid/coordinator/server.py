@@ -131,6 +131,7 @@ class Running:
     relay: PostgresRelay | None = None  # held leases hear of other processes' work
     egress: Serving | None = None  # the platform's egress proxy for builds
     service: AgentService | None = None  # the agents' service (its fleet: the streams)
+    signed: SignedCalls | None = None  # its calls' checks (and the streams' line)
 
     def stop(self) -> None:
         self.stop_event.set()
@@ -221,6 +222,7 @@ def start(settings: Settings) -> Running:
                            settings.registrations_per_minute, blocking)
     pb_grpc.add_AgentServiceServicer_to_server(service, server.server)
     signed.joining = lambda: service.fleet.joining
+    service.fleet.joined = signed.room
     coord.metrics.watch_fleet(lambda: len(service.fleet.links),
                               lambda: sum(1 for _ in service.fleet.idle()))
     credentials = grpc.ssl_server_credentials([(cert.key_pem, cert.pem)])
@@ -246,7 +248,7 @@ def start(settings: Settings) -> Running:
     log.info("coordinator: REST %s/v1  console %s/console  gRPC %s (TLS, certificate %s)", url,
              url, grpc_address, cert.fingerprint)
     return Running(coord, server, http, stop, port, cert, url, grpc_address, admin, lead,
-                   relayed, egress, service)
+                   relayed, egress, service, signed)
 
 
 def start_egress(coord: Coordinator, settings: Settings, cert: Certificate,
