@@ -4,6 +4,8 @@ output is checked against what storage holds before a researcher is pointed at i
 
 from __future__ import annotations
 
+import threading
+import time
 import urllib.parse
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pytest
 from campugrid.coordinator.config import Settings
 from campugrid.coordinator.objects import MemoryObjects
 from campugrid.coordinator.service import Coordinator
+from campugrid.coordinator.services import leasing
 from campugrid.coordinator.store import Store
 from campugrid.protocol.errors import NotFound
 from campugrid.protocol.spec import JobSpec
@@ -156,3 +159,51 @@ def test_a_checkpoint_comparison_is_leased_with_both_checkpoints_as_uploaded(sto
         key = urllib.parse.unquote(urllib.parse.urlsplit(f.url).path.lstrip("/"))
         got[key] = objects.get_bytes(key)
     assert got == uploaded
+
+
+def test_the_speeds_of_machines_online_are_read_as_online_reads_them(store: Store, tmp_path):
+    given = {add_machine(store, name, {"speed_gflops": speed}): speed
+             for name, speed in (("a", 10.0), ("b", 200.0), ("c", 0.0))}
+    add_machine(store, "pending", {"speed_gflops": 99.0}, approve=False)
+    assert store.machines.speeds() == {m.id: m.speed for m in store.machines.online()} == given
+    one = next(iter(given))
+    assert store.machines.speeds(only=one) == {one: given[one]}
+
+
+def test_a_claim_does_not_wait_for_the_speed_ranking_and_a_newcomer_is_ranked_by_its_own(
+        store: Store, tmp_path, monkeypatch):
+    """Every claim asks whether its machine is fast (sharded jobs' heavy shards go to the
+    faster half); the ranking reads every machine online, 0.5 s at 10,000 (bench/fleet.py):
+    made again beside the claims, never in one."""
+    coord, _ = coordinator(store, tmp_path)
+    slow = add_machine(store, "slow", {"speed_gflops": 10.0})
+    coord.leasing.rank_speeds()
+    fast = add_machine(store, "fast", {"speed_gflops": 200.0})  # came after the ranking
+    assert coord.leasing.is_fast(fast) and not coord.leasing.is_fast(slow)
+
+    real, reading, read = store.machines.speeds, threading.Event(), threading.Event()
+    release = threading.Event()
+
+    def slow_ranking(within_s: float = 30, only: str | None = None) -> dict[str, float]:
+        if only is None:  # the whole ranking: held until the test lets it go
+            reading.set()
+            release.wait(10)
+            try:
+                return real(within_s)
+            finally:
+                read.set()
+        return real(within_s, only)
+
+    monkeypatch.setattr(store.machines, "speeds", slow_ranking)
+    monkeypatch.setattr(leasing, "SPEEDS_REFRESH_S", 0.0)  # the ranking is old now
+    faster = add_machine(store, "faster", {"speed_gflops": 400.0})
+    assert coord.leasing.is_fast(faster) and not coord.leasing.is_fast(slow)
+    assert reading.wait(5)  # the new ranking is being made...
+    assert not read.is_set()  # ...and the claims did not wait for it
+    release.set()
+    assert read.wait(5)
+    deadline = time.monotonic() + 5
+    while coord.leasing._ranking.locked():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert sorted(coord.leasing._speeds.values()) == [10.0, 200.0, 400.0]

@@ -279,6 +279,22 @@ class Machines:
                                        busy_owner=busy.get(m.id, ("", ""))[1] or ""))
             return out
 
+    def speeds(self, within_s: float = 30, only: str | None = None) -> dict[str, float]:
+        """The matmul score (GFLOP/s) of each approved machine seen recently, as `online`
+        reads them, without the rest of their records; or of `only` that machine, whenever
+        it was seen."""
+        since = utcnow() - dt.timedelta(seconds=within_s)
+        query = select(Machine.id, Machine.capabilities_json).where(
+            Machine.status == Status.APPROVED.value)
+        query = query.where(Machine.id == only) if only is not None else query.where(
+            Machine.seen_at >= since)
+        out = {}
+        with self.db.read() as s:
+            for machine_id, caps_json in s.execute(query):
+                caps = json.loads(caps_json or "{}")
+                out[machine_id] = float(caps.get("speed_gflops") or 0.0) if isinstance(caps, dict) else 0.0
+        return out
+
     def shared(self, within_s: float = 30) -> dict[str, dict[tuple[str, int, str], int]]:
         """What approved machines online share: share -> (path, size, sha256) -> how many
         machines have that file. Paths are inside the share; host paths are never reported."""

@@ -230,6 +230,8 @@ def start(settings: Settings) -> Running:
     if port == 0:
         raise CampugridError(f"cannot listen for agents on {settings.grpc_host}:{settings.grpc_port}")
     warmed = coord.machines.warm()  # before the machines connected a moment ago come back
+    # The machines' speed ranking every claim asks for, beside the start, not in its way.
+    threading.Thread(target=coord.leasing.rank_speeds, name="speeds", daemon=True).start()
     log.info("read the records of %d machines heard from lately", warmed)
     server.start()
     server.spawn(service.fleet.run())
