@@ -366,6 +366,13 @@ def running_fleet(running: server.Running) -> Fleet:
     return running.service.fleet
 
 
+def heard_from(*clients: CoordinatorClient) -> None:
+    """A signed call from each (a heartbeat): the process holds their records, and only a
+    stream of a machine whose record it holds may wait in line."""
+    for c in clients:
+        c.heartbeat()
+
+
 def test_idle_machines_are_seen_through_their_process_not_written_one_by_one(coordinator,
                                                                              tmp_path, monkeypatch):
     """Every SEEN_S the process says it is alive (one row) and names the machines that came
@@ -461,6 +468,7 @@ def test_a_stream_whose_machine_has_not_said_it_is_ready_is_still_joining(coordi
     joins; past the line, one is turned away."""
     running, _ = coordinator
     first, second, third = (client(running, tmp_path, n) for n in "abc")
+    heard_from(second, third)
     monkeypatch.setattr(agent_calls, "MAX_OPENING", 1)
     monkeypatch.setattr(agent_calls.Admission, "LINE_S", 0.0)  # a line of MAX_OPENING
     monkeypatch.setattr(fleet, "JOIN_S", 60.0)
@@ -493,12 +501,50 @@ def test_a_stream_whose_machine_has_not_said_it_is_ready_is_still_joining(coordi
     assert signed.waiting == 0 and signed.opening == 0
 
 
+def test_only_a_stream_signed_by_a_known_machine_waits_in_line(coordinator, tmp_path,
+                                                               monkeypatch):
+    """A place in line is held for seconds: one signed by another key (or by a machine the
+    process holds no record of: not heard from lately) is turned away at once instead, told
+    when to come back, and never takes the place of a machine."""
+    running, _ = coordinator
+    first, second = client(running, tmp_path, "a"), client(running, tmp_path, "b")
+    heard_from(second)
+    monkeypatch.setattr(agent_calls, "MAX_OPENING", 1)
+    monkeypatch.setattr(agent_calls.Admission, "LINE_S", 0.0)
+    monkeypatch.setattr(fleet, "JOIN_S", 60.0)
+    signed = running.signed
+    assert signed is not None
+
+    async def scenario() -> tuple[Closed, int]:
+        a = link_of(running, first)
+        await a.open()  # taken, not ready: no room
+        forged = link_of(running, second, keys.Ed25519PrivateKey.generate())  # b's id, not its key
+        with pytest.raises(Closed) as turned_away:
+            await asyncio.wait_for(forged.open(), 5)
+        await forged.close()
+        waiting_after = signed.waiting
+        b = link_of(running, second)
+        waits = asyncio.ensure_future(b.open())  # b itself waits
+        while not signed.waiting:
+            await asyncio.sleep(0.02)
+        await a.ready(OFFER)
+        await asyncio.wait_for(waits, 10)
+        await b.close()
+        await a.close()
+        return turned_away.value, waiting_after
+
+    turned_away, waiting_after = run(scenario())
+    assert turned_away.code == grpc.StatusCode.RESOURCE_EXHAUSTED, turned_away
+    assert waiting_after == 0
+
+
 def test_a_machine_that_does_not_say_it_is_ready_holds_its_place_for_join_s_only(
         coordinator, tmp_path, monkeypatch):
     """One that never says so (slow, or keeping others out on purpose) stops counting as
     joining after JOIN_S: the next in line is taken then, its own stream still open."""
     running, _ = coordinator
     first, second = client(running, tmp_path, "a"), client(running, tmp_path, "b")
+    heard_from(second)
     monkeypatch.setattr(agent_calls, "MAX_OPENING", 1)
     monkeypatch.setattr(agent_calls.Admission, "LINE_S", 0.0)
     monkeypatch.setattr(fleet, "JOIN_S", 1.0)
@@ -523,6 +569,7 @@ def test_a_stream_that_gives_up_in_line_leaves_it(coordinator, tmp_path, monkeyp
     goes to the next one, and none is counted for it."""
     running, _ = coordinator
     first, second, third = (client(running, tmp_path, n) for n in "abc")
+    heard_from(second, third)
     monkeypatch.setattr(agent_calls, "MAX_OPENING", 1)
     monkeypatch.setattr(agent_calls.Admission, "LINE_S", 0.0)
     monkeypatch.setattr(fleet, "JOIN_S", 60.0)

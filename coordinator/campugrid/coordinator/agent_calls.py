@@ -230,7 +230,7 @@ class SignedCalls(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is 
         digest = hashlib.sha256(STREAM_BODY).hexdigest()
 
         async def checked_first(requests: Any, context: Any) -> AsyncIterator[Any]:
-            if not await self._enter():  # at once, not after a wait
+            if not await self._enter(lambda: self._signed_by_known(method, digest, context)):
                 self.metrics.refused("grpc", "busy")
                 later = self.admission.retry_after()
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -254,13 +254,14 @@ class SignedCalls(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is 
             checked_first, request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer)
 
-    async def _enter(self) -> bool:
+    async def _enter(self, signed: Callable[[], bool]) -> bool:
         """Room for one more stream to join: now, or after a wait in line (first come, first
-        taken); False when the line is full (the stream is turned away)."""
+        taken); False when the line is full, or the stream is not `signed` by a machine this
+        process knows (it is turned away, told when to come back)."""
         if not self.waiting and self.opening + self.joining() < MAX_OPENING:
             self.opening += 1
             return True
-        if self.waiting >= max(MAX_OPENING, self.admission.line()):
+        if self.waiting >= max(MAX_OPENING, self.admission.line()) or not signed():
             return False
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._line.append(turn)
@@ -287,6 +288,26 @@ class SignedCalls(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is 
             self.waiting -= 1
             self.opening += 1
             turn.set_result(None)
+
+    def _signed_by_known(self, method: str, digest: str, context: Any) -> bool:
+        """Whether a stream that would wait in line is signed, within the call window, by a
+        machine whose record this process holds (on the loop: no read, no nonce; its whole
+        check comes with its turn). A place in line is held for seconds, not the moment a
+        check takes: without this, anyone who can open a TLS connection could fill the line
+        with unsigned streams for a few hundred a second and keep the machines out."""
+        md = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
+        record = self.coord.machines.known(md.get(MACHINE_HEADER, ""))
+        created_text, nonce = md.get(CREATED_HEADER, ""), md.get(NONCE_HEADER, "")
+        if (record is None or record.status is Status.REVOKED or not created_text.isdigit()
+                or not nonce or abs(time.time() - int(created_text)) > CALL_WINDOW_S):
+            return False
+        try:
+            signature = base64.b64decode(md.get(SIGNATURE_HEADER, ""), validate=True)
+            keys.parse_public(record.public_key).verify(
+                signature, call_base(method, digest, int(created_text), nonce, record.id))
+        except (ValueError, keys.InvalidSignature):
+            return False
+        return True
 
     def _check(self, method: str, digest: str, context: grpc.ServicerContext) -> MachineRecord | None:
         md = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}

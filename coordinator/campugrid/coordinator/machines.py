@@ -386,6 +386,11 @@ class MachineRecords:
             self._records[record.id] = (record, now + MACHINE_RECORD_S, epoch)
         return len(records)
 
+    def known(self, machine_id: str) -> MachineRecord | None:
+        """The record held for this machine, however old; None if none is (no read)."""
+        hit = self._records.get(machine_id)
+        return hit[0] if hit is not None else None
+
     def forget(self, machine_id: str) -> None:
         self._records.pop(machine_id, None)
 

@@ -43,6 +43,10 @@ class MachineService:
         """The machine a call claims to be (its key and status; see MachineRecords)."""
         return self._records.get(machine_id)
 
+    def known(self, machine_id: str) -> MachineRecord | None:
+        """The record this process holds for the machine, however old (MachineRecords.known)."""
+        return self._records.known(machine_id)
+
     def warm(self) -> int:
         """The records of the machines heard from lately, read at once (see MachineRecords)."""
         return self._records.warm()
