@@ -373,6 +373,21 @@ def heard_from(*clients: CoordinatorClient) -> None:
         c.heartbeat()
 
 
+def one_place(coordinator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, names: str,
+              join_s: float = 60.0) -> tuple[server.Running, list[CoordinatorClient],
+                                             agent_calls.SignedCalls]:
+    """One place to join at once (MAX_OPENING) and a line as long, and a machine for each
+    name, all but the first heard from (they may wait in line)."""
+    running, _ = coordinator
+    machines = [client(running, tmp_path, n) for n in names]
+    heard_from(*machines[1:])
+    monkeypatch.setattr(agent_calls, "MAX_OPENING", 1)
+    monkeypatch.setattr(agent_calls.Admission, "LINE_S", 0.0)
+    monkeypatch.setattr(fleet, "JOIN_S", join_s)
+    assert running.signed is not None
+    return running, machines, running.signed
+
+
 def test_idle_machines_are_seen_through_their_process_not_written_one_by_one(coordinator,
                                                                              tmp_path, monkeypatch):
     """Every SEEN_S the process says it is alive (one row) and names the machines that came
@@ -466,14 +481,7 @@ def test_a_stream_whose_machine_has_not_said_it_is_ready_is_still_joining(coordi
     signature check alone: the rest of it is what crowds the server's loop after a restart.
     A stream that comes while there is no room waits in line and is taken as a machine
     joins; past the line, one is turned away."""
-    running, _ = coordinator
-    first, second, third = (client(running, tmp_path, n) for n in "abc")
-    heard_from(second, third)
-    monkeypatch.setattr(agent_calls, "MAX_OPENING", 1)
-    monkeypatch.setattr(agent_calls.Admission, "LINE_S", 0.0)  # a line of MAX_OPENING
-    monkeypatch.setattr(fleet, "JOIN_S", 60.0)
-    signed = running.signed
-    assert signed is not None
+    running, (first, second, third), signed = one_place(coordinator, tmp_path, monkeypatch, "abc")
 
     async def scenario() -> tuple[Closed, bool, int]:
         a = link_of(running, first)
@@ -506,14 +514,7 @@ def test_only_a_stream_signed_by_a_known_machine_waits_in_line(coordinator, tmp_
     """A place in line is held for seconds: one signed by another key (or by a machine the
     process holds no record of: not heard from lately) is turned away at once instead, told
     when to come back, and never takes the place of a machine."""
-    running, _ = coordinator
-    first, second = client(running, tmp_path, "a"), client(running, tmp_path, "b")
-    heard_from(second)
-    monkeypatch.setattr(agent_calls, "MAX_OPENING", 1)
-    monkeypatch.setattr(agent_calls.Admission, "LINE_S", 0.0)
-    monkeypatch.setattr(fleet, "JOIN_S", 60.0)
-    signed = running.signed
-    assert signed is not None
+    running, (first, second), signed = one_place(coordinator, tmp_path, monkeypatch, "ab")
 
     async def scenario() -> tuple[Closed, int]:
         a = link_of(running, first)
@@ -542,12 +543,7 @@ def test_a_machine_that_does_not_say_it_is_ready_holds_its_place_for_join_s_only
         coordinator, tmp_path, monkeypatch):
     """One that never says so (slow, or keeping others out on purpose) stops counting as
     joining after JOIN_S: the next in line is taken then, its own stream still open."""
-    running, _ = coordinator
-    first, second = client(running, tmp_path, "a"), client(running, tmp_path, "b")
-    heard_from(second)
-    monkeypatch.setattr(agent_calls, "MAX_OPENING", 1)
-    monkeypatch.setattr(agent_calls.Admission, "LINE_S", 0.0)
-    monkeypatch.setattr(fleet, "JOIN_S", 1.0)
+    running, (first, second), _ = one_place(coordinator, tmp_path, monkeypatch, "ab", join_s=1.0)
 
     async def scenario() -> float:
         a = link_of(running, first)
@@ -567,14 +563,7 @@ def test_a_machine_that_does_not_say_it_is_ready_holds_its_place_for_join_s_only
 def test_a_stream_that_gives_up_in_line_leaves_it(coordinator, tmp_path, monkeypatch):
     """An agent that stops waiting (its OPEN_S, or it stops) is out of the line: the room
     goes to the next one, and none is counted for it."""
-    running, _ = coordinator
-    first, second, third = (client(running, tmp_path, n) for n in "abc")
-    heard_from(second, third)
-    monkeypatch.setattr(agent_calls, "MAX_OPENING", 1)
-    monkeypatch.setattr(agent_calls.Admission, "LINE_S", 0.0)
-    monkeypatch.setattr(fleet, "JOIN_S", 60.0)
-    signed = running.signed
-    assert signed is not None
+    running, (first, second, third), signed = one_place(coordinator, tmp_path, monkeypatch, "abc")
 
     async def scenario() -> None:
         a = link_of(running, first)
