@@ -173,7 +173,7 @@ def test_the_speeds_of_machines_online_are_read_as_online_reads_them(store: Stor
 def test_a_claim_does_not_wait_for_the_speed_ranking_and_a_newcomer_is_ranked_by_its_own(
         store: Store, tmp_path, monkeypatch):
     """Every claim asks whether its machine is fast (sharded jobs' heavy shards go to the
-    faster half); the ranking reads every machine online, 0.5 s at 10,000 (bench/fleet.py):
+    faster half); the ranking reads every machine online, about 0.3 s at 10,000 (bench/fleet.py):
     made again beside the claims, never in one."""
     coord, _ = coordinator(store, tmp_path)
     slow = add_machine(store, "slow", {"speed_gflops": 10.0})

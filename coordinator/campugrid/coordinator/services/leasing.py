@@ -91,7 +91,7 @@ class LeaseService:
         asks. The ranking is made once as the process first needs it (or `rank_speeds`, at
         its start), then made again on a thread of its own once it is SPEEDS_REFRESH_S old,
         the claims going on with the one they have meanwhile: it reads every machine online
-        (0.15 s at 3,000 machines, 0.5 s at 10,000, inside the claim that found it old, and so
+        (0.15 s at 3,000 machines, about 0.3 s at 10,000, inside the claim that found it old, and so
         in a dispatch: bench/fleet.py's slowest). A machine that came since is read alone
         and ranked among the others."""
         if self._speeds_at is None:
