@@ -297,17 +297,8 @@ class SignedCalls(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is 
         with unsigned streams for a few hundred a second and keep the machines out."""
         md = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
         record = self.coord.machines.known(md.get(MACHINE_HEADER, ""))
-        created_text, nonce = md.get(CREATED_HEADER, ""), md.get(NONCE_HEADER, "")
-        if (record is None or record.status is Status.REVOKED or not created_text.isdigit()
-                or not nonce or abs(time.time() - int(created_text)) > CALL_WINDOW_S):
-            return False
-        try:
-            signature = base64.b64decode(md.get(SIGNATURE_HEADER, ""), validate=True)
-            keys.parse_public(record.public_key).verify(
-                signature, call_base(method, digest, int(created_text), nonce, record.id))
-        except (ValueError, keys.InvalidSignature):
-            return False
-        return True
+        return (record is not None and record.status is not Status.REVOKED and _unsigned(
+            md, method, digest, record.id, keys.parse_public(record.public_key)) is None)
 
     def _check(self, method: str, digest: str, context: grpc.ServicerContext) -> MachineRecord | None:
         md = {k: v for k, v in context.invocation_metadata() if isinstance(v, str)}
@@ -342,28 +333,35 @@ class SignedCalls(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is 
                        "or data; join again with a new key if this is a mistake", record.id,
                        "revoked")
             public = keys.parse_public(record.public_key)
-        created_text, nonce = md.get(CREATED_HEADER, ""), md.get(NONCE_HEADER, "")
-        if not created_text.isdigit() or not nonce:
-            refuse(grpc.StatusCode.UNAUTHENTICATED,
-                   f"this call is not signed ({CREATED_HEADER}, {NONCE_HEADER} and "
-                   f"{SIGNATURE_HEADER} are needed; see campugrid.protocol.wire)", signer[:40],
-                   "unsigned")
-        if abs(time.time() - int(created_text)) > CALL_WINDOW_S:
-            refuse(grpc.StatusCode.UNAUTHENTICATED,
-                   f"this call was signed at {created_text}, more than {CALL_WINDOW_S} s from "
-                   "the coordinator's clock: check the machine's clock", signer[:40], "expired")
-        try:
-            signature = base64.b64decode(md.get(SIGNATURE_HEADER, ""), validate=True)
-            public.verify(signature, call_base(method, digest, int(created_text), nonce, signer))
-        except (ValueError, keys.InvalidSignature):
-            refuse(grpc.StatusCode.UNAUTHENTICATED,
-                   "the call's signature does not verify with this machine's key (another key, "
-                   "or the call was changed after signing)", signer[:40])
+        unsigned = _unsigned(md, method, digest, signer, public)
+        if unsigned is not None:
+            refuse(grpc.StatusCode.UNAUTHENTICATED, unsigned[0], signer[:40], unsigned[1])
+        nonce = md.get(NONCE_HEADER, "")
         try:
             self.nonces.use(signer, nonce, CALL_WINDOW_S)
         except Unauthenticated as e:
             refuse(grpc.StatusCode.UNAUTHENTICATED, str(e), signer[:40], "replayed")
         return record
+
+
+def _unsigned(md: dict[str, str], method: str, digest: str, signer: str,
+              public: keys.Ed25519PublicKey) -> tuple[str, str] | None:
+    """Why this call's signature by `signer` (its time, nonce and signature headers) does not
+    hold, and the metric's word for it; None if it holds. The nonce is not spent here."""
+    created_text, nonce = md.get(CREATED_HEADER, ""), md.get(NONCE_HEADER, "")
+    if not created_text.isdigit() or not nonce:
+        return (f"this call is not signed ({CREATED_HEADER}, {NONCE_HEADER} and "
+                f"{SIGNATURE_HEADER} are needed; see campugrid.protocol.wire)", "unsigned")
+    if abs(time.time() - int(created_text)) > CALL_WINDOW_S:
+        return (f"this call was signed at {created_text}, more than {CALL_WINDOW_S} s from "
+                "the coordinator's clock: check the machine's clock", "expired")
+    try:
+        signature = base64.b64decode(md.get(SIGNATURE_HEADER, ""), validate=True)
+        public.verify(signature, call_base(method, digest, int(created_text), nonce, signer))
+    except (ValueError, keys.InvalidSignature):
+        return ("the call's signature does not verify with this machine's key (another key, "
+                "or the call was changed after signing)", "bad_signature")
+    return None
 
 
 class AboutJob(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped

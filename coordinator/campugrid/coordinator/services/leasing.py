@@ -52,7 +52,8 @@ class LeaseService:
         self.machines, self.inputs, self.work = machines, inputs, work
         self.holds = Holds(store)
         self._speeds: dict[str, float] = {}  # machine -> its score
-        self._ranked: list[float] = []  # the same scores, sorted (scheduler.fast_from's input)
+        self._ranked: list[float] = []  # the same scores, sorted
+        self._fast_from = 0.0  # fast_from(_ranked): made with the ranking, not by every claim
         self._speeds_at: float | None = None  # when the ranking was made (None: not yet)
         self._ranking = threading.Lock()  # held while one is being made
         self._context_urls: dict[str, tuple[str, float]] = {}  # key -> (URL, good until)
@@ -99,13 +100,13 @@ class LeaseService:
         elif (time.monotonic() - self._speeds_at > SPEEDS_REFRESH_S
               and self._ranking.acquire(blocking=False)):
             threading.Thread(target=self._rank_and_release, name="speeds", daemon=True).start()
-        speeds, ranked = self._speeds, self._ranked
-        speed = speeds.get(machine_id)
+        speed = self._speeds.get(machine_id)
         if speed is None:
             speed = self.store.machines.speeds(only=machine_id).get(machine_id, 0.0)
-            speeds[machine_id] = speed
-            bisect.insort(ranked, speed)
-        return speed >= fast_from(ranked)
+            self._speeds[machine_id] = speed
+            bisect.insort(self._ranked, speed)
+            self._fast_from = fast_from(self._ranked)
+        return speed >= self._fast_from
 
     def rank_speeds(self) -> None:
         """The first ranking, unless one was made (a start calls it beside the rest)."""
@@ -115,7 +116,8 @@ class LeaseService:
 
     def _rank(self) -> None:
         speeds = self.store.machines.speeds()
-        self._speeds, self._ranked = speeds, sorted(speeds.values())
+        ranked = sorted(speeds.values())
+        self._speeds, self._ranked, self._fast_from = speeds, ranked, fast_from(ranked)
         self._speeds_at = time.monotonic()
 
     def _rank_and_release(self) -> None:
