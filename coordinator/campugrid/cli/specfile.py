@@ -10,32 +10,44 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from yaml._yaml import CParser
+from yaml._yaml import Mark as CMark
+from yaml.composer import Composer
+from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node
+from yaml.resolver import Resolver
 
 from campugrid.protocol.errors import InvalidInput
 from campugrid.protocol.spec import MAX_SPEC_BYTES
 
 _TAG = "tag:yaml.org,2002:"
 _JSON_TAGS = frozenset(_TAG + t for t in ("str", "int", "float", "bool", "null", "seq", "map"))
+# Where a node or an error is: libyaml's marks (text read by CParser), or PyYAML's.
+_Mark = yaml.Mark | CMark
 # Plain scalars that YAML 1.1 would turn into dates (or stranger things) stay strings.
 _NOT_JSON = frozenset(_TAG + t for t in ("timestamp", "value", "yaml"))
 
 
 class _Refused(Exception):
-    def __init__(self, mark: yaml.Mark | None, problem: str) -> None:
+    def __init__(self, mark: _Mark | None, problem: str) -> None:
         super().__init__(problem)
         self.mark = mark
         self.problem = problem
 
 
-class _StrictLoader(yaml.SafeLoader):
+class _StrictLoader(Composer, CParser, SafeConstructor, Resolver):
+    """libyaml reads the text into events (PyYAML's own reader and scanner took 18 s for a
+    spec at the size limit); PyYAML's composer, before CParser's, makes the nodes, so that
+    every node passes compose_node below."""
+
     yaml_implicit_resolvers = {
         first: [(tag, regexp) for tag, regexp in resolvers if tag not in _NOT_JSON]
         for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 
     def compose_node(self, parent: Node | None, index: Any) -> Node | None:
-        event = self.peek_event()  # type: ignore[no-untyped-call]
-        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+        event = self.peek_event()
+        if event is not None and (isinstance(event, yaml.AliasEvent)
+                                  or getattr(event, "anchor", None) is not None):
             raise _Refused(event.start_mark, "anchors and aliases (&name, *name) are not "
                                              "allowed: write the value out each time")
         return super().compose_node(parent, index)
@@ -48,7 +60,7 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_object(node, deep)
 
     def construct_mapping(self, node: MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: dict[str, yaml.Mark] = {}
+        seen: dict[str, _Mark] = {}
         for key_node, _ in node.value:
             if key_node.tag == _TAG + "merge":
                 raise _Refused(key_node.start_mark, "merge keys (<<) are not allowed: write "
@@ -63,8 +75,14 @@ class _StrictLoader(yaml.SafeLoader):
             seen[key] = key_node.start_mark
         return super().construct_mapping(node, deep=deep)
 
+    def __init__(self, text: str) -> None:
+        CParser.__init__(self, text)
+        Composer.__init__(self)
+        SafeConstructor.__init__(self)
+        Resolver.__init__(self)
 
-def _at(path: Path, mark: yaml.Mark | None) -> str:
+
+def _at(path: Path, mark: _Mark | None) -> str:
     return f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
 
 
