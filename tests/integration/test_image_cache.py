@@ -36,10 +36,11 @@ def digest(n: int) -> str:
     return f"sha256:{n:064x}"
 
 
-def cached(cache: ImageCache, ops: CliOps, n: int, image: str, user: str | None = "task") -> str:
+def cached(cache: ImageCache, ops: CliOps, n: int, image: str, user: str | None = "task",
+           copies: int = 1) -> str:
     """What a pull leaves: the image under the cache's name for digest n, in use by `user`."""
     ops.tag(image, cache.name(digest(n)))
-    cache.add(digest(n), cache.name(digest(n)), user)
+    cache.add(digest(n), cache.name(digest(n)), user, copies)
     return cache.name(digest(n))
 
 
@@ -104,8 +105,10 @@ def test_an_image_two_tasks_use_stays_until_the_last_of_them_ends(tmp_path: Path
 
 
 def test_an_image_counts_at_what_it_takes_on_disk_once_used(tmp_path: Path):
-    """Each cached image counts COPIES times Podman's size for it: a cache whose bound holds
-    the image once, but not twice, keeps it only while a task uses it."""
+    """A base counts COPIES times Podman's size for it (it is copied into the builder's
+    store), a job image once: a cache whose bound holds the image once, but not twice, keeps
+    it as a job image but as a base only while a task uses it; a job image used as a base
+    from then on counts as one."""
     data = tmp_path / "data"
     data.mkdir()
     (data / "blob").write_bytes(os.urandom(3 * 1024**2))
@@ -116,18 +119,23 @@ def test_an_image_counts_at_what_it_takes_on_disk_once_used(tmp_path: Path):
     ops = CliOps()
     mb = (ops.image_size(image) or 0) / 1024**2
     assert mb > 2.5
-    for state in ("roomy", "tight"):
+    for state in ("roomy", "tight", "job"):
         (tmp_path / state).mkdir()
     roomy = ImageCache(tmp_path / "roomy", f"t-{secrets.token_hex(3)}", max_mb=int(COPIES * mb) + 1,
                        ops=ops)
     tight = ImageCache(tmp_path / "tight", f"t-{secrets.token_hex(3)}", max_mb=int(mb) + 1, ops=ops)
+    job = ImageCache(tmp_path / "job", f"t-{secrets.token_hex(3)}", max_mb=int(mb) + 1, ops=ops)
     try:
         for cache in (roomy, tight):
-            cached(cache, ops, 1, image)
+            cached(cache, ops, 1, image, copies=COPIES)
         assert roomy.release("task") == [] and roomy.lookup(digest(1)) is not None
         assert tight.release("task") == [digest(1)]  # once would fit its bound; twice does not
+        cached(job, ops, 1, image)
+        assert job.release("task") == [] and job.lookup(digest(1)) is not None
+        assert job.lookup(digest(1), "build", COPIES) is not None  # now a base: twice
+        assert job.release("build") == [digest(1)]
     finally:
-        for cache in (roomy, tight):
+        for cache in (roomy, tight, job):
             ops.remove_image(cache.name(digest(1)))
         ops.remove_image(image)
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from campugrid.agent.images import ImageCache
+from campugrid.agent.images import COPIES, ImageCache
 from campugrid.agent.messages import BaseImage
 from campugrid.buildpolicy.dockerfiles import AllowedBase, BaseUse, parse_image_ref
 from campugrid.protocol.errors import BuildFailed, CannotRunHere, SandboxError
@@ -61,7 +61,7 @@ def prepare(uses: Sequence[BaseUse], resolved: Sequence[BaseImage], cache: Image
 
 def _obtain(base: BaseImage, use: BaseUse, cache: ImageCache, work: Path, user: str,
             log: LogFn, stop: threading.Event) -> str:
-    found = cache.lookup(base.digest, user)
+    found = cache.lookup(base.digest, user, COPIES)
     if found is not None:
         log(f"[campugrid] base {base.ref} ({base.digest}) is already on this machine")
         return found
@@ -72,8 +72,8 @@ def _obtain(base: BaseImage, use: BaseUse, cache: ImageCache, work: Path, user: 
         log(f"[campugrid] pulling base {base.ref} ({base.digest}) from {source.address}")
         try:
             image = cache.pull(source.address, repository, base.digest, source.token or None,
-                               work=work, limit_bytes=cache.largest_bytes, cancel=stop,
-                               insecure=source.insecure, log=log, user=user)
+                               work=work, limit_bytes=cache.largest_bytes(COPIES), cancel=stop,
+                               insecure=source.insecure, log=log, user=user, copies=COPIES)
         except SandboxError as e:
             if stop.is_set():
                 raise BuildFailed("stopped while pulling a base image", "") from e

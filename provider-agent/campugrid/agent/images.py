@@ -51,7 +51,7 @@ def _loopback(address: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-COPIES = 2  # what one cached image takes on disk, in images (ImageCache's docstring)
+COPIES = 2  # what a cached base takes on disk, in images (ImageCache's docstring)
 
 
 class ImageCache:
@@ -63,10 +63,12 @@ class ImageCache:
     agent's state folder; images are named under CACHE_PREFIX and this agent's scope, which
     its sweeps do not touch.
 
-    Each image counts COPIES times its size, which is what a base takes on disk once used: it
-    is copied into the builder's store of allowed bases (the copy goes with the cached
-    image). A job image takes its size once (a sandbox starts from its layers as stored:
-    tests/integration/test_image_cache.py holds Podman to that) but is counted the same."""
+    Each image counts at what it takes on disk once used: a base COPIES times its size (it is
+    copied into the builder's store of allowed bases; the copy goes with the cached image), a
+    job image once (a sandbox starts from its layers as stored:
+    tests/integration/test_image_cache.py holds Podman to that). `copies` says which, where
+    an image is added or looked up; an image cached as a job's and then used as a base counts
+    as a base from then on."""
 
     def __init__(self, state_dir: Path, scope: str, ops: PodmanOps, max_images: int = 8,
                  max_mb: int = 20480, skopeo: str = "skopeo") -> None:
@@ -80,11 +82,10 @@ class ImageCache:
         self._users: dict[str, set[str]] = {}
         self._layer_index: list[Path] | None = None
 
-    @property
-    def largest_bytes(self) -> int:
-        """The largest image worth pulling into this cache: one that, counted COPIES times,
+    def largest_bytes(self, copies: int = 1) -> int:
+        """The largest image worth pulling into this cache: one that, counted `copies` times,
         fits its size bound."""
-        return self.max_mb * 1024**2 // COPIES
+        return self.max_mb * 1024**2 // copies
 
     @property
     def available(self) -> bool:
@@ -106,9 +107,10 @@ class ImageCache:
         tmp.write_text(json.dumps(index))
         tmp.replace(self.index_file)
 
-    def lookup(self, digest: str, user: str | None = None) -> str | None:
+    def lookup(self, digest: str, user: str | None = None, copies: int = 1) -> str | None:
         """The local image of this digest, if the cache has it (and it is still there); in
-        use by `user` (a task) from then on, until it calls release."""
+        use by `user` (a task) from then on, until it calls release; counted `copies` times
+        from then on if it counted fewer."""
         image = self.name(digest)
         with self._lock:
             index = self._index()
@@ -118,21 +120,26 @@ class ImageCache:
                 del index[digest]
                 self._save(index)
                 return None
-            index[digest]["used"] = time.time()
+            entry = index[digest]
+            entry["used"] = time.time()
+            counted = entry.get("copies", COPIES)  # (an index written before it said)
+            if counted < copies:
+                entry["mb"], entry["copies"] = entry["mb"] / counted * copies, copies
             self._save(index)
             if user is not None:
                 self._users.setdefault(image, set()).add(user)
         return image
 
-    def add(self, digest: str, image: str, user: str | None = None) -> None:
-        """Record an image now in the store under self.name(digest), in use by `user` if
-        given (until it calls release), then trim the cache."""
+    def add(self, digest: str, image: str, user: str | None = None, copies: int = 1) -> None:
+        """Record an image now in the store under self.name(digest), counted `copies` times,
+        in use by `user` if given (until it calls release), then trim the cache."""
         size = self.ops.image_size(image) or 0
         with self._lock:
             if user is not None:
                 self._users.setdefault(image, set()).add(user)
             index = self._index()
-            index[digest] = {"used": time.time(), "mb": COPIES * size / 1024**2}
+            index[digest] = {"used": time.time(), "mb": copies * size / 1024**2,
+                             "copies": copies}
             self._save(index)
         self.trim()
 
@@ -173,7 +180,7 @@ class ImageCache:
     def pull(self, registry: str, repository: str, digest: str, token: str | None, *,
              work: Path, limit_bytes: int, cancel: threading.Event | None,
              insecure: bool | None = None, log: LogFn | None = None,
-             user: str | None = None) -> str:
+             user: str | None = None, copies: int = 1) -> str:
         """Pull an image by digest, held to `limit_bytes` unpacked: its blobs land in an OCI
         folder under `work` first (skopeo checks each against its digest), each layer is
         counted as it would unpack, and only an image within the limit goes into the store.
@@ -183,7 +190,7 @@ class ImageCache:
         and the pull is made again in full. `token`: the coordinator's, for its registry
         (None: anonymous); `insecure`: plain HTTP (default: for a loopback address); `log`
         hears how much has come, every few seconds; `user`: the task the image is in use by
-        once stored (see lookup). Raises SandboxError for anything else."""
+        once stored (see lookup); `copies`: see add. Raises SandboxError for anything else."""
         image = self.name(digest)
         staged = work / "pulled"
         plain = _loopback(registry) if insecure is None else insecure
@@ -215,7 +222,7 @@ class ImageCache:
                             "them in full")
         finally:
             shutil.rmtree(staged, ignore_errors=True)
-        self.add(digest, image, user)
+        self.add(digest, image, user, copies)
         return image
 
     def held_layers(self) -> set[str]:
@@ -489,10 +496,10 @@ def _pull(cache: ImageCache, job: ImageJob, step: ImageStep) -> str:
     job.log(f"[campugrid] pulled image {step.digest} (built by machine {step.built_by}) "
             f"in {time.monotonic() - began:.1f} s")
     size = cache.ops.image_size(found) or 0
-    if size > cache.largest_bytes:
-        job.log(f"[campugrid] the image's {size // 1024**2} MB, counted {COPIES} times, are "
-                f"more than this machine's image cache holds ({cache.max_mb} MB, "
-                "--image-cache-mb): it is removed when this task ends")
+    if size > cache.largest_bytes():
+        job.log(f"[campugrid] the image's {size // 1024**2} MB are more than this machine's "
+                f"image cache holds ({cache.max_mb} MB, --image-cache-mb): it is removed when "
+                "this task ends")
     return found
 
 
