@@ -45,12 +45,18 @@ def three() -> Iterator[Platform]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def context(tmp_path: Path, mark: str) -> bytes:
+def context(tmp_path: Path, mark: str, more: str = "") -> bytes:
     ctx = tmp_path / mark
     ctx.mkdir()
     (ctx / "Dockerfile").write_text("FROM localhost/campugrid/python:bookworm\n"
-                                    f"RUN echo {mark} > /built.txt\n")
+                                    f"RUN echo {mark} > /built.txt\n{more}")
     return tar_folder(ctx)
+
+
+# A file on PyPI's file host, which never changes: Kaniko fetches an ADD's URL itself.
+WHEEL = ("https://files.pythonhosted.org/packages/31/b4/b9b800c45527aadd64d5b442f9b932b00648617"
+         "eb5d63d2c7a6587b7cafc/jmespath-1.0.1-py3-none-any.whl")
+WHEEL_SHA256 = "02e2e4cc71b5bcab88332eebf907519190dd9e6e82107fa7f83b1003a6252980"
 
 
 def image_events(api, job_id: str) -> list[str]:
@@ -133,12 +139,15 @@ def test_two_jobs_of_one_context_build_once_and_the_other_pulls(three, tmp_path)
                    for line in build_lines(api, puller)), build_lines(api, puller)
 
 
-def test_an_image_kaniko_built_is_pushed_and_another_machine_pulls_it(tmp_path):
+def test_an_image_kaniko_built_is_pushed_and_another_machine_pulls_it(tmp_path, monkeypatch):
     """A provider on the Kaniko builder (`agent run --builder kaniko`) builds a job's image
-    through the agent's whole path (its copy of the Dockerfile, the build network) and shares
-    it; another Kaniko machine that takes the second job of the same context pulls that build
-    by digest rather than building its own. (A Buildah machine builds its own: the builder is
-    one of a build's inputs, coordinator/images.py.)"""
+    through the agent's whole path (its copy of the Dockerfile, the build network: an ADD of
+    a URL fetched by Kaniko itself over TLS, trusting the authorities its executor image
+    holds, with no certificates of the operator's) and shares it; another Kaniko machine that
+    takes the second job of the same context pulls that build by digest rather than building
+    its own. (A Buildah machine builds its own: the builder is one of a build's inputs,
+    coordinator/images.py.)"""
+    monkeypatch.delenv("CAMPUGRID_BUILD_CA_FILE", raising=False)  # as on a provider's network
     root = Path(tempfile.mkdtemp(prefix="campugrid-kaniko-"))
     os.chmod(root, 0o711)
     p = Platform(root / "state", http_port=free_port(), lease_seconds=4.0,
@@ -147,7 +156,8 @@ def test_an_image_kaniko_built_is_pushed_and_another_machine_pulls_it(tmp_path):
         kaniko = ("--metrics-port", "0", "--builder", "kaniko")
         first = p.start_agent("kaniko-1", args=kaniko)
         with p.api() as api:
-            ctx = context(tmp_path, "by-kaniko")
+            ctx = context(tmp_path, "by-kaniko", f"ADD {WHEEL} /added.whl\n"
+                                                 "RUN echo \"$(cat /built.txt) $(sha256sum /added.whl)\" > /built.txt\n")
             spec = JobSpec.from_dict({"command": ["cat", "/built.txt"]})
             jobs = [api.submit(ctx, spec)["id"] for _ in range(2)]
             # The second job waits for the first one's build, on a machine that came later.
@@ -157,7 +167,8 @@ def test_an_image_kaniko_built_is_pushed_and_another_machine_pulls_it(tmp_path):
                 time.sleep(0.3)
             second = p.start_agent("kaniko-2", args=kaniko)
             finals = [api.wait(job, timeout_s=300, poll_s=0.3) for job in jobs]
-            assert [f["result"] for f in finals] == ["by-kaniko"] * 2, finals
+            assert [f["result"].split() for f in finals] == [
+                ["by-kaniko", WHEEL_SHA256, "/added.whl"]] * 2, finals
             assert finals[0]["machine_id"] == first.machine_id(), finals[0]
             assert finals[1]["machine_id"] == second.machine_id(), finals[1]
             [built] = [e for e in image_events(api, jobs[0]) if "built and pushed" in e]

@@ -3,7 +3,7 @@ image is present)."""
 
 from pathlib import Path
 
-from campugrid.builders.kaniko import container_config, service_argv
+from campugrid.builders.kaniko import EXECUTOR_CERTS, container_config, service_argv
 from campugrid.sandbox.podman_runsc import RUNSC_FLAGS
 
 
@@ -47,10 +47,14 @@ def test_online_the_executor_shares_the_services_namespace_and_gets_the_relay_as
     assert cfg["environment"]["https_proxy"] == "http://127.0.0.1:3128"
     assert "--build-arg=http_proxy=http://127.0.0.1:3128" in cfg["command"]
     assert cfg["volumes"]["/etc/ca.pem"] == {"bind": "/dev/campugrid-build-ca.pem", "mode": "ro"}
+    # and where Kaniko's own fetches (ADD's URLs) trust it, beside the executor image's own
+    assert cfg["mounts"] == [{"Type": "bind", "Source": "/etc/ca.pem", "ReadOnly": True,
+                              "Target": f"{EXECUTOR_CERTS}/extra-0.pem"}]
     writable = [host for host, v in cfg["volumes"].items() if v["mode"] == "rw"]
     assert writable == ["/slot/i"]
     flags = service_argv(Path("/b/api.sock"), online=True)[3:3 + len(RUNSC_FLAGS)]
     assert "network=host" in flags and "network=none" not in flags
     offline = container_config("kaniko:test", Path("/w/ctx"), Path("/w/b"), "t:1", Path("/s"))
     assert offline["network_mode"] == "none" and offline["environment"] == {}
+    assert offline["mounts"] == []
     assert not any(a.startswith("--build-arg") for a in offline["command"])

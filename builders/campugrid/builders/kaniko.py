@@ -48,8 +48,11 @@ from campugrid.sandbox.podman_runsc import RUNSC_FLAGS
 from campugrid.sandbox.process import LogFn
 
 # The executor image infra/kaniko.sh makes in a provider's store (chainguard-dev/kaniko, built
-# from its Go module at this version).
-EXECUTOR_IMAGE = "localhost/campugrid/kaniko-executor:v1.25.11"
+# from its Go module at this version; the image's own revision after it).
+EXECUTOR_IMAGE = "localhost/campugrid/kaniko-executor:v1.25.11-2"
+# Where the executor image keeps the certificates Kaniko trusts for its own fetches (its
+# SSL_CERT_DIR: the host's CA bundle, infra/kaniko.sh), and where a build's extra ones join them.
+EXECUTOR_CERTS = "/kaniko/ssl/certs"
 
 
 def service_argv(socket: Path, podman: str = "podman", runsc: str = "runsc", *,
@@ -108,10 +111,11 @@ def container_config(image: str, context_dir: Path, work: Path, tag: str, image_
                      volumes: Sequence[tuple[Path, str]] = ()) -> dict[str, Any]:
     """docker-py `containers.create` arguments for one build: the context and the build's
     own files (its pinned Dockerfile, its bases) read-only, as are `volumes` (extra
-    certificates, at the paths RUN steps find them); the image written to `image_dir` (which
-    RUN steps can write to as well: it is the only host folder they can). `online`: in the
-    service's own network namespace (the relay's loopback), the executor's own fetches (ADD's
-    URLs) through the relay too."""
+    certificates, at the paths RUN steps find them, and among those Kaniko trusts for its own
+    fetches, EXECUTOR_CERTS); the image written to `image_dir` (which RUN steps can write to as
+    well: it is the only host folder they can). `online`: in the service's own network
+    namespace (the relay's loopback), the executor's own fetches (ADD's URLs) through the
+    relay too."""
     return {
         "image": image,
         "command": executor_args(tag, online),
@@ -123,6 +127,9 @@ def container_config(image: str, context_dir: Path, work: Path, tag: str, image_
                     str(work / "bases"): {"bind": "/bases", "mode": "ro"},
                     **{str(host): {"bind": inside, "mode": "ro"} for host, inside in volumes},
                     str(image_dir): {"bind": "/image", "mode": "rw"}},
+        # The same files again, where Kaniko reads them (`volumes` can name a host path once)
+        "mounts": [{"Type": "bind", "Source": str(host), "Target": f"{EXECUTOR_CERTS}/extra-{n}.pem",
+                    "ReadOnly": True} for n, (host, _) in enumerate(volumes)],
         "detach": True,
         "labels": {"campugrid.build": tag},
     }
