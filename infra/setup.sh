@@ -9,7 +9,7 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 user=${CAMPUGRID_AGENT_USER:-campugrid}
 second_user=${CAMPUGRID_SECOND_AGENT_USER:-campugrid2}  # the tests' second worker's
 packages=(podman buildah crun runc uidmap slirp4netns fuse-overlayfs debootstrap skopeo docker-registry
-          apt-cacher-ng debian-archive-keyring
+          apt-cacher-ng debian-archive-keyring ca-certificates
           python3 python3-venv python3-dev gcc postgresql busybox-static iproute2 procps)
 # infra/test adds what only the tests need: the browser the console's tests drive.
 if [ "${CAMPUGRID_TEST_TOOLS:-}" = 1 ]; then
