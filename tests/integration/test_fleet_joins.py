@@ -150,6 +150,41 @@ def test_only_a_stream_signed_by_a_known_machine_waits_in_line(coordinator, tmp_
     assert waiting_after == 0
 
 
+def test_a_machine_holds_one_place_in_line_at_most(coordinator, tmp_path, monkeypatch):
+    """One machine's key cannot fill the line: a second stream it opens while its first waits
+    is turned away, though the line has room for another machine's."""
+    running, (first, second, third), signed = one_place(coordinator, tmp_path, monkeypatch, "abc")
+    monkeypatch.setattr(agent_calls.Admission, "FLOOR_PER_S", 1.0)
+    monkeypatch.setattr(agent_calls.Admission, "LINE_S", 2.0)  # a line of two
+
+    async def scenario() -> Closed:
+        a = link_of(running, first)
+        await a.open()  # taken, not ready: no room
+        b = link_of(running, second)
+        waits = [asyncio.ensure_future(b.open())]
+        while signed.waiting < 1:
+            await asyncio.sleep(0.02)
+        again = link_of(running, second)  # b's own key, a new nonce
+        with pytest.raises(Closed) as turned_away:
+            await asyncio.wait_for(again.open(), 5)
+        await again.close()
+        c = link_of(running, third)
+        waits.append(asyncio.ensure_future(c.open()))  # room in line for another machine
+        while signed.waiting < 2:
+            await asyncio.sleep(0.02)
+        await a.ready(OFFER)
+        await asyncio.wait_for(waits[0], 10)
+        await b.ready(OFFER)
+        await asyncio.wait_for(waits[1], 10)
+        for link in (a, b, c):
+            await link.close()
+        return turned_away.value
+
+    turned_away = run(scenario())
+    assert turned_away.code == grpc.StatusCode.RESOURCE_EXHAUSTED, turned_away
+    assert signed.waiting == 0 and not signed._in_line
+
+
 def test_a_machine_that_does_not_say_it_is_ready_holds_its_place_for_join_s_only(
         coordinator, tmp_path, monkeypatch):
     """One that never says so (slow, or keeping others out on purpose) stops counting as

@@ -81,13 +81,14 @@ def test_a_few_streams_taken_are_not_enough_to_trust_their_cost():
     assert admission.rate() == Admission.FLOOR_PER_S
 
 
-def test_the_line_holds_what_is_being_taken_in_line_s():
+def test_the_line_holds_what_is_being_taken_in_line_s_and_what_the_floor_takes_at_least():
     clock = Clock()
     admission = Admission(clock)
-    assert admission.line() == 0  # nothing taken lately: no line beyond MAX_OPENING's room
-    for _ in range(400):  # 200 a second over the window
+    least = int(Admission.FLOOR_PER_S * Admission.LINE_S)
+    assert admission.line() == least  # nothing taken yet (a start): what the floor takes
+    for _ in range(1200):  # 600 a second over the window
         admission.taken()
-        clock.now += 0.005
-    assert admission.line() == pytest.approx(200 * Admission.LINE_S, abs=1)
+        clock.now += 1 / 600
+    assert admission.line() == pytest.approx(600 * Admission.LINE_S, abs=1)
     clock.now += 3 * Admission.WINDOW_S
-    assert admission.line() == 0
+    assert admission.line() == least
