@@ -98,6 +98,11 @@ def gpus_json(offer: MachineView) -> str:
                        "gpus": [dataclasses.asdict(g) for g in offer.gpus]})
 
 
+def _speed(capabilities: Any) -> float:
+    """A machine's matmul score (GFLOP/s) as its stored capabilities say; 0 if they do not."""
+    return float(capabilities.get("speed_gflops") or 0.0) if isinstance(capabilities, dict) else 0.0
+
+
 def said_digest(capabilities_json: str, gpus_json: str) -> str:
     """Names what a heartbeat stored, to tell whether the next one says anything new."""
     return hashlib.sha256(f"{capabilities_json}\0{gpus_json}".encode()).hexdigest()
@@ -269,7 +274,7 @@ class Machines:
                                      if how == ENFORCED)
                 shares = caps.get("shares") or {}
                 out.append(MachineView(m.id, m.name, gpus, bool(snap.get("isolation")),
-                                       float(caps.get("speed_gflops") or 0.0), enforced,
+                                       _speed(caps), enforced,
                                        frozenset(shares) if isinstance(shares, dict) else frozenset(),
                                        str(caps.get("held") or ""),
                                        cpus=float(caps.get("cpus") or 0),
@@ -291,8 +296,7 @@ class Machines:
         out = {}
         with self.db.read() as s:
             for machine_id, caps_json in s.execute(query):
-                caps = json.loads(caps_json or "{}")
-                out[machine_id] = float(caps.get("speed_gflops") or 0.0) if isinstance(caps, dict) else 0.0
+                out[machine_id] = _speed(json.loads(caps_json or "{}"))
         return out
 
     def shared(self, within_s: float = 30) -> dict[str, dict[tuple[str, int, str], int]]:
